@@ -1,0 +1,277 @@
+"""One TOML file configures every role: typed sections, validated once at load, CLI overrides, a resolved copy.
+
+Sections: ``[run]`` (shared by all roles), ``[model]``, ``[broker]``, ``[worker]``, ``[learner]``, ``[eval]``,
+``[security]``. Every field documents its unit and range next to its type; ``loraflow config --reference``
+prints the table generated from these declarations. Values are validated at load by :mod:`common.schema`
+(wrong types, unknown keys and out-of-range values name the offending ``section.key``), then cross-field rules
+are checked in :func:`validate`.
+
+Overrides: ``--set section.key=value`` with a TOML value (``--set worker.temperature=0.7``,
+``--set learner.target_modules=["q_proj","v_proj"]``); a bare word that is not valid TOML is taken as a string.
+The resolved config is written into the run directory by :func:`write_resolved` so a run can be reproduced.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import tomllib
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from common.schema import SchemaError, build, dump, rule
+
+
+class ConfigError(ValueError):
+    """A config file or override is wrong; the message names the key and what to change."""
+
+
+@dataclass(slots=True, kw_only=True)
+class RunConfig:
+    name: str = rule("demo", max_len=128, doc="run name, used in logs and the default run directory")
+    run_dir: str = rule("", doc="where logs, metrics, checkpoints and adapters go; default runs/<name>")
+    seed: int = rule(0, ge=0, doc="seed for prompts, sampling and initialisation")
+    group_size: int = rule(8, ge=1, le=1024, doc="samples per prompt (a GRPO group; travels whole)")
+    groups_per_step: int = rule(16, ge=1, le=4096, doc="groups in one learner step")
+    max_staleness: int = rule(1, ge=0, le=1000,
+                              doc="versions a sample may lag the learner; 0 = synchronous on-policy")
+    num_steps: int = rule(0, ge=0, doc="learner steps before the run stops; 0 = until stopped")
+    max_duration_s: float = rule(0.0, ge=0, unit="s", doc="wall-time limit of `loraflow run`; 0 = none")
+    task: str = rule("arith", max_len=512,
+                     doc="built-in task name (arith, calculator) or a JSONL file of {prompt, answer}")
+    log_format: str = rule("console", choices=("console", "json"), doc="console for people, json for machines")
+    log_level: str = rule("info", choices=("debug", "info", "warning", "error"))
+
+
+@dataclass(slots=True, kw_only=True)
+class ModelConfig:
+    path: str = rule("builtin:tiny", doc="local HF model directory, or builtin:tiny (built offline, cached)")
+    cache_dir: str = rule("", doc="where builtin models are built; default ~/.cache/loraflow")
+    dtype: str = rule("float32", choices=("float32", "bfloat16", "float16"), doc="weights dtype for generation")
+    max_seq_len: int = rule(512, ge=8, le=1 << 20, unit="tokens", doc="prompt + completion limit")
+
+
+@dataclass(slots=True, kw_only=True)
+class BrokerConfig:
+    endpoint: str = rule("tcp://127.0.0.1:5555", doc="where clients connect")
+    bind: str = rule("", doc="where the broker binds (e.g. tcp://0.0.0.0:5555); default = endpoint")
+    endpoint_file: str = rule("", doc="the broker writes its bound endpoint here (useful with port 0)")
+    capacity_groups: int = rule(0, ge=0, doc="buffered + leased groups allowed; 0 = groups_per_step x (max_staleness + 1) + workers")
+    max_buffer_bytes: int = rule(1 << 30, ge=1 << 16, unit="bytes", doc="byte bound of buffered groups")
+    lease_timeout_s: float = rule(300.0, gt=0, unit="s", doc="a lease not returned by then goes back to the queue")
+    heartbeat_interval_s: float = rule(1.0, gt=0, le=60, unit="s")
+    heartbeat_misses: int = rule(5, ge=2, le=100, doc="missed heartbeats before a client is declared dead")
+    max_message_bytes: int = rule(256 << 20, ge=1 << 16, unit="bytes", doc="larger messages are refused")
+    max_workers: int = rule(4096, ge=1)
+    max_leases_per_worker: int = rule(64, ge=1)
+    num_adapters_kept: int = rule(4, ge=1, doc="newest adapter versions the broker keeps for fetches")
+    state_path: str = rule("", doc="persisted cursor/version file; default <run_dir>/broker/state.json")
+    prompt_limit: int = rule(0, ge=0, doc="prompts per epoch for generated tasks (0 = unbounded)")
+    num_epochs: int = rule(0, ge=0, doc="stop leasing after this many epochs; 0 = forever")
+    metrics_port: int = rule(0, ge=0, le=65535, doc="Prometheus /metrics port; 0 = off")
+
+
+@dataclass(slots=True, kw_only=True)
+class SimConfig:
+    tokens_per_s: float = rule(2000.0, gt=0, unit="tokens/s", doc="simulated decode speed per sample stream")
+    mean_tokens: float = rule(64.0, gt=0, unit="tokens", doc="mean completion length")
+    length_sigma: float = rule(1.0, ge=0, doc="lognormal sigma of completion length (0 = fixed length)")
+    max_tokens: int = rule(4096, ge=1, unit="tokens")
+    vocab_size: int = rule(256, ge=2)
+
+
+@dataclass(slots=True, kw_only=True)
+class VllmConfig:
+    max_loras: int = rule(0, ge=0, doc="adapters resident in the engine; 0 = max_staleness + 2")
+    kv_cache_gib: float = rule(1.0, gt=0, unit="GiB", doc="CPU KV cache (VLLM_CPU_KVCACHE_SPACE)")
+    gpu_memory_utilization: float = rule(0.85, gt=0, le=1)
+    max_num_seqs: int = rule(64, ge=1)
+    enforce_eager: bool = rule(True)
+
+
+@dataclass(slots=True, kw_only=True)
+class WorkerConfig:
+    id: str = rule("", max_len=128, doc="worker id; default <host>-<pid>")
+    backend: str = rule("hf", choices=("hf", "vllm", "sim"))
+    device: str = rule("auto", doc="auto, cpu, cuda, cuda:N")
+    num_threads: int = rule(0, ge=0, doc="torch CPU threads; 0 = torch default")
+    capacity: int = rule(1, ge=1, le=1024, doc="leases (groups) generated concurrently")
+    temperature: float = rule(1.0, gt=0, le=10)
+    top_p: float = rule(1.0, gt=0, le=1)
+    max_new_tokens: int = rule(16, ge=1, unit="tokens", doc="per turn")
+    chunk_tokens: int = rule(16, ge=1, unit="tokens", doc="decode chunk; adapter swaps happen between chunks")
+    partial_policy: str = rule("continue", choices=("finish", "continue", "abort"),
+                               doc="what a new adapter does to a generation in progress")
+    env: str = rule("", doc="environment: empty = the run's task, or package.module:Name")
+    reward: str = rule("", doc="reward function override: package.module:function")
+    reward_timeout_s: float = rule(10.0, gt=0, unit="s")
+    max_turns: int = rule(4, ge=1, doc="multi-turn environments: model turns per episode")
+    adapter_dir: str = rule("", doc="where received adapters are written; default <run_dir>/workers/<id>/adapters")
+    metrics_port: int = rule(0, ge=0, le=65535)
+    sim: SimConfig = field(default_factory=SimConfig)
+    vllm: VllmConfig = field(default_factory=VllmConfig)
+
+
+@dataclass(slots=True, kw_only=True)
+class LearnerConfig:
+    device: str = rule("auto", doc="auto, cpu, cuda")
+    num_threads: int = rule(0, ge=0, doc="torch CPU threads per rank; 0 = torch default")
+    lr: float = rule(1e-3, gt=0, le=1)
+    weight_decay: float = rule(0.0, ge=0)
+    grad_clip: float = rule(1.0, ge=0, doc="max grad norm; 0 = off")
+    warmup_steps: int = rule(0, ge=0)
+    lora_rank: int = rule(16, ge=1, le=1024)
+    lora_alpha: float = rule(32.0, gt=0)
+    lora_dropout: float = rule(0.0, ge=0, le=0.9)
+    target_modules: list[str] = rule(default_factory=lambda: ["q_proj", "k_proj", "v_proj", "o_proj",
+                                                               "gate_proj", "up_proj", "down_proj"])
+    clip_eps: float = rule(0.2, gt=0, le=10, doc="PPO clip range (lower)")
+    clip_eps_high: float = rule(0.0, ge=0, le=10, doc="PPO clip range (upper); 0 = clip_eps")
+    off_policy: str = rule("tis", choices=("none", "tis", "mask"),
+                           doc="stale-sample correction: none, truncated IS (token), ratio-band mask")
+    tis_cap: float = rule(2.0, gt=0, doc="truncated importance-sampling weight cap")
+    mask_low: float = rule(0.5, gt=0, doc="mask: drop tokens whose IS ratio is below this")
+    mask_high: float = rule(2.0, gt=0, doc="mask: drop tokens whose IS ratio is above this")
+    kl_beta: float = rule(0.0, ge=0, doc="KL penalty to the base model (adapter disabled); 0 = off")
+    scale_by_std: bool = rule(True, doc="divide group advantages by the group std")
+    micro_batch_tokens: int = rule(8192, ge=16, unit="tokens", doc="token budget of one micro-batch")
+    mixed_precision: str = rule("auto", choices=("auto", "fp32", "bf16"))
+    publish_every: int = rule(1, ge=1, unit="steps", doc="publish an adapter version every k steps")
+    save_adapter_every: int = rule(10, ge=0, unit="versions", doc="write a PEFT dir every N versions; 0 = only at the end")
+    checkpoint_every: int = rule(20, ge=0, unit="steps", doc="DCP checkpoint interval; 0 = off")
+    keep_checkpoints: int = rule(2, ge=1)
+    batch_wait_ms: int = rule(1000, ge=1, le=600_000, unit="ms", doc="long-poll for one batch request")
+    resume: bool = rule(True, doc="continue from the newest complete checkpoint if there is one")
+    metrics_port: int = rule(0, ge=0, le=65535)
+
+
+@dataclass(slots=True, kw_only=True)
+class EvalConfig:
+    num_prompts: int = rule(200, ge=0, doc="held-out prompts for greedy accuracy; 0 = no evaluation")
+    every_s: float = rule(30.0, ge=0, unit="s", doc="measure held-out accuracy this often during a run; 0 = ends only")
+    target_accuracy: float = rule(0.8, ge=0, le=1)
+
+
+@dataclass(slots=True, kw_only=True)
+class SecurityConfig:
+    enabled: bool = rule(False, doc="CURVE authentication and encryption on every socket")
+    keys_dir: str = rule("", doc="directory made by `loraflow keys`")
+    client_key: str = rule("", doc="name of this client's key pair in keys_dir (e.g. worker, learner)")
+
+
+@dataclass(slots=True, kw_only=True)
+class Config:
+    run: RunConfig = field(default_factory=RunConfig)
+    model: ModelConfig = field(default_factory=ModelConfig)
+    broker: BrokerConfig = field(default_factory=BrokerConfig)
+    worker: WorkerConfig = field(default_factory=WorkerConfig)
+    learner: LearnerConfig = field(default_factory=LearnerConfig)
+    eval: EvalConfig = field(default_factory=EvalConfig)
+    security: SecurityConfig = field(default_factory=SecurityConfig)
+
+    @property
+    def run_dir(self) -> Path:
+        return Path(self.run.run_dir or f"runs/{self.run.name}")
+
+    @property
+    def bind_endpoint(self) -> str:
+        return self.broker.bind or self.broker.endpoint
+
+    @property
+    def capacity_groups(self) -> int:
+        """Buffered + leased groups the broker allows at once."""
+        if self.broker.capacity_groups:
+            return self.broker.capacity_groups
+        return self.run.groups_per_step * (self.run.max_staleness + 1)
+
+
+def load_config(path: str | os.PathLike | None = None, overrides: list[str] | tuple[str, ...] = ()) -> Config:
+    """Read a TOML file (or defaults), apply ``section.key=value`` overrides, validate; raises ConfigError."""
+    raw: dict[str, Any] = {}
+    if path is not None:
+        try:
+            with open(path, "rb") as f:
+                raw = tomllib.load(f)
+        except FileNotFoundError:
+            raise ConfigError(f"config file {path} does not exist") from None
+        except tomllib.TOMLDecodeError as exc:
+            raise ConfigError(f"{path}: not valid TOML: {exc}") from None
+    for override in overrides:
+        apply_override(raw, override)
+    try:
+        config = build(Config, raw, "config")
+    except SchemaError as exc:
+        where = f"{path}: " if path else ""
+        raise ConfigError(f"{where}{str(exc).removeprefix('config.')}") from None
+    validate(config)
+    return config
+
+
+def apply_override(raw: dict[str, Any], override: str) -> None:
+    """Set ``section.key=value`` (value in TOML syntax, or a bare string) in a raw config mapping."""
+    key, sep, text = override.partition("=")
+    parts = key.strip().split(".")
+    if not sep or len(parts) < 2 or not all(parts):
+        raise ConfigError(f"override {override!r} must look like section.key=value (e.g. worker.temperature=0.7)")
+    try:
+        value = tomllib.loads(f"v = {text.strip()}")["v"]
+    except tomllib.TOMLDecodeError:
+        value = text.strip()
+    node = raw
+    for part in parts[:-1]:
+        node = node.setdefault(part, {})
+        if not isinstance(node, dict):
+            raise ConfigError(f"override {override!r}: {part} is not a section")
+    node[parts[-1]] = value
+
+
+def validate(config: Config) -> None:
+    """Rules that span fields; each message says which keys to change."""
+    run, learner = config.run, config.learner
+    if config.broker.capacity_groups and config.broker.capacity_groups < run.groups_per_step:
+        raise ConfigError(f"broker.capacity_groups ({config.broker.capacity_groups}) must be >= run.groups_per_step "
+                          f"({run.groups_per_step}), or the learner could never get a full batch")
+    if learner.mask_low >= learner.mask_high:
+        raise ConfigError(f"learner.mask_low ({learner.mask_low}) must be < learner.mask_high ({learner.mask_high})")
+    if learner.tis_cap < 1:
+        raise ConfigError(f"learner.tis_cap ({learner.tis_cap}) must be >= 1 (a cap below 1 shrinks fresh samples)")
+    for name, endpoint in (("broker.endpoint", config.broker.endpoint), ("broker.bind", config.broker.bind)):
+        if endpoint and not endpoint.startswith(("tcp://", "ipc://", "inproc://")):
+            raise ConfigError(f"{name} ({endpoint!r}) must start with tcp://, ipc:// or inproc://")
+    if config.security.enabled and not config.security.keys_dir:
+        raise ConfigError("security.enabled needs security.keys_dir (make one with `loraflow keys`)")
+
+
+def to_toml(config: Config) -> str:
+    """The config as TOML text (the resolved copy written into a run directory)."""
+    lines: list[str] = []
+
+    def emit(table: dict[str, Any], prefix: str) -> None:
+        scalars = {k: v for k, v in table.items() if not isinstance(v, dict)}
+        tables = {k: v for k, v in table.items() if isinstance(v, dict)}
+        if prefix:
+            lines.append(f"[{prefix}]")
+        lines.extend(f"{k} = {json.dumps(v)}" for k, v in scalars.items())
+        if prefix:
+            lines.append("")
+        for k, v in tables.items():
+            emit(v, f"{prefix}.{k}" if prefix else k)
+
+    emit(dump(config), "")
+    return "\n".join(lines)
+
+
+def write_resolved(config: Config, path: str | os.PathLike) -> None:
+    """Write the resolved config atomically (temp file + rename)."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_suffix(".tmp")
+    tmp.write_text(to_toml(config))
+    os.replace(tmp, path)
+
+
+def replace(config: Config, **sections: Any) -> Config:
+    """A copy of the config with whole sections replaced (``replace(c, run=dataclasses.replace(c.run, ...))``)."""
+    return dataclasses.replace(config, **sections)

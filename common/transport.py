@@ -1,0 +1,263 @@
+"""A client's connection to the broker, kept alive by a background I/O thread.
+
+Workers, the learner's rank 0, benchmarks and test clients all talk to the broker through a
+:class:`BrokerLink`::
+
+     caller threads                 I/O thread (owns the DEALER socket)                broker
+    ---------------   inproc PAIR  ------------------------------------------   tcp   --------
+     link.send(m)  ---------------> forward frames (copy=False)          ---------->  ROUTER
+     link.recv()   <--- queue ----- decode + validate every message      <----------
+                                    heartbeat every interval (state, version, counters)
+                                    broker silent past the timeout -> hello again
+                                    Welcome with a new broker_id -> Reconnected event
+
+What the I/O thread waits for: the DEALER socket, the inproc pipe from callers, and the next heartbeat
+deadline, in one ``zmq.Poller``. zmq reconnects TCP by itself; the thread only has to notice that the broker
+process is a new one (a different ``broker_id`` in its Welcome, or a ``not_registered`` Error) and say hello
+again. The caller then gets a :class:`Reconnected` item from :meth:`BrokerLink.recv` and re-sends whatever the
+old broker had not acknowledged (the broker deduplicates).
+
+Heartbeats run independently of the caller, so a long generation or training step never looks like a dead
+client. Heartbeat pongs are consumed here and only update :attr:`BrokerLink.latest_version`.
+"""
+
+from __future__ import annotations
+
+import collections
+import itertools
+import os
+import queue
+import socket
+import threading
+import time
+import uuid
+from collections.abc import Iterable
+from dataclasses import dataclass
+from typing import Any
+
+import zmq
+
+from common import protocol, sockets
+from common.framing import Envelope
+from common.logging import get_logger
+from common.protocol import Error, Heartbeat, Hello, Kind, ProtocolError, Welcome
+
+log = get_logger("transport")
+_link_ids = itertools.count()
+
+
+class BrokerUnavailable(TimeoutError):
+    """The broker did not answer in time; the message names the setting to raise."""
+
+
+@dataclass(slots=True)
+class Incoming:
+    """A message from the broker: the typed record and its envelope (tensor specs and frames)."""
+
+    record: Any
+    envelope: Envelope
+
+    @property
+    def kind(self) -> Kind:
+        return Kind(self.envelope.kind)
+
+
+@dataclass(slots=True)
+class Reconnected:
+    """The broker restarted (or forgot us); re-send anything it has not acknowledged."""
+
+    welcome: Welcome
+
+
+class BrokerLink:
+    """A DEALER connection to the broker with hello, heartbeats and reconnects handled in the background."""
+
+    def __init__(self, endpoint: str, hello: Hello, *, ctx: zmq.Context | None = None, security: Any = None,
+                 heartbeat_interval_s: float = 1.0, heartbeat_timeout_s: float = 5.0,
+                 max_message_bytes: int = 1 << 31) -> None:
+        if not hello.session:
+            hello.session = uuid.uuid4().hex[:12]
+        hello.host = hello.host or socket.gethostname()
+        hello.pid = hello.pid or os.getpid()
+        self.endpoint = endpoint
+        self.hello = hello
+        self.welcome: Welcome | None = None
+        self.latest_version = 0
+        self.heartbeat = Heartbeat(adapter_version=hello.adapter_version, state="starting")
+        self.num_decode_errors = 0
+        self.num_reconnects = 0
+        self._ctx = ctx or zmq.Context.instance()
+        self._security = security
+        self._interval_s = heartbeat_interval_s
+        self._timeout_s = heartbeat_timeout_s
+        self._max_bytes = max_message_bytes
+        self._inbox: queue.Queue[Incoming | Reconnected] = queue.Queue()
+        self._held: collections.deque[Incoming | Reconnected] = collections.deque()
+        self._welcomed = threading.Event()
+        self._stop = threading.Event()
+        self._send_lock = threading.Lock()
+        pipe_name = f"inproc://broker-link-{os.getpid()}-{next(_link_ids)}"
+        self._pipe_io = self._ctx.socket(zmq.PAIR)
+        self._pipe_io.bind(pipe_name)
+        self._pipe = self._ctx.socket(zmq.PAIR)
+        self._pipe.connect(pipe_name)
+        self._thread = threading.Thread(target=self._run, name=f"broker-link-{hello.client_id}", daemon=True)
+
+    # -- caller side -----------------------------------------------------------------------------------------
+
+    def start(self, timeout_s: float = 30.0) -> Welcome:
+        """Connect, say hello and wait for the Welcome."""
+        self._thread.start()
+        if not self._welcomed.wait(timeout_s):
+            self.close(send_bye=False)
+            raise BrokerUnavailable(f"no Welcome from the broker at {self.endpoint} within {timeout_s:.0f} s; "
+                                    "is it running and is broker.endpoint right? (raise the connect timeout "
+                                    "if it is just slow to start)")
+        assert self.welcome is not None
+        return self.welcome
+
+    def send(self, message: Any, tensors: Iterable[tuple[str, Any]] = ()) -> None:
+        """Queue a message for the broker (thread-safe; tensors are sent zero-copy, do not mutate them)."""
+        self.send_frames(protocol.encode(message, list(tensors)))
+
+    def send_frames(self, frames: list[Any]) -> None:
+        with self._send_lock:
+            self._pipe.send_multipart(frames, copy=False)
+
+    def recv(self, timeout_s: float | None = None, kinds: Iterable[Kind] | None = None) -> Incoming | Reconnected | None:
+        """The next message (or Reconnected); with ``kinds``, others are held back for later calls."""
+        wanted = None if kinds is None else {int(k) for k in kinds}
+
+        def matches(item: Incoming | Reconnected) -> bool:
+            return wanted is None or isinstance(item, Reconnected) or item.envelope.kind in wanted
+
+        for item in list(self._held):
+            if matches(item):
+                self._held.remove(item)
+                return item
+        deadline = None if timeout_s is None else time.monotonic() + timeout_s
+        while True:
+            remaining = None if deadline is None else max(0.0, deadline - time.monotonic())
+            try:
+                item = self._inbox.get(timeout=remaining)
+            except queue.Empty:
+                return None
+            if matches(item):
+                return item
+            self._held.append(item)
+
+    def set_state(self, state: str | None = None, *, adapter_version: int | None = None,
+                  num_leases: int | None = None, **counters: Any) -> None:
+        """What the next heartbeat reports (state, adapter version, counters shown by `loraflow status`)."""
+        if state is not None:
+            self.heartbeat.state = state
+        if adapter_version is not None:
+            self.heartbeat.adapter_version = adapter_version
+        if num_leases is not None:
+            self.heartbeat.num_leases = num_leases
+        if counters:
+            self.heartbeat.counters = {**self.heartbeat.counters, **counters}
+
+    def close(self, reason: str = "", send_bye: bool = True) -> None:
+        """Say goodbye (optionally), stop the I/O thread and close the sockets."""
+        if self._thread.is_alive():
+            if send_bye:
+                self.send(protocol.Bye(reason=reason))
+            with self._send_lock:
+                self._pipe.send_multipart([b""])  # an empty frame tells the I/O thread to stop
+            self._thread.join(timeout=5)
+        self._pipe.close(linger=0)
+        self._pipe_io.close(linger=0)
+
+    # -- I/O thread ------------------------------------------------------------------------------------------
+
+    def _run(self) -> None:
+        dealer = sockets.dealer_socket(self._ctx, self.endpoint, identity=self._identity(), security=self._security)
+        poller = zmq.Poller()
+        poller.register(dealer, zmq.POLLIN)
+        poller.register(self._pipe_io, zmq.POLLIN)
+        now = time.monotonic()
+        last_heard = last_hello = now
+        next_beat = now + self._interval_s
+        dealer.send_multipart(protocol.encode(self.hello))
+        try:
+            while True:
+                timeout_ms = max(0, int((next_beat - time.monotonic()) * 1000))
+                events = dict(poller.poll(timeout_ms))
+                if self._pipe_io in events:
+                    frames = self._pipe_io.recv_multipart(copy=False)
+                    if len(frames) == 1 and len(frames[0]) == 0:
+                        break
+                    dealer.send_multipart(frames, copy=False)
+                if dealer in events:
+                    last_heard = time.monotonic()
+                    while True:
+                        try:
+                            frames = dealer.recv_multipart(zmq.NOBLOCK, copy=False)
+                        except zmq.Again:
+                            break
+                        if self._handle(frames):
+                            dealer.send_multipart(protocol.encode(self.hello))
+                            last_hello = time.monotonic()
+                now = time.monotonic()
+                if now >= next_beat:
+                    if self._welcomed.is_set():
+                        dealer.send_multipart(protocol.encode(self.heartbeat))
+                    next_beat = now + self._interval_s
+                silent_s = now - last_heard
+                if silent_s > self._timeout_s and now - last_hello > self._timeout_s:
+                    log.warning("broker_silent", silent_s=round(silent_s, 1), endpoint=self.endpoint)
+                    dealer.send_multipart(protocol.encode(self.hello))
+                    last_hello = now
+        finally:
+            dealer.close(linger=sockets.LINGER_MS)
+
+    def _identity(self) -> bytes:
+        return f"{self.hello.role}/{self.hello.client_id}".encode()[:255]
+
+    def _handle(self, frames: list[Any]) -> bool:
+        """Route one message from the broker; returns True when a hello must be sent again."""
+        try:
+            record, envelope = protocol.decode(frames, self._max_bytes)
+        except ProtocolError as exc:
+            self.num_decode_errors += 1
+            log.warning("bad_message_from_broker", error=str(exc))
+            return False
+        if isinstance(record, Welcome):
+            previous = self.welcome
+            self.welcome = record
+            self.latest_version = max(self.latest_version, record.latest_version)
+            if previous is not None and previous.broker_id != record.broker_id:
+                self.num_reconnects += 1
+                log.info("broker_restarted", broker_id=record.broker_id)
+                self._inbox.put(Reconnected(record))
+            self._welcomed.set()
+            return False
+        if isinstance(record, Heartbeat):
+            self.latest_version = max(self.latest_version, record.latest_version)
+            return False
+        if isinstance(record, Error) and record.code == "not_registered":
+            return True
+        self._inbox.put(Incoming(record, envelope))
+        return False
+
+
+def fetch_stats(endpoint: str, *, timeout_s: float = 5.0, ctx: zmq.Context | None = None,
+                security: Any = None) -> dict[str, Any]:
+    """One StatsRequest to the broker without registering; returns the snapshot or raises BrokerUnavailable."""
+    ctx = ctx or zmq.Context.instance()
+    sock = sockets.dealer_socket(ctx, endpoint, identity=f"observer/{uuid.uuid4().hex[:8]}".encode(),
+                                 security=security)
+    try:
+        sock.send_multipart(protocol.encode(protocol.StatsRequest()))
+        if not sock.poll(int(timeout_s * 1000)):
+            raise BrokerUnavailable(f"no stats from the broker at {endpoint} within {timeout_s:.0f} s "
+                                    "(is it running? raise --timeout if it is busy)")
+        record, _ = protocol.decode(sock.recv_multipart(copy=False))
+        if isinstance(record, Error):
+            raise ProtocolError(f"broker refused the stats request: {record.message}", code=record.code)
+        if not isinstance(record, protocol.Stats):
+            raise ProtocolError(f"expected Stats, got {type(record).__name__}")
+        return record.snapshot
+    finally:
+        sock.close(linger=0)

@@ -1,0 +1,39 @@
+"""Policy versions and staleness: the arithmetic every role must agree on.
+
+- A policy version is an int; v0 is the base model with a zero adapter. Each adapter the learner publishes
+  is the previous version + 1.
+- Every generated token carries the version that produced it; a group's ``min_version`` is its oldest.
+- Staleness of a group when trained = learner version at train time - the group's oldest token version.
+- ``max_staleness`` bounds it. The broker leases only to workers whose adapter is recent enough that what they
+  generate can still be trained, admits no more groups than the learner can consume within the bound (AReaL's
+  rule), and drops buffered groups that aged past it; the learner checks again before training.
+"""
+
+from __future__ import annotations
+
+
+def staleness(learner_version: int, oldest_token_version: int) -> int:
+    """Versions between the policy that generated the oldest token and the one being trained."""
+    return learner_version - oldest_token_version
+
+
+def is_too_stale(learner_version: int, oldest_token_version: int, max_staleness: int) -> bool:
+    return staleness(learner_version, oldest_token_version) > max_staleness
+
+
+def worker_may_generate(worker_version: int, learner_version: int, max_staleness: int) -> bool:
+    """A worker may start a group only if its adapter is within the bound of the learner's newest version."""
+    return not is_too_stale(learner_version, worker_version, max_staleness)
+
+
+def admission_limit(learner_version: int, max_staleness: int, groups_per_step: int, num_trained_groups: int = 0,
+                    base_version: int = 0) -> int:
+    """Groups that may be started (leased, buffered) now without any of them outliving the staleness bound.
+
+    Groups started before the learner reaches version v + max_staleness + 1 are all trained by then only if no
+    more than (max_staleness + 1 + steps done) x groups_per_step were ever started. ``num_trained_groups``
+    counts groups already trained; ``base_version`` is the version counting started from (a resumed run).
+    Returns how many groups may be in flight (leased + buffered + in training) at most.
+    """
+    steps_done = learner_version - base_version
+    return max(0, (max_staleness + 1 + steps_done) * groups_per_step - num_trained_groups)

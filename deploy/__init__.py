@@ -1,0 +1,1 @@
+"""How loraflow's processes start: the `loraflow` command, the local launcher, systemd units, example configs."""

@@ -1,0 +1,59 @@
+"""The ``loraflow`` command: one dispatcher, each subcommand imported only when it runs.
+
+    loraflow broker  [config.toml] [...]   the broker (rollout buffer, leases, adapter relay)
+    loraflow worker  [config.toml] [...]   one rollout worker (hf, vllm or sim backend)
+    loraflow learner [config.toml] [...]   the learner (use torchrun for several ranks)
+    loraflow run     [config.toml] [...]   broker + workers + learner on this machine, supervised
+    loraflow status  [config.toml] [...]   the live picture of a running broker
+    loraflow keys    DIR [...]             CURVE key pairs for secure multi-machine runs
+    loraflow config  [config.toml] [...]   print the resolved config or the configuration reference
+
+A role is imported only for its own subcommand, so ``loraflow status`` starts in a fraction of a second and
+the broker never imports torch.
+"""
+
+from __future__ import annotations
+
+import importlib
+import sys
+
+SUBCOMMANDS = {
+    "broker": ("broker.main", "the broker: rollout buffer, prompt leases, adapter relay"),
+    "worker": ("rollout_worker.main", "one rollout worker"),
+    "learner": ("learner.main", "the learner (LoRA on FSDP2; run under torchrun for several ranks)"),
+    "run": ("deploy.launcher", "a complete local run: broker, workers and learner, supervised"),
+    "status": ("deploy.status", "the live picture of a running broker"),
+    "keys": ("deploy.keys", "generate CURVE key pairs"),
+    "config": ("deploy.config_cmd", "print the resolved config or the configuration reference"),
+}
+
+
+def usage() -> str:
+    lines = ["usage: loraflow <command> [args]", "", "commands:"]
+    lines += [f"  {name:<9}{text}" for name, (_, text) in SUBCOMMANDS.items()]
+    lines += ["", "`loraflow <command> --help` shows each command's options."]
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if not argv or argv[0] in ("-h", "--help", "help"):
+        print(usage())
+        return 0
+    name, rest = argv[0], argv[1:]
+    if name not in SUBCOMMANDS:
+        print(f"loraflow: unknown command {name!r}\n\n{usage()}", file=sys.stderr)
+        return 2
+    module_name = SUBCOMMANDS[name][0]
+    try:
+        module = importlib.import_module(module_name)
+    except ModuleNotFoundError as exc:
+        if exc.name and module_name.startswith(exc.name):
+            print(f"loraflow {name}: not available in this installation ({exc})", file=sys.stderr)
+            return 2
+        raise
+    return int(module.main(rest) or 0)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
