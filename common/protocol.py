@@ -289,6 +289,9 @@ class BatchAck:
     batch_id: str = rule(max_len=MAX_ID_LEN)
     step: int = rule(ge=0)
     trained_version: int = rule(ge=0, doc="policy version of the parameters the step updated")
+    group_ids: list[str] = rule(default_factory=list, max_len=MAX_BATCH_GROUPS,
+                                doc="the groups trained (lets a restarted broker recognise a batch it never served)")
+    checkpoint_version: int = rule(0, ge=0, doc="newest version covered by a durable learner checkpoint")
 
 
 @dataclass(slots=True, kw_only=True)

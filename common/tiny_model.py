@@ -79,3 +79,41 @@ def build_tiny_model(directory: str | os.PathLike, *, seed: int = 0, shape: Tiny
     model.save_pretrained(str(directory), safe_serialization=True)
     (directory / "loraflow_model.json").write_text(json.dumps({"kind": "tiny", "seed": seed}))
     return directory
+
+
+def default_cache_dir() -> Path:
+    return Path(os.environ.get("LORAFLOW_CACHE", Path.home() / ".cache" / "loraflow"))
+
+
+def resolve_model(path: str, cache_dir: str = "") -> Path:
+    """A model directory for ``model.path``: ``builtin:tiny`` is built once (atomically) into the cache."""
+    if path != "builtin:tiny":
+        if path.startswith("builtin:"):
+            raise ValueError(f"model.path {path!r}: only builtin:tiny is built here; builtin:demo is prepared "
+                             "by `loraflow run` (or pass a model directory)")
+        if not (Path(path) / "config.json").is_file():
+            raise ValueError(f"model.path {path!r} is not a Hugging Face model directory (no config.json)")
+        return Path(path)
+    target = Path(cache_dir or default_cache_dir()) / "tiny"
+    if not (target / "config.json").is_file():
+        import shutil
+        import tempfile
+
+        target.parent.mkdir(parents=True, exist_ok=True)
+        tmp = Path(tempfile.mkdtemp(prefix="tiny-", dir=target.parent))
+        build_tiny_model(tmp)
+        try:
+            os.rename(tmp, target)
+        except OSError:  # another process finished first
+            shutil.rmtree(tmp, ignore_errors=True)
+    return target
+
+
+def model_vocab_size(directory: str | os.PathLike) -> int:
+    """``vocab_size`` from a model directory's config.json without importing torch; 0 if unknown."""
+    try:
+        config = json.loads((Path(directory) / "config.json").read_text())
+    except (OSError, ValueError):
+        return 0
+    size = config.get("vocab_size") or config.get("text_config", {}).get("vocab_size", 0)
+    return int(size) if isinstance(size, int) else 0
