@@ -8,6 +8,7 @@ awaited and shows the logs.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import subprocess
@@ -96,10 +97,8 @@ class Processes:
     def cleanup(self) -> None:
         for proc in self.procs:
             if proc.alive():
-                try:
+                with contextlib.suppress(ProcessLookupError):
                     os.killpg(proc.pid, signal.SIGKILL)
-                except ProcessLookupError:
-                    pass
                 proc.popen.wait(timeout=10)
 
 
