@@ -204,7 +204,8 @@ def load_config(path: str | os.PathLike | None = None, overrides: list[str] | tu
         config = build(Config, raw, "config")
     except SchemaError as exc:
         where = f"{path}: " if path else ""
-        raise ConfigError(f"{where}{str(exc).removeprefix('config.')}") from None
+        text = str(exc).removeprefix("config.").replace("config: unknown field(s)", "unknown section(s)")
+        raise ConfigError(f"{where}{text}") from None
     validate(config)
     return config
 

@@ -120,11 +120,11 @@ def pack_raw(kind: int, version: int, header: dict[str, Any], specs: Sequence[Te
 def wire_array(array: Any) -> tuple[str, tuple[int, ...], memoryview]:
     """(dtype name, shape, byte view) of a numpy array or torch tensor, without copying contiguous data."""
     if isinstance(array, np.ndarray):
-        contiguous = np.ascontiguousarray(array)
-        dtype = contiguous.dtype.name
+        dtype = array.dtype.name
         if dtype not in DTYPE_SIZES:
             raise FramingError(f"dtype {dtype} cannot travel on the wire; allowed: {sorted(DTYPE_SIZES)}")
-        return dtype, tuple(contiguous.shape), memoryview(contiguous.reshape(-1).view(np.uint8))
+        contiguous = np.require(array, requirements="C")  # (np.ascontiguousarray would turn 0-d into 1-d)
+        return dtype, tuple(array.shape), memoryview(contiguous.reshape(-1).view(np.uint8))
     torch = sys.modules.get("torch")
     if torch is not None and isinstance(array, torch.Tensor):
         dtype = str(array.dtype).removeprefix("torch.")

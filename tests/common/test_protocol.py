@@ -1,0 +1,237 @@
+"""protocol: every record round-trips; bad fields, layouts and values are refused with the field named."""
+
+from __future__ import annotations
+
+import contextlib
+import math
+
+import msgpack
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from common import framing, protocol
+from common.protocol import (
+    PROTOCOL_VERSION,
+    Batch,
+    BatchEntry,
+    Kind,
+    ProtocolError,
+    RolloutGroup,
+)
+
+
+def make_group(n: int = 2, prompt_len: int = 3, completion_lens: tuple[int, ...] = (2, 1), **overrides):
+    group = RolloutGroup(group_id="0:7", lease_id="L1", worker_id="w1", prompt_lens=[prompt_len] * n,
+                         completion_lens=list(completion_lens), rewards=[1.0] * n, finish_reasons=["stop"] * n,
+                         min_version=0, max_version=1)
+    for key, value in overrides.items():
+        setattr(group, key, value)
+    total = sum(completion_lens)
+    tensors = {
+        "prompt_ids": np.arange(n * prompt_len, dtype=np.int32) % 10,
+        "completion_ids": np.arange(total, dtype=np.int32) % 10,
+        "logprobs": -np.linspace(0.1, 1.0, total).astype(np.float32),
+        "versions": np.array([0] + [1] * (total - 1), dtype=np.int32),
+        "loss_mask": np.ones(total, dtype=np.uint8),
+    }
+    return group, tensors
+
+
+SAMPLES = [
+    protocol.Hello(role="worker", client_id="w1", backend="hf", capacity=2, adapter_version=3, session="abc"),
+    protocol.Welcome(broker_id="b", latest_version=4, group_size=8, groups_per_step=16, max_staleness=1,
+                     heartbeat_interval_s=1.0, heartbeat_timeout_s=5.0, lease_timeout_s=60.0,
+                     max_message_bytes=1 << 20, vocab_size=259),
+    protocol.Heartbeat(adapter_version=2, state="generating", num_leases=1, counters={"tokens": 10}),
+    protocol.Error(code="malformed", message="bad", ref_kind=20, ref_id="x"),
+    protocol.Bye(reason="sigterm"),
+    protocol.LeaseRequest(max_leases=2, adapter_version=1, wait_ms=500),
+    protocol.LeaseGrant(leases=[protocol.PromptLease(lease_id="L", group_id="0:1", prompt_index=1, epoch=0, task="arith",
+                                                     prompt="1+2=", answer="3", group_size=8, deadline_s=30.0)],
+                        latest_version=2),
+    protocol.LeaseReturn(lease_ids=["L"], reason="sigterm"),
+    protocol.Ack(ref_kind=int(Kind.ROLLOUT_GROUP), ref_id="0:1", status="duplicate"),
+    protocol.AdapterNotice(version=3, num_bytes=100, sha256="a" * 64),
+    protocol.AdapterFetch(version=0),
+    protocol.BatchRequest(num_groups=4, wait_ms=100, learner_version=2),
+    protocol.BatchAck(batch_id="b1", step=3, trained_version=2, group_ids=["0:1"], checkpoint_version=1),
+    protocol.StatsRequest(),
+    protocol.Stats(snapshot={"workers": []}),
+]
+
+
+@pytest.mark.parametrize("message", SAMPLES, ids=lambda m: type(m).__name__)
+def test_tensorless_records_round_trip(message) -> None:
+    record, envelope = protocol.decode(protocol.encode(message))
+    assert record == message and envelope.kind == int(message.KIND)
+
+
+def test_every_kind_has_a_record_and_a_sample() -> None:
+    covered = {int(m.KIND) for m in SAMPLES} | {Kind.ROLLOUT_GROUP, Kind.ADAPTER_UPDATE, Kind.BATCH}
+    assert covered == set(protocol.MESSAGES)
+
+
+def test_rollout_group_round_trip_and_value_checks_pass() -> None:
+    group, tensors = make_group()
+    record, env = protocol.decode(protocol.encode(group, list(tensors.items())))
+    assert record == group
+    protocol.check_group_values(record, env.specs, env.frames, vocab_size=10, latest_version=1)
+    got = protocol.group_tensors(env.specs, env.frames)
+    np.testing.assert_array_equal(got["logprobs"].numpy(), tensors["logprobs"])
+
+
+@pytest.mark.parametrize(
+    ("change", "needle"),
+    [
+        (lambda g, t: setattr(g, "rewards", [1.0]), "prompt_lens has 2 entries, rewards has 1"),
+        (lambda g, t: setattr(g, "min_version", 5), "min_version 5 > max_version 1"),
+        (lambda g, t: t.pop("loss_mask"), "tensors must be exactly"),
+        (lambda g, t: t.__setitem__("logprobs", t["logprobs"].astype(np.float64)), "logprobs must be float32"),
+        (lambda g, t: t.__setitem__("versions", t["versions"][:2]), r"versions must be int32\[3\]"),
+        (lambda g, t: setattr(g, "finish_reasons", ["stop", "exploded"]), "must be one of"),
+        (lambda g, t: (setattr(g, "rewards", []), setattr(g, "prompt_lens", []), setattr(g, "completion_lens", []),
+                       setattr(g, "finish_reasons", [])), "at least one sample"),
+    ],
+)
+def test_rollout_group_layout_errors(change, needle: str) -> None:
+    group, tensors = make_group()
+    change(group, tensors)
+    with pytest.raises(ProtocolError, match=needle) as info:
+        protocol.decode(protocol.encode(group, list(tensors.items())))
+    assert info.value.code == "malformed"
+
+
+@pytest.mark.parametrize(
+    ("change", "needle"),
+    [
+        (lambda t: t["logprobs"].__setitem__(0, np.nan), "NaN or inf"),
+        (lambda t: t["logprobs"].__setitem__(1, np.inf), "NaN or inf"),
+        (lambda t: t["logprobs"].__setitem__(1, 0.5), "must be <= 0"),
+        (lambda t: t["completion_ids"].__setitem__(0, 10), r"outside \[0, 10\)"),
+        (lambda t: t["prompt_ids"].__setitem__(0, -1), r"outside \[0, 10\)"),
+        (lambda t: t["loss_mask"].__setitem__(0, 2), "only 0 and 1"),
+        (lambda t: t["versions"].__setitem__(0, 3), "token versions span"),
+    ],
+)
+def test_rollout_group_value_errors(change, needle: str) -> None:
+    group, tensors = make_group()
+    change(tensors)
+    record, env = protocol.decode(protocol.encode(group, list(tensors.items())))
+    with pytest.raises(ProtocolError, match=needle) as info:
+        protocol.check_group_values(record, env.specs, env.frames, vocab_size=10, latest_version=1)
+    assert info.value.code == "invalid_group"
+
+
+def test_group_from_the_future_is_refused() -> None:
+    group, tensors = make_group()
+    record, env = protocol.decode(protocol.encode(group, list(tensors.items())))
+    with pytest.raises(ProtocolError, match="newer than the latest published version 0"):
+        protocol.check_group_values(record, env.specs, env.frames, vocab_size=0, latest_version=0)
+
+
+def test_nan_reward_is_refused_at_decode() -> None:
+    group, tensors = make_group()
+    group.rewards = [math.nan, 1.0]
+    with pytest.raises(ProtocolError, match=r"rewards\[0\]: must be a finite number"):
+        protocol.decode(protocol.encode(group, list(tensors.items())))
+
+
+def test_batch_forwards_group_frames_and_checks_layout() -> None:
+    g1, t1 = make_group()
+    g2, t2 = make_group(n=1, completion_lens=(4,), group_id="0:8")
+    frames1 = protocol.encode(g1, list(t1.items()))
+    frames2 = protocol.encode(g2, list(t2.items()))
+    env1, env2 = protocol.decode_envelope(frames1, 1 << 20), protocol.decode_envelope(frames2, 1 << 20)
+    batch = Batch(batch_id="b1", groups=[BatchEntry(group=g1, first_tensor=0), BatchEntry(group=g2, first_tensor=5)])
+    specs = list(env1.specs) + [framing.TensorSpec(s.name, s.dtype, s.shape, s.frame + 5) for s in env2.specs]
+    record, env = protocol.decode(protocol.encode_with_frames(batch, specs, env1.frames + env2.frames))
+    assert [e.group.group_id for e in record.groups] == ["0:7", "0:8"]
+    second = env.specs[5:10]
+    got = protocol.group_tensors(second, env.frames)
+    np.testing.assert_array_equal(got["completion_ids"].numpy(), t2["completion_ids"])
+    bad = Batch(batch_id="b1", groups=[BatchEntry(group=g1, first_tensor=0), BatchEntry(group=g2, first_tensor=4)])
+    with pytest.raises(ProtocolError, match=r"groups\[1\].first_tensor is 4, expected 5"):
+        protocol.decode(protocol.encode_with_frames(bad, specs, env1.frames + env2.frames))
+
+
+def test_adapter_update_layout() -> None:
+    update = protocol.AdapterUpdate(version=1, sha256="0" * 64, adapter_config={"r": 8})
+    record, env = protocol.decode(protocol.encode(update, [("a", np.zeros((2, 2), np.float32))]))
+    assert record.version == 1 and env.specs[0].shape == (2, 2)
+    with pytest.raises(ProtocolError, match="carries no tensors"):
+        protocol.decode(protocol.encode(update))
+    with pytest.raises(ProtocolError, match="must be a floating dtype"):
+        protocol.decode(protocol.encode(update, [("a", np.zeros(2, np.int32))]))
+
+
+def test_tensors_on_a_tensorless_kind_are_refused() -> None:
+    with pytest.raises(ProtocolError, match="Bye carries no tensors"):
+        protocol.decode(protocol.encode(protocol.Bye(), [("x", np.zeros(1, np.float32))]))
+
+
+def test_protocol_version_mismatch_names_both_versions() -> None:
+    frames = framing.pack(int(Kind.HELLO), PROTOCOL_VERSION + 1, {"role": "worker", "client_id": "w"})
+    with pytest.raises(ProtocolError, match=f"peer speaks {PROTOCOL_VERSION + 1}, this process speaks "
+                                            f"{PROTOCOL_VERSION}") as info:
+        protocol.decode(frames)
+    assert info.value.code == "protocol_version"
+
+
+def test_oversize_message_gets_the_oversize_code() -> None:
+    frames = protocol.encode(protocol.AdapterUpdate(version=1, sha256="", adapter_config={}),
+                             [("a", np.zeros(10_000, np.float32))])
+    with pytest.raises(ProtocolError) as info:
+        protocol.decode(frames, max_bytes=1000)
+    assert info.value.code == "oversize"
+
+
+@pytest.mark.parametrize(
+    ("header", "needle"),
+    [
+        ({"client_id": "w"}, "Hello.role: required field is missing"),
+        ({"role": "worker", "client_id": 5}, "Hello.client_id: expected a string"),
+        ({"role": "worker", "client_id": "w", "capacity": 0}, "Hello.capacity: must be >= 1"),
+        ({"role": "worker", "client_id": "w", "capacity": True}, "expected an integer"),
+        ({"role": "worker", "client_id": "w" * 200}, "at most 128"),
+        ({"role": "worker", "client_id": "w", "sneaky": 1}, r"unknown field\(s\) \['sneaky'\]"),
+    ],
+)
+def test_hello_field_errors_name_the_field(header: dict, needle: str) -> None:
+    frames = framing.pack(int(Kind.HELLO), PROTOCOL_VERSION, header)
+    with pytest.raises(ProtocolError, match=needle):
+        protocol.decode(frames)
+
+
+json_values = st.recursive(
+    st.none() | st.booleans() | st.integers(-(2**63), 2**63 - 1) | st.floats() | st.text(max_size=20)
+    | st.binary(max_size=20),
+    lambda children: st.lists(children, max_size=4) | st.dictionaries(st.text(max_size=8), children, max_size=4),
+    max_leaves=12,
+)
+
+
+@settings(max_examples=400, deadline=None)
+@given(kind=st.sampled_from(sorted(protocol.MESSAGES)), header=st.dictionaries(st.text(max_size=16), json_values, max_size=8),
+       extra=st.lists(st.binary(max_size=32), max_size=3))
+def test_random_headers_raise_only_protocol_errors(kind: int, header: dict, extra: list[bytes]) -> None:
+    frames = [framing.PREAMBLE.pack(framing.MAGIC, PROTOCOL_VERSION, kind), msgpack.packb(header), *extra]
+    with contextlib.suppress(ProtocolError):
+        protocol.decode(frames)
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.data())
+def test_mutated_group_fields_raise_only_protocol_errors(data: st.DataObject) -> None:
+    group, tensors = make_group()
+    frames = protocol.encode(group, list(tensors.items()))
+    header = msgpack.unpackb(frames[1])
+    key = data.draw(st.sampled_from(sorted(header)))
+    header[key] = data.draw(json_values)
+    frames[1] = msgpack.packb(header)
+    try:
+        record, env = protocol.decode(frames)
+        protocol.check_group_values(record, env.specs, env.frames, vocab_size=10, latest_version=1)
+    except ProtocolError:
+        pass
