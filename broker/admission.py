@@ -1,0 +1,86 @@
+"""Credit-based admission: how many prompt leases one worker may be granted right now, and if not, why.
+
+A lease is a promise to buffer one more group, so the broker grants one only when that group can still be
+trained and stored. For a LeaseRequest the answer is the smallest of these limits; the tightest one (the
+earliest in this order on a tie) is the reason sent back in an empty or short LeaseGrant::
+
+    stale_adapter  the worker's adapter is more than max_staleness behind the newest version
+                   (versions.worker_may_generate): it must fetch the newest adapter first
+    draining       the broker is shutting down
+    limit          the worker already holds broker.max_leases_per_worker leases
+    backpressure   in flight (leased + buffered + training) would exceed capacity_groups, or
+                   versions.admission_limit (AReaL's rule: no group may outlive the staleness bound), or the
+                   byte bound projected from the mean group size seen so far
+    no_prompts     the prompt source has nothing left (all epochs issued, nothing re-queued)
+
+Pure logic, unit-tested: the server gathers the inputs into an :class:`AdmissionInputs` and sends what
+:func:`decide` returns. Workers wait (long-poll) while the answer is zero; nothing is generated that the
+learner could not use.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from common import versions
+
+
+@dataclass(slots=True, kw_only=True)
+class AdmissionInputs:
+    requested: int  # LeaseRequest.max_leases
+    worker_version: int  # the adapter version the worker holds
+    latest_version: int  # the newest published version
+    max_staleness: int
+    groups_per_step: int
+    capacity_groups: int
+    num_leased: int
+    num_stored: int  # buffered + training groups
+    num_trained_groups: int  # groups trained since base_version
+    base_version: int  # version at which counting started (the broker's start)
+    worker_leases: int  # leases this worker holds
+    max_leases_per_worker: int
+    stored_bytes: int  # buffered + training bytes
+    mean_group_bytes: float  # 0 = no group seen yet (no byte projection)
+    max_buffer_bytes: int
+    prompts_available: int  # what the prompt source can hand out (capped at ``requested``)
+    draining: bool = False
+
+
+@dataclass(frozen=True, slots=True)
+class Decision:
+    num_leases: int
+    reason: str  # "" when everything requested is granted
+
+
+def credit(inputs: AdmissionInputs) -> int:
+    """Groups that may still start: capacity, the staleness-safe admission limit and the byte bound."""
+    in_flight = inputs.num_leased + inputs.num_stored
+    limit = min(inputs.capacity_groups,
+                versions.admission_limit(inputs.latest_version, inputs.max_staleness, inputs.groups_per_step,
+                                         inputs.num_trained_groups, inputs.base_version))
+    free = limit - in_flight
+    if inputs.mean_group_bytes > 0:
+        room = inputs.max_buffer_bytes - inputs.stored_bytes - inputs.num_leased * inputs.mean_group_bytes
+        by_bytes = int(room // inputs.mean_group_bytes)
+        if in_flight == 0:
+            by_bytes = max(by_bytes, 1)  # one group always fits an empty buffer
+        free = min(free, by_bytes)
+    return max(0, free)
+
+
+def decide(inputs: AdmissionInputs) -> Decision:
+    """How many leases to grant now (<= requested) and why not more."""
+    if not versions.worker_may_generate(inputs.worker_version, inputs.latest_version, inputs.max_staleness):
+        return Decision(0, "stale_adapter")
+    if inputs.draining:
+        return Decision(0, "draining")
+    limits = (
+        ("limit", max(0, inputs.max_leases_per_worker - inputs.worker_leases)),
+        ("backpressure", credit(inputs)),
+        ("no_prompts", max(0, inputs.prompts_available)),
+    )
+    granted, reason = inputs.requested, ""
+    for name, allowed in limits:
+        if allowed < granted:
+            granted, reason = allowed, name
+    return Decision(granted, reason)

@@ -1,0 +1,136 @@
+"""The broker's event loop: one ROUTER socket, one thread, zmq frames in and out untouched.
+
+::
+
+     workers  (DEALER) --+                                    +--> LeaseGrant, Ack, AdapterNotice,
+     learner  (DEALER) --+--> ROUTER --recv (NOBLOCK, batch)--+      AdapterUpdate (forwarded frames), Error
+     status   (DEALER) --+      ^                              |    Batch (forwarded frames), Welcome, Stats
+                                |                              v
+                                |      BrokerCore.handle(identity, frames)   per message, pure state
+                                |      BrokerCore.tick(now)      lease deadlines, dead peers, long-poll
+                                |                                deadlines, stats samples
+                                |      BrokerCore.flush(now)     state file write (group commit of acks),
+                                |                                parked long-polls served if state changed
+                                +---- send_multipart(NOBLOCK, copy=False) <- outbox
+                                      refused (peer gone / queue full) -> BrokerCore.send_failed: undo
+
+What it consumes: every client message on the ROUTER (Hello, Heartbeat, LeaseRequest, RolloutGroup,
+LeaseReturn, AdapterFetch, AdapterUpdate, BatchRequest, BatchAck, StatsRequest, Bye) and the socket
+monitor's connect/disconnect events. What it produces: replies and forwarded frames on the same ROUTER, the
+state file, Prometheus gauges. What it blocks on: ``zmq.Poller.poll`` only, with the timeout set to the
+core's next deadline (capped at ``MAX_POLL_MS`` so a stop request is noticed promptly). What unblocks it: any
+incoming message, a deadline, or :meth:`BrokerServer.stop` (the signal handler). Sends never block: with
+``ROUTER_MANDATORY`` a peer that is gone (EHOSTUNREACH) or whose queue is full (EAGAIN) makes the send fail
+at once, and the core takes back what the message promised (leases re-queued, a batch back to the buffer).
+
+Up to ``MAX_DRAIN`` messages are received per wake-up before timers and sends run, which amortises the poll
+and the state-file write over a burst; tensor frames are received with ``copy=False`` and forwarded as the
+same ``zmq.Frame`` objects.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+import zmq
+from zmq.utils.monitor import recv_monitor_message
+
+from broker.core import BrokerCore
+from common import sockets
+from common.config import Config
+from common.logging import get_logger
+
+log = get_logger("broker")
+
+MAX_DRAIN = 512
+MAX_POLL_MS = 100
+MONITOR_EVENTS = {zmq.EVENT_ACCEPTED: "accepted", zmq.EVENT_DISCONNECTED: "disconnected"}
+
+
+class BrokerServer:
+    """Binds the ROUTER and runs the loop until :meth:`stop`."""
+
+    def __init__(self, config: Config, core: BrokerCore, *, ctx: zmq.Context | None = None,
+                 security: Any = None) -> None:
+        self.core = core
+        self.ctx = ctx or sockets.make_context()
+        self.sock, self.bound_endpoint = sockets.router_socket(
+            self.ctx, config.bind_endpoint, max_message_bytes=config.broker.max_message_bytes, security=security)
+        self.endpoint = sockets.connect_endpoint(self.bound_endpoint)
+        self.monitor = self.sock.get_monitor_socket(sum(MONITOR_EVENTS))
+        self.poller = zmq.Poller()
+        self.poller.register(self.sock, zmq.POLLIN)
+        self.poller.register(self.monitor, zmq.POLLIN)
+        self._running = False
+
+    def stop(self) -> None:
+        """Ask the loop to finish (safe from a signal handler)."""
+        self._running = False
+
+    def serve(self) -> None:
+        """Run until stop(); then answer parked long-polls, write the state and close."""
+        self._running = True
+        core = self.core
+        log.info("broker_serving", endpoint=self.endpoint, broker_id=core.broker_id,
+                 latest_version=core.latest_version, capacity_groups=core.capacity_groups)
+        try:
+            while self._running:
+                now_s = time.monotonic()
+                if core.has_work():
+                    timeout_ms = 0
+                else:
+                    timeout_ms = min(MAX_POLL_MS, max(0, int((core.next_wakeup_s(now_s) - now_s) * 1000) + 1))
+                events = dict(self.poller.poll(timeout_ms))
+                if self.monitor in events:
+                    self._read_monitor()
+                if self.sock in events:
+                    self._receive()
+                now_s = time.monotonic()
+                core.tick(now_s)
+                self._send_all(core.flush(now_s))
+            self._send_all(core.drain(time.monotonic()))
+            log.info("broker_stopped", latest_version=core.latest_version, cursor=list(core.prompts.cursor))
+        finally:
+            self.close()
+
+    def _receive(self) -> None:
+        core = self.core
+        for _ in range(MAX_DRAIN):
+            try:
+                frames = self.sock.recv_multipart(zmq.NOBLOCK, copy=False)
+            except zmq.Again:
+                return
+            identity = frames[0].bytes
+            now_s = time.monotonic()
+            try:
+                core.handle(identity, frames[1:], now_s)
+            except Exception:  # a bug must cost one message, not the broker
+                log.exception("handler_failed", peer=identity.decode(errors="replace")[:64])
+                core.internal_error(identity, frames[1:])
+
+    def _send_all(self, outgoing: list) -> None:
+        for out in outgoing:
+            try:
+                self.sock.send_multipart([out.identity, *out.frames], flags=zmq.NOBLOCK, copy=False)
+            except zmq.Again:
+                self.core.send_failed(out, "hwm")
+            except zmq.ZMQError as exc:
+                if exc.errno != zmq.EHOSTUNREACH:
+                    raise
+                self.core.send_failed(out, "unreachable")
+
+    def _read_monitor(self) -> None:
+        while True:
+            try:
+                event = recv_monitor_message(self.monitor, zmq.NOBLOCK)
+            except zmq.Again:
+                return
+            name = MONITOR_EVENTS.get(event["event"])
+            if name:
+                self.core.stats.count("connections", name)
+
+    def close(self) -> None:
+        self.sock.disable_monitor()
+        self.monitor.close(linger=0)
+        self.sock.close(linger=sockets.LINGER_MS)

@@ -1,0 +1,108 @@
+"""The live picture a Stats reply carries, assembled from the broker core's parts.
+
+``loraflow status`` (deploy/status.py) renders it; tests assert on it. Top-level keys:
+
+    broker_id, uptime_s, latest_version, vocab_size, settings{...}
+    prompts{epoch, index, queued, leased, buffered, training, trained_total, exhausted}
+    buffer{groups, bytes, training_groups, training_bytes, max_groups, max_bytes, staleness{str: n},
+           oldest_age_s, mean_group_bytes}
+    credit                 groups that may still be leased now (capacity, admission limit, byte bound)
+    leases{outstanding, list[...]}, waiting{lease_requests, batch_requests}
+    workers[{id, state, adapter_version, leases, last_seen_s, groups_accepted, busy_share, counters, ...}]
+    learner{id, state, ..., step, trained_version, checkpoint_version, busy_share} | None
+    learner_busy_share     from the learner's counters (busy_s / (busy_s + idle_s)) when it reports them,
+                           else from the states its heartbeats reported
+    adapters[{version, num_bytes, ...}]
+    counters as in broker.stats: messages_in/out, bytes_in/out, rejected, num_rejected, dropped, send_failed,
+    group_events, lease_events, served_staleness, adapter_events, peers_gone, connections, state_writes,
+    rates{...}
+
+Every dict key is a string (msgpack maps decode with string keys only).
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+from broker import admission
+
+if TYPE_CHECKING:
+    from broker.core import BrokerCore
+    from broker.peers import Peer
+
+MAX_LEASES_LISTED = 200
+
+
+def _busy_share_from_counters(counters: dict[str, Any]) -> float | None:
+    busy = counters.get("busy_s")
+    idle = counters.get("idle_s", counters.get("wait_s"))
+    if not isinstance(busy, int | float) or not isinstance(idle, int | float) or busy + idle <= 0:
+        return None
+    return round(busy / (busy + idle), 4)
+
+
+def _peer_row(core: BrokerCore, peer: Peer, now_s: float) -> dict[str, Any]:
+    share = peer.busy_share(now_s)
+    return {
+        "id": peer.client_id, "identity": peer.name, "role": peer.role, "state": peer.state,
+        "adapter_version": peer.adapter_version, "leases": core.leases.count(peer.identity),
+        "capacity": peer.capacity, "backend": peer.backend, "host": peer.host, "pid": peer.pid,
+        "session": peer.session, "last_seen_s": round(now_s - peer.last_seen_s, 3),
+        "uptime_s": round(now_s - peer.registered_s, 1), "groups_accepted": peer.num_groups_accepted,
+        "groups_rejected": peer.num_groups_rejected, "leases_granted": peer.num_leases_granted,
+        "busy_share": None if share is None else round(share, 4), "counters": peer.counters,
+    }
+
+
+def build_snapshot(core: BrokerCore, now_s: float) -> dict[str, Any]:
+    buffered = core.buffer.buffered()
+    workers = [_peer_row(core, p, now_s) for p in core.peers.of_role("worker")]
+    learners = core.peers.of_role("learner")
+    learner = None
+    learner_share = None
+    if learners:
+        learner = {**_peer_row(core, learners[0], now_s), **core.learner_progress,
+                   "batches_in_flight": len(core.buffer.batch_ids())}
+        learner_share = _busy_share_from_counters(learners[0].counters)
+        if learner_share is None:
+            learner_share = learner["busy_share"]
+    credit = admission.credit(admission.AdmissionInputs(
+        requested=0, worker_version=core.latest_version, latest_version=core.latest_version,
+        max_staleness=core.max_staleness, groups_per_step=core.groups_per_version,
+        capacity_groups=core.capacity_groups, num_leased=len(core.leases), num_stored=core.buffer.num_groups,
+        num_trained_groups=core.num_trained_since_start, base_version=core.base_version, worker_leases=0,
+        max_leases_per_worker=1, stored_bytes=core.buffer.num_bytes, mean_group_bytes=core.mean_group_bytes,
+        max_buffer_bytes=core.buffer.max_bytes, prompts_available=0))
+    broker = core.config.broker
+    return {
+        "broker_id": core.broker_id,
+        "uptime_s": round(now_s - core.started_s, 3),
+        "latest_version": core.latest_version,
+        "vocab_size": core.vocab_size,
+        "settings": {
+            "task": core.config.run.task, "group_size": core.group_size,
+            "groups_per_step": core.config.run.groups_per_step, "max_staleness": core.max_staleness,
+            "capacity_groups": core.capacity_groups, "max_buffer_bytes": broker.max_buffer_bytes,
+            "lease_timeout_s": broker.lease_timeout_s, "heartbeat_interval_s": broker.heartbeat_interval_s,
+            "heartbeat_misses": broker.heartbeat_misses,
+        },
+        "prompts": {**core.prompts.snapshot(), "trained_total": core.num_trained_total,
+                    "exhausted": core.prompts.exhausted()},
+        "buffer": {
+            "groups": core.buffer.num_buffered, "bytes": core.buffer.buffered_bytes,
+            "training_groups": core.buffer.num_training, "training_bytes": core.buffer.training_bytes,
+            "max_groups": core.buffer.max_groups, "max_bytes": core.buffer.max_bytes,
+            "staleness": {str(k): v for k, v in core.buffer.staleness_histogram(core.latest_version).items()},
+            "oldest_age_s": round(now_s - buffered[0].received_s, 3) if buffered else 0.0,
+            "mean_group_bytes": round(core.mean_group_bytes, 1),
+        },
+        "credit": credit,
+        "leases": {"outstanding": len(core.leases),
+                   "list": core.leases.snapshot(now_s)[:MAX_LEASES_LISTED]},
+        "waiting": {"lease_requests": len(core.lease_waiters), "batch_requests": len(core.batch_waiters)},
+        "workers": workers,
+        "learner": learner,
+        "learner_busy_share": learner_share,
+        "adapters": core.adapters.snapshot(),
+        **core.stats.snapshot(now_s),
+    }

@@ -1,0 +1,110 @@
+"""The broker's persisted state: enough to restart without losing a prompt or issuing one twice.
+
+``<run_dir>/broker/state.json`` (or ``broker.state_path``) holds:
+
+- ``cursor``: the next never-issued prompt key when the file was written, and ``reserved_until``: the end of
+  the block of keys the cursor may hand out before the next write (:mod:`broker.prompts` calls back before
+  crossing it, and the server writes synchronously then);
+- ``pending``: every issued key not yet trained (queued, leased, buffered, training);
+- ``latest_version``: the newest adapter version published, and ``num_trained_groups`` since the counting base;
+- the task identity (``task``, ``seed``, ``epoch_size``) so a state file of another dataset is refused.
+
+On restart every pending key *and* every key of the reserved block is re-queued and the cursor starts after
+the block: a key handed out after the last write is inside the block, so it is issued again only as a
+re-queued prompt; workers re-send the groups they still hold and duplicates are discarded by group id.
+Trained keys leave ``pending`` only in a write that happens before the learner's BatchAck is acknowledged.
+
+Writes are atomic: a temp file in the same directory, flushed and fsynced, then renamed over the old one.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+from broker.prompts import PromptKey
+from common.schema import SchemaError, build, dump, rule
+
+STATE_FORMAT = 1
+
+
+@dataclass(slots=True, kw_only=True)
+class BrokerState:
+    format: int = rule(STATE_FORMAT, ge=1, le=STATE_FORMAT)
+    task: str = rule(doc="run.task the keys index into")
+    seed: int = rule(ge=0)
+    epoch_size: int = rule(0, ge=0, doc="prompts per epoch; 0 = unbounded")
+    cursor: list[int] = rule(max_len=2, doc="[epoch, index] of the next never-issued prompt at write time")
+    reserved_until: list[int] = rule(max_len=2, doc="[epoch, index]: keys below may have been issued")
+    pending: list[list[int]] = rule(default_factory=list, doc="[epoch, index] of issued, untrained prompts")
+    latest_version: int = rule(0, ge=0)
+    num_trained_groups: int = rule(0, ge=0)
+    written_unix: float = rule(0.0, ge=0)
+
+    @property
+    def cursor_key(self) -> PromptKey:
+        return _key(self.cursor, "cursor")
+
+    @property
+    def reserved_key(self) -> PromptKey:
+        return _key(self.reserved_until, "reserved_until")
+
+    def pending_keys(self) -> list[PromptKey]:
+        return [_key(k, "pending") for k in self.pending]
+
+
+def _key(value: list[int], name: str) -> PromptKey:
+    if len(value) != 2 or min(value) < 0:
+        raise ValueError(f"broker state: {name} must be [epoch, index] with non-negative ints, got {value}")
+    return value[0], value[1]
+
+
+def make_state(*, task: str, seed: int, epoch_size: int | None, cursor: PromptKey, reserved_until: PromptKey,
+               pending: list[PromptKey], latest_version: int, num_trained_groups: int) -> BrokerState:
+    return BrokerState(task=task, seed=seed, epoch_size=epoch_size or 0, cursor=list(cursor),
+                       reserved_until=list(reserved_until), pending=[list(k) for k in pending],
+                       latest_version=latest_version, num_trained_groups=num_trained_groups,
+                       written_unix=round(time.time(), 3))
+
+
+def save_state(path: str | os.PathLike, state: BrokerState) -> None:
+    """Write atomically: temp file, fsync, rename."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    with open(tmp, "w") as f:
+        json.dump(dump(state), f, separators=(",", ":"))
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+
+
+def load_state(path: str | os.PathLike) -> BrokerState | None:
+    """The persisted state, or None when there is no file; raises ValueError for a corrupt one."""
+    path = Path(path)
+    try:
+        text = path.read_text()
+    except FileNotFoundError:
+        return None
+    try:
+        state = build(BrokerState, json.loads(text), "broker_state")
+    except (json.JSONDecodeError, SchemaError) as exc:
+        raise ValueError(f"{path}: not a valid broker state file ({exc}); move it away to start the prompt "
+                         "cursor from the beginning") from None
+    if state.reserved_key < state.cursor_key:
+        raise ValueError(f"{path}: reserved_until {state.reserved_until} is before cursor {state.cursor}")
+    return state
+
+
+def check_matches(state: BrokerState, *, task: str, seed: int, epoch_size: int | None, path: str) -> None:
+    """Refuse a state file written for another dataset (its keys would mean other prompts)."""
+    mine = (task, seed, epoch_size or 0)
+    theirs = (state.task, state.seed, state.epoch_size)
+    if mine != theirs:
+        raise ValueError(f"{path} was written for run.task={theirs[0]!r} run.seed={theirs[1]} with "
+                         f"{theirs[2] or 'unbounded'} prompts per epoch, but this run has run.task={mine[0]!r} "
+                         f"run.seed={mine[1]} with {mine[2] or 'unbounded'}; use the same settings "
+                         "(broker.prompt_limit), or another run directory / broker.state_path")
