@@ -1,0 +1,41 @@
+"""``loraflow keys DIR``: CURVE key pairs for the broker and its clients, in the layout common/security reads.
+
+    loraflow keys keys/                                  broker + one worker, learner and observer key
+    loraflow keys keys/ --worker gpu-3 --worker gpu-4    add machines later (the broker picks them up live)
+
+Copy ``DIR/broker.key`` (public) and ``DIR/<name>.key_secret`` to each client machine and set
+``security.enabled = true``, ``security.keys_dir`` and ``security.client_key = "<name>"`` in its config.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+from common.security import KEY_ROLES, SecurityError, generate_keys
+
+
+def main(argv: list[str]) -> int:
+    parser = argparse.ArgumentParser(prog="loraflow keys", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("keys_dir", help="directory for the key files (created if missing)")
+    for role in KEY_ROLES:
+        parser.add_argument(f"--{role}", action="append", default=[], metavar="NAME",
+                            help=f"add a {role} key pair with this name (repeatable)")
+    args = parser.parse_args(argv)
+    clients = {name: role for role in KEY_ROLES for name in getattr(args, role)}
+    keys_dir = Path(args.keys_dir)
+    if not clients and not (keys_dir / "broker.key_secret").exists():
+        clients = {role: role for role in KEY_ROLES}
+    try:
+        written = generate_keys(keys_dir, clients)
+    except SecurityError as exc:
+        print(f"loraflow keys: {exc}", file=sys.stderr)
+        return 2
+    for path in written:
+        print(path)
+    for name, role in clients.items():
+        print(f"{role} key '{name}': copy {keys_dir}/broker.key and {keys_dir}/{name}.key_secret to its machine; "
+              f"set security.client_key = \"{name}\"")
+    return 0
