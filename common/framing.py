@@ -28,6 +28,7 @@ Buffer lifetime rules (zero copy both ways):
 
 from __future__ import annotations
 
+import hashlib
 import math
 import struct
 import sys
@@ -220,3 +221,11 @@ def as_torch(spec: TensorSpec, frame: Any) -> Any:
         return torch.empty(spec.shape, dtype=dtype)
     raw = torch.frombuffer(_frame_bytes(frame), dtype=torch.uint8)
     return raw.view(dtype).reshape(spec.shape)
+
+
+def frames_sha256(frames: Sequence[Any]) -> str:
+    """Hex sha256 over the bytes of tensor frames in frame order: the checksum an AdapterUpdate carries."""
+    digest = hashlib.sha256()
+    for frame in frames:
+        digest.update(_frame_bytes(frame))
+    return digest.hexdigest()

@@ -1,0 +1,131 @@
+"""Received adapter versions: checksum verified, written to disk as PEFT directories, old ones removed.
+
+An AdapterUpdate arrives as a header (version, sha256, PEFT ``adapter_config``) plus one raw frame per LoRA
+tensor under its PEFT name. :meth:`AdapterStore.receive` checks the sha256 over the frames
+(:func:`common.framing.frames_sha256`) and writes ``<adapter_dir>/v<version>/`` with ``adapter_config.json`` and
+``adapter_model.safetensors``, the layout ``PeftModel.from_pretrained`` and vLLM's ``LoRARequest`` load. The
+safetensors file is written straight from the received frames (an 8-byte header length, a JSON header, the raw
+bytes): no torch import and no tensor conversion, so bf16 stays bit-exact and a ``sim`` worker never loads torch.
+
+Each directory is written under a temporary name and renamed into place, so a reader never sees half an adapter.
+:meth:`AdapterStore.prune` deletes the directories of versions the backend no longer holds.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import struct
+import threading
+import time
+from collections.abc import Collection, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from common.framing import TensorSpec, frames_sha256
+from common.logging import get_logger
+from common.protocol import AdapterUpdate
+
+log = get_logger("adapters")
+
+CONFIG_FILE = "adapter_config.json"
+WEIGHTS_FILE = "adapter_model.safetensors"
+
+#: wire dtype -> safetensors dtype tag
+SAFETENSORS_DTYPES = {"float32": "F32", "float16": "F16", "bfloat16": "BF16"}
+
+
+class AdapterRejected(ValueError):
+    """A received adapter cannot be used; ``reason`` is the counter label (sha256, config)."""
+
+    def __init__(self, message: str, reason: str) -> None:
+        super().__init__(message)
+        self.reason = reason
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class ReceivedAdapter:
+    """One verified adapter version on local disk."""
+
+    version: int
+    sha256: str
+    path: Path
+    config: dict[str, Any]
+    num_bytes: int
+    received_unix: float
+
+
+def write_safetensors(path: Path, specs: Sequence[TensorSpec], frames: Sequence[Any]) -> int:
+    """Write tensors in safetensors format from raw frames; returns the number of tensor bytes."""
+    header: dict[str, Any] = {}
+    offset = 0
+    for spec in specs:
+        header[spec.name] = {"dtype": SAFETENSORS_DTYPES[spec.dtype], "shape": list(spec.shape),
+                             "data_offsets": [offset, offset + spec.num_bytes]}
+        offset += spec.num_bytes
+    text = json.dumps(header, separators=(",", ":")).encode()
+    text += b" " * (-len(text) % 8)  # the format pads the header to 8-byte alignment
+    with open(path, "wb") as f:
+        f.write(struct.pack("<Q", len(text)))
+        f.write(text)
+        for spec in specs:
+            frame = frames[spec.frame]
+            f.write(getattr(frame, "buffer", frame))  # zmq.Frame or any bytes-like object
+    return offset
+
+
+class AdapterStore:
+    """Verifies received adapters and keeps them as PEFT directories under ``directory``."""
+
+    def __init__(self, directory: str | os.PathLike) -> None:
+        self.directory = Path(directory)
+        self.directory.mkdir(parents=True, exist_ok=True)
+        self.adapters: dict[int, ReceivedAdapter] = {}
+        self._lock = threading.Lock()  # receive() runs on the session's thread, prune() on the worker loop's
+
+    def receive(self, update: AdapterUpdate, specs: Sequence[TensorSpec], frames: Sequence[Any]) -> ReceivedAdapter:
+        """Verify and write one AdapterUpdate; raises AdapterRejected. A version already held is returned as is."""
+        ordered = [frames[s.frame] for s in specs]
+        digest = frames_sha256(ordered)
+        if digest != update.sha256:
+            raise AdapterRejected(f"adapter v{update.version}: sha256 of the tensors is {digest[:12]}..., the "
+                                  f"update says {update.sha256[:12]}... (corrupted or mislabelled)", "sha256")
+        peft_type = str(update.adapter_config.get("peft_type", "LORA")).upper()
+        if peft_type != "LORA" or not update.adapter_config.get("r"):
+            raise AdapterRejected(f"adapter v{update.version}: adapter_config must describe a LoRA adapter "
+                                  f"(peft_type LORA with r), got peft_type={peft_type!r}", "config")
+        for spec in specs:
+            if spec.dtype not in SAFETENSORS_DTYPES:
+                raise AdapterRejected(f"adapter v{update.version}: {spec.name} has dtype {spec.dtype}", "config")
+        with self._lock:
+            held = self.adapters.get(update.version)
+        if held is not None and held.sha256 == digest:
+            return held
+        final = self.directory / f"v{update.version:06d}"
+        tmp = self.directory / f".v{update.version:06d}.tmp-{os.getpid()}"
+        shutil.rmtree(tmp, ignore_errors=True)
+        tmp.mkdir(parents=True)
+        num_bytes = write_safetensors(tmp / WEIGHTS_FILE, specs, frames)
+        (tmp / CONFIG_FILE).write_text(json.dumps(update.adapter_config, indent=1))
+        if final.exists():  # an older copy of this version (another checksum): replace it
+            shutil.rmtree(final)
+        os.rename(tmp, final)
+        adapter = ReceivedAdapter(version=update.version, sha256=digest, path=final, config=update.adapter_config,
+                                  num_bytes=num_bytes, received_unix=time.time())
+        with self._lock:
+            self.adapters[update.version] = adapter
+        return adapter
+
+    def prune(self, keep_versions: Collection[int], upto_version: int) -> list[int]:
+        """Delete the directories of versions <= ``upto_version`` not in ``keep_versions``; returns them.
+
+        Versions above ``upto_version`` may have arrived since the caller looked and are never touched.
+        """
+        with self._lock:
+            removed = [v for v in self.adapters if v <= upto_version and v not in keep_versions]
+            paths = [self.adapters.pop(v).path for v in removed]
+        for path in paths:
+            shutil.rmtree(path, ignore_errors=True)
+        return removed

@@ -1,0 +1,179 @@
+"""The transformers backend: ``generate`` on CPU or GPU, adapters hot-swapped through peft slots.
+
+The base model is loaded once. The first adapter turns it into a ``PeftModel`` (LoRA layers injected into the
+existing modules); every version then lives in a named peft adapter *slot*. A new version's weights are copied
+into a free slot (``set_peft_model_state_dict``) or a new slot is added when none is free or the LoRA shape
+changed; the base weights are never reloaded. A slot is free once :meth:`retain` drops the version it held, so
+a resident version is never overwritten: a generation pinned to an old version (``partial_policy = "finish"``)
+keeps its weights, and a new version never serves the previous one's.
+
+v0 is the base model with the adapter disabled (``PeftModel.disable_adapter``), identical to a zero adapter.
+
+Requests are grouped by version; each group is left-padded into one batch and run through ``generate`` with
+``output_logits=True``, whose logits are the raw next-token logits (before temperature and top-p), so
+:func:`common.logprobs.token_logprobs` gives exactly the behaviour log-probs. A chunk holds at most
+``worker.chunk_tokens`` tokens, which bounds the memory of those logits (batch x chunk x vocab floats).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import torch
+from safetensors.torch import load_file
+from transformers import AutoModelForCausalLM, AutoTokenizer, GenerationConfig
+
+from common.logging import get_logger
+from common.logprobs import token_logprobs
+from rollout_worker.adapters import WEIGHTS_FILE, ReceivedAdapter
+from rollout_worker.backends.base import Backend, GenOutput, GenRequest, Sampling, cut_at_eos
+
+log = get_logger("backend.hf")
+
+#: adapter_config keys that do not change the shape or meaning of the LoRA layers
+_CONFIG_NOISE = {"base_model_name_or_path", "revision", "inference_mode", "task_type", "peft_version"}
+
+
+def resolve_device(device: str) -> torch.device:
+    if device == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    return torch.device(device)
+
+
+class HfBackend(Backend):
+    name = "hf"
+
+    def __init__(self, model_dir: str | Path, *, sampling: Sampling, device: str = "auto", dtype: str = "float32",
+                 seed: int = 0) -> None:
+        super().__init__(sampling)
+        self.device = resolve_device(device)
+        self.dtype = getattr(torch, dtype)
+        torch.manual_seed(seed)
+        self.tokenizer = AutoTokenizer.from_pretrained(str(model_dir))
+        base = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=self.dtype)
+        base.to(self.device).eval()
+        base.requires_grad_(False)
+        self.model: Any = base  # a PeftModel once the first adapter arrives
+        self.eos_token_id = int(self.tokenizer.eos_token_id if self.tokenizer.eos_token_id is not None
+                                else base.generation_config.eos_token_id)
+        pad = self.tokenizer.pad_token_id
+        self.pad_token_id = int(pad if pad is not None else self.eos_token_id)
+        self.vocab_size = int(base.config.vocab_size)
+        self._slot_of: dict[int, str] = {}  # resident version -> slot
+        self._slot_keys: dict[str, str] = {}  # slot -> LoRA shape key
+        self._free_slots: list[str] = []
+        self._num_slots = 0
+        self._configs: dict[tuple[bool, int], GenerationConfig] = {}
+
+    # -- tokens ------------------------------------------------------------------------------------------------
+
+    def encode(self, text: str) -> list[int]:
+        return list(self.tokenizer(text)["input_ids"])
+
+    def encode_continuation(self, text: str) -> list[int]:
+        return list(self.tokenizer(text, add_special_tokens=False)["input_ids"])
+
+    def decode(self, token_ids: Sequence[int]) -> str:
+        return self.tokenizer.decode(list(token_ids), skip_special_tokens=True)
+
+    # -- adapters ----------------------------------------------------------------------------------------------
+
+    def _load(self, adapter: ReceivedAdapter) -> None:
+        from peft import LoraConfig, get_peft_model, set_peft_model_state_dict
+
+        config = LoraConfig.from_pretrained(str(adapter.path))
+        config.inference_mode = True
+        key = json.dumps({k: v for k, v in sorted(config.to_dict().items()) if k not in _CONFIG_NOISE}, default=str)
+        slot = next((s for s in self._free_slots if self._slot_keys[s] == key), None)
+        if slot is not None:
+            self._free_slots.remove(slot)
+        else:
+            slot = f"slot{self._num_slots}"
+            if self._num_slots == 0:  # the first slot: inject LoRA layers into the base model's modules
+                self.model = get_peft_model(self.model, config, adapter_name=slot)
+            else:
+                self.model.add_adapter(slot, config)
+            self._num_slots += 1
+            self._slot_keys[slot] = key
+            self._drop_unusable_slots(key)
+        state = load_file(str(adapter.path / WEIGHTS_FILE), device=str(self.device))
+        state = {name: t.to(self.dtype) for name, t in state.items()}
+        result = set_peft_model_state_dict(self.model, state, adapter_name=slot)
+        missing = [k for k in result.missing_keys if "lora_" in k and f".{slot}." in k]
+        if result.unexpected_keys or missing:
+            self._free_slots.append(slot)
+            raise ValueError(f"adapter v{adapter.version} does not fit the model: unexpected tensors "
+                             f"{result.unexpected_keys[:3]}, missing {missing[:3]} (PEFT names of the same base?)")
+        self._slot_of[adapter.version] = slot
+        log.debug("adapter_loaded", version=adapter.version, slot=slot)
+
+    def _drop_unusable_slots(self, key: str) -> None:
+        """Free slots shaped for another LoRA config will not be reused: delete them."""
+        for slot in [s for s in self._free_slots if self._slot_keys[s] != key]:
+            self._free_slots.remove(slot)
+            self.model.delete_adapter(slot)
+            del self._slot_keys[slot]
+
+    def _unload(self, version: int) -> None:
+        self._free_slots.append(self._slot_of.pop(version))
+
+    @contextlib.contextmanager
+    def _using(self, version: int):
+        if version == 0:
+            with self.model.disable_adapter() if self._num_slots else contextlib.nullcontext():
+                yield
+        else:
+            self.model.set_adapter(self._slot_of[version])
+            yield
+
+    # -- generation --------------------------------------------------------------------------------------------
+
+    def _generation_config(self, greedy: bool, max_new_tokens: int) -> GenerationConfig:
+        key = (greedy, max_new_tokens)
+        if key not in self._configs:
+            sampling = {} if greedy else {"temperature": self.sampling.temperature, "top_p": self.sampling.top_p,
+                                          "top_k": None}
+            self._configs[key] = GenerationConfig(do_sample=not greedy, max_new_tokens=max_new_tokens,
+                                                  pad_token_id=self.pad_token_id, eos_token_id=self.eos_token_id,
+                                                  output_logits=True, return_dict_in_generate=True, **sampling)
+        return self._configs[key]
+
+    @torch.inference_mode()
+    def _generate(self, requests: Sequence[GenRequest], greedy: bool) -> list[GenOutput]:
+        outputs: list[GenOutput | None] = [None] * len(requests)
+        by_version: dict[int, list[int]] = {}
+        for index, request in enumerate(requests):
+            by_version.setdefault(request.version, []).append(index)
+        for version, indices in by_version.items():
+            with self._using(version):
+                batch = [requests[i] for i in indices]
+                for i, out in zip(indices, self._generate_batch(batch, greedy), strict=True):
+                    outputs[i] = out
+        return [out for out in outputs if out is not None]
+
+    def _generate_batch(self, requests: Sequence[GenRequest], greedy: bool) -> list[GenOutput]:
+        width = max(len(r.token_ids) for r in requests)
+        input_ids = torch.full((len(requests), width), self.pad_token_id, dtype=torch.long)
+        attention_mask = torch.zeros((len(requests), width), dtype=torch.long)
+        for row, request in enumerate(requests):
+            ids = torch.as_tensor(list(request.token_ids), dtype=torch.long)
+            input_ids[row, width - len(ids):] = ids
+            attention_mask[row, width - len(ids):] = 1
+        config = self._generation_config(greedy, max(r.max_tokens for r in requests))
+        out = self.model.generate(input_ids=input_ids.to(self.device), attention_mask=attention_mask.to(self.device),
+                                  generation_config=config)
+        new_tokens = out.sequences[:, width:]
+        temperature = 1.0 if greedy else self.sampling.temperature
+        logprobs = token_logprobs(torch.stack(out.logits, dim=1), new_tokens, temperature).cpu()
+        results = []
+        for row, request in enumerate(requests):
+            ids, finished = cut_at_eos(new_tokens[row].tolist(), self.eos_token_id, request.max_tokens)
+            results.append(GenOutput(token_ids=ids, logprobs=logprobs[row, :len(ids)].tolist(), finished=finished))
+        return results
+
+    def describe(self) -> dict[str, Any]:
+        return {**super().describe(), "device": str(self.device), "slots": self._num_slots}

@@ -1,0 +1,94 @@
+"""The simulated backend: no model, realistic timing, valid tokens; for measuring orchestration at scale.
+
+Each generation (a sample's turn, named by ``GenRequest.key``) has a target length drawn once from a lognormal
+distribution with mean ``sim.mean_tokens`` and shape ``sim.length_sigma`` (0 = fixed), capped at
+``sim.max_tokens``: a long tail of slow samples, as real reasoning rollouts have. A call sleeps as long as its
+longest request takes at ``sim.tokens_per_s`` (every request is one stream decoding in parallel, as in a
+batched engine) and returns token ids in ``[0, sim.vocab_size - 1)``, ending with EOS (``vocab_size - 1``) once a
+generation reaches its target, with log-probs that are finite and negative.
+
+Tokens depend on the adapter: greedy output is a hash of the version's checksum, the key and the position, so
+tests can tell which adapter produced a token exactly as they do with a real model. Sampled output draws from a
+seeded generator. Adapters are only recorded (their files are verified and written by the store as usual).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import math
+import random
+import time
+from collections.abc import Sequence
+
+from common.config import SimConfig
+from rollout_worker.adapters import ReceivedAdapter
+from rollout_worker.backends.base import Backend, GenOutput, GenRequest, Sampling
+
+BASE_DIGEST = "base"
+
+
+class SimBackend(Backend):
+    name = "sim"
+
+    def __init__(self, config: SimConfig, *, sampling: Sampling, seed: int = 0) -> None:
+        super().__init__(sampling)
+        self.config = config
+        self.seed = seed
+        self.vocab_size = config.vocab_size
+        self.eos_token_id = config.vocab_size - 1
+        self._rng = random.Random(seed)
+        self._mu = math.log(config.mean_tokens) - config.length_sigma ** 2 / 2  # lognormal with that mean
+
+    # -- tokens (bytes, folded into the vocabulary) --------------------------------------------------------------
+
+    def encode(self, text: str) -> list[int]:
+        return [b % self.eos_token_id for b in text.encode()]
+
+    def encode_continuation(self, text: str) -> list[int]:
+        return self.encode(text)
+
+    def decode(self, token_ids: Sequence[int]) -> str:
+        return bytes(t for t in token_ids if t < min(256, self.eos_token_id)).decode(errors="replace")
+
+    # -- adapters ----------------------------------------------------------------------------------------------
+
+    def _load(self, adapter: ReceivedAdapter) -> None:
+        pass  # the store verified and wrote it; there are no weights to load
+
+    def _unload(self, version: int) -> None:
+        pass
+
+    def digest(self, version: int) -> str:
+        return BASE_DIGEST if version == 0 else self.adapters[version].sha256
+
+    # -- generation --------------------------------------------------------------------------------------------
+
+    def target_length(self, key: str) -> int:
+        """Tokens the generation named ``key`` runs before EOS (drawn once per key, reproducibly)."""
+        draw = random.Random(f"{self.seed}/{key}").lognormvariate(self._mu, self.config.length_sigma)
+        return max(1, min(self.config.max_tokens, round(draw)))
+
+    def _token(self, version: int, key: str, position: int) -> tuple[int, float]:
+        digest = hashlib.blake2b(f"{self.digest(version)}/{key}/{position}".encode(), digest_size=8).digest()
+        value = int.from_bytes(digest, "little")
+        return value % self.eos_token_id, -((value >> 32) % 1000 + 1) / 200.0
+
+    def _generate(self, requests: Sequence[GenRequest], greedy: bool) -> list[GenOutput]:
+        outputs = []
+        for request in requests:
+            remaining = self.target_length(request.key) - request.num_generated
+            count = max(1, min(request.max_tokens, remaining))
+            ids, logprobs = [], []
+            for i in range(count):
+                if greedy:
+                    token, logprob = self._token(request.version, request.key, request.num_generated + i)
+                else:
+                    token, logprob = self._rng.randrange(self.eos_token_id), -self._rng.expovariate(1.0) - 1e-3
+                ids.append(token)
+                logprobs.append(logprob)
+            finished = count >= remaining
+            if finished:
+                ids[-1] = self.eos_token_id
+            outputs.append(GenOutput(token_ids=ids, logprobs=logprobs, finished=finished))
+        time.sleep(max(len(o.token_ids) for o in outputs) / self.config.tokens_per_s)
+        return outputs

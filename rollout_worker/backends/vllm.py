@@ -1,0 +1,167 @@
+"""The vLLM backend: one ``LLM`` engine with LoRA enabled; every policy version is its own LoRA adapter.
+
+Adapters are loaded by path from the PEFT directories :mod:`rollout_worker.adapters` writes. Each version gets
+a fresh ``LoRARequest(name, int id, path)`` with an id never used before in this process: vLLM caches adapters
+by int id, and re-using an id for new weights serves the old ones (FACTS.md, FIELD.md). Versions are added
+with ``llm_engine.add_lora`` as they arrive (so the first token under them does not pay the load) and removed
+with ``llm_engine.remove_lora`` when the worker retains them no more; the engine is sized for
+``vllm.max_loras`` (default ``max_staleness + 2``) resident adapters.
+
+Behaviour log-probs (:mod:`common.logprobs`) come from vLLM's sampler with ``SamplingParams(logprobs=0)``, the
+log-prob of each sampled token. Which of vLLM's ``logprobs_mode`` gives them depends on the sampling settings,
+fixed when the engine starts:
+
+- temperature 1: ``raw_logprobs`` (log-softmax of the raw logits), exact whatever top_p;
+- top_p 1: ``processed_logprobs`` (log-softmax after temperature; no truncation happens);
+- temperature != 1 and top_p < 1: ``raw_logprobs`` of the whole vocabulary (``logprobs=-1``), rescored here
+  with the temperature (:func:`rescale_logprob`). Exact but slow for large vocabularies.
+
+Each ``generate`` call continues every request from its full token sequence (``prompt_token_ids``), so a later
+chunk may run under another adapter; vLLM's prefix cache is keyed by adapter, never mixing versions.
+"""
+
+from __future__ import annotations
+
+import itertools
+import math
+import os
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+from common.logging import get_logger
+from rollout_worker.adapters import ReceivedAdapter
+from rollout_worker.backends.base import Backend, GenOutput, GenRequest, Sampling
+
+log = get_logger("backend.vllm")
+
+#: LoRA ranks vLLM accepts for max_lora_rank
+VLLM_LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)
+
+
+def logprobs_plan(sampling: Sampling) -> tuple[str, int]:
+    """(vLLM logprobs_mode, SamplingParams.logprobs) that yield common.logprobs' definition."""
+    if sampling.temperature == 1.0:
+        return "raw_logprobs", 0
+    if sampling.top_p == 1.0:
+        return "processed_logprobs", 0
+    return "raw_logprobs", -1
+
+
+def rescale_logprob(raw_logprobs: Sequence[float], index: int, temperature: float) -> float:
+    """log_softmax(raw / temperature)[index] from a full raw log-softmax vector (shift-invariant)."""
+    scaled = [x / temperature for x in raw_logprobs]
+    top = max(scaled)
+    return scaled[index] - (top + math.log(sum(math.exp(x - top) for x in scaled)))
+
+
+def lora_rank_cap(rank: int) -> int:
+    """The smallest max_lora_rank vLLM accepts that holds adapters of ``rank``."""
+    for cap in VLLM_LORA_RANKS:
+        if cap >= rank:
+            return cap
+    raise ValueError(f"learner.lora_rank {rank} exceeds vLLM's largest max_lora_rank {VLLM_LORA_RANKS[-1]}")
+
+
+class VllmBackend(Backend):
+    name = "vllm"
+
+    def __init__(self, model_dir: str | Path, *, sampling: Sampling, max_loras: int, max_lora_rank: int,
+                 dtype: str = "float32", max_model_len: int = 512, max_num_seqs: int = 64,
+                 kv_cache_gib: float = 1.0, gpu_memory_utilization: float = 0.85, enforce_eager: bool = True,
+                 seed: int = 0) -> None:
+        super().__init__(sampling)
+        os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", str(max(1, math.ceil(kv_cache_gib))))
+        from vllm import LLM, SamplingParams
+
+        self._sampling_params_cls = SamplingParams
+        self.logprobs_mode, self._num_logprobs = logprobs_plan(sampling)
+        if self._num_logprobs == -1:
+            log.warning("vllm_full_vocab_logprobs", temperature=sampling.temperature, top_p=sampling.top_p,
+                        hint="temperature != 1 with top_p < 1 rescoring needs full-vocabulary log-probs (slow)")
+        self.max_lora_rank = lora_rank_cap(max_lora_rank)
+        self.llm = LLM(model=str(model_dir), tokenizer=str(model_dir), dtype=dtype, enable_lora=True,
+                       max_lora_rank=self.max_lora_rank, max_loras=max_loras, max_cpu_loras=max_loras + 2,
+                       max_model_len=max_model_len, max_num_seqs=max_num_seqs, enforce_eager=enforce_eager,
+                       gpu_memory_utilization=gpu_memory_utilization, seed=seed, logprobs_mode=self.logprobs_mode)
+        self.tokenizer = self.llm.get_tokenizer()
+        config = self.llm.llm_engine.model_config.hf_config
+        self.vocab_size = int(config.vocab_size)
+        self.eos_token_id = int(self.tokenizer.eos_token_id)
+        self._ids = itertools.count(1)  # LoRA int ids: never reused in this process
+        self._requests: dict[int, Any] = {}  # resident version -> LoRARequest
+        self._params: dict[tuple[int, bool], Any] = {}
+
+    # -- tokens ------------------------------------------------------------------------------------------------
+
+    def encode(self, text: str) -> list[int]:
+        return list(self.tokenizer(text)["input_ids"])
+
+    def encode_continuation(self, text: str) -> list[int]:
+        return list(self.tokenizer(text, add_special_tokens=False)["input_ids"])
+
+    def decode(self, token_ids: Sequence[int]) -> str:
+        return self.tokenizer.decode(list(token_ids), skip_special_tokens=True)
+
+    # -- adapters ----------------------------------------------------------------------------------------------
+
+    def _load(self, adapter: ReceivedAdapter) -> None:
+        from vllm.lora.request import LoRARequest
+
+        rank = int(adapter.config.get("r", 0))
+        if rank > self.max_lora_rank:
+            raise ValueError(f"adapter v{adapter.version} has rank {rank} > the engine's max_lora_rank "
+                             f"{self.max_lora_rank}; set learner.lora_rank consistently for every role")
+        lora_id = next(self._ids)
+        request = LoRARequest(lora_name=f"v{adapter.version}-id{lora_id}", lora_int_id=lora_id,
+                              lora_path=str(adapter.path))
+        if not self.llm.llm_engine.add_lora(request):
+            raise ValueError(f"vLLM refused adapter v{adapter.version} from {adapter.path}")
+        self._requests[adapter.version] = request
+        log.debug("adapter_loaded", version=adapter.version, lora_id=lora_id)
+
+    def _unload(self, version: int) -> None:
+        request = self._requests.pop(version)
+        self.llm.llm_engine.remove_lora(request.lora_int_id)
+
+    # -- generation --------------------------------------------------------------------------------------------
+
+    def _params_for(self, max_tokens: int, greedy: bool) -> Any:
+        key = (max_tokens, greedy)
+        if key not in self._params:
+            if greedy:
+                params = self._sampling_params_cls(temperature=0.0, max_tokens=max_tokens, logprobs=0,
+                                                   detokenize=False)
+            else:
+                params = self._sampling_params_cls(temperature=self.sampling.temperature, top_p=self.sampling.top_p,
+                                                   top_k=0, max_tokens=max_tokens, logprobs=self._num_logprobs,
+                                                   detokenize=False)
+            self._params[key] = params
+        return self._params[key]
+
+    def _generate(self, requests: Sequence[GenRequest], greedy: bool) -> list[GenOutput]:
+        prompts = [{"prompt_token_ids": list(r.token_ids)} for r in requests]
+        params = [self._params_for(r.max_tokens, greedy) for r in requests]
+        loras = [self._requests[r.version] if r.version else None for r in requests]
+        results = self.llm.generate(prompts, params, lora_request=loras, use_tqdm=False)
+        rescale = not greedy and self._num_logprobs == -1
+        outputs = []
+        for result in results:
+            completion = result.outputs[0]
+            ids = list(completion.token_ids)
+            logprobs = []
+            for token, entry in zip(ids, completion.logprobs, strict=True):
+                if rescale:
+                    raw = [entry[i].logprob for i in range(self.vocab_size)]
+                    logprobs.append(rescale_logprob(raw, token, self.sampling.temperature))
+                else:
+                    logprobs.append(float(entry[token].logprob))
+            finished = bool(ids) and ids[-1] == self.eos_token_id
+            outputs.append(GenOutput(token_ids=ids, logprobs=logprobs, finished=finished))
+        return outputs
+
+    def close(self) -> None:
+        engine = getattr(self.llm, "llm_engine", None)
+        shutdown = getattr(engine, "engine_core", None)
+        if shutdown is not None and hasattr(shutdown, "shutdown"):
+            shutdown.shutdown()

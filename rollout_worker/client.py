@@ -1,0 +1,247 @@
+"""The worker's session with the broker: leases, submissions kept until acknowledged, adapter fetches.
+
+:class:`BrokerSession` sits on a :class:`common.transport.BrokerLink` (hello, heartbeats, reconnects in its I/O
+thread) and adds a dispatcher thread that handles everything the broker sends, so that acks and adapters are
+processed while the worker loop is busy generating::
+
+    LeaseGrant      -> grants queue (the worker loop starts the groups); reason stale_adapter -> fetch newest
+    Ack(group)      -> drop the kept copy of that group (accepted or duplicate)
+    Error(invalid_group, group id) -> drop it too (the broker re-queued the prompt), counted
+    AdapterNotice   -> AdapterFetch(newest) unless that version is held or being fetched
+    AdapterUpdate   -> verify + write (AdapterStore) -> adapters queue (the loop loads it between chunks)
+    Reconnected     -> re-send every group not yet acknowledged; the pending lease request is void
+
+Delivery: :meth:`submit` keeps each group's encoded frames until the broker acknowledges its group id, and
+re-sends them all after a broker restart; the broker deduplicates by group id, so at-least-once is safe. The
+``wake`` event is set whenever something arrives that the worker loop should act on.
+"""
+
+from __future__ import annotations
+
+import queue
+import threading
+import time
+from dataclasses import dataclass
+from typing import Any
+
+from common import protocol
+from common.config import Config
+from common.logging import get_logger
+from common.metrics import Metrics
+from common.protocol import (
+    AdapterFetch,
+    AdapterNotice,
+    AdapterUpdate,
+    Error,
+    Hello,
+    Kind,
+    LeaseGrant,
+    LeaseRequest,
+    LeaseReturn,
+    Welcome,
+)
+from common.transport import BrokerLink, Incoming, Reconnected
+from rollout_worker.adapters import AdapterRejected, AdapterStore, ReceivedAdapter
+from rollout_worker.rollout import FinishedGroup
+
+log = get_logger("client")
+
+LEASE_WAIT_MS = 1000
+FETCH_RETRY_S = 5.0
+
+
+@dataclass(slots=True)
+class PendingGroup:
+    group_id: str
+    frames: list[Any]
+    first_sent: float
+    num_sends: int = 1
+
+
+class BrokerSession:
+    """Leases, submissions and adapters over one BrokerLink (see the module docstring)."""
+
+    def __init__(self, config: Config, *, worker_id: str, store: AdapterStore, metrics: Metrics,
+                 wake: threading.Event, security: Any = None) -> None:
+        broker = config.broker
+        hello = Hello(role="worker", client_id=worker_id, backend=config.worker.backend,
+                      capacity=config.worker.capacity)
+        self.link = BrokerLink(broker.endpoint, hello, security=security,
+                               heartbeat_interval_s=broker.heartbeat_interval_s,
+                               heartbeat_timeout_s=broker.heartbeat_interval_s * broker.heartbeat_misses,
+                               max_message_bytes=broker.max_message_bytes)
+        self.worker_id = worker_id
+        # a lease request unanswered this long after its wait_ms is taken as lost (the broker went away)
+        self._answer_grace_s = 2 * broker.heartbeat_interval_s * broker.heartbeat_misses
+        self.store = store
+        self.metrics = metrics
+        self.wake = wake
+        self.grants: queue.Queue[LeaseGrant] = queue.Queue()
+        self.adapters: queue.Queue[ReceivedAdapter] = queue.Queue()
+        self.welcome: Welcome | None = None
+        self.adapter_version = 0  # newest version received (and queued for the backend)
+        self._lock = threading.Lock()
+        self._unacked: dict[str, PendingGroup] = {}
+        self._lease_request_deadline: float | None = None  # monotonic; None = no request outstanding
+        self._fetch: tuple[int, float] | None = None  # (version wanted, sent at) of the adapter fetch in flight
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._dispatch, name="broker-session", daemon=True)
+
+    # -- lifecycle ---------------------------------------------------------------------------------------------
+
+    def start(self, timeout_s: float = 30.0) -> Welcome:
+        self.welcome = self.link.start(timeout_s)
+        self._thread.start()
+        log.info("joined", endpoint=self.link.endpoint, latest_version=self.welcome.latest_version,
+                 group_size=self.welcome.group_size, max_staleness=self.welcome.max_staleness)
+        return self.welcome
+
+    def close(self, reason: str = "") -> None:
+        """Stop the dispatcher, say Bye and close the link."""
+        self._stop.set()
+        if self._thread.is_alive():
+            self._thread.join(timeout=5)
+        self.link.close(reason=reason)
+
+    # -- requests from the worker loop -------------------------------------------------------------------------
+
+    @property
+    def lease_request_pending(self) -> bool:
+        with self._lock:
+            if self._lease_request_deadline is not None and time.monotonic() > self._lease_request_deadline:
+                self._lease_request_deadline = None  # lost (broker gone or restarted): ask again
+            return self._lease_request_deadline is not None
+
+    def request_leases(self, max_leases: int, adapter_version: int, wait_ms: int = LEASE_WAIT_MS) -> None:
+        """Long-poll for up to ``max_leases`` leases; the grant arrives on :attr:`grants`."""
+        with self._lock:
+            self._lease_request_deadline = time.monotonic() + wait_ms / 1000 + self._answer_grace_s
+        self.link.send(LeaseRequest(max_leases=max_leases, adapter_version=adapter_version, wait_ms=wait_ms))
+
+    def return_leases(self, lease_ids: list[str], reason: str) -> None:
+        if lease_ids:
+            self.link.send(LeaseReturn(lease_ids=lease_ids, reason=reason[:256]))
+            self.metrics.inc("leases_returned", len(lease_ids), reason=reason)
+
+    def submit(self, finished: FinishedGroup) -> None:
+        """Send a group and keep it until the broker acknowledges it."""
+        frames = protocol.encode(finished.group, finished.tensors)
+        group_id = finished.group.group_id
+        with self._lock:
+            self._unacked[group_id] = PendingGroup(group_id, frames, time.monotonic())
+        self.link.send_frames(list(frames))
+        self.metrics.inc("groups_submitted")
+
+    @property
+    def num_unacked(self) -> int:
+        with self._lock:
+            return len(self._unacked)
+
+    def set_adapter_version(self, version: int) -> None:
+        """The version the backend now serves: reported in heartbeats and in any later hello."""
+        self.link.hello.adapter_version = version
+        self.link.set_state(adapter_version=version)
+
+    def fetch_adapter(self, version: int = 0) -> None:
+        """Ask for the newest adapter (``version`` is what we expect to get, for de-duplicating requests)."""
+        with self._lock:
+            now = time.monotonic()
+            if self._fetch is not None and self._fetch[0] >= version and now - self._fetch[1] < FETCH_RETRY_S:
+                return
+            self._fetch = (version, now)
+        self.link.send(AdapterFetch(version=0))
+
+    # -- dispatcher thread -------------------------------------------------------------------------------------
+
+    def _dispatch(self) -> None:
+        while not self._stop.is_set():
+            item = self.link.recv(timeout_s=0.1)
+            if item is None:
+                continue
+            try:
+                if isinstance(item, Reconnected):
+                    self._on_reconnected(item)
+                else:
+                    self._on_message(item)
+            except Exception as exc:  # a bad message must not kill the session; count it and go on
+                self.metrics.inc("client_errors", kind=type(exc).__name__)
+                log.exception("dispatch_failed", error=str(exc))
+
+    def _on_message(self, item: Incoming) -> None:
+        record = item.record
+        if isinstance(record, LeaseGrant):
+            with self._lock:
+                self._lease_request_deadline = None
+            if record.reason == "stale_adapter":
+                self.fetch_adapter(record.latest_version)
+            self.grants.put(record)
+            self.wake.set()
+        elif isinstance(record, protocol.Ack):
+            if record.ref_kind == Kind.ROLLOUT_GROUP:
+                with self._lock:
+                    pending = self._unacked.pop(record.ref_id, None)
+                if pending is not None:
+                    self.metrics.inc("groups_acked", status=record.status)
+                    log.info("group_acked", group_id=record.ref_id, status=record.status,
+                             rtt_ms=round((time.monotonic() - pending.first_sent) * 1000, 1), sends=pending.num_sends)
+                    self.wake.set()
+        elif isinstance(record, AdapterNotice):
+            if record.version > self.adapter_version:
+                self.fetch_adapter(record.version)
+        elif isinstance(record, AdapterUpdate):
+            self._on_adapter(record, item)
+        elif isinstance(record, Error):
+            self._on_error(record)
+        else:
+            self.metrics.inc("unexpected_messages", kind=type(record).__name__)
+            log.warning("unexpected_message", kind=type(record).__name__)
+
+    def _on_adapter(self, update: AdapterUpdate, item: Incoming) -> None:
+        with self._lock:
+            if self._fetch is not None and update.version >= self._fetch[0]:
+                self._fetch = None
+        if update.version <= self.adapter_version:
+            return  # an answer to an older fetch
+        try:
+            adapter = self.store.receive(update, item.envelope.specs, item.envelope.frames)
+        except AdapterRejected as exc:
+            self.metrics.inc("adapters_rejected", reason=exc.reason)
+            log.warning("adapter_rejected", version=update.version, reason=exc.reason, error=str(exc))
+            return
+        self.adapter_version = adapter.version
+        self.metrics.inc("adapters_received")
+        self.metrics.inc("adapter_bytes_received", adapter.num_bytes)
+        self.adapters.put(adapter)
+        self.wake.set()
+
+    def _on_error(self, error: Error) -> None:
+        self.metrics.inc("broker_errors", code=error.code)
+        if error.ref_kind == Kind.ROLLOUT_GROUP and error.ref_id:
+            with self._lock:
+                dropped = self._unacked.pop(error.ref_id, None)
+            if dropped is not None:
+                self.metrics.inc("groups_rejected", reason=error.code)
+        elif error.ref_kind == Kind.LEASE_REQUEST:
+            with self._lock:
+                self._lease_request_deadline = None
+            self.wake.set()
+        elif error.ref_kind == Kind.ADAPTER_FETCH:
+            with self._lock:
+                self._fetch = None
+        log.warning("broker_error", code=error.code, message=error.message, ref_kind=error.ref_kind,
+                    ref_id=error.ref_id)
+
+    def _on_reconnected(self, event: Reconnected) -> None:
+        self.welcome = event.welcome
+        with self._lock:
+            self._lease_request_deadline = None
+            self._fetch = None
+            pending = list(self._unacked.values())
+            for group in pending:
+                group.num_sends += 1
+        for group in pending:
+            self.link.send_frames(list(group.frames))
+        self.metrics.inc("groups_resent", len(pending))
+        log.info("broker_reconnected", broker_id=event.welcome.broker_id, resent=len(pending),
+                 latest_version=event.welcome.latest_version)
+        self.wake.set()

@@ -1,0 +1,47 @@
+"""Environments behind one interface (:mod:`.base`): built-in single-turn and calculator-tool tasks, user ones.
+
+:class:`EnvResolver` picks the environment for each lease: ``worker.env`` when set (a user environment for every
+task), else the built-in one for the lease's task (``calculator`` -> :class:`CalculatorEnv`, anything else ->
+:class:`SingleTurnEnv` with the exact-answer score of :mod:`common.tasks`).
+"""
+
+from __future__ import annotations
+
+from common.tasks import BUILTIN_TASKS, Task
+from rollout_worker.envs.base import Environment, Episode, Step
+from rollout_worker.envs.calculator import CalculatorEnv
+from rollout_worker.envs.single_turn import SingleTurnEnv
+from rollout_worker.plugins import load_object
+
+__all__ = ["CalculatorEnv", "EnvResolver", "Environment", "Episode", "SingleTurnEnv", "Step", "load_env"]
+
+
+def load_env(spec: str) -> Environment:
+    """A user environment from ``package.module:Name`` (a class is instantiated without arguments)."""
+    obj = load_object(spec, "worker.env")
+    env = obj() if isinstance(obj, type) else obj
+    if not isinstance(env, Environment):
+        raise ValueError(f"worker.env = {spec!r} is not an Environment (subclass rollout_worker.envs.Environment)")
+    return env
+
+
+def builtin_env(task: str) -> Environment:
+    if task == "calculator":
+        return CalculatorEnv()
+    task_class = BUILTIN_TASKS.get(task)
+    return SingleTurnEnv(task_class() if task_class is not None else Task())
+
+
+class EnvResolver:
+    """The environment of each task name, built once."""
+
+    def __init__(self, env_spec: str = "") -> None:
+        self._user = load_env(env_spec) if env_spec else None
+        self._builtin: dict[str, Environment] = {}
+
+    def for_task(self, task: str) -> Environment:
+        if self._user is not None:
+            return self._user
+        if task not in self._builtin:
+            self._builtin[task] = builtin_env(task)
+        return self._builtin[task]

@@ -1,0 +1,363 @@
+"""Rollouts of leased prompt groups: samples advance chunk by chunk while environment turns run beside them.
+
+:class:`Rollouts` holds every sample of every group the worker has leased; the worker loop calls :meth:`step`::
+
+    ready samples --- backend.generate: <= chunk_tokens each, under the version the partial policy picks ---+
+         ^                                                                                                 |
+         | environment reply (loss mask 0)               turn over: EOS, a stop string or max_new_tokens   |
+         +------- environment step, one guarded thread per sample <----------------------------------------+
+                                  | done + reward (failures: reward 0, counted)
+                                  v
+                  every sample of a group done -> FinishedGroup (RolloutGroup header + 5 tensors)
+
+One round generates one chunk for every ready sample of every group at once, so samples of different lengths
+and groups leased at different times share batches: a sample that ends leaves at the next chunk boundary, one
+whose environment step returned joins the next round. A slow environment step holds up only its own sample.
+
+Versions and partial rollouts. ``current_version`` is the newest adapter the backend holds (the worker raises
+it when one arrives). Every generated token records the version that produced it; environment tokens record
+the current version when they are appended (never older than the sample's own tokens, so they never make a
+group look staler). When a new version arrives while a sample is under way, ``worker.partial_policy`` decides
+at the sample's next chunk boundary:
+
+- ``finish``: the sample keeps the version of its first token to the end (that version stays resident:
+  :meth:`versions_in_use`);
+- ``continue``: later chunks use the new version; the prefix is kept and re-read by the new adapter, so one
+  sample may span versions;
+- ``abort``: the sample's tokens are dropped and it starts again from the prompt under the new version
+  (counter ``samples_aborted``); samples already done are kept.
+
+A group's ``min_version`` is the oldest version of any of its tokens: what the broker's staleness rule uses.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+from common.config import WorkerConfig
+from common.logging import get_logger
+from common.metrics import Metrics
+from common.protocol import PromptLease, RolloutGroup
+from rollout_worker.backends.base import Backend, GenRequest
+from rollout_worker.envs import Environment, EnvResolver, Episode, Step
+from rollout_worker.rewards import GuardedCall, InvalidReward, RewardFn, as_reward, call_guarded
+
+log = get_logger("rollout")
+
+READY, IN_ENV, DONE = "ready", "env", "done"
+
+
+@dataclass(slots=True, kw_only=True)
+class Sample:
+    """One episode of a group: its tokens so far and where it stands."""
+
+    index: int
+    episode: Episode
+    completion_ids: list[int] = field(default_factory=list)
+    logprobs: list[float] = field(default_factory=list)
+    versions: list[int] = field(default_factory=list)
+    loss_mask: list[int] = field(default_factory=list)
+    status: str = READY
+    turn: int = 0  # model turns completed
+    turn_start: int = 0  # index in completion_ids where the current model turn began
+    turn_tokens: int = 0  # tokens generated in the current model turn
+    version: int | None = None  # version of the episode's first generated token (None: nothing generated yet)
+    env_state: Any = None
+    call: GuardedCall | None = None  # the environment step in flight
+    turn_end: str = ""  # how the last model turn ended: eos, stop or length
+    finish_reason: str = ""
+    reward: float = 0.0
+    num_aborts: int = 0
+
+    def append(self, token_ids: list[int], logprobs: list[float], version: int, trained: bool) -> None:
+        self.completion_ids += token_ids
+        self.logprobs += logprobs
+        self.versions += [version] * len(token_ids)
+        self.loss_mask += [int(trained)] * len(token_ids)
+
+    def truncate(self, length: int) -> None:
+        for tokens in (self.completion_ids, self.logprobs, self.versions, self.loss_mask):
+            del tokens[length:]
+
+
+@dataclass(slots=True, kw_only=True)
+class GroupRollout:
+    lease: PromptLease
+    env: Environment
+    prompt_ids: list[int]
+    samples: list[Sample]
+    start_version: int
+    started_unix: float = field(default_factory=time.time)
+    generate_s: float = 0.0
+    reward_s: float = 0.0
+    num_reward_failures: int = 0
+
+    @property
+    def done(self) -> bool:
+        return all(s.status == DONE for s in self.samples)
+
+
+@dataclass(slots=True, kw_only=True)
+class FinishedGroup:
+    """A complete group, ready to submit: the RolloutGroup header and its tensors (numpy, in wire order)."""
+
+    group: RolloutGroup
+    tensors: list[tuple[str, np.ndarray]]
+
+
+class Rollouts:
+    """The samples of every leased group, advanced one chunk round at a time (see the module docstring)."""
+
+    def __init__(self, backend: Backend, envs: EnvResolver, config: WorkerConfig, *, worker_id: str,
+                 max_seq_len: int, metrics: Metrics | None = None, reward_fn: RewardFn | None = None,
+                 wake: threading.Event | None = None, greedy: bool = False) -> None:
+        self.backend = backend
+        self.envs = envs
+        self.config = config
+        self.worker_id = worker_id
+        self.max_seq_len = max_seq_len
+        self.metrics = metrics or Metrics()
+        self.reward_fn = reward_fn
+        self.wake = wake or threading.Event()
+        self.greedy = greedy
+        self.current_version = 0
+        self.groups: dict[str, GroupRollout] = {}  # by lease id, in lease order
+
+    # -- groups ------------------------------------------------------------------------------------------------
+
+    def add(self, lease: PromptLease) -> None:
+        """Start the group of a granted lease."""
+        env = self.envs.for_task(lease.task)
+        group = GroupRollout(lease=lease, env=env, prompt_ids=self.backend.encode(lease.prompt), samples=[],
+                             start_version=self.current_version)
+        for index in range(lease.group_size):
+            episode = Episode(prompt=lease.prompt, answer=lease.answer, task=lease.task, meta=lease.meta,
+                              group_id=lease.group_id, index=index)
+            sample = Sample(index=index, episode=episode)
+            group.samples.append(sample)
+            self._start_episode(group, sample)
+        self.groups[lease.lease_id] = group
+
+    def remove(self, lease_id: str) -> GroupRollout:
+        """Stop a group (its lease is being returned); its environment calls are abandoned."""
+        return self.groups.pop(lease_id)
+
+    @property
+    def num_groups(self) -> int:
+        return len(self.groups)
+
+    def has_ready(self) -> bool:
+        return any(s.status == READY for g in self.groups.values() for s in g.samples)
+
+    def next_deadline(self) -> float | None:
+        """Monotonic time of the earliest environment-step deadline, if any step is in flight."""
+        deadlines = [s.call.deadline for g in self.groups.values() for s in g.samples
+                     if s.status == IN_ENV and s.call is not None]
+        return min(deadlines, default=None)
+
+    def versions_in_use(self) -> set[int]:
+        """Versions pinned by samples under way (``finish`` policy); the backend must keep them."""
+        if self.config.partial_policy != "finish":
+            return set()
+        return {s.version for g in self.groups.values() for s in g.samples
+                if s.status != DONE and s.version is not None}
+
+    # -- one round ---------------------------------------------------------------------------------------------
+
+    def step(self) -> list[FinishedGroup]:
+        """Collect finished environment steps, generate one chunk for every ready sample, collect again."""
+        self._collect()
+        ready = [(g, s) for g in self.groups.values() for s in g.samples if s.status == READY]
+        if ready:
+            self._generate(ready)
+            self._collect()
+        return self._pop_finished()
+
+    def poll(self) -> list[FinishedGroup]:
+        """Collect finished environment steps without generating."""
+        self._collect()
+        return self._pop_finished()
+
+    def _generate(self, ready: list[tuple[GroupRollout, Sample]]) -> None:
+        chunk = self.config.chunk_tokens
+        batch: list[tuple[GroupRollout, Sample, int]] = []
+        requests = []
+        for group, sample in ready:
+            version = self._version_for(group, sample)
+            room = self.max_seq_len - len(group.prompt_ids) - len(sample.completion_ids)
+            budget = min(chunk, self.config.max_new_tokens - sample.turn_tokens, room)
+            if budget <= 0:
+                self._end_turn(group, sample, "length")
+                continue
+            batch.append((group, sample, version))
+            requests.append(GenRequest(token_ids=group.prompt_ids + sample.completion_ids, max_tokens=budget,
+                                       version=version, num_generated=sample.turn_tokens,
+                                       key=f"{group.lease.group_id}/{sample.index}/{sample.num_aborts}/{sample.turn}"))
+        if not requests:
+            return
+        started = time.monotonic()
+        outputs = self.backend.generate(requests, greedy=self.greedy)
+        elapsed_s = time.monotonic() - started
+        for group in {id(g): g for g, _, _ in batch}.values():
+            group.generate_s += elapsed_s
+        num_tokens = 0
+        for (group, sample, version), output in zip(batch, outputs, strict=True):
+            if sample.version is None:
+                sample.version = version
+            chunk_start = len(sample.completion_ids)
+            sample.append(output.token_ids, output.logprobs, version, trained=True)
+            sample.turn_tokens += len(output.token_ids)
+            end = ""
+            if output.finished:
+                end = "eos"
+            elif group.env.stop_strings and self._cut_at_stop(group.env, sample, chunk_start):
+                end = "stop"
+            elif (sample.turn_tokens >= self.config.max_new_tokens
+                  or len(group.prompt_ids) + len(sample.completion_ids) >= self.max_seq_len):
+                end = "length"
+            num_tokens += len(sample.completion_ids) - chunk_start
+            if end:
+                self._end_turn(group, sample, end)
+        self.metrics.inc("tokens_generated", num_tokens)
+
+    def _version_for(self, group: GroupRollout, sample: Sample) -> int:
+        """The version that generates the sample's next chunk (the partial policy; see the module docstring)."""
+        newest = self.current_version
+        if sample.version is None or sample.version == newest:
+            return newest
+        policy = self.config.partial_policy
+        if policy == "finish":
+            if self.backend.has_version(sample.version):
+                return sample.version
+            self.metrics.inc("pinned_version_lost")
+            log.warning("pinned_version_lost", version=sample.version, newest=newest)
+            return newest
+        if policy == "abort":
+            sample.truncate(0)
+            sample.turn = sample.turn_start = sample.turn_tokens = 0
+            sample.version = None
+            sample.num_aborts += 1
+            self.metrics.inc("samples_aborted")
+            self._start_episode(group, sample)
+        return newest
+
+    def _cut_at_stop(self, env: Environment, sample: Sample, chunk_start: int) -> bool:
+        """End the turn right after a stop string that appeared in this chunk; True if one did."""
+        turn_ids = sample.completion_ids[sample.turn_start:]
+        if not any(stop in self.backend.decode(turn_ids) for stop in env.stop_strings):
+            return False
+        first = max(1, chunk_start - sample.turn_start)
+        for length in range(first, len(turn_ids) + 1):  # the shortest prefix holding a stop string
+            if any(stop in self.backend.decode(turn_ids[:length]) for stop in env.stop_strings):
+                break
+        sample.turn_tokens -= len(turn_ids) - length
+        sample.truncate(sample.turn_start + length)
+        return True
+
+    # -- environment steps -------------------------------------------------------------------------------------
+
+    def _start_episode(self, group: GroupRollout, sample: Sample) -> None:
+        outcome = call_guarded(group.env.start, sample.episode, timeout_s=self.config.reward_timeout_s)
+        sample.status = READY
+        if outcome.ok:
+            sample.env_state = outcome.value
+        else:
+            self._fail(group, sample, outcome.failure, outcome.error)
+
+    def _end_turn(self, group: GroupRollout, sample: Sample, end: str) -> None:
+        turn_ids = sample.completion_ids[sample.turn_start:]
+        if end == "eos":
+            turn_ids = turn_ids[:-1]
+        sample.turn_end = end
+        sample.status = IN_ENV
+        sample.call = GuardedCall(self._env_step, group, sample, self.backend.decode(turn_ids), end == "eos",
+                                  timeout_s=self.config.reward_timeout_s, on_done=self.wake.set)
+
+    def _env_step(self, group: GroupRollout, sample: Sample, turn: str, finished: bool) -> Step:
+        """Runs in the step's guarded thread: the environment's answer, and the reward override when done."""
+        step = group.env.step(sample.env_state, turn, finished=finished, episode=sample.episode)
+        if not isinstance(step, Step):
+            raise InvalidReward(f"{type(group.env).__name__}.step returned {type(step).__name__}, not a Step", "type")
+        if step.done:
+            step.reward = as_reward(step.reward)
+            if self.reward_fn is not None:
+                episode = sample.episode
+                step.reward = as_reward(self.reward_fn(self.backend.decode(sample.completion_ids), episode.answer,
+                                                       prompt=episode.prompt, task=episode.task, meta=episode.meta,
+                                                       finished=finished))
+        return step
+
+    def _collect(self) -> None:
+        now = time.monotonic()
+        for group in self.groups.values():
+            for sample in group.samples:
+                if sample.status != IN_ENV or sample.call is None:
+                    continue
+                outcome = sample.call.poll(now)
+                if outcome is None:
+                    continue
+                sample.call = None
+                group.reward_s += outcome.duration_s
+                if not outcome.ok:
+                    self._fail(group, sample, outcome.failure, outcome.error)
+                    continue
+                self._apply_step(group, sample, outcome.value)
+
+    def _apply_step(self, group: GroupRollout, sample: Sample, step: Step) -> None:
+        if step.done:
+            sample.status = DONE
+            sample.reward = step.reward
+            sample.finish_reason = "length" if sample.turn_end == "length" else "stop"
+            return
+        sample.turn += 1
+        max_turns = group.env.max_turns or self.config.max_turns
+        if sample.turn >= max_turns:
+            sample.status, sample.reward, sample.finish_reason = DONE, 0.0, "turn_limit"
+            return
+        room = self.max_seq_len - len(group.prompt_ids) - len(sample.completion_ids)
+        reply = self.backend.encode_continuation(step.reply)[:max(0, room)]
+        sample.append(reply, [0.0] * len(reply), self.current_version, trained=False)
+        sample.turn_start = len(sample.completion_ids)
+        sample.turn_tokens = 0
+        sample.status = READY
+
+    def _fail(self, group: GroupRollout, sample: Sample, reason: str, error: str) -> None:
+        """User code failed: the sample ends with reward 0, counted and logged."""
+        sample.status, sample.reward, sample.finish_reason = DONE, 0.0, "error"
+        group.num_reward_failures += 1
+        self.metrics.inc("reward_failures", reason=reason)
+        log.warning("reward_failed", group_id=group.lease.group_id, sample=sample.index, reason=reason, error=error)
+
+    # -- finished groups ---------------------------------------------------------------------------------------
+
+    def _pop_finished(self) -> list[FinishedGroup]:
+        finished = [lease_id for lease_id, g in self.groups.items() if g.done]
+        return [self._assemble(self.groups.pop(lease_id)) for lease_id in finished]
+
+    def _assemble(self, group: GroupRollout) -> FinishedGroup:
+        samples = group.samples
+        versions = [v for s in samples for v in s.versions]
+        header = RolloutGroup(
+            group_id=group.lease.group_id, lease_id=group.lease.lease_id, worker_id=self.worker_id,
+            task=group.lease.task[:128], prompt_lens=[len(group.prompt_ids)] * len(samples),
+            completion_lens=[len(s.completion_ids) for s in samples], rewards=[s.reward for s in samples],
+            finish_reasons=[s.finish_reason for s in samples],
+            min_version=min(versions, default=group.start_version),
+            max_version=max(versions, default=group.start_version),
+            generate_s=group.generate_s, reward_s=group.reward_s, created_unix=time.time(),
+            num_reward_failures=group.num_reward_failures,
+            metrics={"num_turns": sum(s.turn + 1 for s in samples), "num_aborts": sum(s.num_aborts for s in samples),
+                     "num_generated_tokens": sum(sum(s.loss_mask) for s in samples)})
+        tensors = [
+            ("prompt_ids", np.tile(np.asarray(group.prompt_ids, dtype=np.int32), len(samples))),
+            ("completion_ids", np.asarray([t for s in samples for t in s.completion_ids], dtype=np.int32)),
+            ("logprobs", np.asarray([x for s in samples for x in s.logprobs], dtype=np.float32)),
+            ("versions", np.asarray(versions, dtype=np.int32)),
+            ("loss_mask", np.asarray([m for s in samples for m in s.loss_mask], dtype=np.uint8)),
+        ]
+        return FinishedGroup(group=header, tensors=tensors)

@@ -1,0 +1,247 @@
+"""The worker loop: leases in, scored rollout groups out, adapters swapped between chunks.
+
+    consumes   LeaseGrants and verified adapters (queued by the BrokerSession's dispatcher thread) and
+               finished environment steps (guarded threads)
+    produces   RolloutGroups (kept until acked), LeaseRequests, LeaseReturns when stopping
+    blocks on  the backend's generate call (one chunk round); with nothing ready, on the wake event, set by a
+               grant, an adapter, an ack, an environment step or SIGTERM (timeout: the next step deadline)
+    owns       the backend: no other thread touches the model
+
+    loop:
+        new adapters -> backend; current version = the newest; versions beyond retention unloaded and deleted
+        granted leases -> new groups in Rollouts
+        groups < worker.capacity -> keep one LeaseRequest outstanding (a long-poll at the broker)
+        a sample ready -> one chunk round (Rollouts.step), else wait for the wake event
+        finished groups -> submit (BrokerSession keeps them until acked, re-sends after a broker restart)
+
+Heartbeats run in BrokerLink's I/O thread, so a long chunk never looks like a dead worker; the loop only keeps
+the reported state current (starting, idle, waiting, generating, scoring, stopping), mirrored into the run's
+timeline (``timeline/worker-<id>.jsonl``).
+
+SIGTERM (or SIGINT): stop leasing, return the leases of unfinished groups (LeaseReturn; the broker re-queues
+them), wait up to ``STOP_ACK_WAIT_S`` for the acks of submitted groups, say Bye, exit 0. After SIGKILL the broker
+reclaims the leases itself (missed heartbeats, or a hello with a new session from the same worker id).
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+from common.config import Config
+from common.logging import bind, get_logger
+from common.metrics import Metrics, serve_prometheus
+from common.protocol import LeaseGrant
+from common.timeline import Timeline
+from common.transport import BrokerUnavailable
+from rollout_worker.adapters import AdapterStore
+from rollout_worker.backends import Backend, make_backend, resident_count
+from rollout_worker.client import LEASE_WAIT_MS, BrokerSession
+from rollout_worker.envs import EnvResolver
+from rollout_worker.rewards import load_reward
+from rollout_worker.rollout import Rollouts
+
+log = get_logger("worker")
+
+STOP_ACK_WAIT_S = 10.0
+IDLE_WAIT_S = 0.5
+EMPTY_GRANT_BACKOFF_S = 0.2
+
+
+def default_worker_id() -> str:
+    return f"{socket.gethostname()}-{os.getpid()}"
+
+
+class Worker:
+    """One rollout worker process (see the module docstring)."""
+
+    def __init__(self, config: Config, *, worker_id: str, session: BrokerSession, backend: Backend,
+                 store: AdapterStore, metrics: Metrics, wake: threading.Event, stop: threading.Event,
+                 timeline: Timeline, max_staleness: int) -> None:
+        self.config = config
+        self.worker_id = worker_id
+        self.session = session
+        self.backend = backend
+        self.store = store
+        self.metrics = metrics
+        self.wake = wake
+        self.stop = stop
+        self.timeline = timeline
+        self.num_resident = resident_count(config, max_staleness)
+        self.rollouts = Rollouts(backend, EnvResolver(config.worker.env), config.worker, worker_id=worker_id,
+                                 max_seq_len=config.model.max_seq_len, metrics=metrics,
+                                 reward_fn=load_reward(config.worker.reward), wake=wake)
+        self._next_request_at = 0.0
+        self._state = ""
+
+    # -- the loop ----------------------------------------------------------------------------------------------
+
+    def run(self) -> None:
+        while not self.stop.is_set():
+            self.wake.clear()
+            self._load_adapters()
+            self._start_granted()
+            self._request_leases()
+            if self.rollouts.has_ready():
+                self._mark("generating")
+                finished = self.rollouts.step()
+            else:
+                finished = self.rollouts.poll()
+                if not finished:
+                    self._mark("scoring" if self.rollouts.num_groups else
+                               "waiting" if self.session.lease_request_pending else "idle")
+                    self.wake.wait(self._wait_s())
+            for group in finished:
+                self.session.submit(group)
+                log.info("group_submitted", group_id=group.group.group_id, min_version=group.group.min_version,
+                         max_version=group.group.max_version, reward=round(sum(group.group.rewards)
+                                                                           / group.group.num_samples, 3))
+            self._report()
+        self._shutdown()
+
+    def _wait_s(self) -> float:
+        deadline = self.rollouts.next_deadline()
+        wait_s = IDLE_WAIT_S if deadline is None else min(IDLE_WAIT_S, deadline - time.monotonic())
+        return max(0.0, min(wait_s, self._next_request_at - time.monotonic()) if self._next_request_at
+                   > time.monotonic() else wait_s)
+
+    def _load_adapters(self) -> None:
+        """Load every adapter that arrived; the newest becomes current; old ones beyond retention go."""
+        loaded = False
+        while True:
+            try:
+                adapter = self.session.adapters.get_nowait()
+            except Exception:  # queue.Empty
+                break
+            started = time.monotonic()
+            try:
+                self.backend.add_adapter(adapter)
+            except ValueError as exc:
+                self.metrics.inc("adapters_rejected", reason="load")
+                log.error("adapter_load_failed", version=adapter.version, error=str(exc))
+                continue
+            loaded = True
+            log.info("adapter_loaded", version=adapter.version, load_ms=round((time.monotonic() - started) * 1000, 1),
+                     num_bytes=adapter.num_bytes)
+        if not loaded:
+            return
+        newest = self.backend.newest_version
+        if newest > self.rollouts.current_version:
+            self.rollouts.current_version = newest
+            self.session.set_adapter_version(newest)
+            bind(version=newest)
+        keep = set(sorted(self.backend.adapters)[-self.num_resident:]) | self.rollouts.versions_in_use()
+        self.backend.retain(keep)
+        self.store.prune(keep, upto_version=newest)
+
+    def _start_granted(self) -> None:
+        while True:
+            try:
+                grant: LeaseGrant = self.session.grants.get_nowait()
+            except Exception:  # queue.Empty
+                return
+            if not grant.leases:
+                self.metrics.inc("empty_grants", reason=grant.reason or "none")
+                self._next_request_at = time.monotonic() + EMPTY_GRANT_BACKOFF_S
+                continue
+            if self.stop.is_set():
+                self.session.return_leases([lease.lease_id for lease in grant.leases], "worker stopping")
+                continue
+            for lease in grant.leases:
+                self.rollouts.add(lease)
+                self.metrics.inc("leases_granted")
+                log.info("lease_granted", group_id=lease.group_id, lease_id=lease.lease_id,
+                         group_size=lease.group_size)
+
+    def _request_leases(self) -> None:
+        free = self.config.worker.capacity - self.rollouts.num_groups
+        if free <= 0 or self.session.lease_request_pending or time.monotonic() < self._next_request_at:
+            return
+        self.session.request_leases(free, self.rollouts.current_version, wait_ms=LEASE_WAIT_MS)
+
+    def _mark(self, state: str) -> None:
+        if state != self._state:
+            self._state = state
+            self.timeline.mark(state)
+            self.session.link.set_state(state, num_leases=self.rollouts.num_groups)
+
+    def _report(self) -> None:
+        m = self.metrics
+        self.session.link.set_state(num_leases=self.rollouts.num_groups,
+                                    groups_submitted=int(m.total("groups_submitted")),
+                                    tokens_generated=int(m.total("tokens_generated")),
+                                    reward_failures=int(m.total("reward_failures")),
+                                    adapters_received=int(m.total("adapters_received")),
+                                    unacked=self.session.num_unacked)
+
+    # -- stopping ----------------------------------------------------------------------------------------------
+
+    def _shutdown(self) -> None:
+        self._mark("stopping")
+        unfinished = list(self.rollouts.groups)
+        for lease_id in unfinished:
+            self.rollouts.remove(lease_id)
+        self.session.return_leases(unfinished, "worker stopping")
+        deadline = time.monotonic() + STOP_ACK_WAIT_S
+        while time.monotonic() < deadline and self.session.num_unacked:
+            self.wake.clear()
+            self._start_granted()  # a grant answering our last request goes straight back
+            self.wake.wait(0.1)
+        self._start_granted()
+        log.info("stopped", returned=len(unfinished), unacked=self.session.num_unacked,
+                 submitted=int(self.metrics.total("groups_submitted")))
+
+
+def run(config: Config) -> int:
+    """Join the broker, load the backend, generate until SIGTERM; returns the exit code."""
+    worker_id = config.worker.id or default_worker_id()
+    bind(worker=worker_id)
+    stop, wake = threading.Event(), threading.Event()
+
+    def on_signal(signum: int, frame: Any) -> None:
+        log.info("signal", signal=signal.Signals(signum).name)
+        stop.set()
+        wake.set()
+
+    signal.signal(signal.SIGTERM, on_signal)
+    signal.signal(signal.SIGINT, on_signal)
+    timeline = Timeline.for_process(config.run_dir, f"worker-{worker_id}")
+    timeline.mark("starting")
+    metrics = Metrics()
+    if config.worker.metrics_port:
+        serve_prometheus(metrics, config.worker.metrics_port)
+    store = AdapterStore(Path(config.worker.adapter_dir or config.run_dir / "workers" / worker_id / "adapters"))
+    session = BrokerSession(config, worker_id=worker_id, store=store, metrics=metrics, wake=wake,
+                            security=_security(config))
+    try:
+        welcome = session.start()
+    except BrokerUnavailable as exc:
+        log.error("broker_unavailable", error=str(exc))
+        return 1
+    backend: Backend | None = None
+    try:
+        started = time.monotonic()
+        backend = make_backend(config, worker_id=worker_id, max_staleness=welcome.max_staleness)
+        log.info("backend_ready", load_s=round(time.monotonic() - started, 2), **backend.describe())
+        worker = Worker(config, worker_id=worker_id, session=session, backend=backend, store=store, metrics=metrics,
+                        wake=wake, stop=stop, timeline=timeline, max_staleness=welcome.max_staleness)
+        worker.run()
+    finally:
+        session.close(reason="worker stopping")
+        if backend is not None:
+            backend.close()
+    timeline.mark("idle")
+    return 0
+
+
+def _security(config: Config) -> Any:
+    if not config.security.enabled:
+        return None
+    from common.security import ClientSecurity
+
+    return ClientSecurity.load(config.security.keys_dir, config.security.client_key or "worker")
