@@ -1,8 +1,8 @@
 """The adapter relay's memory: the newest published adapter versions, kept as the frames that arrived.
 
-The learner publishes an AdapterUpdate (PEFT tensor names, dtypes, shapes, sha256 over the tensor bytes in
-header order). The broker checks the digest once, reading the frames in place (``hashlib`` over memoryviews,
-no copy), then keeps the *whole received message* — preamble, header and tensor frames — and forwards it
+The learner publishes an AdapterUpdate (PEFT tensor names, dtypes, shapes, sha256 over the tensor frames in
+order, :func:`common.framing.frames_sha256`). The broker checks the digest once, reading the frames in place
+(``hashlib`` over memoryviews, no copy), then keeps the *whole received message* — preamble, header and tensor frames — and forwards it
 unchanged to every worker that fetches it: re-sending a ``zmq.Frame`` shares its buffer, so sixteen workers
 fetching a 50 MB adapter cost no extra 50 MB copies in the broker. The newest ``num_kept`` versions are
 kept (workers a little behind can still fetch the version they ask for); older ones are released.
@@ -12,28 +12,15 @@ Pure logic apart from hashing: no sockets.
 
 from __future__ import annotations
 
-import hashlib
 import time
 from collections import OrderedDict
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from common import framing
 from common.framing import TensorSpec
 from common.protocol import AdapterNotice, AdapterUpdate, ProtocolError
-
-
-def _view(frame: Any) -> memoryview:
-    buffer = getattr(frame, "buffer", None)
-    return buffer if buffer is not None else memoryview(frame)
-
-
-def tensor_sha256(specs: Sequence[TensorSpec], frames: Sequence[Any]) -> str:
-    """sha256 over the tensor bytes in header order, read in place."""
-    digest = hashlib.sha256()
-    for spec in specs:
-        digest.update(_view(frames[spec.frame]))
-    return digest.hexdigest()
 
 
 @dataclass(slots=True, kw_only=True)
@@ -78,11 +65,10 @@ class AdapterCache:
         if newest is not None and update.version <= newest.version:
             raise ProtocolError(f"AdapterUpdate version {update.version} does not advance the newest kept "
                                 f"version {newest.version}", code="stale_version")
-        tensor_frames = message[2:]
-        actual = tensor_sha256(specs, tensor_frames)
+        actual = framing.frames_sha256(message[2:])
         if actual != update.sha256.lower():
-            raise ProtocolError(f"AdapterUpdate v{update.version}: sha256 of the tensor bytes is {actual}, the header "
-                                f"says {update.sha256!r} (hash every tensor's raw bytes in header order)")
+            raise ProtocolError(f"AdapterUpdate v{update.version}: sha256 of the tensor frames is {actual}, the header "
+                                f"says {update.sha256!r} (common.framing.frames_sha256 over the tensor frames)")
         stored = StoredAdapter(version=update.version, update=update, message=list(message),
                                num_bytes=sum(s.num_bytes for s in specs), num_tensors=len(specs),
                                received_unix=time.time())

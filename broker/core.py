@@ -42,7 +42,7 @@ from broker.leases import Lease, LeaseTable
 from broker.peers import Peer, PeerRegistry, RegistryFull
 from broker.prompts import PromptKey, PromptSource, group_id_of, parse_group_id
 from broker.snapshot import build_snapshot
-from broker.state import check_matches, load_state, make_state, save_state
+from broker.state import BrokerState, StateWriter, check_matches, load_state, make_state
 from broker.stats import BrokerStats
 from common import framing, protocol, versions
 from common.config import Config
@@ -71,6 +71,7 @@ SENDERS: dict[int, frozenset[str] | None] = {
 }
 PEER_CHECK_FRACTION = 0.5  # check liveness every half heartbeat interval
 STATS_TICK_S = 1.0
+RESERVE_BLOCK = 4096  # new prompt keys handed out per state-file write (re-queued, not lost, after a crash)
 
 
 @dataclass(slots=True)
@@ -141,13 +142,14 @@ class BrokerCore:
             self.num_trained_total = persisted.num_trained_groups
         self.base_version = self.latest_version
         self.prompts = PromptSource(task, prompt_limit=broker.prompt_limit, num_epochs=broker.num_epochs,
-                                    reserve_block=max(256, self.capacity_groups))
+                                    reserve_block=max(RESERVE_BLOCK, 4 * self.capacity_groups))
         if persisted is not None:
             cursor = persisted.reserved_key
             requeued = sorted(set(persisted.pending_keys())
                               | set(self.prompts.keys_between(persisted.cursor_key, persisted.reserved_key)))
+            requeued = [k for k in requeued if not broker.num_epochs or k[0] < broker.num_epochs]
             self.prompts = PromptSource(task, prompt_limit=broker.prompt_limit, num_epochs=broker.num_epochs,
-                                        reserve_block=max(256, self.capacity_groups), cursor=cursor,
+                                        reserve_block=max(RESERVE_BLOCK, 4 * self.capacity_groups), cursor=cursor,
                                         requeued=requeued)
             log.info("state_restored", path=str(self.state_path), cursor=list(cursor), requeued=len(requeued),
                      latest_version=self.latest_version)
@@ -157,7 +159,9 @@ class BrokerCore:
         self.lease_waiters: deque[Waiter] = deque()
         self.batch_waiters: deque[Waiter] = deque()
         self.outbox: list[Outgoing] = []
-        self._after_persist: list[Outgoing] = []
+        self.writer = StateWriter(self.state_path) if self.state_path else None
+        self._unsubmitted: list[Outgoing] = []  # replies that need the next state write
+        self._awaiting_write: deque[tuple[int, list[Outgoing]]] = deque()  # (write seq, replies)
         self._persist_due = False
         self._dirty = False
         self._batch_seq = 0
@@ -168,25 +172,42 @@ class BrokerCore:
 
     # -- persistence -----------------------------------------------------------------------------------------
 
-    def persist(self) -> None:
-        """Write the state file now (synchronously)."""
-        if self.state_path is None:
-            return
-        started = time.perf_counter()
-        save_state(self.state_path, make_state(
+    def _state(self) -> BrokerState:
+        return make_state(
             task=self.config.run.task, seed=self.config.run.seed, epoch_size=self.prompts.epoch_size,
             cursor=self.prompts.cursor, reserved_until=self.prompts.reserved_until,
             pending=self.prompts.pending_keys(), latest_version=self.latest_version,
-            num_trained_groups=self.num_trained_total))
-        self.stats.count("state_writes", "sync")
-        self.stats.metrics.set("persist_seconds", time.perf_counter() - started)
+            num_trained_groups=self.num_trained_total)
+
+    def persist(self) -> None:
+        """Write the state file now, in this thread (start, reserved block, shutdown)."""
+        if self.writer is not None:
+            self.writer.write(self._state())
+            self.stats.count("state_writes", "sync")
+
+    def _submit_write(self) -> None:
+        """Hand the current state to the background writer; replies waiting for it go out once it is durable."""
+        self._persist_due = False
+        replies, self._unsubmitted = self._unsubmitted, []
+        if self.writer is None:
+            self.outbox.extend(replies)
+            return
+        seq = self.writer.submit(self._state())
+        self.stats.count("state_writes", "background")
+        self._awaiting_write.append((seq, replies))
+
+    def _release_durable(self) -> None:
+        """Move replies whose state write is on disk to the outbox."""
+        durable = self.writer.durable_seq if self.writer is not None else 0
+        while self._awaiting_write and self._awaiting_write[0][0] <= durable:
+            self.outbox.extend(self._awaiting_write.popleft()[1])
 
     # -- sending ---------------------------------------------------------------------------------------------
 
     def _send_frames(self, identity: bytes, kind: int, frames: list[Any], on_fail: Callable[[], None] | None = None,
                      after_persist: bool = False) -> None:
         out = Outgoing(identity, frames, kind, on_fail)
-        (self._after_persist if after_persist else self.outbox).append(out)
+        (self._unsubmitted if after_persist else self.outbox).append(out)
         self.stats.count("messages_out", KIND_NAMES[kind])
         self.stats.bytes_out += _nbytes(frames)
 
@@ -213,7 +234,9 @@ class BrokerCore:
 
     def has_work(self) -> bool:
         """Something to send, write or re-evaluate without waiting for a message."""
-        return bool(self.outbox or self._dirty or self._persist_due)
+        durable = self.writer.durable_seq if self.writer is not None else 0
+        return bool(self.outbox or self._dirty or self._persist_due
+                    or (self._awaiting_write and self._awaiting_write[0][0] <= durable))
 
     def send_failed(self, out: Outgoing, reason: str) -> None:
         """zmq refused ``out`` (server calls this); undo what the message promised."""
@@ -521,13 +544,13 @@ class BrokerCore:
                                              deadline_s=now_s + request.wait_ms / 1000))
 
     def _try_serve(self, identity: bytes, request: protocol.BatchRequest, final: bool) -> bool:
-        self._batch_seq += 1
-        batch_id = f"{self.broker_id}.{self._batch_seq}"
+        batch_id = f"{self.broker_id}.{self._batch_seq + 1}"
         groups = self.buffer.serve(request.num_groups, batch_id)
         if groups is None:
             if final:
                 self._send(identity, protocol.Batch(latest_version=self.latest_version))
             return final
+        self._batch_seq += 1
         entries, specs, frames = [], [], []
         for group in groups:
             self.prompts.set_state(group.key, "training")
@@ -629,10 +652,8 @@ class BrokerCore:
     def flush(self, now_s: float) -> list[Outgoing]:
         """Write the state if an ack needs it, serve parked long-polls if anything changed; what to send."""
         if self._persist_due:
-            self._persist_due = False
-            self.persist()
-            self.outbox.extend(self._after_persist)
-            self._after_persist = []
+            self._submit_write()
+        self._release_durable()
         while self._dirty:
             self._dirty = False
             if self.batch_waiters:
@@ -664,8 +685,16 @@ class BrokerCore:
             self._answer_batch_waiter(waiter, now_s, final=True)
         self.lease_waiters.clear()
         self.batch_waiters.clear()
-        self._persist_due = True
-        return self.flush(now_s)
+        if self.writer is not None:
+            self.writer.close()  # finishes a background write in progress
+        self.persist()
+        self.outbox.extend(self._unsubmitted)
+        for _, replies in self._awaiting_write:
+            self.outbox.extend(replies)
+        self._unsubmitted, self._awaiting_write = [], deque()
+        self._persist_due = False
+        out, self.outbox = self.outbox, []
+        return out
 
     def _set_gauges(self) -> None:
         m = self.stats.metrics

@@ -17,7 +17,9 @@
 What it consumes: every client message on the ROUTER (Hello, Heartbeat, LeaseRequest, RolloutGroup,
 LeaseReturn, AdapterFetch, AdapterUpdate, BatchRequest, BatchAck, StatsRequest, Bye) and the socket
 monitor's connect/disconnect events. What it produces: replies and forwarded frames on the same ROUTER, the
-state file, Prometheus gauges. What it blocks on: ``zmq.Poller.poll`` only, with the timeout set to the
+state file (written by a helper thread, :class:`broker.state.StateWriter`, whose "durable" signal arrives on a
+pipe in the same poll: acks that depend on a write wait for it without stalling the loop), Prometheus
+gauges. What it blocks on: ``zmq.Poller.poll`` only, with the timeout set to the
 core's next deadline (capped at ``MAX_POLL_MS`` so a stop request is noticed promptly). What unblocks it: any
 incoming message, a deadline, or :meth:`BrokerServer.stop` (the signal handler). Sends never block: with
 ``ROUTER_MANDATORY`` a peer that is gone (EHOSTUNREACH) or whose queue is full (EAGAIN) makes the send fail
@@ -30,6 +32,8 @@ same ``zmq.Frame`` objects.
 
 from __future__ import annotations
 
+import contextlib
+import os
 import time
 from typing import Any
 
@@ -59,10 +63,20 @@ class BrokerServer:
             self.ctx, config.bind_endpoint, max_message_bytes=config.broker.max_message_bytes, security=security)
         self.endpoint = sockets.connect_endpoint(self.bound_endpoint)
         self.monitor = self.sock.get_monitor_socket(sum(MONITOR_EVENTS))
+        self._wake_r, self._wake_w = os.pipe()  # the state writer's "write is durable" signal
+        os.set_blocking(self._wake_r, False)
+        os.set_blocking(self._wake_w, False)
+        if core.writer is not None:
+            core.writer.on_durable = self._wake
         self.poller = zmq.Poller()
         self.poller.register(self.sock, zmq.POLLIN)
         self.poller.register(self.monitor, zmq.POLLIN)
+        self.poller.register(self._wake_r, zmq.POLLIN)
         self._running = False
+
+    def _wake(self) -> None:
+        with contextlib.suppress(BlockingIOError):  # a full pipe already wakes the loop
+            os.write(self._wake_w, b"w")
 
     def stop(self) -> None:
         """Ask the loop to finish (safe from a signal handler)."""
@@ -82,6 +96,9 @@ class BrokerServer:
                 else:
                     timeout_ms = min(MAX_POLL_MS, max(0, int((core.next_wakeup_s(now_s) - now_s) * 1000) + 1))
                 events = dict(self.poller.poll(timeout_ms))
+                if self._wake_r in events:
+                    with contextlib.suppress(BlockingIOError):
+                        os.read(self._wake_r, 4096)
                 if self.monitor in events:
                     self._read_monitor()
                 if self.sock in events:
@@ -134,3 +151,5 @@ class BrokerServer:
         self.sock.disable_monitor()
         self.monitor.close(linger=0)
         self.sock.close(linger=sockets.LINGER_MS)
+        os.close(self._wake_r)
+        os.close(self._wake_w)

@@ -15,13 +15,20 @@ re-queued prompt; workers re-send the groups they still hold and duplicates are 
 Trained keys leave ``pending`` only in a write that happens before the learner's BatchAck is acknowledged.
 
 Writes are atomic: a temp file in the same directory, flushed and fsynced, then renamed over the old one.
+An fsync costs milliseconds, so the event loop does not wait for the writes that acks depend on:
+:class:`StateWriter` writes in a helper thread, always the newest state submitted (group commit: one write
+covers every ack handled before it was submitted), and reports which submission is durable; the server sends
+an Ack only once the write covering it is durable. Rare writes that must precede what the loop does next
+(start, the reserved block, shutdown) are synchronous (:meth:`StateWriter.write`).
 """
 
 from __future__ import annotations
 
 import json
 import os
+import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -108,3 +115,83 @@ def check_matches(state: BrokerState, *, task: str, seed: int, epoch_size: int |
                          f"{theirs[2] or 'unbounded'} prompts per epoch, but this run has run.task={mine[0]!r} "
                          f"run.seed={mine[1]} with {mine[2] or 'unbounded'}; use the same settings "
                          "(broker.prompt_limit), or another run directory / broker.state_path")
+
+
+class StateWriter:
+    """Writes state files, synchronously or in a helper thread; the newest state always wins.
+
+    Every state gets a sequence number; :attr:`durable_seq` is the newest one on disk. ``on_durable`` is
+    called from the helper thread after each background write (the server uses it to wake its poll).
+    """
+
+    def __init__(self, path: str | os.PathLike, on_durable: Callable[[], None] | None = None) -> None:
+        self.path = Path(path)
+        self.on_durable = on_durable
+        self.num_writes = 0
+        self.last_write_s = 0.0
+        self._seq = 0
+        self._durable = 0
+        self._pending: tuple[int, BrokerState] | None = None
+        self._cond = threading.Condition()
+        self._write_lock = threading.Lock()
+        self._closed = False
+        self._thread: threading.Thread | None = None
+
+    @property
+    def durable_seq(self) -> int:
+        return self._durable
+
+    def _next_seq(self) -> int:
+        with self._cond:
+            self._seq += 1
+            return self._seq
+
+    def _write(self, seq: int, state: BrokerState) -> None:
+        with self._write_lock:
+            if seq <= self._durable:
+                return  # a newer state is on disk already
+            started = time.perf_counter()
+            save_state(self.path, state)
+            self.last_write_s = time.perf_counter() - started
+            self.num_writes += 1
+            self._durable = seq
+
+    def write(self, state: BrokerState) -> int:
+        """Write now, in the caller's thread; returns the state's sequence number (durable on return)."""
+        seq = self._next_seq()
+        self._write(seq, state)
+        return seq
+
+    def submit(self, state: BrokerState) -> int:
+        """Write in the helper thread; returns the sequence number to wait for (see durable_seq)."""
+        with self._cond:
+            if self._closed:
+                raise RuntimeError("StateWriter is closed")
+            self._seq += 1
+            self._pending = (self._seq, state)
+            self._cond.notify()
+            if self._thread is None:
+                self._thread = threading.Thread(target=self._run, name="state-writer", daemon=True)
+                self._thread.start()
+            return self._seq
+
+    def _run(self) -> None:
+        while True:
+            with self._cond:
+                while self._pending is None and not self._closed:
+                    self._cond.wait()
+                if self._pending is None:
+                    return
+                seq, state = self._pending
+                self._pending = None
+            self._write(seq, state)
+            if self.on_durable is not None:
+                self.on_durable()
+
+    def close(self) -> None:
+        """Finish the pending write (if any) and stop the helper thread."""
+        with self._cond:
+            self._closed = True
+            self._cond.notify()
+        if self._thread is not None:
+            self._thread.join()

@@ -77,14 +77,67 @@ _NO_RULE = Rule()
 
 
 @cache
-def _fields(cls: type) -> tuple[tuple[str, Any, Rule, bool], ...]:
-    """(name, resolved annotation, rule, required) for each field of a record class, cached per class."""
+def _fields(cls: type) -> tuple[tuple[str, Any, Rule, bool, Any], ...]:
+    """(name, resolved annotation, rule, required, fast predicate or None) per field, cached per class."""
     hints = typing.get_type_hints(cls)
     out = []
     for f in dataclasses.fields(cls):
         required = f.default is MISSING and f.default_factory is MISSING
-        out.append((f.name, hints[f.name], rule_of(f), required))
+        out.append((f.name, hints[f.name], rule_of(f), required, _fast_check(hints[f.name], rule_of(f))))
     return tuple(out)
+
+
+@cache
+def _known(cls: type) -> frozenset[str]:
+    return frozenset(name for name, *_ in _fields(cls))
+
+
+def _scalar_ok(annotation: Any, rule_: Rule) -> Any:
+    """A predicate accepting the plain, in-range values of a scalar annotation (None if not a plain scalar).
+
+    It only ever says yes to values :func:`check_value` would return unchanged; anything else (conversions,
+    errors) goes the generic way, which also writes the error messages.
+    """
+    kinds = {int: int, float: float, str: str, bool: bool}
+    kind = kinds.get(annotation) if isinstance(annotation, type) else None
+    if kind is None:
+        return None
+    ge, le, gt, max_len, choices = rule_.ge, rule_.le, rule_.gt, rule_.max_len, rule_.choices
+    check_finite = kind is float and rule_.finite
+    numeric = kind in (int, float)
+
+    def ok(value: Any) -> bool:
+        if type(value) is not kind:
+            return False
+        if numeric:
+            if check_finite and not math.isfinite(value):
+                return False
+            if (ge is not None and value < ge) or (gt is not None and value <= gt) or (le is not None and value > le):
+                return False
+        elif max_len is not None and kind is str and len(value) > max_len:
+            return False
+        return choices is None or value in choices
+
+    return ok
+
+
+def _fast_check(annotation: Any, rule_: Rule) -> Any:
+    """A predicate for values that pass as they are (plain scalars, lists of them); None = always generic."""
+    ok = _scalar_ok(annotation, rule_)
+    if ok is not None:
+        return ok
+    if typing.get_origin(annotation) is list:
+        (item_type,) = typing.get_args(annotation)
+        item_ok = _scalar_ok(item_type, dataclasses.replace(rule_, max_len=None))
+        if item_ok is None:
+            return None
+        max_len = rule_.max_len
+
+        def list_ok(value: Any) -> bool:
+            return type(value) is list and (max_len is None or len(value) <= max_len) and all(map(item_ok, value))
+
+        return list_ok
+    return None
 
 
 def build(cls: type[T], mapping: Any, path: str) -> T:
@@ -92,14 +145,18 @@ def build(cls: type[T], mapping: Any, path: str) -> T:
     if not isinstance(mapping, dict):
         raise SchemaError(f"{path}: expected a table/map, got {type(mapping).__name__}")
     fields = _fields(cls)
-    known = {name for name, *_ in fields}
+    known = _known(cls)
     unknown = [k for k in mapping if k not in known]
     if unknown:
         raise SchemaError(f"{path}: unknown field(s) {sorted(map(str, unknown))}; known: {sorted(known)}")
     kwargs = {}
-    for name, annotation, rule_, required in fields:
+    for name, annotation, rule_, required, fast in fields:
         if name in mapping:
-            kwargs[name] = check_value(mapping[name], annotation, rule_, f"{path}.{name}")
+            value = mapping[name]
+            if fast is not None and fast(value):
+                kwargs[name] = list(value) if type(value) is list else value
+            else:
+                kwargs[name] = check_value(value, annotation, rule_, f"{path}.{name}")
         elif required:
             raise SchemaError(f"{path}.{name}: required field is missing")
     return cls(**kwargs)
@@ -176,14 +233,27 @@ def _check_len(value: Any, rule_: Rule, path: str) -> None:
         raise SchemaError(f"{path}: at most {rule_.max_len} items/characters allowed, got {len(value)}")
 
 
+_PLAIN_TYPES = frozenset({str, int, float, bool, bytes, type(None)})
+
+
+@cache
+def _record_field_names(cls: type) -> tuple[str, ...] | None:
+    """Field names of a dataclass type, None for any other type (cached per type)."""
+    return tuple(f.name for f in dataclasses.fields(cls)) if dataclasses.is_dataclass(cls) else None
+
+
 def dump(record: Any) -> Any:
     """A record (or nested values) as plain dicts/lists/scalars, dropping None fields."""
-    if dataclasses.is_dataclass(record) and not isinstance(record, type):
+    kind = type(record)
+    if kind in _PLAIN_TYPES:
+        return record
+    names = _record_field_names(kind)
+    if names is not None:
         out = {}
-        for f in dataclasses.fields(record):
-            value = getattr(record, f.name)
+        for name in names:
+            value = getattr(record, name)
             if value is not None:
-                out[f.name] = dump(value)
+                out[name] = dump(value)
         return out
     if isinstance(record, list | tuple):
         return [dump(v) for v in record]
