@@ -1,0 +1,265 @@
+"""Rollout groups, from the broker's Batch message to the padded micro-batches each rank trains on.
+
+    rank 0      Batch (broker) --select_groups--> which groups to train, skip (counted) and acknowledge
+                               --trainable_frames--> the same message holding only the groups to train
+    all ranks   Parallel.broadcast_frames --decode_step_batch--> StepBatch (samples, rewards, groups)
+                --plan_micro_batches--> sample indices per micro-batch (token budget, longest first)
+                --assign_to_ranks--> this rank's micro-batches (every rank gets as many; empty ones pad)
+                --collate--> MicroBatch tensors
+
+Rank 0 is the single authority on what is trained: it alone keeps the trained group ids and the policy
+version. Other ranks just decode the message it broadcasts, so every rank sees the same samples in the same
+order and the micro-batch plan (a pure function of it) is identical everywhere.
+
+A sample is ``prompt + completion`` tokens. The model reads ``tokens[:-1]`` and predicts ``tokens[1:]``; a
+completion token is trained when its ``loss_mask`` is 1 (environment tokens of multi-turn tasks have 0: they
+are read, never trained). Rows are right-padded: with causal attention a real token never attends to padding,
+so no attention mask is needed and positions stay 0..L-1.
+"""
+
+from __future__ import annotations
+
+import collections
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from common import protocol, versions
+from common.framing import TensorSpec
+from common.protocol import GROUP_TENSORS, Batch, BatchEntry, ProtocolError
+from learner.loss import group_advantages
+
+NUM_GROUP_TENSORS = len(GROUP_TENSORS)
+#: why a group of a batch is not trained; the first two are still acknowledged as trained
+SKIP_REASONS = ("already_trained", "zero_variance", "stale", "invalid")
+ACKED_SKIPS = ("already_trained", "zero_variance")
+
+
+# -- rank 0: which groups to train -----------------------------------------------------------------------------
+
+
+@dataclass(slots=True, kw_only=True)
+class Selection:
+    """What rank 0 decided about each group of a batch."""
+
+    train: list[int] = field(default_factory=list)       # entry indices of the groups to train, batch order
+    ack_group_ids: list[str] = field(default_factory=list)  # trained + already trained + zero variance
+    skipped: collections.Counter = field(default_factory=collections.Counter)  # reason -> groups
+    staleness: collections.Counter = field(default_factory=collections.Counter)  # staleness -> trained groups
+
+
+def select_groups(batch: Batch, specs: Sequence[TensorSpec], frames: Sequence[Any], *, version: int,
+                  max_staleness: int, trained_group_ids: set[str], vocab_size: int,
+                  scale_by_std: bool = True) -> Selection:
+    """Decide per group: train it, or skip it with a reason (see SKIP_REASONS).
+
+    - ``already_trained``: its id is in ``trained_group_ids`` or earlier in this batch (acknowledged again);
+    - ``stale``: ``version - min_version > max_staleness`` (not acknowledged: the broker re-queues the prompt);
+    - ``invalid``: tensor contents out of range or an empty prompt (not acknowledged);
+    - ``zero_variance``: all rewards equal, no learning signal (acknowledged: the prompt is done).
+    """
+    out = Selection()
+    seen: set[str] = set()
+    candidates: list[int] = []
+    for i, entry in enumerate(batch.groups):
+        group = entry.group
+        if group.group_id in trained_group_ids or group.group_id in seen:
+            out.skipped["already_trained"] += 1
+            out.ack_group_ids.append(group.group_id)
+            continue
+        seen.add(group.group_id)
+        if versions.is_too_stale(version, group.min_version, max_staleness):
+            out.skipped["stale"] += 1
+            continue
+        group_specs = specs[entry.first_tensor:entry.first_tensor + NUM_GROUP_TENSORS]
+        try:
+            protocol.check_group_values(group, group_specs, frames, vocab_size=vocab_size,
+                                        latest_version=max(version, group.max_version))
+            if min(group.prompt_lens) < 1:
+                raise ProtocolError(f"RolloutGroup {group.group_id}: a sample has an empty prompt", "invalid_group")
+        except ProtocolError:
+            out.skipped["invalid"] += 1
+            continue
+        candidates.append(i)
+    if candidates:
+        rewards = [r for i in candidates for r in batch.groups[i].group.rewards]
+        index = [k for k, i in enumerate(candidates) for _ in batch.groups[i].group.rewards]
+        _, zero_variance = group_advantages(torch.tensor(rewards, dtype=torch.float64), torch.tensor(index),
+                                            len(candidates), scale_by_std=scale_by_std)
+        for k, i in enumerate(candidates):
+            group = batch.groups[i].group
+            out.ack_group_ids.append(group.group_id)
+            if zero_variance[k]:
+                out.skipped["zero_variance"] += 1
+            else:
+                out.train.append(i)
+                out.staleness[versions.staleness(version, group.min_version)] += 1
+    return out
+
+
+def trainable_frames(batch: Batch, specs: Sequence[TensorSpec], frames: Sequence[Any],
+                     train: Sequence[int]) -> list[Any]:
+    """Frames of a Batch message holding only the entries ``train`` (tensor frames forwarded, not copied)."""
+    entries, new_specs, new_frames = [], [], []
+    for i in train:
+        entry = batch.groups[i]
+        entries.append(BatchEntry(group=entry.group, first_tensor=len(new_specs)))
+        for spec in specs[entry.first_tensor:entry.first_tensor + NUM_GROUP_TENSORS]:
+            new_specs.append(TensorSpec(spec.name, spec.dtype, spec.shape, len(new_frames)))
+            new_frames.append(frames[spec.frame])
+    record = Batch(batch_id=batch.batch_id, groups=entries, latest_version=batch.latest_version)
+    return protocol.encode_with_frames(record, new_specs, new_frames)
+
+
+# -- every rank: samples and micro-batches ---------------------------------------------------------------------
+
+
+@dataclass(slots=True, kw_only=True)
+class Sample:
+    group: int                    # index of its group in the step batch
+    tokens: torch.Tensor          # [P + C] int64, prompt then completion
+    prompt_len: int               # P >= 1
+    behaviour_logp: torch.Tensor  # [C] f32
+    loss_mask: torch.Tensor       # [C] bool
+
+    @property
+    def num_trained(self) -> int:
+        return int(self.loss_mask.sum())
+
+    @property
+    def input_len(self) -> int:
+        return self.tokens.numel() - 1
+
+
+@dataclass(slots=True, kw_only=True)
+class StepBatch:
+    batch_id: str
+    group_ids: list[str]         # [G]
+    min_versions: list[int]      # [G]
+    samples: list[Sample]        # [N], group by group
+    rewards: torch.Tensor        # [N] f32
+    group_index: torch.Tensor    # [N] int64
+
+    @property
+    def num_groups(self) -> int:
+        return len(self.group_ids)
+
+    @property
+    def num_trained_tokens(self) -> int:
+        return sum(s.num_trained for s in self.samples)
+
+
+def decode_step_batch(frames: Sequence[Any]) -> StepBatch:
+    """The samples of a (filtered) Batch message, copied out of the frames."""
+    batch, envelope = protocol.decode(frames)
+    assert isinstance(batch, Batch), f"expected a Batch, got {type(batch).__name__}"
+    samples: list[Sample] = []
+    rewards: list[float] = []
+    for g, entry in enumerate(batch.groups):
+        group = entry.group
+        tensors = protocol.group_tensors(envelope.specs[entry.first_tensor:entry.first_tensor + NUM_GROUP_TENSORS],
+                                         envelope.frames)
+        prompts = tensors["prompt_ids"].long().split(group.prompt_lens)
+        completions = tensors["completion_ids"].long().split(group.completion_lens)
+        logps = tensors["logprobs"].float().split(group.completion_lens)
+        masks = tensors["loss_mask"].bool().split(group.completion_lens)
+        for prompt, completion, logp, mask in zip(prompts, completions, logps, masks, strict=True):
+            samples.append(Sample(group=g, tokens=torch.cat([prompt, completion]), prompt_len=prompt.numel(),
+                                  behaviour_logp=logp.clone(), loss_mask=mask.clone()))
+        rewards.extend(group.rewards)
+    return StepBatch(batch_id=batch.batch_id, group_ids=[e.group.group_id for e in batch.groups],
+                     min_versions=[e.group.min_version for e in batch.groups], samples=samples,
+                     rewards=torch.tensor(rewards, dtype=torch.float32),
+                     group_index=torch.tensor([s.group for s in samples], dtype=torch.int64))
+
+
+def plan_micro_batches(input_lens: Sequence[int], budget_tokens: int) -> list[list[int]]:
+    """Sample indices per micro-batch: longest first, rows x longest row <= budget (a longer row goes alone)."""
+    order = sorted(range(len(input_lens)), key=lambda i: (-input_lens[i], i))
+    plan: list[list[int]] = []
+    current: list[int] = []
+    width = 0
+    for i in order:
+        if current and (len(current) + 1) * max(width, input_lens[i]) > budget_tokens:
+            plan.append(current)
+            current, width = [], 0
+        current.append(i)
+        width = max(width, input_lens[i])
+    if current:
+        plan.append(current)
+    return plan
+
+
+def assign_to_ranks(costs: Sequence[int], world_size: int) -> list[list[int]]:
+    """Micro-batch indices per rank: as many on every rank (up to one less, padded by the caller), costliest first
+    to the least-loaded rank."""
+    per_rank = -(-len(costs) // world_size)
+    loads = [0] * world_size
+    out: list[list[int]] = [[] for _ in range(world_size)]
+    for m in sorted(range(len(costs)), key=lambda m: (-costs[m], m)):
+        rank = min((r for r in range(world_size) if len(out[r]) < per_rank), key=lambda r: (loads[r], r))
+        out[rank].append(m)
+        loads[rank] += costs[m]
+    return out
+
+
+@dataclass(slots=True, kw_only=True)
+class MicroBatch:
+    input_ids: torch.Tensor       # [B, L] int64, right-padded with 0
+    targets: torch.Tensor         # [B, L] int64, the next token at each position
+    select: torch.Tensor          # [B, L] bool, positions whose target is a trained completion token
+    behaviour_logp: torch.Tensor  # [T] f32, behaviour log-probs of the selected targets (row-major order)
+    advantages: torch.Tensor      # [T] f32, the advantage of each selected target's sample
+    num_samples: int
+
+    @property
+    def num_tokens(self) -> int:
+        """Trained tokens T."""
+        return int(self.select.sum())
+
+    @property
+    def num_positions(self) -> int:
+        """Positions computed, padding included (B x L)."""
+        return self.input_ids.numel()
+
+    def to(self, device: torch.device) -> MicroBatch:
+        return MicroBatch(input_ids=self.input_ids.to(device), targets=self.targets.to(device),
+                          select=self.select.to(device), behaviour_logp=self.behaviour_logp.to(device),
+                          advantages=self.advantages.to(device), num_samples=self.num_samples)
+
+
+def collate(samples: Sequence[Sample], advantages: Sequence[float]) -> MicroBatch:
+    """Right-padded rows of the samples; an empty list gives a one-position row that trains nothing."""
+    width = max((s.input_len for s in samples), default=1)
+    rows = max(len(samples), 1)
+    input_ids = torch.zeros(rows, width, dtype=torch.int64)
+    targets = torch.zeros(rows, width, dtype=torch.int64)
+    select = torch.zeros(rows, width, dtype=torch.bool)
+    behaviour, adv = [], []
+    for row, (sample, a) in enumerate(zip(samples, advantages, strict=True)):
+        n = sample.input_len
+        input_ids[row, :n] = sample.tokens[:-1]
+        targets[row, :n] = sample.tokens[1:]
+        start = sample.prompt_len - 1  # the position that predicts the first completion token
+        select[row, start:n] = sample.loss_mask
+        behaviour.append(sample.behaviour_logp[sample.loss_mask])
+        adv.append(torch.full((sample.num_trained,), float(a), dtype=torch.float32))
+    return MicroBatch(input_ids=input_ids, targets=targets, select=select,
+                      behaviour_logp=torch.cat(behaviour) if behaviour else torch.zeros(0),
+                      advantages=torch.cat(adv) if adv else torch.zeros(0), num_samples=len(samples))
+
+
+def rank_micro_batches(step: StepBatch, advantages: torch.Tensor, *, rank: int, world_size: int,
+                       budget_tokens: int) -> list[MicroBatch]:
+    """This rank's micro-batches of a step; every rank gets the same number (empty ones where short)."""
+    trainable = [i for i, s in enumerate(step.samples) if s.num_trained > 0]
+    plan = plan_micro_batches([step.samples[i].input_len for i in trainable], budget_tokens)
+    plan = [[trainable[k] for k in mb] for mb in plan]
+    costs = [len(mb) * max(step.samples[i].input_len for i in mb) for mb in plan]
+    mine = assign_to_ranks(costs, world_size)[rank]
+    per_rank = -(-len(plan) // world_size)
+    out = [collate([step.samples[i] for i in plan[m]], [float(advantages[i]) for i in plan[m]]) for m in mine]
+    out += [collate([], []) for _ in range(per_rank - len(mine))]
+    return out

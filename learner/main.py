@@ -1,0 +1,46 @@
+"""``loraflow learner``: parse the config, set up logging, then import torch and run the loop.
+
+One process::
+
+    loraflow learner run.toml --endpoint tcp://broker-host:5555
+
+R ranks on one machine (rank 0 talks to the broker; every rank trains a shard)::
+
+    torchrun --nproc_per_node=R -m learner run.toml --endpoint tcp://broker-host:5555
+
+``--resume`` (the default) continues from the newest complete checkpoint in ``<run_dir>/learner/checkpoints``;
+``--no-resume`` starts from the base model even if checkpoints exist.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+
+from common.cli import config_from_args, config_parser
+from common.logging import get_logger, setup_logging
+
+EXTRA_FLAGS = {
+    "--device": ("learner.device", str, "auto, cpu, cuda or cuda:N"),
+    "--checkpoint-every": ("learner.checkpoint_every", int, "DCP checkpoint interval in steps (0 = off)"),
+}
+
+
+def main(argv: list[str]) -> int:
+    parser = config_parser("loraflow learner", "Train the LoRA adapter on rollout groups from the broker "
+                           "(run under torchrun for several ranks).", EXTRA_FLAGS)
+    parser.add_argument("--resume", action=argparse.BooleanOptionalAction, default=None,
+                        help="continue from the newest complete checkpoint [learner.resume]")
+    args = parser.parse_args(argv)
+    if args.resume is not None:
+        args.overrides.append(f"learner.resume={'true' if args.resume else 'false'}")
+    config = config_from_args(args)
+    setup_logging("learner", fmt=config.run.log_format, level=config.run.log_level,
+                  rank=int(os.environ.get("RANK", 0)))
+    from learner.train import run  # torch is imported only now
+
+    try:
+        return run(config)
+    except Exception:
+        get_logger("learner").exception("learner_failed")
+        return 1

@@ -1,0 +1,189 @@
+"""Rank 0's conversation with the broker: batch long-polls, batch acks, adapter publishing, broker restarts.
+
+    learner rank 0                                                    broker
+    want_batch(); poll()  BatchRequest(num_groups, wait_ms, version) ->
+                        <- Batch                                       (empty after wait_ms: asked again)
+    publish(snapshot)     AdapterUpdate(version) + LoRA tensors        ->
+                        <- Ack(ADAPTER_UPDATE, str(version))           (time from send to here is recorded)
+    ack_batch(ack)        BatchAck(batch_id, step, group ids, ...)     ->
+                        <- Ack(BATCH_ACK, batch_id)                    (kept until then)
+    Reconnected (a new broker process):  re-send every unacknowledged BatchAck, the outstanding BatchRequest,
+                                         and the newest adapter if the new broker's latest version is older.
+
+Nothing here blocks except :meth:`BrokerSession.poll` (up to its timeout) and :meth:`BrokerSession.drain`;
+heartbeats run in the BrokerLink's I/O thread, so a long training step never looks like a dead learner.
+Errors from the broker are logged and counted (``broker_errors{code}``), never fatal.
+"""
+
+from __future__ import annotations
+
+import collections
+import time
+from dataclasses import dataclass
+
+from common.config import Config
+from common.logging import get_logger
+from common.metrics import Metrics
+from common.protocol import Ack, Batch, BatchAck, BatchRequest, Error, Hello, Kind, Welcome
+from common.transport import BrokerLink, Incoming, Reconnected
+from learner.publish import AdapterSnapshot
+
+log = get_logger("learner.session")
+
+
+@dataclass(slots=True)
+class AdapterAck:
+    version: int
+    seconds: float  # from sending the AdapterUpdate to the broker's Ack: the adapter is available to workers
+
+
+class BrokerSession:
+    """The learner's single connection to the broker (rank 0 only)."""
+
+    def __init__(self, config: Config, *, version: int, metrics: Metrics, client_id: str = "learner") -> None:
+        from common.security import client_security
+
+        broker = config.broker
+        hello = Hello(role="learner", client_id=client_id, adapter_version=version)
+        self.link = BrokerLink(broker.endpoint, hello, security=client_security(config),
+                               heartbeat_interval_s=broker.heartbeat_interval_s,
+                               heartbeat_timeout_s=broker.heartbeat_interval_s * broker.heartbeat_misses,
+                               max_message_bytes=broker.max_message_bytes)
+        self.metrics = metrics
+        self.welcome: Welcome | None = None
+        self._wanted: BatchRequest | None = None
+        self._outstanding = False
+        self._unacked_batches: dict[str, BatchAck] = {}
+        self._surplus: collections.deque[Incoming] = collections.deque()  # batches that came unasked
+        self._newest: AdapterSnapshot | None = None
+        self._adapter_sent_at: dict[int, float] = {}
+        self.adapter_acks: list[AdapterAck] = []  # taken by the loop for its metrics
+        self.stale_version_seen = 0  # the broker refused a version: its latest is newer than ours
+
+    def start(self, timeout_s: float) -> Welcome:
+        self.welcome = self.link.start(timeout_s)
+        return self.welcome
+
+    @property
+    def latest_version(self) -> int:
+        """The newest adapter version the broker has announced (welcome, heartbeat pongs)."""
+        return self.link.latest_version
+
+    # -- batches ---------------------------------------------------------------------------------------------
+
+    def want_batch(self, num_groups: int, wait_ms: int, version: int) -> None:
+        """Ask for the next batch (a long-poll; re-asked after each empty answer until one arrives)."""
+        self._wanted = BatchRequest(num_groups=num_groups, wait_ms=wait_ms, learner_version=version)
+        if not self._outstanding:
+            self._send_request()
+
+    def _send_request(self) -> None:
+        assert self._wanted is not None
+        self.link.send(self._wanted)
+        self._outstanding = True
+
+    def poll(self, timeout_s: float) -> Incoming | None:
+        """The next non-empty Batch, or None after ``timeout_s``; handles acks, errors and reconnects meanwhile."""
+        if self._surplus and self._wanted is not None:
+            self._wanted = None
+            return self._surplus.popleft()
+        deadline = time.monotonic() + timeout_s
+        while True:
+            item = self.link.recv(max(0.0, deadline - time.monotonic()))
+            if item is None:
+                return None
+            batch = self._handle(item)
+            if batch is not None:
+                return batch
+
+    def _handle(self, item: Incoming | Reconnected) -> Incoming | None:
+        if isinstance(item, Reconnected):
+            self._on_reconnected(item.welcome)
+            return None
+        record = item.record
+        if isinstance(record, Batch):
+            self._outstanding = False
+            if record.groups:
+                if self._wanted is None:  # e.g. a request re-sent after a reconnect was answered twice
+                    self._surplus.append(item)
+                    return None
+                self._wanted = None
+                return item
+            if self._wanted is not None:  # the long-poll ran out: ask again
+                self._send_request()
+            return None
+        if isinstance(record, Ack):
+            self._on_ack(record)
+        elif isinstance(record, Error):
+            self._on_error(record)
+        else:
+            log.warning("unexpected_message", kind=type(record).__name__)
+        return None
+
+    def ack_batch(self, ack: BatchAck) -> None:
+        """Tell the broker a batch was trained; kept and re-sent after a broker restart until acknowledged."""
+        self._unacked_batches[ack.batch_id] = ack
+        self.link.send(ack)
+
+    @property
+    def num_unacked(self) -> int:
+        return len(self._unacked_batches) + len(self._adapter_sent_at)
+
+    # -- adapters --------------------------------------------------------------------------------------------
+
+    def publish(self, snap: AdapterSnapshot) -> None:
+        """Send an adapter version (does not wait for the broker's Ack; see ``adapter_acks``)."""
+        self._newest = snap
+        self._adapter_sent_at[snap.version] = time.monotonic()
+        self.link.send(snap.update(), snap.tensors)
+
+    # -- replies ---------------------------------------------------------------------------------------------
+
+    def _on_ack(self, ack: Ack) -> None:
+        if ack.ref_kind == Kind.BATCH_ACK:
+            self._unacked_batches.pop(ack.ref_id, None)
+        elif ack.ref_kind == Kind.ADAPTER_UPDATE:
+            version = int(ack.ref_id)
+            sent_at = self._adapter_sent_at.pop(version, None)
+            if sent_at is not None:
+                self.adapter_acks.append(AdapterAck(version, time.monotonic() - sent_at))
+
+    def _on_error(self, error: Error) -> None:
+        self.metrics.inc("broker_errors", code=error.code)
+        log.warning("broker_error", code=error.code, message=error.message, ref_kind=error.ref_kind,
+                    ref_id=error.ref_id)
+        if error.ref_kind == Kind.BATCH_REQUEST:
+            self._outstanding = False
+            if self._wanted is not None:
+                self._send_request()
+        elif error.ref_kind == Kind.ADAPTER_UPDATE:
+            self._adapter_sent_at.pop(int(error.ref_id or 0), None)
+            if error.code == "stale_version":
+                self.stale_version_seen += 1
+        elif error.ref_kind == Kind.BATCH_ACK:
+            self._unacked_batches.pop(error.ref_id, None)
+
+    def _on_reconnected(self, welcome: Welcome) -> None:
+        self.welcome = welcome
+        self.metrics.inc("broker_reconnects")
+        log.info("broker_reconnected", broker_id=welcome.broker_id, latest_version=welcome.latest_version,
+                 unacked_batches=len(self._unacked_batches))
+        for ack in self._unacked_batches.values():
+            self.link.send(ack)
+        if self._newest is not None and welcome.latest_version < self._newest.version:
+            self._adapter_sent_at[self._newest.version] = time.monotonic()
+            self.link.send(self._newest.update(), self._newest.tensors)
+        if self._wanted is not None:
+            self._send_request()
+
+    def drain(self, timeout_s: float) -> bool:
+        """Wait (bounded) until the broker acknowledged every batch ack and adapter; True if it did."""
+        deadline = time.monotonic() + timeout_s
+        while self.num_unacked and time.monotonic() < deadline:
+            item = self.link.recv(max(0.0, deadline - time.monotonic()))
+            if item is not None:
+                self._handle(item)
+        return not self.num_unacked
+
+    def close(self, reason: str = "") -> None:
+        self.link.close(reason)

@@ -1,0 +1,403 @@
+"""The learner loop: rollout batches in, one optimizer step per batch, adapter versions out.
+
+    every rank                                         rank 0 only
+    ----------                                         -----------
+    wait     agree(stop?, batch ready?)  <-----------  poll the broker (long-poll, POLL_S slices);
+             broadcast the batch's frames <-----------  select groups: skip trained / stale / invalid /
+                                                        zero-variance ones (counted)
+    compute  own micro-batches: forward, token loss, backward (FSDP2 reduce-scatters the LoRA grads)
+             clip grad norm, AdamW step, LR schedule
+    publish  gather LoRA tensors (collective) ------->  AdapterUpdate v+1 to the broker, PEFT dir every N;
+                                                        ask for the next batch right away
+    checkpoint every n steps (DCP, collective)
+                                                        BatchAck(batch, step, group ids, checkpoint version);
+                                                        metrics.jsonl line; heartbeat state and counters
+
+Consumes: Batch messages (rank 0, through :class:`learner.session.BrokerSession`).
+Produces: AdapterUpdate messages, BatchAcks, ``<run_dir>/learner/{metrics.jsonl, adapters/, checkpoints/}``.
+Blocks on: the broker's next batch (rank 0 polls in short slices; the other ranks wait in the ``agree``
+collective meanwhile) and on collectives with the other ranks.
+Unblocked by: a non-empty batch, a stop request on any rank (SIGTERM / SIGINT), or ``run.num_steps`` reached.
+A stop is clean: the last step finishes, the final adapter is published and written as a PEFT directory, a
+final checkpoint is saved, and the process exits 0.
+"""
+
+from __future__ import annotations
+
+import json
+import signal
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from common import logprobs
+from common.config import Config, write_resolved
+from common.logging import bind, get_logger
+from common.metrics import Metrics, serve_prometheus
+from common.protocol import Batch, BatchAck
+from common.timeline import Timeline
+from common.tiny_model import resolve_model
+from learner import data, publish
+from learner.checkpoint import Checkpointer, LearnerState
+from learner.loss import SUM_STATS, LossConfig, group_advantages, token_loss, token_stats
+from learner.model import Policy, build_policy
+from learner.parallel import Parallel, init_parallel
+from learner.session import BrokerSession
+
+log = get_logger("learner")
+
+POLL_S = 0.2  # how often a waiting learner checks for a stop request
+CONNECT_TIMEOUT_S = 120.0
+DRAIN_TIMEOUT_S = 5.0
+
+
+@dataclass(slots=True, kw_only=True)
+class Received:
+    """A batch as rank 0 received it, and what it decided about its groups."""
+
+    batch: Batch
+    selection: data.Selection
+    rewards: list[float]
+
+
+@dataclass(slots=True, kw_only=True)
+class Timers:
+    start: float = field(default_factory=time.monotonic)
+    busy_s: float = 0.0  # compute + publish + checkpoint, for the busy share
+
+    def busy_share(self) -> float:
+        return self.busy_s / max(time.monotonic() - self.start, 1e-9)
+
+
+def train_step(policy: Policy, optimizer: torch.optim.Optimizer, scheduler: Any, step: data.StepBatch, *,
+               parallel: Parallel, config: Config, loss_config: LossConfig) -> dict[str, Any]:
+    """One optimizer step on a step batch (collective); returns batch-wide statistics (identical on every rank)."""
+    learner = config.learner
+    temperature = config.worker.temperature
+    advantages, _ = group_advantages(step.rewards, step.group_index, step.num_groups,
+                                     scale_by_std=learner.scale_by_std)                      # [N]
+    micro_batches = data.rank_micro_batches(step, advantages, rank=parallel.rank, world_size=parallel.world_size,
+                                            budget_tokens=learner.micro_batch_tokens)
+    # every trained token of the batch weighs 1 / N; FSDP2 averages gradients over ranks, hence x world size
+    scale = parallel.world_size / max(step.num_trained_tokens, 1)
+    sums = torch.zeros(len(SUM_STATS), dtype=torch.float64)
+    ratio_max = torch.zeros(1, dtype=torch.float64)
+    num_positions = torch.zeros(1, dtype=torch.float64)
+    for micro in micro_batches:
+        mb = micro.to(parallel.device)
+        targets = mb.targets[mb.select]                                                      # [T]
+        ref_logp = None
+        if loss_config.kl_beta > 0:
+            with torch.no_grad(), policy.reference():
+                ref_logits = policy.logits(mb.input_ids)[mb.select]                          # [T, V]
+                ref_logp = logprobs.token_logprobs(ref_logits, targets, temperature)         # [T]
+        logits = policy.logits(mb.input_ids)[mb.select]                                      # [T, V]
+        logp = logprobs.token_logprobs(logits, targets, temperature)                        # [T]
+        terms = token_loss(logp, mb.behaviour_logp, mb.advantages, loss_config, ref_logp)
+        (terms.loss.sum() * scale).backward()
+        with torch.no_grad():
+            entropy = logprobs.token_entropy(logits.detach(), temperature)                   # [T]
+        micro_sums, micro_max = token_stats(terms, entropy)
+        sums += micro_sums.cpu()
+        ratio_max = torch.maximum(ratio_max, micro_max.cpu())
+        num_positions += float(micro.num_positions if micro.num_samples else 0)
+    params = policy.trainable_parameters()
+    max_norm = learner.grad_clip if learner.grad_clip > 0 else float("inf")
+    grad_norm = torch.nn.utils.clip_grad_norm_(params, max_norm)
+    grad_norm = grad_norm.full_tensor() if hasattr(grad_norm, "full_tensor") else grad_norm
+    lr = optimizer.param_groups[0]["lr"]
+    optimizer.step()
+    scheduler.step()
+    optimizer.zero_grad(set_to_none=True)
+    parallel.sum(sums)
+    parallel.max(ratio_max)
+    parallel.sum(num_positions)
+    totals = dict(zip(SUM_STATS, sums.tolist(), strict=True))
+    tokens = max(totals["tokens"], 1.0)
+    trained = advantages[torch.tensor([s.num_trained > 0 for s in step.samples], dtype=torch.bool)] \
+        if step.samples else advantages
+    return {
+        "loss": totals["loss"] / tokens,
+        "num_tokens": int(totals["tokens"]),
+        "num_positions": int(num_positions.item()),
+        "clip_frac": totals["clipped"] / tokens,
+        "truncated_frac": totals["truncated"] / tokens,
+        "masked_frac": totals["masked"] / tokens,
+        "is_weight_mean": totals["ratio"] / tokens if totals["tokens"] else 1.0,
+        "is_weight_max": float(ratio_max.item()) if totals["tokens"] else 1.0,
+        "kl": totals["kl"] / tokens,
+        "entropy": totals["entropy"] / tokens,
+        "grad_norm": float(grad_norm),
+        "lr": lr,
+        "adv_mean": float(trained.mean()) if trained.numel() else 0.0,
+        "adv_std": float(trained.std()) if trained.numel() > 1 else 0.0,
+        "adv_abs_max": float(trained.abs().max()) if trained.numel() else 0.0,
+        "num_samples": len(step.samples),
+    }
+
+
+class Learner:
+    """The loop of one rank; rank 0 also owns the broker session, timeline and metrics file."""
+
+    def __init__(self, config: Config, parallel: Parallel, policy: Policy, optimizer: torch.optim.Optimizer,
+                 scheduler: Any, checkpointer: Checkpointer, state: LearnerState, session: BrokerSession | None,
+                 metrics: Metrics) -> None:
+        self.config = config
+        self.parallel = parallel
+        self.policy = policy
+        self.optimizer = optimizer
+        self.scheduler = scheduler
+        self.checkpointer = checkpointer
+        self.state = state
+        self.session = session
+        self.metrics = metrics
+        self.loss_config = LossConfig.from_learner(config.learner)
+        self.learner_dir = config.run_dir / "learner"
+        self.adapter_root = self.learner_dir / "adapters"
+        self.timeline = Timeline.for_process(config.run_dir, "learner") if parallel.is_main else Timeline(None)
+        self.timers = Timers()
+        self.stop_requested = False
+        self.last_checkpoint_step = state.step
+        self.published_step = state.step  # the step whose parameters the newest version holds
+        self.newest: publish.AdapterSnapshot | None = None
+        self.written_version = 0
+
+    # -- phases ----------------------------------------------------------------------------------------------
+
+    def _mark(self, state: str) -> None:
+        self.timeline.mark(state)
+        if self.session is not None:
+            self.session.link.set_state(state, adapter_version=self.state.version, steps=self.state.step,
+                                        busy_share=round(self.timers.busy_share(), 4))
+
+    def _want_batch(self) -> None:
+        if self.session is not None:
+            self.session.want_batch(self.config.run.groups_per_step, self.config.learner.batch_wait_ms,
+                                    self.state.version)
+
+    def wait_for_batch(self) -> tuple[data.StepBatch, Received | None] | None:
+        """The next step batch on every rank, or None when the loop must stop (collective)."""
+        self._mark("waiting")
+        self._want_batch()
+        while True:
+            received, frames = None, None
+            if self.session is not None:
+                item = self.session.poll(POLL_S)
+                if item is not None:
+                    received, frames = self._select(item.record, item.envelope)
+            stop, ready = self.parallel.agree(self.stop_requested, frames is not None)
+            if stop:
+                return None
+            if ready:
+                break
+        step_batch = data.decode_step_batch(self.parallel.broadcast_frames(frames))
+        return step_batch, received
+
+    def _select(self, batch: Batch, envelope: Any) -> tuple[Received, list[Any]]:
+        selection = data.select_groups(batch, envelope.specs, envelope.frames, version=self.state.version,
+                                       max_staleness=self.config.run.max_staleness,
+                                       trained_group_ids=self.state.trained_group_ids,
+                                       vocab_size=self.policy.vocab_size, scale_by_std=self.config.learner.scale_by_std)
+        for reason, count in selection.skipped.items():
+            self.metrics.inc("groups_skipped", count, reason=reason)
+        frames = data.trainable_frames(batch, envelope.specs, envelope.frames, selection.train)
+        rewards = [r for entry in batch.groups for r in entry.group.rewards]
+        return Received(batch=batch, selection=selection, rewards=rewards), frames
+
+    def publish(self) -> float:
+        """Gather the adapter and publish it as the next version (collective); returns the seconds spent."""
+        started = time.monotonic()
+        self._mark("publishing")
+        version = self.state.version + 1
+        snap = publish.snapshot(self.policy, version=version, step=self.state.step, is_main=self.parallel.is_main)
+        self.published_step = self.state.step
+        if snap is not None:
+            self.state.version = version
+            self.newest = snap
+            assert self.session is not None
+            self.session.publish(snap)
+            every = self.config.learner.save_adapter_every
+            if every and version % every == 0:
+                publish.write_adapter_dir(self.adapter_root, snap)
+                self.written_version = version
+        return time.monotonic() - started
+
+    def checkpoint(self) -> float:
+        started = time.monotonic()
+        self._mark("publishing")
+        self.checkpointer.save(self.policy, self.optimizer, self.scheduler, self.state)
+        self.state.checkpoint_version = self.state.version
+        self.last_checkpoint_step = self.state.step
+        return time.monotonic() - started
+
+    # -- the loop --------------------------------------------------------------------------------------------
+
+    def run(self) -> int:
+        num_steps = self.config.run.num_steps
+        log.info("learner_started", step=self.state.step, version=self.state.version,
+                 world_size=self.parallel.world_size, device=str(self.parallel.device))
+        while not (num_steps and self.state.step >= num_steps):
+            waited = time.monotonic()
+            got = self.wait_for_batch()
+            if got is None:
+                break
+            step_batch, received = got
+            wait_s = time.monotonic() - waited
+            self._mark("training")
+            computed = time.monotonic()
+            trained_version = self.state.version
+            stats = train_step(self.policy, self.optimizer, self.scheduler, step_batch, parallel=self.parallel,
+                               config=self.config, loss_config=self.loss_config)
+            self.state.step += 1
+            compute_s = time.monotonic() - computed
+            publish_s = checkpoint_s = 0.0
+            if self.state.step % self.config.learner.publish_every == 0:
+                publish_s = self.publish()
+            if not (num_steps and self.state.step >= num_steps):
+                self._want_batch()  # the broker assembles the next batch while we checkpoint and report
+            if received is not None:
+                self.state.trained_group_ids.update(received.selection.ack_group_ids)
+            every = self.config.learner.checkpoint_every
+            if every and self.state.step % every == 0:
+                checkpoint_s = self.checkpoint()
+            self.timers.busy_s += compute_s + publish_s + checkpoint_s
+            if received is not None:
+                self._acknowledge(received, trained_version)
+                self._report(stats, received, step_batch, wait_s=wait_s, compute_s=compute_s,
+                             publish_s=publish_s, checkpoint_s=checkpoint_s)
+        self.finish()
+        return 0
+
+    def _acknowledge(self, received: Received, trained_version: int) -> None:
+        assert self.session is not None
+        self.session.ack_batch(BatchAck(batch_id=received.batch.batch_id, step=self.state.step,
+                                        trained_version=trained_version,
+                                        group_ids=received.selection.ack_group_ids,
+                                        checkpoint_version=self.state.checkpoint_version))
+
+    def _report(self, stats: dict[str, Any], received: Received, step_batch: data.StepBatch, *, wait_s: float,
+                compute_s: float, publish_s: float, checkpoint_s: float) -> None:
+        self.metrics.inc("steps")
+        self.metrics.inc("tokens_trained", stats["num_tokens"])
+        self.metrics.set("version", self.state.version)
+        self.metrics.set("busy_share", self.timers.busy_share())
+        rewards = torch.tensor(received.rewards, dtype=torch.float64)
+        adapter_acks = self.session.adapter_acks if self.session is not None else []
+        line = {
+            "step": self.state.step,
+            "version": self.state.version,
+            "time_unix": round(time.time(), 3),
+            "elapsed_s": round(time.monotonic() - self.timers.start, 3),
+            "batch_id": received.batch.batch_id,
+            "num_groups": len(received.batch.groups),
+            "num_groups_trained": step_batch.num_groups,
+            "reward_mean": float(rewards.mean()) if rewards.numel() else 0.0,
+            "reward_std": float(rewards.std()) if rewards.numel() > 1 else 0.0,
+            **stats,
+            "staleness": {str(k): v for k, v in sorted(received.selection.staleness.items())},
+            "skipped": dict(received.selection.skipped),
+            "wait_s": round(wait_s, 6),
+            "compute_s": round(compute_s, 6),
+            "publish_s": round(publish_s, 6),
+            "checkpoint_s": round(checkpoint_s, 6),
+            "tokens_per_s": stats["num_tokens"] / compute_s if compute_s > 0 else 0.0,
+            "busy_share": round(self.timers.busy_share(), 4),
+            "adapter_ack_s": {str(a.version): round(a.seconds, 6) for a in adapter_acks},
+        }
+        adapter_acks.clear()
+        with open(self.learner_dir / "metrics.jsonl", "a") as f:
+            f.write(json.dumps(line) + "\n")
+        log.info("step", step=self.state.step, version=self.state.version, loss=round(line["loss"], 5),
+                 reward=round(line["reward_mean"], 4), tokens=stats["num_tokens"], wait_s=round(wait_s, 3),
+                 compute_s=round(compute_s, 3), publish_s=round(publish_s, 3))
+
+    def finish(self) -> None:
+        """Clean stop: publish what is unpublished, write the final adapter dir and checkpoint (collective)."""
+        self._mark("stopping")
+        if self.state.step > self.published_step:
+            self.publish()
+        if self.config.learner.checkpoint_every and self.state.step > self.last_checkpoint_step:
+            self.checkpoint()
+        if self.parallel.is_main and self.newest is not None and self.written_version != self.newest.version:
+            publish.write_adapter_dir(self.adapter_root, self.newest)
+        if self.session is not None and not self.session.drain(DRAIN_TIMEOUT_S):
+            log.warning("unacknowledged_at_exit", pending=self.session.num_unacked)
+        log.info("learner_stopped", step=self.state.step, version=self.state.version)
+
+
+def _warmup_lambda(warmup_steps: int):
+    def factor(step: int) -> float:
+        return min(1.0, (step + 1) / warmup_steps) if warmup_steps else 1.0
+    return factor
+
+
+def run(config: Config) -> int:
+    """Start (or resume) the learner and run the loop until it stops; returns the exit code."""
+    parallel = init_parallel(config.learner.device)
+    bind(rank=parallel.rank)
+    if config.learner.num_threads:
+        torch.set_num_threads(config.learner.num_threads)
+    torch.manual_seed(config.run.seed + parallel.rank)
+    learner_dir = config.run_dir / "learner"
+    session = None
+    try:
+        if parallel.is_main:
+            learner_dir.mkdir(parents=True, exist_ok=True)
+            write_resolved(config, learner_dir / "config.toml")
+            resolve_model(config.model.path, config.model.cache_dir)  # builds builtin:tiny once, before the others
+        parallel.barrier()
+        model_dir = resolve_model(config.model.path, config.model.cache_dir)
+        policy = build_policy(Path(model_dir), config.learner, parallel, seed=config.run.seed)
+        optimizer = torch.optim.AdamW(policy.trainable_parameters(), lr=config.learner.lr,
+                                      weight_decay=config.learner.weight_decay)
+        scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, _warmup_lambda(config.learner.warmup_steps))
+        checkpointer = Checkpointer(learner_dir / "checkpoints", keep=config.learner.keep_checkpoints,
+                                    parallel=parallel)
+        checkpointer.clean_partial()
+        state = LearnerState()
+        latest = checkpointer.latest() if config.learner.resume else None
+        if latest is not None:
+            state = checkpointer.load(latest, policy, optimizer, scheduler)
+        metrics = Metrics()
+        if parallel.is_main:
+            publish.clean_partial_dirs(learner_dir / "adapters")
+            session = _connect(config, state, metrics)
+            if config.learner.metrics_port:
+                serve_prometheus(metrics, config.learner.metrics_port)
+        learner = Learner(config, parallel, policy, optimizer, scheduler, checkpointer, state, session, metrics)
+        _install_stop_handlers(learner)
+        return learner.run()
+    finally:
+        if session is not None:
+            session.close("stopped")
+        parallel.close()
+
+
+def _connect(config: Config, state: LearnerState, metrics: Metrics) -> BrokerSession:
+    """Say hello at the resumed version; continue numbering after anything already published."""
+    on_disk = publish.newest_adapter_version(config.run_dir / "learner" / "adapters")
+    session = BrokerSession(config, version=state.version, metrics=metrics)
+    welcome = session.start(CONNECT_TIMEOUT_S)
+    ahead = max(on_disk, welcome.latest_version)
+    if ahead > state.version:
+        # versions published after the checkpoint we resumed from: never reuse their numbers
+        log.info("version_continues_after_published", resumed_version=state.version, next_version=ahead + 1)
+        state.version = ahead
+    if welcome.groups_per_step != config.run.groups_per_step or welcome.max_staleness != config.run.max_staleness:
+        log.warning("config_differs_from_broker", broker_groups_per_step=welcome.groups_per_step,
+                    broker_max_staleness=welcome.max_staleness, groups_per_step=config.run.groups_per_step,
+                    max_staleness=config.run.max_staleness)
+    return session
+
+
+def _install_stop_handlers(learner: Learner) -> None:
+    def request_stop(signum: int, _frame: Any) -> None:
+        if not learner.stop_requested:
+            log.info("stop_requested", signal=signal.Signals(signum).name)
+        learner.stop_requested = True
+
+    signal.signal(signal.SIGTERM, request_stop)
+    signal.signal(signal.SIGINT, request_stop)

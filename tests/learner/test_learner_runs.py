@@ -1,0 +1,163 @@
+"""Learner processes against a scripted broker: 1 rank vs 2 ranks (torchrun, gloo), SIGKILL + resume, SIGTERM.
+
+The scripted broker (tests/learner/scripted.py) serves the same deterministic batches to every run, so:
+
+- run A (one process) and run B (torchrun, 2 ranks) must publish the same adapters within 1e-5 and report
+  the same loss and gradient norm each step;
+- run C is SIGKILLed after step 3 (checkpoint at step 2), restarted with resume, fed the batches that followed
+  its checkpoint, and must publish bit-identical adapters for steps 3-5 to run A's; then SIGTERM stops it
+  cleanly (exit 0, final checkpoint and adapter directory).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import signal
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from tests.learner.scripted import ScriptedBroker
+from tests.support import Processes, wait_for
+
+NUM_STEPS = 5
+COMMON = ["run.groups_per_step=2", "run.group_size=4", "run.max_staleness=100", "learner.lora_rank=8",
+          "learner.micro_batch_tokens=64", "learner.checkpoint_every=2", "learner.kl_beta=0.01",
+          "learner.off_policy=\"tis\"", "learner.save_adapter_every=2", "learner.warmup_steps=2"]
+
+
+def learner_argv(run_dir: Path, endpoint: str, model_dir: Path, *overrides: str, ranks: int = 1) -> list[str]:
+    args = ["--run-dir", str(run_dir), "--endpoint", endpoint, "--model", str(model_dir)]
+    for override in (*COMMON, *overrides):
+        args += ["--set", override]
+    if ranks == 1:
+        return [sys.executable, "-m", "learner", *args]
+    return [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={ranks}",
+            "-m", "learner", *args]
+
+
+def metrics_lines(run_dir: Path) -> list[dict]:
+    return [json.loads(line) for line in (run_dir / "learner" / "metrics.jsonl").read_text().splitlines()]
+
+
+@dataclass
+class Run:
+    broker: ScriptedBroker
+    run_dir: Path
+    returncode: int
+    log: str
+
+
+def run_to_completion(procs: Processes, name: str, run_dir: Path, model_dir: Path, ranks: int) -> Run:
+    broker = ScriptedBroker(seed=11)
+    try:
+        proc = procs.spawn(name, learner_argv(run_dir, broker.endpoint, model_dir, f"run.num_steps={NUM_STEPS}",
+                                              ranks=ranks))
+        returncode = proc.popen.wait(timeout=240)
+    finally:
+        broker.close()
+    return Run(broker, run_dir, returncode, proc.log())
+
+
+@pytest.fixture(scope="module")
+def reference_runs(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory):
+    """Run A (1 process) and run B (2 ranks) on the same batches, once for the module."""
+    tmp = tmp_path_factory.mktemp("learner-runs")
+    procs = Processes(tmp)
+    try:
+        one = run_to_completion(procs, "one-rank", tmp / "one", tiny_model_dir, ranks=1)
+        two = run_to_completion(procs, "two-ranks", tmp / "two", tiny_model_dir, ranks=2)
+    finally:
+        procs.cleanup()
+    assert one.returncode == 0, one.log[-4000:]
+    assert two.returncode == 0, two.log[-4000:]
+    return one, two
+
+
+def test_learner_publishes_in_order_and_acknowledges_every_batch(reference_runs) -> None:
+    one, _ = reference_runs
+    broker = one.broker
+    assert broker.hellos[0].role == "learner" and broker.hellos[0].adapter_version == 0
+    assert [p.version for p in broker.published] == [1, 2, 3, 4, 5]
+    assert [p.step for p in broker.published] == [1, 2, 3, 4, 5]
+    for p in broker.published:  # the checksum covers the tensor bytes in order
+        digest = hashlib.sha256()
+        for tensor in p.tensors.values():
+            digest.update(tensor.tobytes())
+        assert digest.hexdigest() == p.sha256
+        assert p.adapter_config["peft_type"] == "LORA" and p.adapter_config["r"] == 8
+    assert [a.batch_id for a in broker.acks] == [f"batch-{i}" for i in range(NUM_STEPS)]
+    assert [a.step for a in broker.acks] == [1, 2, 3, 4, 5]
+    assert [a.trained_version for a in broker.acks] == [0, 1, 2, 3, 4]
+    assert [a.checkpoint_version for a in broker.acks] == [0, 2, 2, 4, 4]
+    assert [sorted(a.group_ids) for a in broker.acks] == [[f"{i}:0", f"{i}:1"] for i in range(NUM_STEPS)]
+    assert broker.served == list(range(NUM_STEPS))  # no batch requested beyond run.num_steps
+    assert [b.reason for b in broker.byes] == ["stopped"]
+
+    learner_dir = one.run_dir / "learner"
+    assert sorted(p.name for p in (learner_dir / "checkpoints").iterdir()) == ["step_00000004", "step_00000005"]
+    assert sorted(p.name for p in (learner_dir / "adapters").iterdir()) == ["v000002", "v000004", "v000005"]
+    lines = metrics_lines(one.run_dir)
+    assert [m["step"] for m in lines] == [1, 2, 3, 4, 5] and [m["version"] for m in lines] == [1, 2, 3, 4, 5]
+    for m in lines:
+        assert m["num_tokens"] > 0 and m["grad_norm"] > 0 and m["entropy"] > 0 and m["kl"] >= 0
+        assert m["wait_s"] >= 0 and m["compute_s"] > 0 and m["publish_s"] > 0
+        assert m["staleness"] == {str(m["step"] - 1): 2}  # the scripted groups are all of version 0
+        assert 0 <= m["clip_frac"] <= 1 and m["is_weight_max"] >= m["is_weight_mean"] > 0
+    assert lines[0]["lr"] < lines[-1]["lr"]  # warmup
+    timeline = (one.run_dir / "timeline" / "learner.jsonl").read_text()
+    assert all(f'"{state}"' in timeline for state in ("waiting", "training", "publishing", "stopping"))
+
+
+def test_one_and_two_ranks_train_the_same_adapter(reference_runs) -> None:
+    one, two = reference_runs
+    assert [p.version for p in two.broker.published] == [1, 2, 3, 4, 5]
+    for a, b in zip(one.broker.published, two.broker.published, strict=True):
+        assert a.tensors.keys() == b.tensors.keys()
+        worst = max(float(np.abs(a.tensors[n] - b.tensors[n]).max()) for n in a.tensors)
+        assert worst < 1e-5, f"step {a.step}: 1 vs 2 ranks differ by {worst}"
+    # Adam hides a wrong gradient scale in the parameters; the loss and gradient norm do not
+    for a, b in zip(metrics_lines(one.run_dir), metrics_lines(two.run_dir), strict=True):
+        assert b["num_tokens"] == a["num_tokens"]
+        assert b["loss"] == pytest.approx(a["loss"], rel=1e-4, abs=1e-6)
+        assert b["grad_norm"] == pytest.approx(a["grad_norm"], rel=1e-4)
+        assert b["entropy"] == pytest.approx(a["entropy"], rel=1e-5)
+
+
+def test_sigkill_then_resume_is_bit_identical_and_sigterm_is_clean(reference_runs, tiny_model_dir: Path,
+                                                                   procs: Processes, tmp_path: Path) -> None:
+    one, _ = reference_runs
+    run_dir = tmp_path / "killed"
+    broker = ScriptedBroker(seed=11, allowed_batches=3)
+    try:
+        argv = learner_argv(run_dir, broker.endpoint, tiny_model_dir, "run.num_steps=0")
+        first = procs.spawn("learner-first", argv)
+        wait_for(lambda: any(a.step == 3 for a in broker.acks), 120, "step 3 acknowledged", procs)
+        first.kill()  # SIGKILL between the checkpoints of steps 2 and 4
+        assert first.popen.returncode == -signal.SIGKILL
+        broker.forget_waiting()
+        first_life = dict(broker.by_step())
+        # a save that crashed half-way must not be picked
+        (run_dir / "learner" / "checkpoints" / "step_00000003.partial").mkdir()
+        broker.allow(NUM_STEPS)
+        second = procs.spawn("learner-second", argv)
+        wait_for(lambda: any(a.step == NUM_STEPS for a in broker.acks), 120, "step 5 acknowledged", procs)
+        second.signal(signal.SIGTERM)
+        assert second.popen.wait(timeout=60) == 0, second.log()[-4000:]
+    finally:
+        broker.close()
+    assert [h.adapter_version for h in broker.hellos] == [0, 2]  # resumed at the step-2 checkpoint
+    assert broker.served == [0, 1, 2, 2, 3, 4]  # the batches after the checkpoint, fed again
+    versions = [p.version for p in broker.published]
+    assert versions == sorted(set(versions)) == [1, 2, 3, 4, 5, 6]  # numbering continues after version 3
+    reference = {p.step: p.sha256 for p in one.broker.published}
+    assert {s: p.sha256 for s, p in first_life.items()} == {s: reference[s] for s in (1, 2, 3)}
+    assert {s: p.sha256 for s, p in broker.by_step().items()} == reference  # steps 3-5 bit-identical
+    checkpoints = sorted(p.name for p in (run_dir / "learner" / "checkpoints").iterdir())
+    assert checkpoints == ["step_00000004", "step_00000005"]  # final checkpoint on SIGTERM; partial cleaned
+    assert (run_dir / "learner" / "adapters" / "v000006" / "adapter_model.safetensors").is_file()
+    assert [b.reason for b in broker.byes] == ["stopped"]
