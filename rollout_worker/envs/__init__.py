@@ -35,8 +35,9 @@ def builtin_env(task: str) -> Environment:
 class EnvResolver:
     """The environment of each task name, built once."""
 
-    def __init__(self, env_spec: str = "") -> None:
-        self._user = load_env(env_spec) if env_spec else None
+    def __init__(self, env: str | Environment = "") -> None:
+        """``env``: ``worker.env`` (an import path; empty = built-ins) or an Environment instance."""
+        self._user = load_env(env) if isinstance(env, str) and env else env or None
         self._builtin: dict[str, Environment] = {}
 
     def for_task(self, task: str) -> Environment:
