@@ -134,6 +134,7 @@ class BrokerSession:
     def publish(self, snap: AdapterSnapshot) -> None:
         """Send an adapter version (does not wait for the broker's Ack; see ``adapter_acks``)."""
         self._newest = snap
+        self.link.hello.adapter_version = snap.version  # what a hello after a broker restart says
         self._adapter_sent_at[snap.version] = time.monotonic()
         self.link.send(snap.update(), snap.tensors)
 

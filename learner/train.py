@@ -67,6 +67,7 @@ class Received:
 class Timers:
     start: float = field(default_factory=time.monotonic)
     busy_s: float = 0.0  # compute + publish + checkpoint, for the busy share
+    wait_s: float = 0.0  # waiting for batches
 
     def busy_share(self) -> float:
         return self.busy_s / max(time.monotonic() - self.start, 1e-9)
@@ -171,6 +172,7 @@ class Learner:
         self.timeline.mark(state)
         if self.session is not None:
             self.session.link.set_state(state, adapter_version=self.state.version, steps=self.state.step,
+                                        busy_s=round(self.timers.busy_s, 3), wait_s=round(self.timers.wait_s, 3),
                                         busy_share=round(self.timers.busy_share(), 4))
 
     def _want_batch(self) -> None:
@@ -264,6 +266,7 @@ class Learner:
             if every and self.state.step % every == 0:
                 checkpoint_s = self.checkpoint()
             self.timers.busy_s += compute_s + publish_s + checkpoint_s
+            self.timers.wait_s += wait_s
             if received is not None:
                 self._acknowledge(received, trained_version)
                 self._report(stats, received, step_batch, wait_s=wait_s, compute_s=compute_s,

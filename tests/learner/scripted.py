@@ -93,6 +93,8 @@ class ScriptedBroker:
     group_size: int = 4
     allowed_batches: int = 1 << 30
     broker_id: str = "scripted"
+    port: int = 0  # 0 = any free port
+    answer_batch_acks: bool = True
     hellos: list[Hello] = field(default_factory=list)
     published: list[Published] = field(default_factory=list)
     acks: list[BatchAck] = field(default_factory=list)
@@ -104,11 +106,23 @@ class ScriptedBroker:
         self.ctx = zmq.Context.instance()
         self.sock = self.ctx.socket(zmq.ROUTER)
         self.sock.setsockopt(zmq.LINGER, 0)
-        port = self.sock.bind_to_random_port("tcp://127.0.0.1")
-        self.endpoint = f"tcp://127.0.0.1:{port}"
+        if self.port:  # a restarted broker on the port of a closed one: zmq releases it asynchronously
+            deadline = time.monotonic() + 5
+            while True:
+                try:
+                    self.sock.bind(f"tcp://127.0.0.1:{self.port}")
+                    break
+                except zmq.ZMQError:
+                    if time.monotonic() > deadline:
+                        raise
+                    time.sleep(0.05)
+        else:
+            self.port = self.sock.bind_to_random_port("tcp://127.0.0.1")
+        self.endpoint = f"tcp://127.0.0.1:{self.port}"
         self.latest_version = 0
         self.next_index = 0
         self._waiting: list[tuple[bytes, BatchRequest, float]] = []
+        self._registered: set[bytes] = set()
         self._stop = threading.Event()
         self._lock = threading.Lock()
         self._thread = threading.Thread(target=self._serve, name="scripted-broker", daemon=True)
@@ -131,6 +145,8 @@ class ScriptedBroker:
             return {p.step: p for p in self.published}
 
     def close(self) -> None:
+        if self._stop.is_set():
+            return
         self._stop.set()
         self._thread.join(timeout=5)
         self.sock.close(0)
@@ -151,7 +167,12 @@ class ScriptedBroker:
         self.sock.send_multipart([identity, *frames], copy=False)
 
     def _handle(self, identity: bytes, record: Any, envelope: Any) -> None:
+        if not isinstance(record, Hello) and identity not in self._registered:
+            self._send(identity, protocol.encode(Error(code="not_registered", message="say hello first",
+                                                       ref_kind=int(record.KIND))))
+            return
         if isinstance(record, Hello):
+            self._registered.add(identity)
             self.hellos.append(record)
             self.next_index = record.adapter_version  # publish_every = 1: version == steps trained
             self._send(identity, protocol.encode(Welcome(
@@ -176,7 +197,8 @@ class ScriptedBroker:
             self._waiting.append((identity, record, time.monotonic() + record.wait_ms / 1000))
         elif isinstance(record, BatchAck):
             self.acks.append(record)
-            self._send(identity, protocol.encode(Ack(ref_kind=Kind.BATCH_ACK, ref_id=record.batch_id)))
+            if self.answer_batch_acks:
+                self._send(identity, protocol.encode(Ack(ref_kind=Kind.BATCH_ACK, ref_id=record.batch_id)))
         elif isinstance(record, Bye):
             self.byes.append(record)
 

@@ -1,0 +1,69 @@
+"""BrokerSession against scripted brokers: long-polled batches, adapter acks, and re-sending after a restart."""
+
+from __future__ import annotations
+
+import time
+
+import torch
+
+from common.config import load_config
+from common.metrics import Metrics
+from common.protocol import BatchAck
+from learner.publish import AdapterSnapshot, tensors_sha256
+from learner.session import BrokerSession
+from tests.learner.scripted import ScriptedBroker
+
+
+def snapshot(version: int) -> AdapterSnapshot:
+    tensors = [("base_model.model.layer.lora_A.weight", torch.full((4, 8), float(version))),
+               ("base_model.model.layer.lora_B.weight", torch.zeros(8, 4))]
+    return AdapterSnapshot(version=version, step=version, tensors=tensors, adapter_config={"r": 4},
+                           sha256=tensors_sha256(tensors), base_model="tiny")
+
+
+def poll_until(session: BrokerSession, condition, timeout_s: float = 10.0):
+    deadline = time.monotonic() + timeout_s
+    batch = None
+    while time.monotonic() < deadline:
+        batch = session.poll(0.05) or batch
+        if condition(batch):
+            return batch
+    raise AssertionError("condition not reached")
+
+
+def test_batches_acks_and_resending_after_a_broker_restart() -> None:
+    first = ScriptedBroker(allowed_batches=1, answer_batch_acks=False)
+    config = load_config(None, [f"broker.endpoint=\"{first.endpoint}\"", "broker.heartbeat_interval_s=0.1",
+                                "broker.heartbeat_misses=2"])
+    metrics = Metrics()
+    session = BrokerSession(config, version=0, metrics=metrics)
+    second = None
+    try:
+        assert session.start(5).broker_id == "scripted"
+        session.want_batch(2, 100, 0)
+        batch = poll_until(session, lambda b: b is not None)
+        assert batch.record.batch_id == "batch-0" and len(batch.record.groups) == 2
+        session.publish(snapshot(1))
+        poll_until(session, lambda _: session.adapter_acks)
+        assert [a.version for a in session.adapter_acks] == [1] and session.adapter_acks[0].seconds > 0
+        session.ack_batch(BatchAck(batch_id="batch-0", step=1, trained_version=0, group_ids=["0:0", "0:1"]))
+        session.want_batch(2, 100, 1)
+        assert session.poll(0.5) is None  # the first broker has no second batch: empty long-polls, re-asked
+        assert session.num_unacked == 1  # it never acknowledged the BatchAck
+        assert len(first.served) == 1
+
+        first.close()  # the broker dies; a new one comes up on the same port
+        second = ScriptedBroker(port=first.port, broker_id="second", allowed_batches=5)
+        batch = poll_until(session, lambda b: b is not None)
+        assert session.welcome.broker_id == "second" and metrics.counter("broker_reconnects") == 1
+        # the new broker got the unacknowledged BatchAck, the newest adapter, and the outstanding request
+        assert [a.batch_id for a in second.acks] == ["batch-0"] and second.acks[0].group_ids == ["0:0", "0:1"]
+        assert [p.version for p in second.published] == [1]
+        assert second.hellos[-1].adapter_version == 1
+        assert batch.record.batch_id == "batch-1"
+        assert session.drain(5) and session.num_unacked == 0
+    finally:
+        session.close()
+        first.close()
+        if second is not None:
+            second.close()
