@@ -24,9 +24,11 @@ import time
 from dataclasses import dataclass
 from typing import Any
 
+import structlog
+
 from common import protocol
 from common.config import Config
-from common.logging import get_logger
+from common.logging import bind, get_logger
 from common.metrics import Metrics
 from common.protocol import (
     AdapterFetch,
@@ -85,12 +87,14 @@ class BrokerSession:
         self._lease_request_deadline: float | None = None  # monotonic; None = no request outstanding
         self._fetch: tuple[int, float] | None = None  # (version wanted, sent at) of the adapter fetch in flight
         self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._dispatch, name="broker-session", daemon=True)
+        self._thread: threading.Thread | None = None
 
     # -- lifecycle ---------------------------------------------------------------------------------------------
 
     def start(self, timeout_s: float = 30.0) -> Welcome:
         self.welcome = self.link.start(timeout_s)
+        self._thread = threading.Thread(target=self._dispatch, args=(structlog.contextvars.get_contextvars(),),
+                                        name="broker-session", daemon=True)
         self._thread.start()
         log.info("joined", endpoint=self.link.endpoint, latest_version=self.welcome.latest_version,
                  group_size=self.welcome.group_size, max_staleness=self.welcome.max_staleness)
@@ -99,7 +103,7 @@ class BrokerSession:
     def close(self, reason: str = "") -> None:
         """Stop the dispatcher, say Bye and close the link."""
         self._stop.set()
-        if self._thread.is_alive():
+        if self._thread is not None:
             self._thread.join(timeout=5)
         self.link.close(reason=reason)
 
@@ -153,7 +157,8 @@ class BrokerSession:
 
     # -- dispatcher thread -------------------------------------------------------------------------------------
 
-    def _dispatch(self) -> None:
+    def _dispatch(self, context: dict[str, Any]) -> None:
+        bind(**context)  # threads do not inherit the log context (worker id) of the thread that started them
         while not self._stop.is_set():
             item = self.link.recv(timeout_s=0.1)
             if item is None:
