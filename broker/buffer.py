@@ -5,7 +5,7 @@ A group's *slot* lives from acceptance to the learner's BatchAck::
     add() --> buffered (oldest first) --serve()--> training (in batch B) --ack(B)--> freed
                  ^   |                                  |
                  |   +--drop_stale()--> dropped         |  unserve(B): the learner died or the send failed
-                 +--------------------------------------+  (back to the front, in their old order)
+                 +--------------------------------------+  (back in arrival order, ahead of newer groups)
 
 Both buffered and training groups count against the two bounds, ``max_groups`` and ``max_bytes``: the bytes
 stay referenced until the ack, because a learner that dies mid-step gets the same groups again.
@@ -39,6 +39,7 @@ class StoredGroup:
     num_tokens: int = 0
     worker: str = ""
     received_s: float = 0.0
+    seq: int = 0  # arrival order, set by RolloutBuffer.add
 
 
 class RolloutBuffer:
@@ -54,6 +55,7 @@ class RolloutBuffer:
         self._batch_of: dict[str, str] = {}  # group id -> batch id, for training groups
         self.buffered_bytes = 0
         self.training_bytes = 0
+        self._seq = 0
 
     # -- sizes -----------------------------------------------------------------------------------------------
 
@@ -95,6 +97,8 @@ class RolloutBuffer:
         if not self.fits(group.num_bytes):
             raise ValueError(f"group {group.group_id} ({group.num_bytes} bytes) does not fit the buffer "
                              f"({self.num_groups}/{self.max_groups} groups, {self.num_bytes}/{self.max_bytes} bytes)")
+        self._seq += 1
+        group.seq = self._seq
         self._buffered[group.group_id] = group
         self.buffered_bytes += group.num_bytes
 
@@ -128,12 +132,12 @@ class RolloutBuffer:
         return groups
 
     def unserve(self, batch_id: str) -> list[StoredGroup]:
-        """Put a served batch's groups back at the front, in their order (learner gone, send failed)."""
+        """Put a served batch's groups back in arrival order (the learner is gone, or the send failed)."""
         groups = self.ack(batch_id) or []
-        for group in reversed(groups):
-            self._buffered[group.group_id] = group
-            self._buffered.move_to_end(group.group_id, last=False)
-            self.buffered_bytes += group.num_bytes
+        if groups:
+            merged = sorted([*self._buffered.values(), *groups], key=lambda g: g.seq)
+            self._buffered = OrderedDict((g.group_id, g) for g in merged)
+            self.buffered_bytes += sum(g.num_bytes for g in groups)
         return groups
 
     def discard(self, group_id: str) -> StoredGroup | None:

@@ -139,7 +139,10 @@ class PromptSource:
             return None
         key = self.cursor
         if key >= self.reserved_until:
-            self.reserved_until = self.advance(key, self.reserve_block)
+            end = self.advance(key, self.reserve_block)
+            if self.num_epochs and self.epoch_size is not None:
+                end = min(end, (self.num_epochs, 0))  # never reserve past the last epoch
+            self.reserved_until = end
             if self.on_reserve is not None:
                 self.on_reserve(self.reserved_until)
         self.cursor = self.advance(key)

@@ -1,0 +1,75 @@
+"""The persisted state: atomic round trips, refusal of foreign or corrupt files, the background writer."""
+
+from __future__ import annotations
+
+import json
+import threading
+from pathlib import Path
+
+import pytest
+
+from broker.state import StateWriter, check_matches, load_state, make_state, save_state
+
+
+def state(**changes):
+    fields = dict(task="arith", seed=0, epoch_size=None, cursor=(0, 10), reserved_until=(0, 20),
+                  pending=[(0, 3), (0, 7)], latest_version=2, num_trained_groups=8)
+    fields.update(changes)
+    return make_state(**fields)
+
+
+def test_round_trip(tmp_path: Path) -> None:
+    path = tmp_path / "broker" / "state.json"
+    assert load_state(path) is None
+    save_state(path, state())
+    loaded = load_state(path)
+    assert loaded.cursor_key == (0, 10) and loaded.reserved_key == (0, 20)
+    assert loaded.pending_keys() == [(0, 3), (0, 7)]
+    assert (loaded.latest_version, loaded.num_trained_groups, loaded.epoch_size) == (2, 8, 0)
+    assert [p.name for p in path.parent.iterdir()] == ["state.json"]  # no temp file left behind
+
+
+@pytest.mark.parametrize("content, match", [
+    ("{not json", "not a valid broker state file"),
+    ('{"task": "arith"}', "required field is missing"),
+    ('{"task": "arith", "seed": 0, "cursor": [0, 5], "reserved_until": [0, 5], "extra": 1}', "unknown field"),
+    ('{"task": "arith", "seed": 0, "cursor": [0, 5], "reserved_until": [0, 4]}', "is before cursor"),
+    ('{"task": "arith", "seed": 0, "cursor": [0, 5], "reserved_until": [0, 5], "format": 9}', "must be <= 1"),
+])
+def test_corrupt_files_are_refused(tmp_path: Path, content: str, match: str) -> None:
+    path = tmp_path / "state.json"
+    path.write_text(content)
+    with pytest.raises(ValueError, match=match):
+        load_state(path)
+
+
+@pytest.mark.parametrize("task, seed, epoch_size, ok", [
+    ("arith", 0, None, True), ("calculator", 0, None, False), ("arith", 1, None, False), ("arith", 0, 50, False),
+])
+def test_foreign_state_is_refused(task: str, seed: int, epoch_size: int | None, ok: bool) -> None:
+    if ok:
+        check_matches(state(), task=task, seed=seed, epoch_size=epoch_size, path="s.json")
+    else:
+        with pytest.raises(ValueError, match="was written for run.task='arith'"):
+            check_matches(state(), task=task, seed=seed, epoch_size=epoch_size, path="s.json")
+
+
+def test_writer_background_then_sync_newest_wins(tmp_path: Path) -> None:
+    path = tmp_path / "state.json"
+    durable = threading.Event()
+    writer = StateWriter(path, on_durable=durable.set)
+    seq = writer.submit(state(latest_version=5))
+    assert durable.wait(10)
+    assert writer.durable_seq >= seq and load_state(path).latest_version == 5
+    sync_seq = writer.write(state(latest_version=6))
+    assert sync_seq > seq and writer.durable_seq == sync_seq
+    for version in range(7, 20):
+        last = writer.submit(state(latest_version=version))
+    writer.close()  # finishes the pending write
+    assert writer.durable_seq == last
+    assert json.loads(path.read_text())["latest_version"] == 19
+    assert writer.num_writes <= 2 + 13
+    with pytest.raises(RuntimeError, match="closed"):
+        writer.submit(state())
+    writer.write(state(latest_version=30))  # synchronous writes still work after close (shutdown)
+    assert load_state(path).latest_version == 30
