@@ -40,7 +40,7 @@ class BrokerStats:
     """Counters by family and reason, plus windowed rates of the totals."""
 
     def __init__(self, metrics: Metrics | None = None, *, window_s: float = 10.0) -> None:
-        self.metrics = metrics or Metrics()
+        self.metrics = metrics or Metrics(namespace="loraflow_broker")
         self.window_s = window_s
         self.families: dict[str, tuple[str, Counter[str]]] = {
             name: (label, Counter()) for name, label in (
