@@ -1,0 +1,158 @@
+"""``loraflow status``: the live picture of a running broker, as tables (or JSON), once or refreshing.
+
+    loraflow status [config.toml] [--endpoint tcp://host:port] [--watch [SECONDS]] [--json] [--timeout S]
+
+The broker is found by ``--endpoint``, else the file named by ``broker.endpoint_file`` (written by a broker
+bound to port 0), else ``broker.endpoint``. One StatsRequest is sent without registering (the broker answers
+anyone; with ``security.enabled`` the ``security.client_key`` pair is used). :func:`render` turns the
+snapshot (see broker/snapshot.py for its keys) into text; it reads the snapshot defensively so a status
+command of one release can show a broker of another.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+from common.cli import config_from_args, config_parser
+from common.config import Config
+from common.transport import BrokerUnavailable, fetch_stats
+
+
+def _bytes(n: float) -> str:
+    for unit in ("B", "KB", "MB", "GB", "TB"):
+        if abs(n) < 1024 or unit == "TB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1024
+    return f"{n:.1f} TB"
+
+
+def _duration(seconds: float) -> str:
+    seconds = int(seconds)
+    if seconds < 60:
+        return f"{seconds}s"
+    if seconds < 3600:
+        return f"{seconds // 60}m{seconds % 60:02d}s"
+    return f"{seconds // 3600}h{seconds % 3600 // 60:02d}m"
+
+
+def _share(value: Any) -> str:
+    return "-" if value is None else f"{100 * value:.0f}%"
+
+
+def _pairs(mapping: dict[str, Any]) -> str:
+    return "  ".join(f"{k} {v}" for k, v in mapping.items()) if mapping else "none"
+
+
+def _histogram(mapping: dict[str, Any]) -> str:
+    return " ".join(f"{k}:{v}" for k, v in mapping.items()) if mapping else "-"
+
+
+def _table(headers: list[str], rows: list[list[str]]) -> list[str]:
+    widths = [max(len(h), *(len(r[i]) for r in rows)) for i, h in enumerate(headers)]
+    lines = ["  " + "  ".join(h.ljust(w) for h, w in zip(headers, widths, strict=True)).rstrip()]
+    lines += ["  " + "  ".join(c.ljust(w) for c, w in zip(row, widths, strict=True)).rstrip() for row in rows]
+    return lines
+
+
+def render(snap: dict[str, Any]) -> str:
+    """The snapshot of a Stats reply as a few lines and tables."""
+    settings, prompts, buffer = snap.get("settings", {}), snap.get("prompts", {}), snap.get("buffer", {})
+    rates = snap.get("rates", {})
+    lines = [
+        f"broker {snap.get('broker_id', '?')}  up {_duration(snap.get('uptime_s', 0))}  "
+        f"version {snap.get('latest_version', 0)}  task {settings.get('task', '?')}  "
+        f"group_size {settings.get('group_size', '?')}  groups/step {settings.get('groups_per_step', '?')}  "
+        f"max_staleness {settings.get('max_staleness', '?')}",
+        f"prompts   epoch {prompts.get('epoch', 0)}  next {prompts.get('index', 0)}  "
+        f"queued {prompts.get('queued', 0)}  leased {prompts.get('leased', 0)}  "
+        f"buffered {prompts.get('buffered', 0)}  training {prompts.get('training', 0)}  "
+        f"trained {prompts.get('trained_total', 0)}" + ("  (all issued)" if prompts.get("exhausted") else ""),
+        f"buffer    {buffer.get('groups', 0)} groups {_bytes(buffer.get('bytes', 0))}  "
+        f"training {buffer.get('training_groups', 0)} groups {_bytes(buffer.get('training_bytes', 0))}  "
+        f"bounds {buffer.get('max_groups', '?')} groups {_bytes(buffer.get('max_bytes', 0))}  "
+        f"credit {snap.get('credit', '?')}  oldest {buffer.get('oldest_age_s', 0):.1f}s",
+        f"staleness (versions:groups)  buffered {_histogram(buffer.get('staleness', {}))}  "
+        f"served {_histogram(snap.get('served_staleness', {}))}",
+        f"rates     in {rates.get('messages_in_per_s', 0):.0f} msg/s {_bytes(rates.get('bytes_in_per_s', 0))}/s  "
+        f"out {rates.get('messages_out_per_s', 0):.0f} msg/s {_bytes(rates.get('bytes_out_per_s', 0))}/s  "
+        f"groups {rates.get('groups_per_s', 0):.1f}/s  tokens {rates.get('tokens_per_s', 0):.0f}/s  "
+        f"trained {rates.get('trained_groups_per_s', 0):.1f} groups/s",
+        f"waiting   lease requests {snap.get('waiting', {}).get('lease_requests', 0)}  "
+        f"batch requests {snap.get('waiting', {}).get('batch_requests', 0)}  "
+        f"leases out {snap.get('leases', {}).get('outstanding', 0)}",
+    ]
+    learner = snap.get("learner")
+    if learner:
+        lines.append(f"learner   {learner.get('id')}  {learner.get('state')}  v{learner.get('adapter_version', 0)}  "
+                     f"step {learner.get('step', '-')}  checkpoint v{learner.get('checkpoint_version', '-')}  "
+                     f"busy {_share(snap.get('learner_busy_share'))}  seen {learner.get('last_seen_s', 0):.1f}s ago  "
+                     f"{learner.get('host', '')}:{learner.get('pid', '')}")
+    else:
+        lines.append("learner   none connected")
+    workers = snap.get("workers", [])
+    lines.append(f"workers   {len(workers)}")
+    if workers:
+        rows = [[w.get("id", "?"), w.get("state", "?"), str(w.get("adapter_version", 0)), str(w.get("leases", 0)),
+                 str(w.get("groups_accepted", 0)), str(w.get("groups_rejected", 0)), _share(w.get("busy_share")),
+                 f"{w.get('last_seen_s', 0):.1f}s", w.get("backend", ""), f"{w.get('host', '')}:{w.get('pid', '')}"]
+                for w in sorted(workers, key=lambda w: w.get("id", ""))]
+        lines += _table(["ID", "STATE", "VERSION", "LEASES", "ACCEPTED", "REJECTED", "BUSY", "SEEN", "BACKEND",
+                         "HOST:PID"], rows)
+    adapters = snap.get("adapters", [])
+    lines.append("adapters  " + (", ".join(f"v{a['version']} ({_bytes(a.get('num_bytes', 0))})" for a in adapters)
+                                 if adapters else "none published"))
+    lines.append(f"dropped   {_pairs(snap.get('dropped', {}))}")
+    lines.append(f"rejected  {_pairs(snap.get('rejected', {}))}")
+    failed = snap.get("send_failed", {})
+    if failed:
+        lines.append(f"send failed  {_pairs(failed)}")
+    return "\n".join(lines)
+
+
+def resolve_endpoint(config: Config, flag_endpoint: str | None) -> str:
+    if flag_endpoint:
+        return flag_endpoint
+    endpoint_file = config.broker.endpoint_file
+    if endpoint_file and Path(endpoint_file).is_file():
+        text = Path(endpoint_file).read_text().strip()
+        if text:
+            return text
+    return config.broker.endpoint
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = config_parser("loraflow status", "The live picture of a running broker.")
+    parser.add_argument("--watch", nargs="?", type=float, const=2.0, default=None, metavar="SECONDS",
+                        help="refresh every SECONDS (default 2) until Ctrl-C")
+    parser.add_argument("--json", action="store_true", help="print the raw snapshot as JSON")
+    parser.add_argument("--timeout", type=float, default=5.0, help="seconds to wait for the broker")
+    args = parser.parse_args(sys.argv[1:] if argv is None else argv)
+    config = config_from_args(args)
+    endpoint = resolve_endpoint(config, args.flag_endpoint)
+    security = None
+    if config.security.enabled:
+        from common.security import client_security
+
+        security = client_security(config)
+    try:
+        while True:
+            try:
+                snap = fetch_stats(endpoint, timeout_s=args.timeout, security=security)
+                text = json.dumps(snap, indent=None if args.watch else 2) if args.json else render(snap)
+                ok = True
+            except BrokerUnavailable as exc:
+                text, ok = f"loraflow status: {exc}", False
+            if args.watch is None:
+                print(text, file=sys.stdout if ok else sys.stderr)
+                return 0 if ok else 1
+            if not args.json:
+                sys.stdout.write("\x1b[H\x1b[2J")  # clear the terminal
+                text += f"\n\n{endpoint}  every {args.watch:g}s  (Ctrl-C to stop)"
+            print(text, flush=True)
+            time.sleep(args.watch)
+    except KeyboardInterrupt:
+        return 0

@@ -1,0 +1,59 @@
+"""`loraflow status`: the table rendering of a real snapshot, and the command against a running broker."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from common.protocol import BatchRequest, Heartbeat
+from deploy import status
+from tests.broker.harness import LEARNER, W1, W2, Harness
+from tests.support import Processes, start_broker
+
+
+def busy_snapshot() -> dict:
+    h = Harness()
+    h.hello(W1)
+    h.hello(W2)
+    h.hello(LEARNER)
+    h.send(W1, Heartbeat(state="generating", adapter_version=0))
+    for lease in h.lease(W1, 3):
+        h.submit(W1, lease)
+    h.send(LEARNER, BatchRequest(num_groups=2))
+    h.publish(1)
+    h.send(LEARNER, Heartbeat(state="training", adapter_version=1, counters={"busy_s": 3.0, "idle_s": 1.0}))
+    return h.stats()
+
+
+def test_render_shows_the_live_picture() -> None:
+    text = status.render(busy_snapshot())
+    lines = text.splitlines()
+    assert lines[0].startswith("broker ") and "version 1" in lines[0] and "task arith" in lines[0]
+    assert "queued 0  leased 0  buffered 1  training 2" in text
+    assert "buffered 1:1  served 0:2" in text
+    assert "learner   learner  training  v1" in text and "busy 75%" in text
+    assert "workers   2" in text
+    header = next(line for line in lines if line.strip().startswith("ID"))
+    assert header.split() == ["ID", "STATE", "VERSION", "LEASES", "ACCEPTED", "REJECTED", "BUSY", "SEEN", "BACKEND",
+                              "HOST:PID"]
+    w1 = next(line for line in lines if line.strip().startswith("w1 "))
+    assert w1.split()[:6] == ["w1", "generating", "0", "0", "3", "0"]
+    assert "adapters  v1 (4.0 KB)" in text
+
+
+def test_render_tolerates_a_sparse_snapshot() -> None:
+    text = status.render({})
+    assert "learner   none connected" in text and "workers   0" in text
+
+
+def test_status_command_once_and_json(procs: Processes, capsys: pytest.CaptureFixture) -> None:
+    broker = start_broker(procs, "run.group_size=2", "run.groups_per_step=2")
+    assert status.main(["--endpoint", broker.endpoint]) == 0
+    assert capsys.readouterr().out.startswith(f"broker {broker.stats()['broker_id']}")
+    assert status.main(["--set", f'broker.endpoint_file="{broker.endpoint_file}"', "--json"]) == 0
+    snapshot = json.loads(capsys.readouterr().out)
+    assert snapshot["settings"]["group_size"] == 2 and snapshot["workers"] == []
+    broker.proc.stop()
+    assert status.main(["--endpoint", broker.endpoint, "--timeout", "0.3"]) == 1
+    assert "no stats from the broker" in capsys.readouterr().err
