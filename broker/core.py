@@ -42,7 +42,7 @@ from broker.leases import Lease, LeaseTable
 from broker.peers import Peer, PeerRegistry, RegistryFull
 from broker.prompts import PromptKey, PromptSource, group_id_of, parse_group_id
 from broker.snapshot import build_snapshot
-from broker.state import BrokerState, StateWriter, check_matches, load_state, make_state
+from broker.state import BrokerState, StateWriter, check_matches, load_adapter, load_state, make_state
 from broker.stats import BrokerStats
 from common import framing, protocol, versions
 from common.config import Config
@@ -133,33 +133,16 @@ class BrokerCore:
         self.draining = False
         self.learner_progress: dict[str, int] = {}
 
-        cursor, requeued = (0, 0), []
-        epoch_size = task.size if task.size is not None else (broker.prompt_limit or None)
-        persisted = load_state(self.state_path) if self.state_path else None
-        if persisted is not None:
-            check_matches(persisted, task=run.task, seed=run.seed, epoch_size=epoch_size, path=str(self.state_path))
-            self.latest_version = persisted.latest_version
-            self.num_trained_total = persisted.num_trained_groups
+        self.writer = StateWriter(self.state_path) if self.state_path else None
+        self._unsaved_adapter: tuple[int, list[Any]] | None = None
+        self.prompts = self._restore(task)
         self.base_version = self.latest_version
-        self.prompts = PromptSource(task, prompt_limit=broker.prompt_limit, num_epochs=broker.num_epochs,
-                                    reserve_block=max(RESERVE_BLOCK, 4 * self.capacity_groups))
-        if persisted is not None:
-            cursor = persisted.reserved_key
-            requeued = sorted(set(persisted.pending_keys())
-                              | set(self.prompts.keys_between(persisted.cursor_key, persisted.reserved_key)))
-            requeued = [k for k in requeued if not broker.num_epochs or k[0] < broker.num_epochs]
-            self.prompts = PromptSource(task, prompt_limit=broker.prompt_limit, num_epochs=broker.num_epochs,
-                                        reserve_block=max(RESERVE_BLOCK, 4 * self.capacity_groups), cursor=cursor,
-                                        requeued=requeued)
-            log.info("state_restored", path=str(self.state_path), cursor=list(cursor), requeued=len(requeued),
-                     latest_version=self.latest_version)
         self.prompts.on_reserve = lambda _end: self.persist()
 
         self._handlers = {kind: getattr(self, f"_on_{KIND_NAMES[kind]}") for kind in SENDERS}
         self.lease_waiters: deque[Waiter] = deque()
         self.batch_waiters: deque[Waiter] = deque()
         self.outbox: list[Outgoing] = []
-        self.writer = StateWriter(self.state_path) if self.state_path else None
         self._unsubmitted: list[Outgoing] = []  # replies that need the next state write
         self._awaiting_write: deque[tuple[int, list[Outgoing]]] = deque()  # (write seq, replies)
         self._persist_due = False
@@ -172,6 +155,40 @@ class BrokerCore:
 
     # -- persistence -----------------------------------------------------------------------------------------
 
+    def _restore(self, task: Task) -> PromptSource:
+        """The prompt source, latest version, trained count and newest adapter as the last process left them."""
+        broker, run = self.config.broker, self.config.run
+        block = max(RESERVE_BLOCK, 4 * self.capacity_groups)
+        fresh = PromptSource(task, prompt_limit=broker.prompt_limit, num_epochs=broker.num_epochs,
+                             reserve_block=block)
+        if self.writer is not None:
+            self._restore_adapter(self.writer.adapter_path)
+        persisted = load_state(self.state_path) if self.state_path else None
+        if persisted is None:
+            return fresh
+        check_matches(persisted, task=run.task, seed=run.seed, epoch_size=fresh.epoch_size, path=str(self.state_path))
+        self.latest_version = max(self.latest_version, persisted.latest_version)
+        self.num_trained_total = persisted.num_trained_groups
+        requeued = sorted(set(persisted.pending_keys())
+                          | set(fresh.keys_between(persisted.cursor_key, persisted.reserved_key)))
+        requeued = [k for k in requeued if not broker.num_epochs or k[0] < broker.num_epochs]
+        log.info("state_restored", path=str(self.state_path), cursor=list(persisted.reserved_key),
+                 requeued=len(requeued), latest_version=self.latest_version)
+        return PromptSource(task, prompt_limit=broker.prompt_limit, num_epochs=broker.num_epochs, reserve_block=block,
+                            cursor=persisted.reserved_key, requeued=requeued)
+
+    def _restore_adapter(self, path: Path) -> None:
+        """Serve the adapter saved by the previous process (it may be one version ahead of the state file)."""
+        frames = load_adapter(path)
+        if frames is None:
+            return
+        update, envelope = protocol.decode(frames)
+        if not isinstance(update, protocol.AdapterUpdate):
+            raise ValueError(f"{path} holds a {type(update).__name__}, not an AdapterUpdate; move it away")
+        self.adapters.add(update, envelope.specs, frames)
+        self.latest_version = max(self.latest_version, update.version)
+        log.info("adapter_restored", version=update.version, path=str(path))
+
     def _state(self) -> BrokerState:
         return make_state(
             task=self.config.run.task, seed=self.config.run.seed, epoch_size=self.prompts.epoch_size,
@@ -182,7 +199,8 @@ class BrokerCore:
     def persist(self) -> None:
         """Write the state file now, in this thread (start, reserved block, shutdown)."""
         if self.writer is not None:
-            self.writer.write(self._state())
+            adapter, self._unsaved_adapter = self._unsaved_adapter, None
+            self.writer.write(self._state(), adapter)
             self.stats.count("state_writes", "sync")
 
     def _submit_write(self) -> None:
@@ -192,7 +210,8 @@ class BrokerCore:
         if self.writer is None:
             self.outbox.extend(replies)
             return
-        seq = self.writer.submit(self._state())
+        adapter, self._unsaved_adapter = self._unsaved_adapter, None
+        seq = self.writer.submit(self._state(), adapter)
         self.stats.count("state_writes", "background")
         self._awaiting_write.append((seq, replies))
 
@@ -495,6 +514,7 @@ class BrokerCore:
             return
         self.latest_version = update.version
         peer.adapter_version = update.version
+        self._unsaved_adapter = (update.version, stored.message)
         self._persist_due = True
         self._send(identity, protocol.Ack(ref_kind=Kind.ADAPTER_UPDATE, ref_id=str(update.version)),
                    after_persist=True)

@@ -14,6 +14,9 @@ the block: a key handed out after the last write is inside the block, so it is i
 re-queued prompt; workers re-send the groups they still hold and duplicates are discarded by group id.
 Trained keys leave ``pending`` only in a write that happens before the learner's BatchAck is acknowledged.
 
+The newest adapter is saved next to it (``adapter.bin``: the AdapterUpdate message's frames as received), so a
+restarted broker serves the latest version at once instead of waiting for the learner to publish again.
+
 Writes are atomic: a temp file in the same directory, flushed and fsynced, then renamed over the old one.
 An fsync costs milliseconds, so the event loop does not wait for the writes that acks depend on:
 :class:`StateWriter` writes in a helper thread, always the newest state submitted (group commit: one write
@@ -26,11 +29,13 @@ from __future__ import annotations
 
 import json
 import os
+import struct
 import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 from broker.prompts import PromptKey
 from common.schema import SchemaError, build, dump, rule
@@ -117,15 +122,64 @@ def check_matches(state: BrokerState, *, task: str, seed: int, epoch_size: int |
                          "(broker.prompt_limit), or another run directory / broker.state_path")
 
 
+ADAPTER_MAGIC = b"LFAD1\n"
+_U32, _U64 = struct.Struct("!I"), struct.Struct("!Q")
+
+
+def save_adapter(path: str | os.PathLike, message: list[Any]) -> None:
+    """Write an adapter message's frames (preamble, header, tensors) atomically: magic, count, (length, bytes)*."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    with open(tmp, "wb") as f:
+        f.write(ADAPTER_MAGIC + _U32.pack(len(message)))
+        for frame in message:
+            view = frame.buffer if hasattr(frame, "buffer") else memoryview(frame)
+            f.write(_U64.pack(view.nbytes))
+            f.write(view)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+
+
+def load_adapter(path: str | os.PathLike) -> list[bytes] | None:
+    """The frames saved by :func:`save_adapter`, or None when there is no file; ValueError if it is torn."""
+    try:
+        data = Path(path).read_bytes()
+    except FileNotFoundError:
+        return None
+    if not data.startswith(ADAPTER_MAGIC):
+        raise ValueError(f"{path} is not a saved adapter; move it away")
+    view = memoryview(data)
+    offset = len(ADAPTER_MAGIC)
+    (count,) = _U32.unpack_from(view, offset)
+    offset += _U32.size
+    frames = []
+    for _ in range(count):
+        (size,) = _U64.unpack_from(view, offset)
+        offset += _U64.size
+        if offset + size > len(data):
+            raise ValueError(f"{path} is truncated; move it away")
+        frames.append(data[offset:offset + size])
+        offset += size
+    return frames
+
+
 class StateWriter:
-    """Writes state files, synchronously or in a helper thread; the newest state always wins.
+    """Writes state files (and the newest adapter), synchronously or in a helper thread; the newest wins.
 
     Every state gets a sequence number; :attr:`durable_seq` is the newest one on disk. ``on_durable`` is
-    called from the helper thread after each background write (the server uses it to wake its poll).
+    called from the helper thread after each background write (the server uses it to wake its poll). An
+    adapter handed in with a state is written before that state (to ``adapter_path``), so a state never names a
+    latest version whose adapter is not on disk too.
     """
 
-    def __init__(self, path: str | os.PathLike, on_durable: Callable[[], None] | None = None) -> None:
+    def __init__(self, path: str | os.PathLike, on_durable: Callable[[], None] | None = None,
+                 adapter_path: str | os.PathLike | None = None) -> None:
         self.path = Path(path)
+        self.adapter_path = Path(adapter_path) if adapter_path else self.path.with_name("adapter.bin")
+        self._adapter_written = 0
+        self._pending_adapter: tuple[int, list[Any]] | None = None
         self.on_durable = on_durable
         self.num_writes = 0
         self.last_write_s = 0.0
@@ -146,8 +200,11 @@ class StateWriter:
             self._seq += 1
             return self._seq
 
-    def _write(self, seq: int, state: BrokerState) -> None:
+    def _write(self, seq: int, state: BrokerState, adapter: tuple[int, list[Any]] | None = None) -> None:
         with self._write_lock:
+            if adapter is not None and adapter[0] > self._adapter_written:
+                save_adapter(self.adapter_path, adapter[1])
+                self._adapter_written = adapter[0]
             if seq <= self._durable:
                 return  # a newer state is on disk already
             started = time.perf_counter()
@@ -156,19 +213,22 @@ class StateWriter:
             self.num_writes += 1
             self._durable = seq
 
-    def write(self, state: BrokerState) -> int:
+    def write(self, state: BrokerState, adapter: tuple[int, list[Any]] | None = None) -> int:
         """Write now, in the caller's thread; returns the state's sequence number (durable on return)."""
         seq = self._next_seq()
-        self._write(seq, state)
+        self._write(seq, state, adapter)
         return seq
 
-    def submit(self, state: BrokerState) -> int:
-        """Write in the helper thread; returns the sequence number to wait for (see durable_seq)."""
+    def submit(self, state: BrokerState, adapter: tuple[int, list[Any]] | None = None) -> int:
+        """Write in the helper thread; returns the sequence number to wait for (see durable_seq).
+        ``adapter`` is (version, message frames): frames that nothing mutates (received zmq frames)."""
         with self._cond:
             if self._closed:
                 raise RuntimeError("StateWriter is closed")
             self._seq += 1
             self._pending = (self._seq, state)
+            if adapter is not None:
+                self._pending_adapter = adapter
             self._cond.notify()
             if self._thread is None:
                 self._thread = threading.Thread(target=self._run, name="state-writer", daemon=True)
@@ -183,8 +243,8 @@ class StateWriter:
                 if self._pending is None:
                     return
                 seq, state = self._pending
-                self._pending = None
-            self._write(seq, state)
+                adapter, self._pending, self._pending_adapter = self._pending_adapter, None, None
+            self._write(seq, state, adapter)
             if self.on_durable is not None:
                 self.on_durable()
 

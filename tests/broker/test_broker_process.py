@@ -132,6 +132,7 @@ def test_restart_continues_the_cursor_nothing_lost_nothing_twice(procs: Processe
         learner.ack(first)
         confirmed += [e.group.group_id for e in first.groups]
         second = learner.batch(2).record  # in training when the broker dies
+        assert learner.publish(1).KIND == Kind.ACK
         broker.proc.kill()
         broker = start_broker(procs, *settings, f'broker.bind="{broker.endpoint}"', run_dir=broker.run_dir,
                               name="broker2")  # same port: the clients reconnect by themselves
@@ -154,6 +155,9 @@ def test_restart_continues_the_cursor_nothing_lost_nothing_twice(procs: Processe
             learner.ack(batch)
             confirmed += [e.group.group_id for e in batch.groups]
         assert sorted(confirmed) == [f"0:{i}" for i in range(8)]
+        late = Worker(broker.endpoint, "late")
+        assert late.expect(Kind.ADAPTER_UPDATE).record.version == 1  # the adapter survived the crash too
+        late.close()
         stats = broker.stats()
         assert stats["prompts"]["exhausted"] and stats["prompts"]["trained_total"] == 8  # persisted across
         assert worker.lease(1).reason == "no_prompts"

@@ -368,3 +368,21 @@ def test_only_newest_adapters_are_kept() -> None:
 def test_fetch_before_any_publish(h: Harness) -> None:
     error = h.reply_to(W1, h.send(W1, AdapterFetch()))
     assert error.code == "stale_version" and "none published yet" in error.message
+
+
+def test_restart_restores_cursor_pending_and_adapter(tmp_path) -> None:
+    h = Harness(state_path=tmp_path / "state.json")
+    h.hello(W1)
+    h.hello(LEARNER)
+    leases = fill(h, 2) + h.lease(W1, 1)  # 0:0, 0:1 buffered; 0:2 leased
+    (_, batch, _), = h.send(LEARNER, BatchRequest(num_groups=2))
+    h.send(LEARNER, BatchAck(batch_id=batch.batch_id, step=1, trained_version=0, group_ids=["0:0"]))
+    h.publish(1)
+    h.restart()
+    assert h.core.latest_version == 1 and h.core.prompts.state((0, 0)) == "trained"
+    assert h.core.prompts.snapshot()["queued"] >= 2  # 0:1 (not trained) and 0:2 (leased), plus the reserved block
+    replies = h.hello(W2, adapter_version=0)
+    assert kinds(replies) == ["WELCOME", "ADAPTER_UPDATE"] and replies[1][1].version == 1
+    h.hello(W1, session="s2")
+    assert [lease.group_id for lease in h.lease(W1, 3, adapter_version=1)] == ["0:1", "0:2", "0:3"]
+    assert h.submit(W1, leases[0], version=1).status == "duplicate"

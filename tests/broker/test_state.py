@@ -8,7 +8,15 @@ from pathlib import Path
 
 import pytest
 
-from broker.state import StateWriter, check_matches, load_state, make_state, save_state
+from broker.state import (
+    StateWriter,
+    check_matches,
+    load_adapter,
+    load_state,
+    make_state,
+    save_adapter,
+    save_state,
+)
 
 
 def state(**changes):
@@ -73,3 +81,28 @@ def test_writer_background_then_sync_newest_wins(tmp_path: Path) -> None:
         writer.submit(state())
     writer.write(state(latest_version=30))  # synchronous writes still work after close (shutdown)
     assert load_state(path).latest_version == 30
+
+
+def test_adapter_file_round_trip_and_torn_file(tmp_path: Path) -> None:
+    path = tmp_path / "adapter.bin"
+    assert load_adapter(path) is None
+    frames = [b"preamble", b"", memoryview(bytes(range(256)) * 4)]
+    save_adapter(path, frames)
+    assert load_adapter(path) == [b"preamble", b"", bytes(range(256)) * 4]
+    path.write_bytes(path.read_bytes()[:-10])
+    with pytest.raises(ValueError, match="truncated"):
+        load_adapter(path)
+    path.write_bytes(b"something else")
+    with pytest.raises(ValueError, match="not a saved adapter"):
+        load_adapter(path)
+
+
+def test_writer_saves_the_adapter_before_the_state(tmp_path: Path) -> None:
+    writer = StateWriter(tmp_path / "state.json")
+    writer.submit(state(latest_version=3), adapter=(3, [b"a", b"b"]))
+    writer.submit(state(latest_version=3))  # replaces the pending state, keeps the pending adapter
+    writer.close()
+    assert load_adapter(tmp_path / "adapter.bin") == [b"a", b"b"]
+    assert load_state(tmp_path / "state.json").latest_version == 3
+    writer.write(state(latest_version=3), adapter=(2, [b"older"]))  # never goes back
+    assert load_adapter(tmp_path / "adapter.bin") == [b"a", b"b"]
