@@ -268,8 +268,9 @@ class BrokerCore:
 
     # -- receiving -------------------------------------------------------------------------------------------
 
-    def handle(self, identity: bytes, frames: list[Any], now_s: float) -> None:
-        """One received message (the frames after the identity)."""
+    def handle(self, identity: bytes, frames: list[Any], now_s: float, authenticated_role: str | None = None) -> None:
+        """One received message (the frames after the identity). ``authenticated_role`` is the role CURVE
+        authentication bound to the sender's key (None without security): a client may act only in that role."""
         self.stats.bytes_in += _nbytes(frames)
         try:
             envelope = protocol.decode_envelope(frames, self.config.broker.max_message_bytes)
@@ -285,6 +286,12 @@ class BrokerCore:
                          ref_kind=kind)
             return
         allowed = SENDERS[kind]
+        if authenticated_role is not None:
+            claimed = envelope.header.get("role") if kind == Kind.HELLO else (peer.role if peer else None)
+            if claimed is not None and claimed != authenticated_role:
+                self._reject(identity, "forbidden", f"this key is authorised as a {authenticated_role}, not as a "
+                             f"{claimed} (see `loraflow keys`)", ref_kind=kind)
+                return
         if allowed is not None:
             if peer is None:
                 self._reject(identity, "not_registered", f"say Hello before sending {KIND_NAMES[kind]}",

@@ -4,9 +4,10 @@
 
 On start the broker restores ``<run_dir>/broker/state.json`` (or ``broker.state_path``) if present, binds
 ``broker.bind`` (default ``broker.endpoint``; port 0 picks a free port), writes the bound endpoint to
-``broker.endpoint_file`` when set (atomically), writes the resolved config to ``<run_dir>/broker/config.toml``
-and serves Prometheus ``/metrics`` when ``broker.metrics_port`` > 0. SIGTERM or SIGINT: parked long-polls are
-answered, the state is written, exit code 0.
+``broker.endpoint_file`` when set (atomically), writes the resolved config to ``<run_dir>/broker/config.toml``,
+serves Prometheus ``/metrics`` when ``broker.metrics_port`` > 0, and with ``security.enabled`` accepts only
+CURVE clients whose keys lie under ``<security.keys_dir>/authorized/<role>/``. SIGTERM or SIGINT: parked
+long-polls are answered, the state is written, exit code 0.
 """
 
 from __future__ import annotations
@@ -50,10 +51,15 @@ def run(config: Config) -> int:
     from broker.core import BrokerCore
     from broker.server import BrokerServer
 
+    security = None
     if config.security.enabled:
-        print("broker: security.enabled (CURVE) is not supported by this broker yet; set security.enabled=false",
-              file=sys.stderr)
-        return 2
+        from common.security import SecurityError, ServerSecurity
+
+        try:
+            security = ServerSecurity.load(config.security.keys_dir)
+        except SecurityError as exc:
+            print(f"broker: {exc}", file=sys.stderr)
+            return 2
     try:
         task = load_task(config.run.task, config.run.seed)
     except ValueError as exc:
@@ -69,7 +75,7 @@ def run(config: Config) -> int:
     except ValueError as exc:
         print(f"broker: {exc}", file=sys.stderr)
         return 2
-    server = BrokerServer(config, core)
+    server = BrokerServer(config, core, security=security)
     write_resolved(config, config.run_dir / "broker" / "config.toml")
     if config.broker.endpoint_file:
         write_endpoint_file(config.broker.endpoint_file, server.endpoint)

@@ -21,7 +21,9 @@ state file (written by a helper thread, :class:`broker.state.StateWriter`, whose
 pipe in the same poll: acks that depend on a write wait for it without stalling the loop), Prometheus
 gauges. What it blocks on: ``zmq.Poller.poll`` only, with the timeout set to the
 core's next deadline (capped at ``MAX_POLL_MS`` so a stop request is noticed promptly). What unblocks it: any
-incoming message, a deadline, or :meth:`BrokerServer.stop` (the signal handler). Sends never block: with
+incoming message, a deadline, or :meth:`BrokerServer.stop` (the signal handler). With CURVE
+(``security.enabled``) every message carries the role its sender's key is authorised for, and the core lets a
+client act only in that role. Sends never block: with
 ``ROUTER_MANDATORY`` a peer that is gone (EHOSTUNREACH) or whose queue is full (EAGAIN) makes the send fail
 at once, and the core takes back what the message promised (leases re-queued, a batch back to the buffer).
 
@@ -44,6 +46,7 @@ from broker.core import BrokerCore
 from common import sockets
 from common.config import Config
 from common.logging import get_logger
+from common.security import role_of
 
 log = get_logger("broker")
 
@@ -59,6 +62,9 @@ class BrokerServer:
                  security: Any = None) -> None:
         self.core = core
         self.ctx = ctx or sockets.make_context()
+        self.security = security
+        if security is not None:
+            security.start(self.ctx)  # the ZAP authenticator must run before the socket binds
         self.sock, self.bound_endpoint = sockets.router_socket(
             self.ctx, config.bind_endpoint, max_message_bytes=config.broker.max_message_bytes, security=security)
         self.endpoint = sockets.connect_endpoint(self.bound_endpoint)
@@ -120,8 +126,9 @@ class BrokerServer:
                 return
             identity = frames[0].bytes
             now_s = time.monotonic()
+            role = role_of(frames[1]) if self.security is not None and len(frames) > 1 else None
             try:
-                core.handle(identity, frames[1:], now_s)
+                core.handle(identity, frames[1:], now_s, authenticated_role=role)
             except Exception:  # a bug must cost one message, not the broker
                 log.exception("handler_failed", peer=identity.decode(errors="replace")[:64])
                 core.internal_error(identity, frames[1:])
@@ -153,3 +160,5 @@ class BrokerServer:
         self.sock.close(linger=sockets.LINGER_MS)
         os.close(self._wake_r)
         os.close(self._wake_w)
+        if self.security is not None:
+            self.security.stop()

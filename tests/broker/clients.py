@@ -74,10 +74,11 @@ class Client:
     """A BrokerLink plus bounded waits for a given message kind."""
 
     def __init__(self, endpoint: str, role: str, client_id: str | None = None, *, adapter_version: int = 0,
-                 capacity: int = 4, session: str = "") -> None:
+                 capacity: int = 4, session: str = "", security: Any = None) -> None:
         self.client_id = client_id or f"{role}-{uuid.uuid4().hex[:6]}"
         self.link = BrokerLink(endpoint, Hello(role=role, client_id=self.client_id, capacity=capacity,
-                                               adapter_version=adapter_version, session=session), **FAST)
+                                               adapter_version=adapter_version, session=session),
+                               security=security, **FAST)
         self.welcome = self.link.start(timeout_s=10)
 
     def expect(self, *kinds: Kind, timeout_s: float = 5.0) -> Incoming:
