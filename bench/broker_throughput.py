@@ -25,6 +25,7 @@ from __future__ import annotations
 import argparse
 import multiprocessing as mp
 import os
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -219,12 +220,20 @@ def broker_learner(endpoint: str, num_groups: int, seconds: float, results: mp.Q
 # -- modes -------------------------------------------------------------------------------------------------
 
 
-def run_mode(mode: str, num_bytes: int, producers: int, seconds: float, workdir: Path) -> float:
+def cpu_seconds(pid: int) -> float:
+    """User + system CPU time of a process so far (Linux /proc)."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def run_mode(mode: str, num_bytes: int, producers: int, seconds: float, workdir: Path) -> tuple[float, float]:
+    """(payload bytes/s at the consumer, CPU share of the hop process: proxy or broker; 0 for direct)."""
     spawn = mp.get_context("spawn")
     stop, results = spawn.Event(), spawn.Queue()
     children: list = []
     producers_: list = []
     broker = None
+    hop_pid = None
     try:
         if mode == "direct":
             consumer = spawn.Process(target=pull_consumer, args=(None, seconds, results))
@@ -236,6 +245,7 @@ def run_mode(mode: str, num_bytes: int, producers: int, seconds: float, workdir:
             proxy = spawn.Process(target=relay, args=(results,), daemon=True)
             proxy.start()
             children.append(proxy)
+            hop_pid = proxy.pid
             front, back = results.get(timeout=30)
             consumer = spawn.Process(target=pull_consumer, args=(back, seconds, results))
             consumer.start()
@@ -261,6 +271,7 @@ def run_mode(mode: str, num_bytes: int, producers: int, seconds: float, workdir:
                     raise RuntimeError("the broker did not start")
                 time.sleep(0.05)
             endpoint = endpoint_file.read_text().strip()
+            hop_pid = broker.pid
             consumer = spawn.Process(target=broker_learner, args=(endpoint, num_groups, seconds, results))
             consumer.start()
             results.get(timeout=30)
@@ -270,9 +281,16 @@ def run_mode(mode: str, num_bytes: int, producers: int, seconds: float, workdir:
         for child in producers_:
             child.start()
         children += producers_
+        pids = {"hop": [hop_pid] if hop_pid else [], "consumer": [consumer.pid], "producers": [p.pid for p in producers_]}
+        started = time.perf_counter()
+        before = {k: sum(cpu_seconds(p) for p in v) for k, v in pids.items()}
         value = results.get(timeout=seconds + 60)
+        elapsed = time.perf_counter() - started
+        shares = {k: (sum(cpu_seconds(p) for p in v) - before[k]) / elapsed for k, v in pids.items()}
+        if os.environ.get("BENCH_CPU"):
+            print(f"  {mode} {num_bytes}: {value / 1e6:.0f} MB/s cpu " + " ".join(f"{k} {v:.0%}" for k, v in shares.items()))
         consumer.join(timeout=10)
-        return value
+        return value, shares["hop"]
     finally:
         stop.set()
         for child in children:
@@ -287,32 +305,44 @@ def run_mode(mode: str, num_bytes: int, producers: int, seconds: float, workdir:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--producers", type=int, default=3)
-    parser.add_argument("--seconds", type=float, default=3.0)
+    parser.add_argument("--seconds", type=float, default=3.0, help="measured seconds per run")
+    parser.add_argument("--repeats", type=int, default=3, help="interleaved runs per mode and size (median kept)")
     parser.add_argument("--sizes", default="16384,262144,4194304", help="group sizes in bytes, comma-separated")
     parser.add_argument("--modes", default="direct,relay,broker")
     parser.add_argument("--curve", action="store_true", help="CURVE on every socket (needs common.security)")
     args = parser.parse_args(argv)
     if args.curve:
-        print("--curve: CURVE needs common.security, which this tree does not have yet", file=sys.stderr)
+        print("--curve: not wired into this benchmark yet (security is its own issue)", file=sys.stderr)
         return 2
     sizes = [int(s) for s in args.sizes.split(",")]
     modes = args.modes.split(",")
     results: dict[int, dict[str, float]] = {}
+    cpu: dict[int, dict[str, float]] = {}
+    print(f"{args.producers} producers, {args.seconds:g} s per run, median of {args.repeats} interleaved runs; "
+          "payload MB/s at the consumer (CPU share of the hop process)", flush=True)
     with tempfile.TemporaryDirectory(prefix="bench-broker-", dir=Path(__file__).resolve().parent.parent) as tmp:
         for size in sizes:
-            results[size] = {}
-            for mode in modes:
-                results[size][mode] = run_mode(mode, size, args.producers, args.seconds, Path(tmp))
+            runs: dict[str, list[tuple[float, float]]] = {m: [] for m in modes}
+            for _ in range(args.repeats):
+                for mode in modes:
+                    runs[mode].append(run_mode(mode, size, args.producers, args.seconds, Path(tmp)))
+            results[size] = {m: statistics.median(r[0] for r in runs[m]) for m in modes}
+            cpu[size] = {m: statistics.median(r[1] for r in runs[m]) for m in modes}
             row = results[size]
+            cells = "  ".join(f"{m} {row[m] / 1e6:7.1f}" + (f" ({cpu[size][m]:.0%})" if m != "direct" else "")
+                              for m in modes)
             ratios = "  ".join(f"{m}/relay {row[m] / row['relay']:.2f}" for m in modes
                                if m != "relay" and "relay" in row)
-            print(f"group {size / 1024:>6.0f} KB  " + "  ".join(f"{m} {row[m] / 1e6:8.1f} MB/s" for m in modes)
-                  + f"   {ratios}", flush=True)
+            spread = "  ".join(f"{m} [{min(r[0] for r in runs[m]) / 1e6:.0f}-{max(r[0] for r in runs[m]) / 1e6:.0f}]"
+                               for m in modes)
+            print(f"group {size / 1024:>6.0f} KB  {cells}   {ratios}   runs: {spread}", flush=True)
     key = 262144 if 262144 in results else sizes[0]
     row = results[key]
     report("broker_throughput", f"broker throughput, {key // 1024} KB groups", row.get("broker", 0.0) / 1e6, "MB/s",
            row.get("relay", 0.0) / 1e6, producers=args.producers,
-           by_size={str(s): {m: round(v / 1e6, 1) for m, v in r.items()} for s, r in results.items()})
+           by_size={str(s): {m: round(v / 1e6, 1) for m, v in r.items()} for s, r in results.items()},
+           ratio_by_size={str(s): round(r["broker"] / r["relay"], 3) for s, r in results.items()
+                          if "broker" in r and "relay" in r})
     return 0
 
 

@@ -160,7 +160,8 @@ def unpack(frames: Sequence[Any], *, version: int, known_kinds: frozenset[int], 
         )
     if kind not in known_kinds:
         raise FramingError(f"unknown message kind {kind}")
-    total = sum(_frame_bytes(f).nbytes for f in frames)
+    sizes = [_frame_bytes(f).nbytes for f in frames]
+    total = sum(sizes)
     if total > max_bytes:
         raise FramingError(f"message of {total} bytes exceeds the limit of {max_bytes} (broker.max_message_bytes)")
     header_bytes = _frame_bytes(frames[1])
@@ -172,19 +173,25 @@ def unpack(frames: Sequence[Any], *, version: int, known_kinds: frozenset[int], 
         raise FramingError(f"header is not valid msgpack: {exc}") from None
     if not isinstance(header, dict):
         raise FramingError(f"header must be a msgpack map, got {type(header).__name__}")
-    specs = _parse_specs(header.pop("tensors", []), frames[2:])
+    specs = _parse_specs(header.pop("tensors", []), frames[2:], sizes[2:])
     return Envelope(kind=kind, header=header, specs=specs, frames=list(frames[2:]), num_bytes=total)
 
 
-def _parse_specs(raw_specs: Any, tensor_frames: Sequence[Any]) -> list[TensorSpec]:
+_SPEC_KEYS = frozenset({"name", "dtype", "shape", "frame"})
+
+
+def _parse_specs(raw_specs: Any, tensor_frames: Sequence[Any], frame_sizes: Sequence[int] | None = None
+                 ) -> list[TensorSpec]:
     if not isinstance(raw_specs, list):
         raise FramingError("header.tensors must be a list")
     if len(raw_specs) != len(tensor_frames):
         raise FramingError(f"header declares {len(raw_specs)} tensors but {len(tensor_frames)} tensor frames arrived")
+    if frame_sizes is None:
+        frame_sizes = [_frame_bytes(f).nbytes for f in tensor_frames]
     specs = []
     seen_frames = set()
     for i, raw in enumerate(raw_specs):
-        if not isinstance(raw, dict) or set(raw) != {"name", "dtype", "shape", "frame"}:
+        if not isinstance(raw, dict) or raw.keys() != _SPEC_KEYS:
             raise FramingError(f"tensors[{i}] must be a map with exactly name, dtype, shape, frame")
         name, dtype, shape, frame = raw["name"], raw["dtype"], raw["shape"], raw["frame"]
         if not isinstance(name, str) or not name or len(name) > 256:
@@ -198,7 +205,7 @@ def _parse_specs(raw_specs: Any, tensor_frames: Sequence[Any]) -> list[TensorSpe
             raise FramingError(f"tensors[{i}] ({name}): frame index {frame!r} is out of range or used twice")
         seen_frames.add(frame)
         spec = TensorSpec(name, dtype, tuple(shape), frame)
-        actual = _frame_bytes(tensor_frames[frame]).nbytes
+        actual = frame_sizes[frame]
         if actual != spec.num_bytes:
             raise FramingError(f"tensors[{i}] ({name}): {dtype}{list(shape)} needs {spec.num_bytes} bytes, frame has {actual}")
         specs.append(spec)

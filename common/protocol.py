@@ -21,6 +21,7 @@ message carries it in its preamble and a mismatch is refused with an Error namin
 from __future__ import annotations
 
 import enum
+import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any, ClassVar
@@ -429,17 +430,19 @@ def check_group_values(group: RolloutGroup, specs: Sequence[TensorSpec], frames:
     if vocab_size > 0:
         for name in ("prompt_ids", "completion_ids"):
             ids = arrays[name]
-            if ids.size and (int(ids.min()) < 0 or int(ids.max()) >= vocab_size):
+            # one pass for both bounds: as unsigned, negative int32 ids are >= 2**31 > any vocab size
+            if ids.size and int(ids.view(np.uint32).max()) >= vocab_size:
                 raise bad(f"{name} has ids outside [0, {vocab_size}): min {int(ids.min())}, max {int(ids.max())}")
     mask = arrays["loss_mask"]
     if mask.size and int(mask.max()) > 1:
         raise bad("loss_mask must hold only 0 and 1")
     logprobs = arrays["logprobs"]
     if logprobs.size:
-        if not np.isfinite(logprobs).all():
+        high, low = float(logprobs.max()), float(logprobs.min())  # NaN propagates into both
+        if not (math.isfinite(high) and math.isfinite(low)):
             raise bad("logprobs contain NaN or inf")
-        if float(logprobs.max()) > 1e-3:
-            raise bad(f"logprobs must be <= 0, got {float(logprobs.max())}")
+        if high > 1e-3:
+            raise bad(f"logprobs must be <= 0, got {high}")
     if group.max_version > latest_version:
         raise bad(f"max_version {group.max_version} is newer than the latest published version {latest_version}")
     versions = arrays["versions"]
