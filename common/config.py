@@ -145,6 +145,7 @@ class LearnerConfig:
     batch_wait_ms: int = rule(1000, ge=1, le=600_000, unit="ms", doc="long-poll for one batch request")
     resume: bool = rule(True, doc="continue from the newest complete checkpoint if there is one")
     metrics_port: int = rule(0, ge=0, le=65535)
+    adam_eps: float = rule(1e-8, gt=0, le=1, doc="AdamW epsilon: gradient entries far below it barely move")
 
 
 @dataclass(slots=True, kw_only=True)
