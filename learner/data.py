@@ -3,8 +3,9 @@
     rank 0      Batch (broker) --select_groups--> which groups to train, skip (counted) and acknowledge
                                --trainable_frames--> the same message holding only the groups to train
     all ranks   Parallel.broadcast_frames --decode_step_batch--> StepBatch (samples, rewards, groups)
-                --plan_micro_batches--> sample indices per micro-batch (token budget, longest first)
-                --assign_to_ranks--> this rank's micro-batches (every rank gets as many; empty ones pad)
+                --assign_to_ranks--> this rank's samples (balanced by length)
+                --plan_micro_batches--> its micro-batches (token budget, longest first; every rank runs as
+                                        many forward passes, empty micro-batches pad the shorter ranks)
                 --collate--> MicroBatch tensors
 
 Rank 0 is the single authority on what is trained: it alone keeps the trained group ids and the policy
@@ -193,15 +194,13 @@ def plan_micro_batches(input_lens: Sequence[int], budget_tokens: int) -> list[li
 
 
 def assign_to_ranks(costs: Sequence[int], world_size: int) -> list[list[int]]:
-    """Micro-batch indices per rank: as many on every rank (up to one less, padded by the caller), costliest first
-    to the least-loaded rank."""
-    per_rank = -(-len(costs) // world_size)
+    """Item indices per rank, costliest first to the least-loaded rank (ties to the lower rank)."""
     loads = [0] * world_size
     out: list[list[int]] = [[] for _ in range(world_size)]
-    for m in sorted(range(len(costs)), key=lambda m: (-costs[m], m)):
-        rank = min((r for r in range(world_size) if len(out[r]) < per_rank), key=lambda r: (loads[r], r))
-        out[rank].append(m)
-        loads[rank] += costs[m]
+    for i in sorted(range(len(costs)), key=lambda i: (-costs[i], i)):
+        rank = min(range(world_size), key=lambda r: (loads[r], r))
+        out[rank].append(i)
+        loads[rank] += costs[i]
     return out
 
 
@@ -253,13 +252,15 @@ def collate(samples: Sequence[Sample], advantages: Sequence[float]) -> MicroBatc
 
 def rank_micro_batches(step: StepBatch, advantages: torch.Tensor, *, rank: int, world_size: int,
                        budget_tokens: int) -> list[MicroBatch]:
-    """This rank's micro-batches of a step; every rank gets the same number (empty ones where short)."""
+    """This rank's micro-batches of a step. Samples are spread over the ranks by length (balanced), then packed
+    per rank; every rank gets as many micro-batches as the busiest one (empty ones where short), because each
+    forward pass is a collective under FSDP2."""
     trainable = [i for i, s in enumerate(step.samples) if s.num_trained > 0]
-    plan = plan_micro_batches([step.samples[i].input_len for i in trainable], budget_tokens)
-    plan = [[trainable[k] for k in mb] for mb in plan]
-    costs = [len(mb) * max(step.samples[i].input_len for i in mb) for mb in plan]
-    mine = assign_to_ranks(costs, world_size)[rank]
-    per_rank = -(-len(plan) // world_size)
-    out = [collate([step.samples[i] for i in plan[m]], [float(advantages[i]) for i in plan[m]]) for m in mine]
-    out += [collate([], []) for _ in range(per_rank - len(mine))]
-    return out
+    per_rank = [[trainable[k] for k in mine]
+                for mine in assign_to_ranks([step.samples[i].input_len for i in trainable], world_size)]
+    plans = [[[samples[k] for k in mb] for mb in plan_micro_batches([step.samples[i].input_len for i in samples],
+                                                                   budget_tokens)]
+             for samples in per_rank]
+    num_micro = max((len(plan) for plan in plans), default=0)
+    out = [collate([step.samples[i] for i in mb], [float(advantages[i]) for i in mb]) for mb in plans[rank]]
+    return out + [collate([], []) for _ in range(num_micro - len(out))]

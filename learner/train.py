@@ -355,7 +355,7 @@ def run(config: Config) -> int:
         model_dir = resolve_model(config.model.path, config.model.cache_dir)
         policy = build_policy(Path(model_dir), config.learner, parallel, seed=config.run.seed)
         optimizer = torch.optim.AdamW(policy.trainable_parameters(), lr=config.learner.lr,
-                                      weight_decay=config.learner.weight_decay)
+                                      weight_decay=config.learner.weight_decay, eps=config.learner.adam_eps)
         scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, _warmup_lambda(config.learner.warmup_steps))
         checkpointer = Checkpointer(learner_dir / "checkpoints", keep=config.learner.keep_checkpoints,
                                     parallel=parallel)

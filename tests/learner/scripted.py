@@ -3,6 +3,9 @@
 :func:`make_batch` builds the same Batch message for the same ``(seed, index)`` every time, so separate
 learner processes (1 rank, 2 ranks, killed and resumed) can be fed identical batches.
 
+:class:`Producer` plays a rollout worker against the real broker: it leases prompts and submits synthetic
+groups for them at the adapter version it was last told about.
+
 :class:`ScriptedBroker` is a ROUTER on a loopback port, served by a background thread, that speaks the
 learner's side of the protocol like the broker does: Welcome, heartbeat pongs, long-polled BatchRequests
 answered from :func:`make_batch` (at most ``allowed_batches``, in order; the sequence restarts at the version a
@@ -24,6 +27,7 @@ import zmq
 from common import framing, protocol
 from common.protocol import (
     Ack,
+    AdapterNotice,
     AdapterUpdate,
     Batch,
     BatchAck,
@@ -34,9 +38,12 @@ from common.protocol import (
     Heartbeat,
     Hello,
     Kind,
+    LeaseGrant,
+    LeaseRequest,
     RolloutGroup,
     Welcome,
 )
+from common.transport import BrokerLink, Incoming
 
 VOCAB = 259  # the tiny model's
 
@@ -216,3 +223,45 @@ class ScriptedBroker:
             else:
                 still.append((identity, request, deadline))
         self._waiting = still
+
+
+class Producer(threading.Thread):
+    """A scripted worker: leases prompts, submits random groups at its adapter version, follows AdapterNotices."""
+
+    def __init__(self, endpoint: str, *, max_prompt: int = 12, max_completion: int = 20) -> None:
+        super().__init__(name="producer", daemon=True)
+        self.lengths = {"max_prompt": max_prompt, "max_completion": max_completion}
+        self.link = BrokerLink(endpoint, Hello(role="worker", client_id="producer", capacity=64),
+                               heartbeat_interval_s=0.2, heartbeat_timeout_s=2.0)
+        self.version = 0
+        self.notices: list[int] = []
+        self.errors: list[Error] = []
+        self.stop = threading.Event()
+
+    def run(self) -> None:
+        rng = np.random.default_rng(0)
+        self.link.start(timeout_s=10)
+        asked = False
+        while not self.stop.is_set():
+            if not asked:
+                self.link.send(LeaseRequest(max_leases=16, adapter_version=self.version, wait_ms=200))
+                asked = True
+            item = self.link.recv(timeout_s=0.1)
+            if not isinstance(item, Incoming):
+                continue
+            record = item.record
+            if isinstance(record, LeaseGrant):
+                asked = False
+                for lease in record.leases:
+                    group, tensors = make_group(rng, lease.group_id, group_size=lease.group_size,
+                                                min_version=self.version, **self.lengths)
+                    group.lease_id, group.worker_id = lease.lease_id, "producer"
+                    self.link.send(group, tensors)
+            elif isinstance(record, AdapterNotice):
+                self.notices.append(record.version)
+                self.version = max(self.version, record.version)
+            elif isinstance(record, AdapterUpdate):
+                self.version = max(self.version, record.version)
+            elif isinstance(record, Error):
+                self.errors.append(record)
+        self.link.close()
