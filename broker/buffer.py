@@ -24,7 +24,6 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from broker.prompts import PromptKey
-from common.framing import TensorSpec
 
 
 @dataclass(slots=True, kw_only=True)
@@ -32,7 +31,7 @@ class StoredGroup:
     group_id: str
     key: PromptKey
     header: dict[str, Any]  # the RolloutGroup header fields as received (without "tensors")
-    specs: list[TensorSpec]  # frame indices relative to ``frames``
+    wire_specs: list[dict[str, Any]]  # the tensor specs as on the wire; "frame" indexes ``frames``
     frames: list[Any] = field(repr=False)  # the received tensor frames, untouched
     num_bytes: int  # all frames of the message, as counted on arrival
     min_version: int

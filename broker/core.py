@@ -35,6 +35,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import msgpack
+
 from broker import admission
 from broker.adapters import AdapterCache
 from broker.buffer import RolloutBuffer, StoredGroup
@@ -46,7 +48,6 @@ from broker.state import BrokerState, StateWriter, check_matches, load_adapter, 
 from broker.stats import BrokerStats
 from common import framing, protocol, versions
 from common.config import Config
-from common.framing import TensorSpec
 from common.logging import get_logger
 from common.protocol import Kind, ProtocolError
 from common.tasks import Task
@@ -224,11 +225,11 @@ class BrokerCore:
     # -- sending ---------------------------------------------------------------------------------------------
 
     def _send_frames(self, identity: bytes, kind: int, frames: list[Any], on_fail: Callable[[], None] | None = None,
-                     after_persist: bool = False) -> None:
+                     after_persist: bool = False, num_bytes: int | None = None) -> None:
         out = Outgoing(identity, frames, kind, on_fail)
         (self._unsubmitted if after_persist else self.outbox).append(out)
         self.stats.count("messages_out", KIND_NAMES[kind])
-        self.stats.bytes_out += _nbytes(frames)
+        self.stats.bytes_out += _nbytes(frames) if num_bytes is None else num_bytes
 
     def _send(self, identity: bytes, record: Any, on_fail: Callable[[], None] | None = None,
               after_persist: bool = False) -> None:
@@ -271,14 +272,15 @@ class BrokerCore:
     def handle(self, identity: bytes, frames: list[Any], now_s: float, authenticated_role: str | None = None) -> None:
         """One received message (the frames after the identity). ``authenticated_role`` is the role CURVE
         authentication bound to the sender's key (None without security): a client may act only in that role."""
-        self.stats.bytes_in += _nbytes(frames)
         try:
             envelope = protocol.decode_envelope(frames, self.config.broker.max_message_bytes)
         except ProtocolError as exc:
+            self.stats.bytes_in += _nbytes(frames)
             self.stats.count("messages_in", "undecodable")
             self._reject(identity, exc.code, str(exc), ref_kind=_peek_kind(frames))
             return
         kind = envelope.kind
+        self.stats.bytes_in += envelope.num_bytes
         self.stats.count("messages_in", KIND_NAMES[kind])
         peer = self.peers.heard(identity, now_s)
         if kind not in SENDERS:
@@ -482,7 +484,8 @@ class BrokerCore:
             self.stats.count("leases", "submitted" if lease.lease_id == group.lease_id else "cancelled")
         self.prompts.set_state(key, "buffered")
         num_tokens = sum(group.completion_lens)
-        self.buffer.add(StoredGroup(group_id=group.group_id, key=key, header=envelope.header, specs=envelope.specs,
+        self.buffer.add(StoredGroup(group_id=group.group_id, key=key, header=envelope.header,
+                                    wire_specs=[s.to_wire() for s in envelope.specs],
                                     frames=envelope.frames, num_bytes=envelope.num_bytes,
                                     min_version=group.min_version, num_tokens=num_tokens, worker=peer.client_id,
                                     received_s=now_s))
@@ -584,13 +587,15 @@ class BrokerCore:
             self.stats.count("served_staleness", versions.staleness(self.latest_version, group.min_version))
             entries.append({"group": group.header, "first_tensor": len(specs)})
             base = len(frames)
-            specs.extend(TensorSpec(s.name, s.dtype, s.shape, base + s.frame) for s in group.specs)
+            specs.extend({**spec, "frame": base + spec["frame"]} for spec in group.wire_specs)
             frames.extend(group.frames)
-        header = {"batch_id": batch_id, "groups": entries, "latest_version": self.latest_version}
+        header = {"batch_id": batch_id, "groups": entries, "latest_version": self.latest_version, "tensors": specs}
         self.stats.count("groups", "served", len(groups))
-        self._send_frames(identity, Kind.BATCH,
-                          framing.pack_raw(Kind.BATCH, protocol.PROTOCOL_VERSION, header, specs, frames),
-                          on_fail=lambda: self._unserve(batch_id))
+        # framing.pack_raw's layout, with the tensor specs kept as wire dicts from the groups' arrival
+        message = [framing.PREAMBLE.pack(framing.MAGIC, protocol.PROTOCOL_VERSION, Kind.BATCH),
+                   msgpack.packb(header, use_bin_type=True), *frames]
+        self._send_frames(identity, Kind.BATCH, message, on_fail=lambda: self._unserve(batch_id),
+                          num_bytes=sum(g.num_bytes for g in groups))
         return True
 
     def _unserve(self, batch_id: str) -> None:

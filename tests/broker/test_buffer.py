@@ -10,7 +10,7 @@ from broker.buffer import RolloutBuffer, StoredGroup
 
 
 def group(index: int, num_bytes: int = 100, min_version: int = 0) -> StoredGroup:
-    return StoredGroup(group_id=f"0:{index}", key=(0, index), header={"group_id": f"0:{index}"}, specs=[],
+    return StoredGroup(group_id=f"0:{index}", key=(0, index), header={"group_id": f"0:{index}"}, wire_specs=[],
                        frames=[bytes(num_bytes)], num_bytes=num_bytes, min_version=min_version)
 
 
