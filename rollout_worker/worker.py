@@ -25,7 +25,9 @@ reclaims the leases itself (missed heartbeats, or a hello with a new session fro
 
 from __future__ import annotations
 
+import math
 import os
+import queue
 import signal
 import socket
 import threading
@@ -105,10 +107,12 @@ class Worker:
         self._shutdown()
 
     def _wait_s(self) -> float:
-        deadline = self.rollouts.next_deadline()
-        wait_s = IDLE_WAIT_S if deadline is None else min(IDLE_WAIT_S, deadline - time.monotonic())
-        return max(0.0, min(wait_s, self._next_request_at - time.monotonic()) if self._next_request_at
-                   > time.monotonic() else wait_s)
+        """How long to wait for the wake event: until the next step deadline or lease request, at most idle."""
+        now = time.monotonic()
+        wake_at = [now + IDLE_WAIT_S, self.rollouts.next_deadline() or math.inf]
+        if self._next_request_at > now:
+            wake_at.append(self._next_request_at)
+        return max(0.0, min(wake_at) - now)
 
     def _load_adapters(self) -> None:
         """Load every adapter that arrived; the newest becomes current; old ones beyond retention go."""
@@ -116,7 +120,7 @@ class Worker:
         while True:
             try:
                 adapter = self.session.adapters.get_nowait()
-            except Exception:  # queue.Empty
+            except queue.Empty:
                 break
             started = time.monotonic()
             try:
@@ -143,7 +147,7 @@ class Worker:
         while True:
             try:
                 grant: LeaseGrant = self.session.grants.get_nowait()
-            except Exception:  # queue.Empty
+            except queue.Empty:
                 return
             if not grant.leases:
                 self.metrics.inc("empty_grants", reason=grant.reason or "none")

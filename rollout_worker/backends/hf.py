@@ -2,8 +2,8 @@
 
 The base model is loaded once. The first adapter turns it into a ``PeftModel`` (LoRA layers injected into the
 existing modules); every version then lives in a named peft adapter *slot*. A new version's weights are copied
-into a free slot (``set_peft_model_state_dict``) or a new slot is added when none is free or the LoRA shape
-changed; the base weights are never reloaded. A slot is free once :meth:`retain` drops the version it held, so
+into the LoRA parameters of a free slot, or a new slot is added when none is free or the LoRA shape changed;
+the base weights are never reloaded. A slot is free once :meth:`retain` drops the version it held, so
 a resident version is never overwritten: a generation pinned to an old version (``partial_policy = "finish"``)
 keeps its weights, and a new version never serves the previous one's.
 
@@ -65,6 +65,7 @@ class HfBackend(Backend):
         self.vocab_size = int(base.config.vocab_size)
         self._slot_of: dict[int, str] = {}  # resident version -> slot
         self._slot_keys: dict[str, str] = {}  # slot -> LoRA shape key
+        self._slot_params: dict[str, dict[str, torch.Tensor]] = {}  # slot -> PEFT name -> parameter
         self._free_slots: list[str] = []
         self._num_slots = 0
         self._configs: dict[tuple[bool, int], GenerationConfig] = {}
@@ -83,7 +84,7 @@ class HfBackend(Backend):
     # -- adapters ----------------------------------------------------------------------------------------------
 
     def _load(self, adapter: ReceivedAdapter) -> None:
-        from peft import LoraConfig, get_peft_model, set_peft_model_state_dict
+        from peft import LoraConfig, get_peft_model
 
         config = LoraConfig.from_pretrained(str(adapter.path))
         config.inference_mode = True
@@ -99,24 +100,34 @@ class HfBackend(Backend):
                 self.model.add_adapter(slot, config)
             self._num_slots += 1
             self._slot_keys[slot] = key
+            self._slot_params[slot] = self._parameters_of(slot)
             self._drop_unusable_slots(key)
-        state = load_file(str(adapter.path / WEIGHTS_FILE), device=str(self.device))
-        state = {name: t.to(self.dtype) for name, t in state.items()}
-        result = set_peft_model_state_dict(self.model, state, adapter_name=slot)
-        missing = [k for k in result.missing_keys if "lora_" in k and f".{slot}." in k]
-        if result.unexpected_keys or missing:
+        params = self._slot_params[slot]
+        state = load_file(str(adapter.path / WEIGHTS_FILE))
+        if set(state) != set(params) or any(state[k].shape != params[k].shape for k in params):
             self._free_slots.append(slot)
+            unexpected, missing = sorted(set(state) - set(params)), sorted(set(params) - set(state))
             raise ValueError(f"adapter v{adapter.version} does not fit the model: unexpected tensors "
-                             f"{result.unexpected_keys[:3]}, missing {missing[:3]} (PEFT names of the same base?)")
+                             f"{unexpected[:3]}, missing {missing[:3]} (PEFT names of the same base model?), "
+                             "or other shapes")
+        with torch.no_grad():
+            for name, tensor in state.items():
+                params[name].copy_(tensor)  # into the slot's existing LoRA parameters
         self._slot_of[adapter.version] = slot
         log.debug("adapter_loaded", version=adapter.version, slot=slot)
+
+    def _parameters_of(self, slot: str) -> dict[str, torch.Tensor]:
+        """PEFT name (as published) -> the slot's LoRA parameter tensor, sharing its storage."""
+        from peft import get_peft_model_state_dict
+
+        return get_peft_model_state_dict(self.model, adapter_name=slot)
 
     def _drop_unusable_slots(self, key: str) -> None:
         """Free slots shaped for another LoRA config will not be reused: delete them."""
         for slot in [s for s in self._free_slots if self._slot_keys[s] != key]:
             self._free_slots.remove(slot)
             self.model.delete_adapter(slot)
-            del self._slot_keys[slot]
+            del self._slot_keys[slot], self._slot_params[slot]
 
     def _unload(self, version: int) -> None:
         self._free_slots.append(self._slot_of.pop(version))
