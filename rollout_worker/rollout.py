@@ -262,8 +262,10 @@ class Rollouts:
     # -- environment steps -------------------------------------------------------------------------------------
 
     def _start_episode(self, group: GroupRollout, sample: Sample) -> None:
-        outcome = call_guarded(group.env.start, sample.episode, timeout_s=self.config.reward_timeout_s)
         sample.status = READY
+        if type(group.env).start is Environment.start:
+            return  # no per-episode state: nothing to run
+        outcome = call_guarded(group.env.start, sample.episode, timeout_s=self.config.reward_timeout_s)
         if outcome.ok:
             sample.env_state = outcome.value
         else:

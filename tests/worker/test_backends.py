@@ -14,12 +14,17 @@ from __future__ import annotations
 
 import hashlib
 import math
+from pathlib import Path
 
 import pytest
+import torch
 
 from common.config import WorkerConfig
+from common.logprobs import token_logprobs
 from rollout_worker.adapters import AdapterStore
-from rollout_worker.backends.base import Backend, GenRequest
+from rollout_worker.backends.base import Backend, GenRequest, Sampling
+from rollout_worker.backends.hf import HfBackend
+from rollout_worker.backends.vllm import logprobs_plan, lora_rank_cap, rescale_logprob
 from rollout_worker.envs import EnvResolver
 from rollout_worker.rollout import Rollouts
 from tests.worker.helpers import Adapter, Reference, lease, receive
@@ -122,3 +127,31 @@ def test_token_versions_across_a_mid_generation_swap(backend: Backend, store: Ad
     assert tensors["completion_ids"][:num].tolist() == first + rest
     assert tensors["versions"].tolist() == ([0] * len(first) + [1] * len(rest)) * 2
     assert (group.group.min_version, group.group.max_version) == (0, 1)
+
+
+def test_hf_logprobs_use_the_temperature_and_ignore_top_p(tiny_model_dir: Path, store: AdapterStore,
+                                                         adapters: list[Adapter], reference: Reference) -> None:
+    """common.logprobs: log_softmax(logits / temperature) of the sampled token, before top-p truncation."""
+    backend = HfBackend(tiny_model_dir, sampling=Sampling(temperature=0.7, top_p=0.9), device="cpu", seed=1)
+    backend.add_adapter(receive(store, adapters[0]))
+    prompt = backend.encode(PROMPTS[0])
+    (output,) = backend.generate([GenRequest(token_ids=prompt, max_tokens=12, version=1)])
+    expected = reference.logprobs(adapters[0], prompt, output.token_ids, temperature=0.7)
+    assert max(abs(a - b) for a, b in zip(expected, output.logprobs, strict=True)) < 1e-4
+    untempered = reference.logprobs(adapters[0], prompt, output.token_ids, temperature=1.0)
+    assert max(abs(a - b) for a, b in zip(untempered, output.logprobs, strict=True)) > 1e-2
+
+
+def test_vllm_logprob_modes_reproduce_the_definition() -> None:
+    """Which vLLM logprobs_mode each sampling setting uses, and the rescoring of full raw log-probs."""
+    assert logprobs_plan(Sampling(temperature=1.0, top_p=0.8)) == ("raw_logprobs", 0)
+    assert logprobs_plan(Sampling(temperature=0.7, top_p=1.0)) == ("processed_logprobs", 0)
+    assert logprobs_plan(Sampling(temperature=0.7, top_p=0.8)) == ("raw_logprobs", -1)
+    logits = torch.randn(50, generator=torch.Generator().manual_seed(0)) * 3
+    raw = torch.log_softmax(logits, -1).tolist()  # what vLLM's raw_logprobs mode returns for every token
+    for token in (0, 7, 49):
+        expected = float(token_logprobs(logits[None], torch.tensor([token]), 0.7)[0])
+        assert abs(rescale_logprob(raw, token, 0.7) - expected) < 1e-5
+    assert [lora_rank_cap(r) for r in (1, 4, 8, 16, 17, 64)] == [1, 8, 8, 16, 32, 64]
+    with pytest.raises(ValueError, match="lora_rank"):
+        lora_rank_cap(1024)

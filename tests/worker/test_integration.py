@@ -150,7 +150,7 @@ def test_elastic_scale_out_and_kill_every_prompt_is_acknowledged_once(procs: Pro
                         "broker.capacity_groups=48", f"broker.prompt_limit={num_prompts}", "broker.num_epochs=1")
     slow = ["worker.sim.tokens_per_s=100", "worker.sim.mean_tokens=40", "worker.sim.length_sigma=0.5",
             "worker.max_new_tokens=400"]
-    first = start_worker(procs, broker, "w1", *slow)
+    first = start_worker(procs, broker, "w1", *slow, "worker.capacity=2")  # two groups at a time
     wait_for(lambda: len(acked(first)) >= 3, 20, "w1 to contribute", procs)
     joined = time.monotonic()
     second, third = start_worker(procs, broker, "w2", *slow), start_worker(procs, broker, "w3", *slow)
