@@ -272,26 +272,28 @@ class Rollouts:
             self._fail(group, sample, outcome.failure, outcome.error)
 
     def _end_turn(self, group: GroupRollout, sample: Sample, end: str) -> None:
+        """Hand the finished model turn to the environment (text decoded here: no tokenizer use in threads)."""
         turn_ids = sample.completion_ids[sample.turn_start:]
         if end == "eos":
             turn_ids = turn_ids[:-1]
+        completion = self.backend.decode(sample.completion_ids) if self.reward_fn is not None else ""
         sample.turn_end = end
         sample.status = IN_ENV
-        sample.call = GuardedCall(self._env_step, group, sample, self.backend.decode(turn_ids), end == "eos",
+        sample.call = GuardedCall(self._env_step, group.env, sample.env_state, sample.episode,
+                                  self.backend.decode(turn_ids), end == "eos", completion,
                                   timeout_s=self.config.reward_timeout_s, on_done=self.wake.set)
 
-    def _env_step(self, group: GroupRollout, sample: Sample, turn: str, finished: bool) -> Step:
+    def _env_step(self, env: Environment, state: Any, episode: Episode, turn: str, finished: bool,
+                  completion: str) -> Step:
         """Runs in the step's guarded thread: the environment's answer, and the reward override when done."""
-        step = group.env.step(sample.env_state, turn, finished=finished, episode=sample.episode)
+        step = env.step(state, turn, finished=finished, episode=episode)
         if not isinstance(step, Step):
-            raise InvalidReward(f"{type(group.env).__name__}.step returned {type(step).__name__}, not a Step", "type")
+            raise InvalidReward(f"{type(env).__name__}.step returned {type(step).__name__}, not a Step", "type")
         if step.done:
             step.reward = as_reward(step.reward)
             if self.reward_fn is not None:
-                episode = sample.episode
-                step.reward = as_reward(self.reward_fn(self.backend.decode(sample.completion_ids), episode.answer,
-                                                       prompt=episode.prompt, task=episode.task, meta=episode.meta,
-                                                       finished=finished))
+                step.reward = as_reward(self.reward_fn(completion, episode.answer, prompt=episode.prompt,
+                                                       task=episode.task, meta=episode.meta, finished=finished))
         return step
 
     def _collect(self) -> None:

@@ -141,6 +141,21 @@ class Backend(abc.ABC):
         """Release the model (engine processes, memory)."""
 
 
+class TokenizerMixin:
+    """The token methods of a backend over a Hugging Face tokenizer (``self.tokenizer``): hf and vllm."""
+
+    tokenizer: Any
+
+    def encode(self, text: str) -> list[int]:
+        return list(self.tokenizer(text)["input_ids"])
+
+    def encode_continuation(self, text: str) -> list[int]:
+        return list(self.tokenizer(text, add_special_tokens=False)["input_ids"])
+
+    def decode(self, token_ids: Sequence[int]) -> str:
+        return self.tokenizer.decode(list(token_ids), skip_special_tokens=True)
+
+
 def cut_at_eos(token_ids: Sequence[int], eos_token_id: int, max_tokens: int) -> tuple[list[int], bool]:
     """The first ``max_tokens`` ids up to and including the first EOS; and whether an EOS ended them."""
     ids = list(token_ids[:max_tokens])

@@ -30,7 +30,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer, GenerationConfig
 from common.logging import get_logger
 from common.logprobs import token_logprobs
 from rollout_worker.adapters import WEIGHTS_FILE, ReceivedAdapter
-from rollout_worker.backends.base import Backend, GenOutput, GenRequest, Sampling, cut_at_eos
+from rollout_worker.backends.base import Backend, GenOutput, GenRequest, Sampling, TokenizerMixin, cut_at_eos
 
 log = get_logger("backend.hf")
 
@@ -44,7 +44,7 @@ def resolve_device(device: str) -> torch.device:
     return torch.device(device)
 
 
-class HfBackend(Backend):
+class HfBackend(TokenizerMixin, Backend):
     name = "hf"
 
     def __init__(self, model_dir: str | Path, *, sampling: Sampling, device: str = "auto", dtype: str = "float32",
@@ -58,8 +58,11 @@ class HfBackend(Backend):
         base.to(self.device).eval()
         base.requires_grad_(False)
         self.model: Any = base  # a PeftModel once the first adapter arrives
-        self.eos_token_id = int(self.tokenizer.eos_token_id if self.tokenizer.eos_token_id is not None
-                                else base.generation_config.eos_token_id)
+        eos = self.tokenizer.eos_token_id
+        if eos is None:  # generation configs may list several; the first ends a sample here
+            eos = base.generation_config.eos_token_id
+            eos = eos[0] if isinstance(eos, list) else eos
+        self.eos_token_id = int(eos)
         pad = self.tokenizer.pad_token_id
         self.pad_token_id = int(pad if pad is not None else self.eos_token_id)
         self.vocab_size = int(base.config.vocab_size)
@@ -69,17 +72,6 @@ class HfBackend(Backend):
         self._free_slots: list[str] = []
         self._num_slots = 0
         self._configs: dict[tuple[bool, int], GenerationConfig] = {}
-
-    # -- tokens ------------------------------------------------------------------------------------------------
-
-    def encode(self, text: str) -> list[int]:
-        return list(self.tokenizer(text)["input_ids"])
-
-    def encode_continuation(self, text: str) -> list[int]:
-        return list(self.tokenizer(text, add_special_tokens=False)["input_ids"])
-
-    def decode(self, token_ids: Sequence[int]) -> str:
-        return self.tokenizer.decode(list(token_ids), skip_special_tokens=True)
 
     # -- adapters ----------------------------------------------------------------------------------------------
 

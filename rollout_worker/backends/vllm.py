@@ -31,7 +31,7 @@ from typing import Any
 
 from common.logging import get_logger
 from rollout_worker.adapters import ReceivedAdapter
-from rollout_worker.backends.base import Backend, GenOutput, GenRequest, Sampling
+from rollout_worker.backends.base import Backend, GenOutput, GenRequest, Sampling, TokenizerMixin
 
 log = get_logger("backend.vllm")
 
@@ -63,7 +63,7 @@ def lora_rank_cap(rank: int) -> int:
     raise ValueError(f"learner.lora_rank {rank} exceeds vLLM's largest max_lora_rank {VLLM_LORA_RANKS[-1]}")
 
 
-class VllmBackend(Backend):
+class VllmBackend(TokenizerMixin, Backend):
     name = "vllm"
 
     def __init__(self, model_dir: str | Path, *, sampling: Sampling, max_loras: int, max_lora_rank: int,
@@ -91,17 +91,6 @@ class VllmBackend(Backend):
         self._ids = itertools.count(1)  # LoRA int ids: never reused in this process
         self._requests: dict[int, Any] = {}  # resident version -> LoRARequest
         self._params: dict[tuple[int, bool], Any] = {}
-
-    # -- tokens ------------------------------------------------------------------------------------------------
-
-    def encode(self, text: str) -> list[int]:
-        return list(self.tokenizer(text)["input_ids"])
-
-    def encode_continuation(self, text: str) -> list[int]:
-        return list(self.tokenizer(text, add_special_tokens=False)["input_ids"])
-
-    def decode(self, token_ids: Sequence[int]) -> str:
-        return self.tokenizer.decode(list(token_ids), skip_special_tokens=True)
 
     # -- adapters ----------------------------------------------------------------------------------------------
 
