@@ -17,7 +17,6 @@ Publishing version v+1 (every ``learner.publish_every`` steps):
 
 from __future__ import annotations
 
-import hashlib
 import json
 import os
 import re
@@ -31,6 +30,7 @@ import torch
 from peft import LoraConfig, get_peft_model_state_dict
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
+from common.framing import frames_sha256
 from common.protocol import AdapterUpdate
 from learner.model import Policy
 
@@ -61,11 +61,8 @@ class AdapterSnapshot:
 
 
 def tensors_sha256(tensors: list[tuple[str, torch.Tensor]]) -> str:
-    """sha256 over the raw bytes of the tensors, in order (the names are not hashed)."""
-    digest = hashlib.sha256()
-    for _, tensor in tensors:
-        digest.update(memoryview(tensor.detach().contiguous().view(torch.uint8).reshape(-1).numpy()))
-    return digest.hexdigest()
+    """sha256 over the raw bytes of the tensors in order, as their frames carry them (names not hashed)."""
+    return frames_sha256([t.detach().contiguous().view(torch.uint8).reshape(-1).numpy() for _, t in tensors])
 
 
 def adapter_config_dict(lora_config: LoraConfig) -> dict[str, Any]:

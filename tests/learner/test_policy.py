@@ -1,7 +1,7 @@
 """In one process (a process group of one): the FSDP2 policy, adapter publishing and DCP checkpoints.
 
 - a published adapter, loaded by peft into a fresh copy of the base (from the wire and from the PEFT dir),
-  gives the learner's logits;
+  gives the learner's logits, and vLLM serves the PEFT dir unchanged (marker ``vllm``);
 - a checkpoint restores parameters, optimizer, scheduler and RNG so the next step is bit-identical;
 - a half-written checkpoint is ignored, and only the newest ``keep`` checkpoints remain.
 """
@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import hashlib
 import json
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -20,6 +22,7 @@ from transformers import AutoModelForCausalLM
 
 from common import framing, protocol
 from common.config import load_config
+from common.logprobs import token_logprobs
 from learner import data, publish
 from learner.checkpoint import Checkpointer, LearnerState
 from learner.loss import LossConfig
@@ -27,6 +30,7 @@ from learner.model import build_policy
 from learner.parallel import init_parallel
 from learner.train import _warmup_lambda, train_step
 from tests.learner.scripted import make_batch
+from tests.support import child_env
 
 
 @pytest.fixture(scope="module")
@@ -160,3 +164,49 @@ def test_partial_checkpoints_are_ignored_and_old_ones_pruned(tiny_model_dir: Pat
     checkpointer.clean_partial()
     assert not (tmp_path / "ckpt" / "step_00000005.partial").exists()
     assert checkpointer.load(checkpointer.latest(), *trainer).step == 3
+
+
+def test_bf16_mixed_precision_computes_in_bf16_and_keeps_an_fp32_adapter(tiny_model_dir: Path, parallel) -> None:
+    config = make_config(mixed_precision="bf16")
+    trainer = make_trainer(tiny_model_dir, parallel, config)
+    policy = trainer[0]
+    assert policy.compute_dtype == torch.bfloat16
+    stats = step_on(trainer, parallel, config, 0)
+    assert stats["num_tokens"] > 0 and stats["grad_norm"] > 0 and torch.isfinite(torch.tensor(stats["loss"]))
+    with torch.no_grad():
+        assert policy.logits(torch.tensor([[1, 2, 3]])).dtype == torch.bfloat16
+    tensors = publish.gather_adapter(policy, is_main=True)
+    assert {t.dtype for _, t in tensors} == {torch.float32}  # master weights and the published adapter
+    assert any(t.abs().max() > 0 for n, t in tensors if "lora_B" in n)
+
+
+@pytest.mark.vllm
+@pytest.mark.slow
+def test_adapter_dir_loads_unchanged_in_vllm(tiny_model_dir: Path, parallel, tmp_path: Path) -> None:
+    """vLLM's LoRARequest serves the learner's PEFT directory as peft does: same greedy tokens and log-probs."""
+    config = make_config(lr=0.05)  # a few large steps, so the adapter changes what the model says
+    trainer = make_trainer(tiny_model_dir, parallel, config)
+    for index in range(3):
+        step_on(trainer, parallel, config, index)
+    path = publish.write_adapter_dir(tmp_path / "adapters", publish.snapshot(trainer[0], version=3, step=3,
+                                                                             is_main=True))
+    prompts = [[1, 20, 30, 40], [1, 50, 60]]
+    script = Path(__file__).with_name("vllm_generate.py")
+    done = subprocess.run([sys.executable, str(script), str(tiny_model_dir), str(path), json.dumps(prompts)],
+                          capture_output=True, text=True, timeout=300, env=child_env())
+    lines = [line for line in done.stdout.splitlines() if line.startswith("RESULT ")]
+    assert done.returncode == 0 and lines, done.stderr[-4000:]
+    served = json.loads(lines[-1].removeprefix("RESULT "))
+    reference = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(str(tiny_model_dir)), str(path))
+    base = AutoModelForCausalLM.from_pretrained(str(tiny_model_dir))
+    changed = False
+    for prompt, out in zip(prompts, served, strict=True):
+        ids = torch.tensor([prompt + out["tokens"]])
+        with torch.no_grad():
+            logits = reference(input_ids=ids).logits[0, len(prompt) - 1:-1]
+            base_greedy = base(input_ids=ids).logits[0, len(prompt) - 1:-1].argmax(-1).tolist()
+        assert logits.argmax(-1).tolist() == out["tokens"]  # vLLM's greedy choice is peft's at every step
+        expected = token_logprobs(logits, torch.tensor(out["tokens"])).tolist()
+        assert out["logprobs"] == pytest.approx(expected, abs=1e-4)
+        changed |= base_greedy != out["tokens"]
+    assert changed  # the adapter was applied, not ignored
