@@ -1,10 +1,10 @@
 """One TOML file configures every role: typed sections, validated once at load, CLI overrides, a resolved copy.
 
 Sections: ``[run]`` (shared by all roles), ``[model]``, ``[broker]``, ``[worker]``, ``[learner]``, ``[eval]``,
-``[security]``. Every field documents its unit and range next to its type; ``loraflow config --reference``
-prints the table generated from these declarations. Values are validated at load by :mod:`common.schema`
-(wrong types, unknown keys and out-of-range values name the offending ``section.key``), then cross-field rules
-are checked in :func:`validate`.
+``[security]``, ``[launch]`` (read only by ``loraflow run``). Every field documents its unit and range next to its
+type; ``loraflow config --reference`` prints the table generated from these declarations. Values are validated
+at load by :mod:`common.schema` (wrong types, unknown keys and out-of-range values name the offending
+``section.key``), then cross-field rules are checked in :func:`validate`.
 
 Overrides: ``--set section.key=value`` with a TOML value (``--set worker.temperature=0.7``,
 ``--set learner.target_modules=["q_proj","v_proj"]``); a bare word that is not valid TOML is taken as a string.
@@ -163,6 +163,18 @@ class SecurityConfig:
 
 
 @dataclass(slots=True, kw_only=True)
+class LaunchConfig:
+    """What `loraflow run` starts on this machine and how it supervises it (other commands ignore it)."""
+
+    num_workers: int = rule(2, ge=0, le=256, doc="rollout workers started (more can join from elsewhere)")
+    learner_ranks: int = rule(1, ge=1, le=1024, doc="learner ranks; above 1 the learner runs under torchrun")
+    restart_backoff_s: float = rule(1.0, gt=0, unit="s", doc="first delay before restarting a dead process; doubles")
+    max_backoff_s: float = rule(30.0, gt=0, unit="s", doc="longest delay between restarts")
+    max_restarts: int = rule(5, ge=0, doc="restarts of one process before the run stops with an error")
+    progress_every_s: float = rule(2.0, gt=0, unit="s", doc="refresh period of the progress display")
+
+
+@dataclass(slots=True, kw_only=True)
 class Config:
     run: RunConfig = field(default_factory=RunConfig)
     model: ModelConfig = field(default_factory=ModelConfig)
@@ -171,6 +183,7 @@ class Config:
     learner: LearnerConfig = field(default_factory=LearnerConfig)
     eval: EvalConfig = field(default_factory=EvalConfig)
     security: SecurityConfig = field(default_factory=SecurityConfig)
+    launch: LaunchConfig = field(default_factory=LaunchConfig)
 
     @property
     def run_dir(self) -> Path:
