@@ -181,7 +181,7 @@ def broker_worker(endpoint: str, num_bytes: int, max_leases: int, stop: mp.Event
     ctx.term()
 
 
-def broker_learner(endpoint: str, num_groups: int, seconds: float, results: mp.Queue) -> None:
+def broker_learner(endpoint: str, num_groups: int, prefetch: int, seconds: float, results: mp.Queue) -> None:
     ctx = zmq.Context()
     sock = ctx.socket(zmq.DEALER)
     sock.setsockopt(zmq.IDENTITY, b"learner/bench")
@@ -189,7 +189,7 @@ def broker_learner(endpoint: str, num_groups: int, seconds: float, results: mp.Q
     hello(sock, "learner", "bench")
     results.put(endpoint)
     request = protocol.encode(BatchRequest(num_groups=num_groups, wait_ms=1000))
-    for _ in range(2):  # prefetch: one batch in flight while the previous is "trained"
+    for _ in range(prefetch):  # batches requested ahead, as a learner that prefetches
         sock.send_multipart(request)
     start = end = None
     total, step = 0, 0
@@ -226,7 +226,8 @@ def cpu_seconds(pid: int) -> float:
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
-def run_mode(mode: str, num_bytes: int, producers: int, seconds: float, workdir: Path) -> tuple[float, float]:
+def run_mode(mode: str, num_bytes: int, producers: int, seconds: float, workdir: Path,
+             batch_bytes: int = 4 << 20, capacity_batches: int = 4, prefetch: int = 2) -> tuple[float, float]:
     """(payload bytes/s at the consumer, CPU share of the hop process: proxy or broker; 0 for direct)."""
     spawn = mp.get_context("spawn")
     stop, results = spawn.Event(), spawn.Queue()
@@ -253,8 +254,8 @@ def run_mode(mode: str, num_bytes: int, producers: int, seconds: float, workdir:
             producers_ = [spawn.Process(target=push_producer, args=(front, num_bytes, stop))
                           for _ in range(producers)]
         else:
-            num_groups = int(min(64, max(2, (4 << 20) // num_bytes)))
-            capacity = max(4 * num_groups, producers * 8)
+            num_groups = int(min(64, max(2, batch_bytes // num_bytes)))
+            capacity = max(capacity_batches * num_groups, producers * 8)
             endpoint_file = workdir / "broker.endpoint"
             endpoint_file.unlink(missing_ok=True)
             profile = ["-m", "cProfile", "-o", os.environ["BENCH_PROFILE"]] if os.environ.get("BENCH_PROFILE") else []
@@ -272,7 +273,7 @@ def run_mode(mode: str, num_bytes: int, producers: int, seconds: float, workdir:
                 time.sleep(0.05)
             endpoint = endpoint_file.read_text().strip()
             hop_pid = broker.pid
-            consumer = spawn.Process(target=broker_learner, args=(endpoint, num_groups, seconds, results))
+            consumer = spawn.Process(target=broker_learner, args=(endpoint, num_groups, prefetch, seconds, results))
             consumer.start()
             results.get(timeout=30)
             per_worker = max(2, capacity // producers)
@@ -309,6 +310,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--repeats", type=int, default=3, help="interleaved runs per mode and size (median kept)")
     parser.add_argument("--sizes", default="16384,262144,4194304", help="group sizes in bytes, comma-separated")
     parser.add_argument("--modes", default="direct,relay,broker")
+    parser.add_argument("--batch-bytes", type=int, default=4 << 20, help="broker mode: bytes per learner batch "
+                        "(groups per batch = this / group size, 2..64)")
+    parser.add_argument("--capacity-batches", type=int, default=4, help="broker mode: capacity_groups in batches")
+    parser.add_argument("--prefetch", type=int, default=2, help="broker mode: batch requests kept outstanding")
     parser.add_argument("--curve", action="store_true", help="CURVE on every socket (needs common.security)")
     args = parser.parse_args(argv)
     if args.curve:
@@ -325,7 +330,8 @@ def main(argv: list[str] | None = None) -> int:
             runs: dict[str, list[tuple[float, float]]] = {m: [] for m in modes}
             for _ in range(args.repeats):
                 for mode in modes:
-                    runs[mode].append(run_mode(mode, size, args.producers, args.seconds, Path(tmp)))
+                    runs[mode].append(run_mode(mode, size, args.producers, args.seconds, Path(tmp),
+                                               args.batch_bytes, args.capacity_batches, args.prefetch))
             results[size] = {m: statistics.median(r[0] for r in runs[m]) for m in modes}
             cpu[size] = {m: statistics.median(r[1] for r in runs[m]) for m in modes}
             row = results[size]

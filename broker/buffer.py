@@ -12,6 +12,11 @@ stay referenced until the ack, because a learner that dies mid-step gets the sam
 :meth:`RolloutBuffer.fits` is the hard check at arrival; a group that does not fit is refused (one group
 always fits an empty buffer, so an oversized group cannot wedge the run).
 
+``max_bytes`` bounds memory, not just tensor bytes: each group is charged its frames plus
+``GROUP_OVERHEAD_BYTES`` for what holding it costs besides (its decoded header, Python objects, and the
+libzmq receive chunk its small frames keep alive). Measured with bench/broker_memory.py: about 20 KB per group
+whatever its size, so a buffer of many small groups would otherwise overshoot its bound by several times.
+
 Nothing here decodes or copies tensor bytes: a :class:`StoredGroup` keeps the received ``zmq.Frame`` objects
 (any buffer-like works, which is what the unit tests use) and the group's decoded header fields, from which
 the server builds Batch messages that forward the frames as they are. Pure logic: no sockets, no clock.
@@ -24,6 +29,8 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from broker.prompts import PromptKey
+
+GROUP_OVERHEAD_BYTES = 24 << 10
 
 
 @dataclass(slots=True, kw_only=True)
@@ -44,11 +51,12 @@ class StoredGroup:
 class RolloutBuffer:
     """Buffered groups oldest-first, plus the served (training) ones by batch id; bounded in groups and bytes."""
 
-    def __init__(self, *, max_groups: int, max_bytes: int) -> None:
+    def __init__(self, *, max_groups: int, max_bytes: int, group_overhead_bytes: int = GROUP_OVERHEAD_BYTES) -> None:
         if max_groups < 1 or max_bytes < 1:
             raise ValueError(f"buffer bounds must be >= 1, got max_groups={max_groups} max_bytes={max_bytes}")
         self.max_groups = max_groups
         self.max_bytes = max_bytes
+        self.group_overhead_bytes = group_overhead_bytes
         self._buffered: OrderedDict[str, StoredGroup] = OrderedDict()
         self._batches: dict[str, list[StoredGroup]] = {}
         self._batch_of: dict[str, str] = {}  # group id -> batch id, for training groups
@@ -74,11 +82,17 @@ class RolloutBuffer:
     def num_bytes(self) -> int:
         return self.buffered_bytes + self.training_bytes
 
+    @property
+    def memory_bytes(self) -> int:
+        """What the held groups are charged against max_bytes: their frames plus the per-group overhead."""
+        return self.num_bytes + self.num_groups * self.group_overhead_bytes
+
     def fits(self, num_bytes: int) -> bool:
         """Whether a group of this size may be added now (always true for an empty buffer)."""
         if self.num_groups == 0:
             return True
-        return self.num_groups < self.max_groups and self.num_bytes + num_bytes <= self.max_bytes
+        return (self.num_groups < self.max_groups
+                and self.memory_bytes + num_bytes + self.group_overhead_bytes <= self.max_bytes)
 
     def __contains__(self, group_id: str) -> bool:
         return group_id in self._buffered or group_id in self._batch_of

@@ -267,6 +267,11 @@ class BrokerCore:
             out.on_fail()
             self._dirty = True
 
+    @property
+    def mean_group_footprint(self) -> float:
+        """Mean bytes a group is charged in the buffer (0 before the first group)."""
+        return self.mean_group_bytes + self.buffer.group_overhead_bytes if self.mean_group_bytes else 0.0
+
     # -- receiving -------------------------------------------------------------------------------------------
 
     def handle(self, identity: bytes, frames: list[Any], now_s: float, authenticated_role: str | None = None) -> None:
@@ -382,8 +387,8 @@ class BrokerCore:
             capacity_groups=self.capacity_groups, num_leased=len(self.leases), num_stored=self.buffer.num_groups,
             num_trained_groups=self.num_trained_since_start, base_version=self.base_version,
             worker_leases=self.leases.count(identity),
-            max_leases_per_worker=self.config.broker.max_leases_per_worker, stored_bytes=self.buffer.num_bytes,
-            mean_group_bytes=self.mean_group_bytes, max_buffer_bytes=self.buffer.max_bytes,
+            max_leases_per_worker=self.config.broker.max_leases_per_worker, stored_bytes=self.buffer.memory_bytes,
+            mean_group_bytes=self.mean_group_footprint, max_buffer_bytes=self.buffer.max_bytes,
             prompts_available=self.prompts.available(requested), draining=self.draining))
 
     def _on_lease_request(self, identity: bytes, peer: Peer, request: protocol.LeaseRequest, _env: Any,
@@ -476,7 +481,8 @@ class BrokerCore:
             self.stats.count("dropped", "buffer_full")
             self._refuse_group(identity, key, group, "limit",
                                f"RolloutGroup {group.group_id}: {envelope.num_bytes} bytes do not fit the buffer "
-                               f"({self.buffer.num_bytes} of broker.max_buffer_bytes={self.buffer.max_bytes} used); "
+                               f"({self.buffer.memory_bytes} of broker.max_buffer_bytes={self.buffer.max_bytes} "
+                               "used, counting per-group overhead); "
                                "the prompt was re-queued", reason="buffer_full")
             return
         lease = self.leases.cancel_key(key)

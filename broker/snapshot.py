@@ -4,8 +4,8 @@
 
     broker_id, uptime_s, latest_version, vocab_size, settings{...}
     prompts{epoch, index, queued, leased, buffered, training, trained_total, exhausted}
-    buffer{groups, bytes, training_groups, training_bytes, max_groups, max_bytes, staleness{str: n},
-           oldest_age_s, mean_group_bytes}
+    buffer{groups, bytes, training_groups, training_bytes, max_groups, max_bytes, memory_bytes (what counts
+           against max_bytes: frames + per-group overhead), staleness{str: n}, oldest_age_s, mean_group_bytes}
     credit                 groups that may still be leased now (capacity, admission limit, byte bound)
     leases{outstanding, list[...]}, waiting{lease_requests, batch_requests}
     workers[{id, state, adapter_version, leases, last_seen_s, groups_accepted, busy_share, counters, ...}]
@@ -71,7 +71,7 @@ def build_snapshot(core: BrokerCore, now_s: float) -> dict[str, Any]:
         max_staleness=core.max_staleness, groups_per_step=core.groups_per_version,
         capacity_groups=core.capacity_groups, num_leased=len(core.leases), num_stored=core.buffer.num_groups,
         num_trained_groups=core.num_trained_since_start, base_version=core.base_version, worker_leases=0,
-        max_leases_per_worker=1, stored_bytes=core.buffer.num_bytes, mean_group_bytes=core.mean_group_bytes,
+        max_leases_per_worker=1, stored_bytes=core.buffer.memory_bytes, mean_group_bytes=core.mean_group_footprint,
         max_buffer_bytes=core.buffer.max_bytes, prompts_available=0))
     broker = core.config.broker
     return {
@@ -92,6 +92,7 @@ def build_snapshot(core: BrokerCore, now_s: float) -> dict[str, Any]:
             "groups": core.buffer.num_buffered, "bytes": core.buffer.buffered_bytes,
             "training_groups": core.buffer.num_training, "training_bytes": core.buffer.training_bytes,
             "max_groups": core.buffer.max_groups, "max_bytes": core.buffer.max_bytes,
+            "memory_bytes": core.buffer.memory_bytes,
             "staleness": {str(k): v for k, v in core.buffer.staleness_histogram(core.latest_version).items()},
             "oldest_age_s": round(now_s - buffered[0].received_s, 3) if buffered else 0.0,
             "mean_group_bytes": round(core.mean_group_bytes, 1),

@@ -22,7 +22,7 @@ def group(index: int, num_bytes: int = 100, min_version: int = 0) -> StoredGroup
     ([600], 401, 5, 1000, False),  # byte bound
 ])
 def test_fits(held: list[int], new: int, max_groups: int, max_bytes: int, fits: bool) -> None:
-    buffer = RolloutBuffer(max_groups=max_groups, max_bytes=max_bytes)
+    buffer = RolloutBuffer(max_groups=max_groups, max_bytes=max_bytes, group_overhead_bytes=0)
     for i, size in enumerate(held):
         buffer.add(group(i, size))
     assert buffer.fits(new) is fits
@@ -31,8 +31,15 @@ def test_fits(held: list[int], new: int, max_groups: int, max_bytes: int, fits: 
             buffer.add(group(99, new))
 
 
+def test_per_group_overhead_counts_against_the_bound() -> None:
+    buffer = RolloutBuffer(max_groups=100, max_bytes=1000, group_overhead_bytes=200)
+    buffer.add(group(0, 100))
+    assert buffer.memory_bytes == 300 and buffer.num_bytes == 100
+    assert buffer.fits(500) and not buffer.fits(501)  # 300 + 500 + 200 = 1000
+
+
 def test_serve_oldest_first_and_ack_frees() -> None:
-    buffer = RolloutBuffer(max_groups=10, max_bytes=10_000)
+    buffer = RolloutBuffer(max_groups=10, max_bytes=10_000, group_overhead_bytes=0)
     for i in range(5):
         buffer.add(group(i, 100 + i))
     assert buffer.serve(6, "b1") is None
@@ -48,7 +55,7 @@ def test_serve_oldest_first_and_ack_frees() -> None:
 
 
 def test_unserve_puts_groups_back_in_arrival_order() -> None:
-    buffer = RolloutBuffer(max_groups=10, max_bytes=10_000)
+    buffer = RolloutBuffer(max_groups=10, max_bytes=10_000, group_overhead_bytes=0)
     for i in range(4):
         buffer.add(group(i))
     buffer.serve(2, "b1")
@@ -61,7 +68,7 @@ def test_unserve_puts_groups_back_in_arrival_order() -> None:
 
 
 def test_discard_anywhere() -> None:
-    buffer = RolloutBuffer(max_groups=10, max_bytes=10_000)
+    buffer = RolloutBuffer(max_groups=10, max_bytes=10_000, group_overhead_bytes=0)
     for i in range(3):
         buffer.add(group(i))
     buffer.serve(2, "b1")
@@ -73,7 +80,7 @@ def test_discard_anywhere() -> None:
 
 
 def test_drop_stale_only_buffered() -> None:
-    buffer = RolloutBuffer(max_groups=10, max_bytes=10_000)
+    buffer = RolloutBuffer(max_groups=10, max_bytes=10_000, group_overhead_bytes=0)
     for i, version in enumerate([0, 3, 1, 4, 2]):
         buffer.add(group(i, min_version=version))
     buffer.serve(1, "b1")  # 0:0 (version 0) is training: the learner's to judge
@@ -88,7 +95,7 @@ def test_drop_stale_only_buffered() -> None:
 @given(ops=st.lists(st.tuples(st.sampled_from(["add", "serve", "ack", "unserve", "discard", "stale"]),
                               st.integers(1, 400), st.integers(0, 6)), max_size=80))
 def test_bounds_and_accounting_hold(ops: list) -> None:
-    buffer = RolloutBuffer(max_groups=6, max_bytes=1000)
+    buffer = RolloutBuffer(max_groups=6, max_bytes=1000, group_overhead_bytes=50)
     next_index, version, batches = 0, 0, 0
     for op, size, pick in ops:
         if op == "add":
@@ -111,7 +118,8 @@ def test_bounds_and_accounting_hold(ops: list) -> None:
         assert buffer.num_groups == len(held) == len({g.group_id for g in held})
         assert buffer.num_bytes == sum(g.num_bytes for g in held)
         assert buffer.num_groups <= 6
-        assert buffer.num_bytes <= 1000 or buffer.num_groups == 1
+        assert buffer.memory_bytes == buffer.num_bytes + 50 * buffer.num_groups
+        assert buffer.memory_bytes <= 1000 or buffer.num_groups == 1
         ids = [int(g.group_id[2:]) for g in buffer.buffered()]
         assert all(g.min_version >= version - 2 for g in buffer.buffered())
         assert ids == sorted(ids), "buffered groups must stay in arrival order (oldest first)"

@@ -1,0 +1,197 @@
+"""Adapter relay fan-out: time until every worker holds a 50 MB adapter, against one direct send of its bytes.
+
+    .venv/bin/python bench/adapter_fanout.py [--mb 50] [--workers 1,4,16] [--repeats 3]
+
+A learner process publishes an AdapterUpdate (``--mb`` MB of float32 LoRA tensors with PEFT names) to
+``python -m broker``; N worker processes get the AdapterNotice, fetch, and record when the whole
+AdapterUpdate has arrived (``time.monotonic`` is system-wide, so processes' clocks agree). The broker checks
+the sha256, keeps the received frames and forwards the same frames to every fetcher (no copies in Python;
+zmq's I/O thread still writes the bytes to each socket), and saves the adapter in its state writer thread.
+
+Reference, in the same run: the same bytes sent once over a direct PUSH -> PULL pair between two processes.
+The ratio (time for N workers / direct time) should grow no faster than N: each worker needs its own copy
+on the wire, so N x the direct time is the floor of any relay without multicast. The JSON line reports the
+largest N.
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import multiprocessing as mp
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+import uuid
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+import msgpack  # noqa: E402
+import numpy as np  # noqa: E402
+import zmq  # noqa: E402
+
+from bench.report import report  # noqa: E402
+from common import framing, protocol  # noqa: E402
+from common.protocol import AdapterFetch, AdapterUpdate, Hello, Kind  # noqa: E402
+
+REPO = Path(__file__).resolve().parent.parent
+
+
+def adapter_tensors(num_bytes: int) -> list[tuple[str, np.ndarray]]:
+    """LoRA A/B pairs of 7 projections x n layers (float32), about ``num_bytes`` in all."""
+    names = [f"base_model.model.model.layers.{layer}.self_attn.{proj}.lora_{ab}.weight"
+             for layer in range(8) for proj in ("q_proj", "k_proj", "v_proj", "o_proj") for ab in ("A", "B")]
+    per_tensor = max(1, num_bytes // (4 * len(names)))
+    rng = np.random.default_rng(0)
+    return [(name, rng.standard_normal(per_tensor, dtype=np.float32)) for name in names]
+
+
+def kind_and_header(frames: list) -> tuple[int, dict]:
+    return framing.PREAMBLE.unpack(frames[0].buffer)[2], msgpack.unpackb(frames[1].buffer)
+
+
+def say_hello(sock: zmq.Socket, role: str, name: str) -> None:
+    sock.send_multipart(protocol.encode(Hello(role=role, client_id=name, session=uuid.uuid4().hex[:8])))
+    while kind_and_header(sock.recv_multipart(copy=False))[0] != Kind.WELCOME:
+        pass
+
+
+def worker(endpoint: str, index: int, ready: mp.Queue, received: mp.Queue) -> None:
+    """Fetch every announced adapter; report (version, monotonic time when it was complete, bytes)."""
+    ctx = zmq.Context()
+    sock = ctx.socket(zmq.DEALER)
+    sock.setsockopt(zmq.IDENTITY, f"worker/fan{index}".encode())
+    sock.connect(endpoint)
+    say_hello(sock, "worker", f"fan{index}")
+    ready.put(index)
+    while True:
+        frames = sock.recv_multipart(copy=False)
+        kind, header = kind_and_header(frames)
+        if kind == Kind.ADAPTER_NOTICE:
+            sock.send_multipart(protocol.encode(AdapterFetch(version=header["version"])))
+        elif kind == Kind.ADAPTER_UPDATE:
+            received.put((header["version"], time.monotonic(), sum(len(f) for f in frames[2:])))
+        elif kind == Kind.BYE:
+            break
+
+
+def direct_receiver(ready: mp.Queue, received: mp.Queue) -> None:
+    ctx = zmq.Context()
+    sock = ctx.socket(zmq.PULL)
+    sock.bind("tcp://127.0.0.1:*")
+    ready.put(sock.getsockopt_string(zmq.LAST_ENDPOINT))
+    while True:
+        frames = sock.recv_multipart(copy=False)
+        if len(frames) == 1:
+            break
+        received.put((0, time.monotonic(), sum(len(f) for f in frames[2:])))
+
+
+def direct_time(message: list, repeats: int) -> float:
+    spawn = mp.get_context("spawn")
+    ready, received = spawn.Queue(), spawn.Queue()
+    receiver = spawn.Process(target=direct_receiver, args=(ready, received))
+    receiver.start()
+    ctx = zmq.Context()
+    sock = ctx.socket(zmq.PUSH)
+    sock.connect(ready.get(timeout=30))
+    times = []
+    for _ in range(repeats + 1):  # the first send also sets up the connection: not counted
+        started = time.monotonic()
+        sock.send_multipart(message, copy=False)
+        times.append(received.get(timeout=60)[1] - started)
+    sock.send(b"")
+    receiver.join(timeout=10)
+    sock.close(linger=0)
+    ctx.term()
+    return statistics.median(times[1:])
+
+
+def start_broker(workdir: Path) -> tuple[subprocess.Popen, str]:
+    endpoint_file = workdir / "broker.endpoint"
+    proc = subprocess.Popen([sys.executable, "-m", "broker", "--run-dir", str(workdir / "run"), "--log-level", "warning",
+                             "--set", "broker.bind=\"tcp://127.0.0.1:0\"",
+                             "--set", f"broker.endpoint_file=\"{endpoint_file}\"",
+                             "--set", "broker.heartbeat_misses=100", "--set", "broker.num_adapters_kept=2"], cwd=REPO)
+    deadline = time.monotonic() + 30
+    while not (endpoint_file.is_file() and endpoint_file.read_text().strip()):
+        if time.monotonic() > deadline or proc.poll() is not None:
+            raise RuntimeError("the broker did not start")
+        time.sleep(0.05)
+    return proc, endpoint_file.read_text().strip()
+
+
+def fanout_times(tensors: list, num_workers: int, repeats: int, first_version: int, workdir: Path) -> list[float]:
+    spawn = mp.get_context("spawn")
+    broker, endpoint = start_broker(workdir / f"n{num_workers}")
+    ready, received = spawn.Queue(), spawn.Queue()
+    workers = [spawn.Process(target=worker, args=(endpoint, i, ready, received), daemon=True)
+               for i in range(num_workers)]
+    ctx = zmq.Context()
+    learner = ctx.socket(zmq.DEALER)
+    learner.setsockopt(zmq.IDENTITY, b"learner/fanout")
+    learner.connect(endpoint)
+    try:
+        for proc in workers:
+            proc.start()
+        for _ in workers:
+            ready.get(timeout=60)
+        say_hello(learner, "learner", "fanout")
+        digest = hashlib.sha256()
+        for _, array in tensors:
+            digest.update(array)
+        times = []
+        for version in range(first_version, first_version + repeats + 1):
+            update = AdapterUpdate(version=version, step=version, sha256=digest.hexdigest(),
+                                   adapter_config={"r": 16, "lora_alpha": 32, "peft_type": "LORA"})
+            started = time.monotonic()
+            learner.send_multipart(protocol.encode(update, tensors), copy=False)
+            arrivals = [received.get(timeout=120) for _ in workers]
+            assert all(v == version for v, _, _ in arrivals), arrivals
+            expected = sum(a.nbytes for _, a in tensors)
+            assert all(n == expected for _, _, n in arrivals), "a worker got a truncated adapter"
+            times.append(max(t for _, t, _ in arrivals) - started)
+            while learner.poll(0):  # the publish Ack
+                learner.recv_multipart()
+        return times[1:]  # the first publish also warms up connections and the state file
+    finally:
+        learner.close(linger=0)
+        ctx.term()
+        broker.terminate()
+        broker.wait(timeout=30)
+        for proc in workers:
+            proc.terminate()
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--mb", type=float, default=50.0, help="adapter size in MB")
+    parser.add_argument("--workers", default="1,4,16")
+    parser.add_argument("--repeats", type=int, default=3)
+    args = parser.parse_args(argv)
+    tensors = adapter_tensors(int(args.mb * (1 << 20)))
+    num_bytes = sum(a.nbytes for _, a in tensors)
+    message = protocol.encode(AdapterUpdate(version=1, sha256="", adapter_config={}), tensors)
+    reference = direct_time(message, args.repeats)
+    print(f"adapter {num_bytes / (1 << 20):.1f} MB in {len(tensors)} tensors; direct send {reference * 1000:.1f} ms "
+          f"({num_bytes / reference / 1e6:.0f} MB/s)", flush=True)
+    results = {}
+    with tempfile.TemporaryDirectory(prefix="bench-fanout-", dir=REPO) as tmp:
+        for n in [int(x) for x in args.workers.split(",")]:
+            times = fanout_times(tensors, n, args.repeats, 1, Path(tmp))
+            results[n] = statistics.median(times)
+            print(f"{n:>3} workers: all hold it after {results[n] * 1000:7.1f} ms  ratio {results[n] / reference:6.2f}"
+                  f"  ratio per worker {results[n] / reference / n:5.2f}  runs "
+                  f"{', '.join(f'{t * 1000:.0f}' for t in times)} ms", flush=True)
+    largest = max(results)
+    report("adapter_fanout", f"time until {largest} workers hold a {args.mb:g} MB adapter", results[largest] * 1000,
+           "ms", reference * 1000, num_workers=largest,
+           ratio_by_workers={str(n): round(t / reference, 2) for n, t in results.items()})
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

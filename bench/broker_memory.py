@@ -1,0 +1,131 @@
+"""Broker memory with a full buffer: resident size against the configured byte bound (+ 150 MB allowed).
+
+    .venv/bin/python bench/broker_memory.py [--bound-mb 256] [--group-kb 1024]
+
+Starts ``python -m broker`` with ``broker.max_buffer_bytes`` = ``--bound-mb`` and room for many groups, then a
+producer (a worker) fills the buffer with rollout groups of ``--group-kb`` until the broker stops granting
+leases (its byte bound) and refuses any more groups; nobody consumes. A learner then takes half of the groups
+into training without acking (those bytes stay held too). The broker's VmRSS (from /proc) is read when idle
+and when full. Target: full RSS < bound + 150 MB. The JSON line's value is the full RSS, its reference the
+bound + 150 MB (ratio < 1 meets the target).
+"""
+
+from __future__ import annotations
+
+import argparse
+import subprocess
+import sys
+import tempfile
+import time
+import uuid
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+import msgpack  # noqa: E402
+import zmq  # noqa: E402
+
+from bench.broker_throughput import GROUP_SIZE, group_record, group_tensors  # noqa: E402
+from bench.report import report  # noqa: E402
+from common import framing, protocol  # noqa: E402
+from common.protocol import BatchRequest, Hello, Kind, LeaseRequest  # noqa: E402
+from common.transport import fetch_stats  # noqa: E402
+
+REPO = Path(__file__).resolve().parent.parent
+MB = 1 << 20
+
+
+def rss_bytes(pid: int) -> int:
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith("VmRSS:"):
+            return int(line.split()[1]) * 1024
+    raise RuntimeError("no VmRSS")
+
+
+def client(ctx: zmq.Context, endpoint: str, role: str, name: str) -> zmq.Socket:
+    sock = ctx.socket(zmq.DEALER)
+    sock.setsockopt(zmq.IDENTITY, f"{role}/{name}".encode())
+    sock.connect(endpoint)
+    sock.send_multipart(protocol.encode(Hello(role=role, client_id=name, session=uuid.uuid4().hex[:8])))
+    while framing.PREAMBLE.unpack(sock.recv_multipart(copy=False)[0].buffer)[2] != Kind.WELCOME:
+        pass
+    return sock
+
+
+def reply(sock: zmq.Socket, timeout_s: float = 30.0) -> tuple[int, dict]:
+    if not sock.poll(int(timeout_s * 1000)):
+        raise TimeoutError("no reply from the broker")
+    frames = sock.recv_multipart(copy=False)
+    return framing.PREAMBLE.unpack(frames[0].buffer)[2], msgpack.unpackb(frames[1].buffer)
+
+
+def fill(endpoint: str, group_bytes: int) -> int:
+    """Submit groups until the broker grants no more leases; returns the number accepted."""
+    ctx = zmq.Context()
+    sock = client(ctx, endpoint, "worker", "filler")
+    tensors = group_tensors(group_bytes)
+    accepted = 0
+    while True:
+        sock.send_multipart(protocol.encode(LeaseRequest(max_leases=16, wait_ms=0)))
+        kind, grant = reply(sock)
+        assert kind == Kind.LEASE_GRANT, grant
+        if not grant["leases"]:
+            break
+        for lease in grant["leases"]:
+            record = group_record(lease["group_id"], lease["lease_id"], "filler", tensors)
+            sock.send_multipart(protocol.encode(record, tensors), copy=False)
+            kind, answer = reply(sock)
+            accepted += kind == Kind.ACK
+    sock.close(linger=0)
+    ctx.term()
+    return accepted
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--bound-mb", type=int, default=256, help="broker.max_buffer_bytes in MB")
+    parser.add_argument("--group-kb", type=int, default=1024, help="rollout group size in KB")
+    args = parser.parse_args(argv)
+    bound = args.bound_mb * MB
+    with tempfile.TemporaryDirectory(prefix="bench-memory-", dir=REPO) as tmp:
+        endpoint_file = Path(tmp) / "broker.endpoint"
+        broker = subprocess.Popen(
+            [sys.executable, "-m", "broker", "--run-dir", str(Path(tmp) / "run"), "--log-level", "warning",
+             "--set", "broker.bind=\"tcp://127.0.0.1:0\"", "--set", f"broker.endpoint_file=\"{endpoint_file}\"",
+             "--set", f"broker.max_buffer_bytes={bound}", "--set", "broker.capacity_groups=100000",
+             "--set", "broker.max_leases_per_worker=100000", "--set", f"run.group_size={GROUP_SIZE}",
+             "--set", "run.max_staleness=1000", "--set", "broker.heartbeat_misses=100"], cwd=REPO)
+        try:
+            deadline = time.monotonic() + 30
+            while not (endpoint_file.is_file() and endpoint_file.read_text().strip()):
+                if time.monotonic() > deadline or broker.poll() is not None:
+                    raise RuntimeError("the broker did not start")
+                time.sleep(0.05)
+            endpoint = endpoint_file.read_text().strip()
+            idle = rss_bytes(broker.pid)
+            accepted = fill(endpoint, args.group_kb * 1024)
+            ctx = zmq.Context()
+            learner = client(ctx, endpoint, "learner", "holder")
+            learner.send_multipart(protocol.encode(BatchRequest(num_groups=max(1, accepted // 2), wait_ms=0)))
+            kind, batch = reply(learner)
+            assert kind == Kind.BATCH and batch["groups"], "the learner got no batch"
+            stats = fetch_stats(endpoint)
+            held = stats["buffer"]["bytes"] + stats["buffer"]["training_bytes"]
+            full = rss_bytes(broker.pid)
+            learner.close(linger=0)
+            ctx.term()
+        finally:
+            broker.terminate()
+            broker.wait(timeout=30)
+    limit = bound + 150 * MB
+    print(f"bound {bound / MB:.0f} MB; {accepted} groups of {args.group_kb} KB accepted, held {held / MB:.1f} MB "
+          f"({stats['buffer']['groups']} buffered, {stats['buffer']['training_groups']} in training)")
+    print(f"broker RSS idle {idle / MB:.1f} MB, full {full / MB:.1f} MB; allowed {limit / MB:.0f} MB "
+          f"(bound + 150 MB): {'OK' if full < limit else 'OVER'}; RSS above idle {(full - idle) / MB:.1f} MB")
+    report("broker_memory", "broker RSS with a full buffer", full / MB, "MB", limit / MB, bound_mb=args.bound_mb,
+           held_mb=round(held / MB, 1), idle_mb=round(idle / MB, 1))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
