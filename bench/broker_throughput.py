@@ -160,6 +160,7 @@ def broker_worker(endpoint: str, num_bytes: int, max_leases: int, stop: mp.Event
     tensors = group_tensors(num_bytes)
     template = protocol.encode(group_record("0:0", "L", name, tensors), tensors)
     header = msgpack.unpackb(template[1])
+    packer = msgpack.Packer(use_bin_type=True)
     leases: list = []
     asking = False
     while not stop.is_set():
@@ -169,14 +170,20 @@ def broker_worker(endpoint: str, num_bytes: int, max_leases: int, stop: mp.Event
         if leases:
             lease = leases.pop()
             header["group_id"], header["lease_id"] = lease["group_id"], lease["lease_id"]
-            sock.send_multipart([template[0], msgpack.packb(header), *template[2:]], copy=False)
-        while sock.poll(0 if leases else 50):
-            kind, reply = kind_and_header(sock.recv_multipart(copy=False))
+            sock.send_multipart([template[0], packer.pack(header), *template[2:]], copy=False)
+        elif not sock.poll(50):
+            continue
+        while True:  # everything that arrived, without waiting
+            try:
+                frames = sock.recv_multipart(zmq.NOBLOCK, copy=False)
+            except zmq.Again:
+                break
+            kind = framing.PREAMBLE.unpack(frames[0].buffer)[2]
             if kind == Kind.LEASE_GRANT:
-                leases.extend(reply["leases"])
+                leases.extend(msgpack.unpackb(frames[1].buffer)["leases"])
                 asking = False
             elif kind == Kind.ERROR:
-                raise SystemExit(f"producer: broker error {reply}")
+                raise SystemExit(f"producer: broker error {msgpack.unpackb(frames[1].buffer)}")
     sock.close(linger=0)
     ctx.term()
 
