@@ -12,8 +12,10 @@ import urllib.request
 
 import numpy as np
 import pytest
+import zmq
 
-from common.protocol import Kind
+from common import protocol, sockets
+from common.protocol import Hello, Kind, LeaseRequest
 from tests.broker.clients import Learner, Worker, adapter_tensors
 from tests.support import Processes, start_broker, wait_for
 
@@ -213,3 +215,32 @@ def test_token_ids_checked_against_the_model_vocab(procs: Processes, tmp_path, m
         assert worker.reply().status == "accepted"
     finally:
         worker.close()
+
+
+def test_grant_to_a_vanished_worker_goes_back_to_the_queue(procs: Processes) -> None:
+    """ROUTER_MANDATORY: a reply to a peer whose connection is gone fails at once; its leases are re-queued."""
+    broker = start_broker(procs, *FAST, "run.max_staleness=3", "broker.capacity_groups=2",
+                          "broker.heartbeat_misses=50")  # death by silence would take 10 s: not what is tested
+    ctx = zmq.Context()
+    ghost = sockets.dealer_socket(ctx, broker.endpoint, identity=b"worker/ghost")
+    worker, learner = Worker(broker.endpoint, "w1"), Learner(broker.endpoint)
+    try:
+        ghost.send_multipart(protocol.encode(Hello(role="worker", client_id="ghost", session="g")))
+        assert ghost.poll(5000)
+        ghost.recv_multipart()
+        for lease in worker.lease(2).leases:  # the whole capacity
+            worker.submit(lease)
+            assert worker.reply().status == "accepted"
+        ghost.send_multipart(protocol.encode(LeaseRequest(max_leases=2, wait_ms=30_000)))
+        wait_for(lambda: broker.stats()["waiting"]["lease_requests"] == 1, 5, "the ghost's request to park", procs)
+        ghost.close(linger=0)  # the process is gone without a Bye
+        wait_for(lambda: broker.stats()["connections"].get("disconnected", 0) >= 1, 5, "the disconnect", procs)
+        learner.ack(learner.batch(2).record)  # frees the capacity: the parked grant is sent to nobody
+        stats = wait_for(lambda: (s := broker.stats())["send_failed"] and s, 5, "the failed send", procs)
+        assert stats["send_failed"] == {"unreachable": 1}
+        assert stats["lease_events"]["undeliverable"] == 2 and stats["prompts"]["queued"] == 2
+        assert [lease.group_id for lease in worker.lease(2).leases] == ["0:2", "0:3"]
+    finally:
+        worker.close()
+        learner.close()
+        ctx.destroy(linger=0)
