@@ -40,7 +40,7 @@ from learner.loss import LossConfig  # noqa: E402
 from learner.model import build_policy  # noqa: E402
 from learner.parallel import init_parallel  # noqa: E402
 from learner.session import BrokerSession  # noqa: E402
-from learner.train import train_step  # noqa: E402
+from learner.step import make_optimizer, train_step  # noqa: E402
 from tests.learner.scripted import make_batch  # noqa: E402
 from tests.support import Processes, start_broker  # noqa: E402
 
@@ -91,8 +91,7 @@ def main() -> None:
             config = load_config(None, [f"broker.endpoint=\"{broker.endpoint}\"", f"learner.lora_rank={args.rank}",
                                         f"learner.lora_alpha={2 * args.rank}", "learner.micro_batch_tokens=4096"])
             policy = build_policy(model_dir, config.learner, parallel, seed=0)
-            optimizer = torch.optim.AdamW(policy.trainable_parameters(), lr=1e-3)
-            scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda _: 1.0)
+            optimizer, scheduler = make_optimizer(policy, config.learner)
             session = BrokerSession(config, version=0, metrics=Metrics())
             session.start(30)
             sync_ms, gather_ms, num_bytes = [], [], 0

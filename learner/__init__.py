@@ -10,5 +10,6 @@ talks to the broker. Modules, each owning one thing:
 - :mod:`learner.session`    rank 0's conversation with the broker (batch requests, acks, adapter publishing)
 - :mod:`learner.publish`    LoRA tensors gathered to rank 0, PEFT names, checksum, atomic PEFT directories
 - :mod:`learner.checkpoint` torch.distributed.checkpoint saves and exact resume
+- :mod:`learner.step`       one optimizer step: micro-batches, loss, backward, clip, AdamW (+ the optimizer)
 - :mod:`learner.train`      the loop that ties them together (``run(config)``)
 """

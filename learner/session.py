@@ -58,7 +58,6 @@ class BrokerSession:
         self._newest: AdapterSnapshot | None = None
         self._adapter_sent_at: dict[int, float] = {}
         self.adapter_acks: list[AdapterAck] = []  # taken by the loop for its metrics
-        self.stale_version_seen = 0  # the broker refused a version: its latest is newer than ours
 
     def start(self, timeout_s: float) -> Welcome:
         self.welcome = self.link.start(timeout_s)
@@ -157,10 +156,9 @@ class BrokerSession:
             self._outstanding = False
             if self._wanted is not None:
                 self._send_request()
-        elif error.ref_kind == Kind.ADAPTER_UPDATE:
-            self._adapter_sent_at.pop(int(error.ref_id or 0), None)
-            if error.code == "stale_version":
-                self.stale_version_seen += 1
+        elif error.ref_kind == Kind.ADAPTER_UPDATE and error.ref_id.isdigit():
+            # e.g. stale_version: the broker knows a newer version; the next one is numbered after it
+            self._adapter_sent_at.pop(int(error.ref_id), None)
         elif error.ref_kind == Kind.BATCH_ACK:
             self._unacked_batches.pop(error.ref_id, None)
 

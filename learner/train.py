@@ -33,7 +33,6 @@ from typing import Any
 
 import torch
 
-from common import logprobs
 from common.config import Config, write_resolved
 from common.logging import bind, get_logger
 from common.metrics import Metrics, serve_prometheus
@@ -42,10 +41,11 @@ from common.timeline import Timeline
 from common.tiny_model import resolve_model
 from learner import data, publish
 from learner.checkpoint import Checkpointer, LearnerState
-from learner.loss import SUM_STATS, LossConfig, group_advantages, token_loss, token_stats
+from learner.loss import LossConfig
 from learner.model import Policy, build_policy
 from learner.parallel import Parallel, init_parallel
 from learner.session import BrokerSession
+from learner.step import make_optimizer, train_step
 
 log = get_logger("learner")
 
@@ -71,73 +71,6 @@ class Timers:
 
     def busy_share(self) -> float:
         return self.busy_s / max(time.monotonic() - self.start, 1e-9)
-
-
-def train_step(policy: Policy, optimizer: torch.optim.Optimizer, scheduler: Any, step: data.StepBatch, *,
-               parallel: Parallel, config: Config, loss_config: LossConfig) -> dict[str, Any]:
-    """One optimizer step on a step batch (collective); returns batch-wide statistics (identical on every rank)."""
-    learner = config.learner
-    temperature = config.worker.temperature
-    advantages, _ = group_advantages(step.rewards, step.group_index, step.num_groups,
-                                     scale_by_std=learner.scale_by_std)                      # [N]
-    micro_batches = data.rank_micro_batches(step, advantages, rank=parallel.rank, world_size=parallel.world_size,
-                                            budget_tokens=learner.micro_batch_tokens)
-    # every trained token of the batch weighs 1 / N; FSDP2 averages gradients over ranks, hence x world size
-    scale = parallel.world_size / max(step.num_trained_tokens, 1)
-    sums = torch.zeros(len(SUM_STATS), dtype=torch.float64)
-    ratio_max = torch.zeros(1, dtype=torch.float64)
-    num_positions = torch.zeros(1, dtype=torch.float64)
-    for micro in micro_batches:
-        mb = micro.to(parallel.device)
-        targets = mb.targets[mb.select]                                                      # [T]
-        ref_logp = None
-        if loss_config.kl_beta > 0:
-            with torch.no_grad(), policy.reference():
-                ref_logits = policy.logits(mb.input_ids)[mb.select]                          # [T, V]
-                ref_logp = logprobs.token_logprobs(ref_logits, targets, temperature)         # [T]
-        logits = policy.logits(mb.input_ids)[mb.select]                                      # [T, V]
-        logp = logprobs.token_logprobs(logits, targets, temperature)                        # [T]
-        terms = token_loss(logp, mb.behaviour_logp, mb.advantages, loss_config, ref_logp)
-        (terms.loss.sum() * scale).backward()
-        with torch.no_grad():
-            entropy = logprobs.token_entropy(logits.detach(), temperature)                   # [T]
-        micro_sums, micro_max = token_stats(terms, entropy)
-        sums += micro_sums.cpu()
-        ratio_max = torch.maximum(ratio_max, micro_max.cpu())
-        num_positions += float(micro.num_positions if micro.num_samples else 0)
-    params = policy.trainable_parameters()
-    max_norm = learner.grad_clip if learner.grad_clip > 0 else float("inf")
-    grad_norm = torch.nn.utils.clip_grad_norm_(params, max_norm)
-    grad_norm = grad_norm.full_tensor() if hasattr(grad_norm, "full_tensor") else grad_norm
-    lr = optimizer.param_groups[0]["lr"]
-    optimizer.step()
-    scheduler.step()
-    optimizer.zero_grad(set_to_none=True)
-    parallel.sum(sums)
-    parallel.max(ratio_max)
-    parallel.sum(num_positions)
-    totals = dict(zip(SUM_STATS, sums.tolist(), strict=True))
-    tokens = max(totals["tokens"], 1.0)
-    trained = advantages[torch.tensor([s.num_trained > 0 for s in step.samples], dtype=torch.bool)] \
-        if step.samples else advantages
-    return {
-        "loss": totals["loss"] / tokens,
-        "num_tokens": int(totals["tokens"]),
-        "num_positions": int(num_positions.item()),
-        "clip_frac": totals["clipped"] / tokens,
-        "truncated_frac": totals["truncated"] / tokens,
-        "masked_frac": totals["masked"] / tokens,
-        "is_weight_mean": totals["ratio"] / tokens if totals["tokens"] else 1.0,
-        "is_weight_max": float(ratio_max.item()) if totals["tokens"] else 1.0,
-        "kl": totals["kl"] / tokens,
-        "entropy": totals["entropy"] / tokens,
-        "grad_norm": float(grad_norm),
-        "lr": lr,
-        "adv_mean": float(trained.mean()) if trained.numel() else 0.0,
-        "adv_std": float(trained.std()) if trained.numel() > 1 else 0.0,
-        "adv_abs_max": float(trained.abs().max()) if trained.numel() else 0.0,
-        "num_samples": len(step.samples),
-    }
 
 
 class Learner:
@@ -213,7 +146,8 @@ class Learner:
         """Gather the adapter and publish it as the next version (collective); returns the seconds spent."""
         started = time.monotonic()
         self._mark("publishing")
-        version = self.state.version + 1
+        latest = self.session.latest_version if self.session is not None else 0
+        version = max(self.state.version, latest) + 1  # never a number the broker already has
         snap = publish.snapshot(self.policy, version=version, step=self.state.step, is_main=self.parallel.is_main)
         self.published_step = self.state.step
         if snap is not None:
@@ -331,12 +265,6 @@ class Learner:
         log.info("learner_stopped", step=self.state.step, version=self.state.version)
 
 
-def _warmup_lambda(warmup_steps: int):
-    def factor(step: int) -> float:
-        return min(1.0, (step + 1) / warmup_steps) if warmup_steps else 1.0
-    return factor
-
-
 def run(config: Config) -> int:
     """Start (or resume) the learner and run the loop until it stops; returns the exit code."""
     parallel = init_parallel(config.learner.device)
@@ -354,9 +282,7 @@ def run(config: Config) -> int:
         parallel.barrier()
         model_dir = resolve_model(config.model.path, config.model.cache_dir)
         policy = build_policy(Path(model_dir), config.learner, parallel, seed=config.run.seed)
-        optimizer = torch.optim.AdamW(policy.trainable_parameters(), lr=config.learner.lr,
-                                      weight_decay=config.learner.weight_decay, eps=config.learner.adam_eps)
-        scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, _warmup_lambda(config.learner.warmup_steps))
+        optimizer, scheduler = make_optimizer(policy, config.learner)
         checkpointer = Checkpointer(learner_dir / "checkpoints", keep=config.learner.keep_checkpoints,
                                     parallel=parallel)
         checkpointer.clean_partial()

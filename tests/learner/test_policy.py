@@ -28,7 +28,7 @@ from learner.checkpoint import Checkpointer, LearnerState
 from learner.loss import LossConfig
 from learner.model import build_policy
 from learner.parallel import init_parallel
-from learner.train import _warmup_lambda, train_step
+from learner.step import make_optimizer, train_step
 from tests.learner.scripted import make_batch
 from tests.support import child_env
 
@@ -48,9 +48,7 @@ def make_config(**learner):
 
 def make_trainer(tiny_model_dir: Path, parallel, config):
     policy = build_policy(tiny_model_dir, config.learner, parallel, seed=0)
-    optimizer = torch.optim.AdamW(policy.trainable_parameters(), lr=config.learner.lr)
-    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, _warmup_lambda(config.learner.warmup_steps))
-    return policy, optimizer, scheduler
+    return (policy, *make_optimizer(policy, config.learner))
 
 
 def step_on(trainer, parallel, config, index: int) -> dict:
