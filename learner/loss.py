@@ -139,9 +139,10 @@ def token_stats(terms: TokenTerms, entropy: torch.Tensor) -> tuple[torch.Tensor,
 
     entropy [T] f32 per trained token. Divide the sums by the batch's token count to get means.
     """
+    device = terms.ratio.device
     sums = torch.stack([
         terms.loss.detach().double().sum(),
-        torch.tensor(float(terms.ratio.numel()), dtype=torch.float64),
+        torch.tensor(float(terms.ratio.numel()), dtype=torch.float64, device=device),
         terms.clipped.double().sum(),
         terms.truncated.double().sum(),
         (~terms.kept).double().sum(),
@@ -149,5 +150,6 @@ def token_stats(terms: TokenTerms, entropy: torch.Tensor) -> tuple[torch.Tensor,
         terms.kl.double().sum(),
         entropy.detach().double().sum(),
     ])
-    ratio_max = terms.ratio.double().max().reshape(1) if terms.ratio.numel() else torch.zeros(1, dtype=torch.float64)
+    ratio_max = (terms.ratio.double().max().reshape(1) if terms.ratio.numel()
+                 else torch.zeros(1, dtype=torch.float64, device=device))
     return sums, ratio_max

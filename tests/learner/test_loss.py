@@ -7,6 +7,8 @@ import random
 
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from learner.loss import SUM_STATS, LossConfig, group_advantages, token_loss, token_stats
 
@@ -224,3 +226,21 @@ def test_group_advantages_match_loop_reference(seed: int) -> None:
     for scale in (True, False):
         adv, _ = group_advantages(torch.tensor(rewards), torch.tensor(groups), num_groups, scale_by_std=scale)
         assert adv.tolist() == pytest.approx(reference_advantages(rewards, groups, scale), rel=1e-5, abs=1e-6)
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.lists(st.lists(st.sampled_from([0.0, 0.5, 1.0, -1.0, 3.25]), min_size=1, max_size=9), min_size=1,
+                max_size=6), st.booleans())
+def test_group_advantages_properties(groups: list[list[float]], scale: bool) -> None:
+    rewards = torch.tensor([r for g in groups for r in g])
+    index = torch.tensor([i for i, g in enumerate(groups) for _ in g])
+    adv, zero = group_advantages(rewards, index, len(groups), scale_by_std=scale)
+    assert torch.isfinite(adv).all()
+    for i, g in enumerate(groups):
+        members = adv[index == i]
+        assert bool(zero[i]) == (len(set(g)) == 1)  # no signal exactly when all rewards are equal
+        assert abs(float(members.sum())) < 1e-4  # centred within the group
+        if zero[i]:
+            assert members.abs().max() == 0
+        elif scale:
+            assert float(members.std()) == pytest.approx(1.0, rel=1e-4)  # unit sample std
