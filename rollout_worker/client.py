@@ -105,7 +105,7 @@ class BrokerSession:
         self._stop.set()
         if self._thread is not None:
             self._thread.join(timeout=5)
-        self.link.close(reason=reason)
+        self.link.close(reason=reason, send_bye=self.welcome is not None)  # no Bye to a broker never reached
 
     # -- requests from the worker loop -------------------------------------------------------------------------
 

@@ -20,7 +20,8 @@ timeline (``timeline/worker-<id>.jsonl``).
 
 SIGTERM (or SIGINT): stop leasing, return the leases of unfinished groups (LeaseReturn; the broker re-queues
 them), wait up to ``STOP_ACK_WAIT_S`` for the acks of submitted groups, say Bye, exit 0. After SIGKILL the broker
-reclaims the leases itself (missed heartbeats, or a hello with a new session from the same worker id).
+reclaims the leases itself (missed heartbeats, or a hello with a new session from the same worker id). A signal
+while still connecting or loading the model (nothing leased yet) exits 0 at once.
 """
 
 from __future__ import annotations
@@ -205,9 +206,14 @@ def run(config: Config) -> int:
     """Join the broker, load the backend, generate until SIGTERM; returns the exit code."""
     worker_id = config.worker.id or default_worker_id()
     bind(worker=worker_id)
-    stop, wake = threading.Event(), threading.Event()
+    stop, wake, looping = threading.Event(), threading.Event(), threading.Event()
 
     def on_signal(signum: int, frame: Any) -> None:
+        if not looping.is_set():  # still connecting or loading the model: nothing is leased, just leave
+            try:
+                log.info("stopped_while_starting", signal=signal.Signals(signum).name)
+            finally:
+                os._exit(0)
         log.info("signal", signal=signal.Signals(signum).name)
         stop.set()
         wake.set()
@@ -222,19 +228,19 @@ def run(config: Config) -> int:
     store = AdapterStore(Path(config.worker.adapter_dir or config.run_dir / "workers" / worker_id / "adapters"))
     session = BrokerSession(config, worker_id=worker_id, store=store, metrics=metrics, wake=wake,
                             security=_security(config))
-    try:
-        welcome = session.start()
-    except BrokerUnavailable as exc:
-        log.error("broker_unavailable", error=str(exc))
-        return 1
     backend: Backend | None = None
     try:
+        welcome = session.start()
         started = time.monotonic()
         backend = make_backend(config, worker_id=worker_id, max_staleness=welcome.max_staleness)
         log.info("backend_ready", load_s=round(time.monotonic() - started, 2), **backend.describe())
         worker = Worker(config, worker_id=worker_id, session=session, backend=backend, store=store, metrics=metrics,
                         wake=wake, stop=stop, timeline=timeline, max_staleness=welcome.max_staleness)
+        looping.set()
         worker.run()
+    except BrokerUnavailable as exc:
+        log.error("broker_unavailable", error=str(exc))
+        return 1
     finally:
         session.close(reason="worker stopping")
         if backend is not None:

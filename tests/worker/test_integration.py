@@ -173,3 +173,12 @@ def test_elastic_scale_out_and_kill_every_prompt_is_acknowledged_once(procs: Pro
     learner.close()
     assert first.stop() == 0 and third.stop() == 0
     print(f"w2 and w3 contributed {join_s:.1f} s after they were started")
+
+
+def test_sigterm_while_waiting_for_the_broker_exits_at_once(procs: Processes, tmp_path: Path) -> None:
+    worker = procs.python("early", "rollout_worker", "--endpoint", "tcp://127.0.0.1:9", "--backend", "sim",
+                          "--run-dir", str(tmp_path / "run"), "--log-format", "json")
+    wait_for(lambda: (tmp_path / "run" / "timeline").is_dir(), 10, "the worker to start", procs)
+    worker.signal(signal.SIGTERM)
+    assert worker.popen.wait(timeout=5) == 0
+    assert [e["event"] for e in events(worker)][-1] == "stopped_while_starting"
