@@ -12,7 +12,8 @@
 
 Nothing here blocks except :meth:`BrokerSession.poll` (up to its timeout) and :meth:`BrokerSession.drain`;
 heartbeats run in the BrokerLink's I/O thread, so a long training step never looks like a dead learner.
-Errors from the broker are logged and counted (``broker_errors{code}``), never fatal.
+Errors from the broker are logged and counted (``broker_errors{code}``); the only fatal one is a BatchRequest
+refused with ``limit`` (the broker can never hold that many groups), which raises :class:`BatchRequestRefused`.
 """
 
 from __future__ import annotations
@@ -29,6 +30,10 @@ from common.transport import BrokerLink, Incoming, Reconnected
 from learner.publish import AdapterSnapshot
 
 log = get_logger("learner.session")
+
+
+class BatchRequestRefused(RuntimeError):
+    """The broker can never serve the batch size asked for (run.groups_per_step vs broker.capacity_groups)."""
 
 
 @dataclass(slots=True)
@@ -83,6 +88,8 @@ class BrokerSession:
 
     def poll(self, timeout_s: float) -> Incoming | None:
         """The next non-empty Batch, or None after ``timeout_s``; handles acks, errors and reconnects meanwhile."""
+        if self._wanted is not None and not self._outstanding:
+            self._send_request()
         if self._surplus and self._wanted is not None:
             self._wanted = None
             return self._surplus.popleft()
@@ -153,9 +160,10 @@ class BrokerSession:
         log.warning("broker_error", code=error.code, message=error.message, ref_kind=error.ref_kind,
                     ref_id=error.ref_id)
         if error.ref_kind == Kind.BATCH_REQUEST:
-            self._outstanding = False
-            if self._wanted is not None:
-                self._send_request()
+            if error.code == "limit":  # the broker can never hold that many groups: waiting will not help
+                raise BatchRequestRefused(f"{error.message}; make run.groups_per_step the same for the broker and "
+                                          "the learner, or raise broker.capacity_groups")
+            self._outstanding = False  # asked again at the next poll
         elif error.ref_kind == Kind.ADAPTER_UPDATE and error.ref_id.isdigit():
             # e.g. stale_version: the broker knows a newer version; the next one is numbered after it
             self._adapter_sent_at.pop(int(error.ref_id), None)

@@ -102,6 +102,8 @@ class ScriptedBroker:
     broker_id: str = "scripted"
     port: int = 0  # 0 = any free port
     answer_batch_acks: bool = True
+    refuse_requests: str = ""  # an Error code to answer every BatchRequest with
+    num_requests: int = 0
     hellos: list[Hello] = field(default_factory=list)
     published: list[Published] = field(default_factory=list)
     acks: list[BatchAck] = field(default_factory=list)
@@ -201,6 +203,11 @@ class ScriptedBroker:
                                             record.adapter_config))
             self._send(identity, protocol.encode(Ack(ref_kind=Kind.ADAPTER_UPDATE, ref_id=str(record.version))))
         elif isinstance(record, BatchRequest):
+            self.num_requests += 1
+            if self.refuse_requests:
+                self._send(identity, protocol.encode(Error(code=self.refuse_requests, message="refused",
+                                                           ref_kind=Kind.BATCH_REQUEST)))
+                return
             self._waiting.append((identity, record, time.monotonic() + record.wait_ms / 1000))
         elif isinstance(record, BatchAck):
             self.acks.append(record)

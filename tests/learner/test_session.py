@@ -4,13 +4,14 @@ from __future__ import annotations
 
 import time
 
+import pytest
 import torch
 
 from common.config import load_config
 from common.metrics import Metrics
 from common.protocol import BatchAck
 from learner.publish import AdapterSnapshot, tensors_sha256
-from learner.session import BrokerSession
+from learner.session import BatchRequestRefused, BrokerSession
 from tests.learner.scripted import ScriptedBroker
 
 
@@ -67,3 +68,23 @@ def test_batches_acks_and_resending_after_a_broker_restart() -> None:
         first.close()
         if second is not None:
             second.close()
+
+
+def test_refused_batch_requests_are_retried_at_the_poll_pace_or_fatal_for_limit() -> None:
+    broker = ScriptedBroker(refuse_requests="internal")
+    config = load_config(None, [f"broker.endpoint=\"{broker.endpoint}\""])
+    session = BrokerSession(config, version=0, metrics=Metrics())
+    try:
+        session.start(5)
+        session.want_batch(2, 100, 0)
+        for _ in range(5):
+            assert session.poll(0.1) is None
+        assert 3 <= broker.num_requests <= 6  # asked again once per poll, not in a tight loop
+        assert session.metrics.counter("broker_errors", code="internal") >= 3
+        broker.refuse_requests = "limit"
+        with pytest.raises(BatchRequestRefused, match="capacity_groups"):
+            for _ in range(20):
+                session.poll(0.1)
+    finally:
+        session.close()
+        broker.close()
