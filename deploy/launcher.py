@@ -1,0 +1,432 @@
+"""``loraflow run [config.toml]``: a complete run on this machine, supervised, with progress and a result.
+
+With no config it runs the built-in demo (``deploy/configs/demo.toml``)::
+
+    prepare   resolve the model (builtin:demo: build the warmed-up tiny base once per seed, cached),
+              choose the run dir (runs/<name>-<time> unless run.run_dir / --run-dir names one: then it resumes),
+              write the resolved config to <run_dir>/config.toml (every child reads that file)
+    start     broker (port 0 unless broker.bind names one; the bound endpoint is read from its endpoint file),
+              then the learner (torchrun when launch.learner_ranks > 1) and launch.num_workers workers
+    watch     every 0.25 s: restart crashed children with backoff (deploy/processes.py); every
+              launch.progress_every_s: the progress line (deploy/progress.py); every eval.every_s: greedy
+              held-out accuracy of the newest adapter directory, in a background thread
+    stop      at run.num_steps (the learner exits by itself), run.max_duration_s (counted from the launcher's
+              start, base build included), eval.target_accuracy, ctrl-C / SIGTERM, or an unrecoverable child:
+              SIGTERM to learner and workers (the learner publishes and writes its last adapter, workers return
+              their leases), then to the broker (it persists its state)
+    finish    final accuracy of the newest adapter, <run_dir>/final_adapter (PEFT dir), summary.json, plots,
+              and the two lines ``base accuracy: X%`` / ``final accuracy: Y%``
+
+The launcher's own log goes to ``<run_dir>/logs/launcher.log``; the terminal gets the progress and events.
+Exit code: 0 when the run finished, 1 when a child could not be recovered, 130 after ctrl-C.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import dataclasses
+import json
+import os
+import shutil
+import signal
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, TextIO
+
+from common.cli import config_from_args, config_parser
+from common.config import Config, write_resolved
+from common.logging import get_logger, setup_logging
+from deploy import rundir
+from deploy.demo_base import DemoBaseError
+from deploy.processes import Managed, RestartPolicy, Supervisor, Unrecoverable
+from deploy.progress import Display, Progress, render
+
+log = get_logger("launcher")
+
+DEMO_CONFIG = Path(__file__).resolve().parent / "configs" / "demo.toml"
+TICK_S = 0.25
+BROKER_START_TIMEOUT_S = 60.0
+LEARNER_STOP_TIMEOUT_S = 90.0
+WORKER_STOP_TIMEOUT_S = 30.0
+BROKER_STOP_TIMEOUT_S = 20.0
+
+EXTRA_FLAGS = {
+    "--workers": ("launch.num_workers", int, "rollout workers to start"),
+    "--learner-ranks": ("launch.learner_ranks", int, "learner ranks (torchrun when > 1)"),
+    "--max-duration": ("run.max_duration_s", float, "stop after this many seconds (0 = no limit)"),
+    "--target-accuracy": ("eval.target_accuracy", float, "stop when held-out accuracy reaches this"),
+}
+
+
+@dataclass(slots=True, kw_only=True)
+class Measurement:
+    version: int
+    step: int
+    accuracy: float
+    time_unix: float
+    seconds: float
+    kind: str  # base | periodic | final
+
+
+@dataclass(slots=True, kw_only=True)
+class Summary:
+    """What a run ended with (also written to ``<run_dir>/summary.json``)."""
+
+    run_dir: str
+    seed: int
+    stop_reason: str = ""
+    error: str = ""
+    base_accuracy: float | None = None
+    final_accuracy: float | None = None
+    final_version: int = 0
+    final_adapter: str = ""
+    steps: int = 0
+    wall_s: float = 0.0
+    base_build_s: float = 0.0
+    rl_s: float = 0.0
+    target_reached_s: float | None = None
+    restarts: dict[str, int] = field(default_factory=dict)
+
+
+class Launch:
+    """One ``loraflow run``: owns the children, the evaluator thread, the display and the summary."""
+
+    def __init__(self, config: Config, display: Display, *, started_s: float) -> None:
+        self.config = config
+        self.display = display
+        self.started_s = started_s
+        self.run_dir = config.run_dir
+        self.supervisor = Supervisor(RestartPolicy(backoff_s=config.launch.restart_backoff_s,
+                                                   max_backoff_s=config.launch.max_backoff_s,
+                                                   max_restarts=config.launch.max_restarts),
+                                     on_event=display.event, events_path=rundir.processes_path(self.run_dir))
+        self.summary = Summary(run_dir=str(self.run_dir), seed=config.run.seed)
+        self.endpoint = ""
+        self.config_path = self.run_dir / "config.toml"
+        self.progress: Progress | None = None
+        self.evaluator = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="eval")
+        self.pending_eval: concurrent.futures.Future | None = None
+        self.evaluated_version = -1
+        self.last_eval_s = 0.0
+        self.rl_started_s = 0.0
+        self.stop_requested = ""
+        self.model_ready = False
+
+    # -- start -----------------------------------------------------------------------------------------------
+
+    def prepare_model(self) -> None:
+        """Resolve model.path to a directory (building the demo base if needed) and pin it in the config."""
+        from common.tiny_model import resolve_model
+
+        model = self.config.model
+        if model.path == "builtin:demo":
+            from deploy.demo_base import demo_base_dir, ensure_demo_base, read_metadata
+
+            seed = self.config.run.seed
+            if not (demo_base_dir(seed, model.cache_dir or None) / "loraflow_model.json").is_file():
+                self.display.event(f"building the demo base model for seed {seed} (once, cached; about 2 min on "
+                                   "2 cores) ...")
+                built = time.monotonic()
+                path = ensure_demo_base(seed, model.cache_dir or None)
+                self.summary.base_build_s = round(time.monotonic() - built, 1)
+                meta = read_metadata(path)
+                self.display.event(f"demo base ready in {self.summary.base_build_s:.0f} s: held-out accuracy "
+                                   f"{meta['base_accuracy']:.1%} (carry-free {meta['carry_free_accuracy']:.0%}, "
+                                   f"with a carry {meta['carry_accuracy']:.0%}); cached in {path}")
+            else:
+                path = ensure_demo_base(seed, model.cache_dir or None)
+        else:
+            path = resolve_model(model.path, model.cache_dir)
+        self.config = dataclasses.replace(self.config, model=dataclasses.replace(model, path=str(path)))
+        self.model_ready = True
+
+    def write_config(self) -> None:
+        broker = self.config.broker
+        endpoint_file = broker.endpoint_file or str(self.run_dir / "broker" / "endpoint")
+        self.config = dataclasses.replace(self.config, broker=dataclasses.replace(
+            broker, endpoint_file=endpoint_file, bind=broker.bind or "tcp://127.0.0.1:0"))
+        write_resolved(self.config, self.config_path)
+
+    def start(self) -> None:
+        launch = self.config.launch
+        self.display.event(f"starting the broker, the learner ({launch.learner_ranks} rank"
+                           f"{'s' if launch.learner_ranks > 1 else ''}) and {launch.num_workers} worker"
+                           f"{'s' if launch.num_workers != 1 else ''}; logs in {self.run_dir / 'logs'}")
+        self.start_broker(self.config.broker.bind)
+        self.display.event(f"broker listening on {self.endpoint}")
+        self.progress = Progress(self.run_dir, self.endpoint, security=self._client_security())
+        self.rl_started_s = time.monotonic()
+        self.supervisor.add(self._child("learner", self.learner_argv()))
+        for i in range(1, launch.num_workers + 1):
+            self.supervisor.add(self._child(f"worker-{i}", self.worker_argv(str(i))))
+
+    def start_broker(self, bind: str) -> None:
+        endpoint_file = Path(self.config.broker.endpoint_file)
+        endpoint_file.unlink(missing_ok=True)
+        argv = self._module("broker", "--set", f"broker.bind={json.dumps(bind)}")
+        broker = self.supervisor.add(self._child("broker", argv))
+        deadline = time.monotonic() + BROKER_START_TIMEOUT_S
+        while not (endpoint_file.is_file() and endpoint_file.read_text().strip()):
+            if not broker.alive():
+                raise Unrecoverable(f"the broker exited with code {broker.popen.returncode} before binding "
+                                    f"{bind}; see {broker.log_path}:\n{broker.log_tail()}")
+            if time.monotonic() > deadline:
+                raise Unrecoverable(f"the broker did not bind {bind} within {BROKER_START_TIMEOUT_S:.0f} s; "
+                                    f"see {broker.log_path}")
+            time.sleep(0.05)
+        self.endpoint = endpoint_file.read_text().strip()
+        # a restarted broker must come back on the same address, or the clients could not find it again
+        broker.argv = self._module("broker", "--set", f"broker.bind={json.dumps(self.endpoint)}")
+
+    def _module(self, module: str, *args: str) -> list[str]:
+        return [sys.executable, "-m", module, str(self.config_path), "--run-dir", str(self.run_dir), *args]
+
+    def learner_argv(self) -> list[str]:
+        ranks = self.config.launch.learner_ranks
+        args = [str(self.config_path), "--run-dir", str(self.run_dir), "--endpoint", self.endpoint]
+        if ranks == 1:
+            return [sys.executable, "-m", "learner", *args]
+        return [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={ranks}",
+                "-m", "learner", *args]
+
+    def worker_argv(self, worker_id: str) -> list[str]:
+        return self._module("rollout_worker", "--endpoint", self.endpoint, "--worker-id", worker_id)
+
+    def _child(self, name: str, argv: list[str]) -> Managed:
+        env = dict(os.environ, PYTHONUNBUFFERED="1", TOKENIZERS_PARALLELISM="false")
+        env.update(device_env(name, self.config))
+        return Managed(name=name, argv=argv, log_path=self.run_dir / "logs" / f"{name}.log", env=env)
+
+    def _client_security(self) -> Any:
+        security = self.config.security
+        if not security.enabled:
+            return None
+        from common.security import ClientSecurity
+
+        return ClientSecurity.load(security.keys_dir, security.client_key or "observer")
+
+    # -- watch -----------------------------------------------------------------------------------------------
+
+    def watch(self) -> str:
+        """Supervise until a stop condition holds; returns the stop reason."""
+        run, launch = self.config.run, self.config.launch
+        next_progress_s = 0.0
+        while not self.stop_requested:
+            now_s = time.monotonic()
+            for child in self.supervisor.check(now_s):
+                if child.name == "learner":
+                    return f"run.num_steps ({run.num_steps}) reached"
+            if run.max_duration_s and now_s - self.started_s >= run.max_duration_s:
+                return f"run.max_duration_s ({run.max_duration_s:.0f} s) reached"
+            reason = self.collect_eval()
+            if reason:
+                return reason
+            self.maybe_start_eval(now_s)
+            if now_s >= next_progress_s and self.progress is not None:
+                self.display.status(render(self.progress.poll(stats_timeout_s=0.5)))
+                next_progress_s = now_s + launch.progress_every_s
+            time.sleep(TICK_S)
+        return self.stop_requested
+
+    def maybe_start_eval(self, now_s: float) -> None:
+        every_s = self.config.eval.every_s
+        if not every_s or self.pending_eval is not None or now_s - self.last_eval_s < every_s:
+            return
+        version, path = rundir.newest_adapter(self.run_dir)
+        if path is None or version <= self.evaluated_version:
+            return
+        self.last_eval_s = now_s
+        self.pending_eval = self.evaluator.submit(self.measure, version, path, "periodic")
+
+    def collect_eval(self, wait: bool = False) -> str:
+        """Record a finished periodic measurement; returns a stop reason when it reached the target."""
+        future = self.pending_eval
+        if future is None or not (wait or future.done()):
+            return ""
+        self.pending_eval = None
+        result: Measurement = future.result()
+        if result.kind == "base":
+            self.summary.base_accuracy = result.accuracy
+            self.display.event(f"held-out accuracy of the base model: {result.accuracy:.1%}")
+            return ""
+        self.display.event(f"held-out accuracy {result.accuracy:.1%} at v{result.version} (step {result.step}, "
+                           f"{time.monotonic() - self.started_s:.0f} s)")
+        target = self.config.eval.target_accuracy
+        if result.kind == "periodic" and target and result.accuracy >= target:
+            self.summary.target_reached_s = round(time.monotonic() - self.started_s, 1)
+            return f"eval.target_accuracy ({target:.0%}) reached: {result.accuracy:.1%} at v{result.version}"
+        return ""
+
+    def measure(self, version: int, adapter: Path | None, kind: str) -> Measurement:
+        """Greedy held-out accuracy of the base (adapter None) or base + adapter; appended to evals.jsonl."""
+        from deploy.evaluate import evaluate_dir
+
+        config = self.config
+        result = evaluate_dir(config.model.path, adapter, task=config.run.task, seed=config.run.seed,
+                              num_prompts=config.eval.num_prompts, max_new_tokens=config.worker.max_new_tokens)
+        step = version_step(self.run_dir, version)
+        measurement = Measurement(version=version, step=step, accuracy=result.accuracy, time_unix=time.time(),
+                                  seconds=round(result.seconds, 3), kind=kind)
+        rundir.append_jsonl(rundir.evals_path(self.run_dir), dataclasses.asdict(measurement))
+        self.evaluated_version = max(self.evaluated_version, version)
+        if self.progress is not None:
+            self.progress.set_accuracy(result.accuracy, version)
+        log.info("accuracy_measured", version=version, step=step, accuracy=result.accuracy, kind=kind)
+        return measurement
+
+    # -- stop ------------------------------------------------------------------------------------------------
+
+    def shutdown(self) -> None:
+        """Learner and workers first (the learner needs the broker to publish its last version), then the broker."""
+        clients = [name for name in self.supervisor.children if name != "broker"]
+        self.supervisor.signal([n for n in clients if n.startswith("worker-")])  # waited for below
+        self.supervisor.stop(["learner"], LEARNER_STOP_TIMEOUT_S)
+        self.supervisor.stop([n for n in clients if n.startswith("worker-")], WORKER_STOP_TIMEOUT_S)
+        self.supervisor.stop(["broker"], BROKER_STOP_TIMEOUT_S)
+        self.summary.restarts = {c.name: c.num_restarts for c in self.supervisor.children.values() if c.num_restarts}
+
+    def finish(self) -> None:
+        """Final measurement, the final adapter directory, summary.json and plots."""
+        summary = self.summary
+        steps = rundir.read_jsonl(rundir.metrics_path(self.run_dir))
+        summary.steps = max((s.get("step", 0) for s in steps), default=0)
+        summary.rl_s = round(time.monotonic() - self.rl_started_s, 1) if self.rl_started_s else 0.0
+        if self.pending_eval is not None:
+            self.collect_eval(wait=True)
+        version, path = rundir.newest_adapter(self.run_dir)
+        if self.config.eval.num_prompts and self.model_ready:
+            if summary.base_accuracy is None:
+                summary.base_accuracy = self.measure(0, None, "base").accuracy
+            summary.final_accuracy = (self.measure(version, path, "final").accuracy if path is not None
+                                      else summary.base_accuracy)
+        if path is not None:
+            final = self.run_dir / "final_adapter"
+            shutil.rmtree(final, ignore_errors=True)
+            shutil.copytree(path, final)
+            summary.final_adapter, summary.final_version = str(final), version
+        summary.wall_s = round(time.monotonic() - self.started_s, 1)
+        (self.run_dir / "summary.json").write_text(json.dumps(dataclasses.asdict(summary), indent=1) + "\n")
+        try:
+            from deploy.plots import plot_run
+
+            plot_run(self.run_dir)
+        except Exception as exc:  # plots are a convenience: a broken plot never hides the run's result
+            log.exception("plots_failed")
+            self.display.event(f"plots could not be drawn: {exc}")
+
+
+def version_step(run_dir: Path, version: int) -> int:
+    """The learner step whose parameters adapter ``version`` holds (0 for the base)."""
+    if version == 0:
+        return 0
+    for line in reversed(rundir.read_jsonl(rundir.metrics_path(run_dir))):
+        if line.get("version") == version:
+            return int(line.get("step", 0))
+    return 0
+
+
+def device_env(name: str, config: Config) -> dict[str, str]:
+    """CUDA_VISIBLE_DEVICES for a child when the roles run on GPUs: worker i gets GPU i-1, the learner's ranks
+    the next ``learner_ranks`` GPUs. Nothing when the roles run on CPU or the variable is already set."""
+    if "CUDA_VISIBLE_DEVICES" in os.environ:
+        return {}
+    workers, ranks = config.launch.num_workers, config.launch.learner_ranks
+    uses_gpu = {"worker": config.worker.device.startswith("cuda"), "learner": config.learner.device.startswith("cuda")}
+    if name.startswith("worker-") and uses_gpu["worker"]:
+        return {"CUDA_VISIBLE_DEVICES": str(int(name.removeprefix("worker-")) - 1)}
+    if name == "learner" and uses_gpu["learner"]:
+        first = workers if uses_gpu["worker"] else 0
+        return {"CUDA_VISIBLE_DEVICES": ",".join(str(first + r) for r in range(ranks))}
+    return {}
+
+
+def choose_run_dir(config: Config) -> Config:
+    """A fresh ``runs/<name>-<time>`` unless the config names a run dir (then an existing one is resumed)."""
+    if config.run.run_dir:
+        return config
+    stamp = time.strftime("%Y%m%d-%H%M%S")
+    run_dir = Path("runs") / f"{config.run.name}-{stamp}"
+    suffix = 1
+    while run_dir.exists():
+        suffix += 1
+        run_dir = Path("runs") / f"{config.run.name}-{stamp}-{suffix}"
+    return dataclasses.replace(config, run=dataclasses.replace(config.run, run_dir=str(run_dir)))
+
+
+def print_result(summary: Summary, out: TextIO) -> None:
+    if summary.base_accuracy is not None:
+        print(f"base accuracy: {summary.base_accuracy:.1%}", file=out)
+    if summary.final_accuracy is not None:
+        print(f"final accuracy: {summary.final_accuracy:.1%}", file=out)
+    if summary.base_accuracy is not None and summary.final_accuracy is not None:
+        gain = 100 * (summary.final_accuracy - summary.base_accuracy)
+        build = f"base build {summary.base_build_s:.0f} s, " if summary.base_build_s else ""
+        print(f"gain: {gain:+.1f} points in {summary.wall_s:.0f} s ({build}{summary.steps} learner steps in "
+              f"{summary.rl_s:.0f} s)", file=out)
+    if summary.final_adapter:
+        print(f"final adapter (v{summary.final_version}, PEFT): {summary.final_adapter}", file=out)
+    print(f"run directory: {summary.run_dir} (config.toml, logs/, learner/metrics.jsonl, evals.jsonl, plots/)",
+          file=out)
+
+
+def main(argv: list[str]) -> int:
+    started_s = time.monotonic()
+    parser = config_parser("loraflow run", "Run the broker, the learner and rollout workers on this machine, "
+                           "supervised; with no config, the built-in demo.", EXTRA_FLAGS)
+    args = parser.parse_args(argv)
+    if args.config is None:
+        args.config = str(DEMO_CONFIG)
+    config = choose_run_dir(config_from_args(args))
+    run_dir = config.run_dir
+    (run_dir / "logs").mkdir(parents=True, exist_ok=True)
+    log_file = open(run_dir / "logs" / "launcher.log", "a")  # noqa: SIM115 - open for the whole run
+    setup_logging("launcher", fmt=config.run.log_format, level=config.run.log_level, stream=log_file)
+    display = Display(every_s=max(10.0, config.launch.progress_every_s))
+    launch = Launch(config, display, started_s=started_s)
+
+    def request_stop(signum: int, _frame: Any) -> None:
+        if launch.stop_requested:  # a second ctrl-C: do not wait for a clean stop
+            launch.supervisor.kill_all()
+            raise KeyboardInterrupt
+        launch.stop_requested = "interrupted"
+        display.event(f"{signal.Signals(signum).name}: stopping every process cleanly (again to kill at once)")
+
+    signal.signal(signal.SIGINT, request_stop)
+    signal.signal(signal.SIGTERM, request_stop)
+    display.event(f"loraflow run: {config.run.name} (seed {config.run.seed}, task {config.run.task}), "
+                  f"run dir {run_dir}")
+    code = 0
+    try:
+        import torch
+
+        torch.set_num_threads(1)  # the launcher only evaluates; leave the cores to the roles
+        launch.prepare_model()
+        launch.write_config()
+        launch.start()
+        if config.eval.num_prompts:
+            launch.pending_eval = launch.evaluator.submit(launch.measure, 0, None, "base")
+        reason = launch.watch()
+        launch.summary.stop_reason = reason
+        display.close()
+        display.event(f"stopping: {reason}")
+    except (Unrecoverable, DemoBaseError, ValueError) as exc:
+        display.close()
+        launch.summary.error = str(exc).splitlines()[0]
+        launch.summary.stop_reason = "error"
+        display.event(f"error: {exc}")
+        code = 1
+    except KeyboardInterrupt:
+        launch.supervisor.kill_all()
+        display.close()
+        display.event("killed every process")
+        return 130
+    finally:
+        launch.shutdown()
+    launch.finish()
+    launch.evaluator.shutdown(wait=True)
+    print_result(launch.summary, sys.stdout)
+    if launch.stop_requested == "interrupted" and code == 0:
+        code = 130
+    return code
