@@ -8,7 +8,7 @@
     ack_batch(ack)        BatchAck(batch_id, step, group ids, ...)     ->
                         <- Ack(BATCH_ACK, batch_id)                    (kept until then)
     Reconnected (a new broker process):  re-send every unacknowledged BatchAck, the outstanding BatchRequest,
-                                         and the newest adapter if the new broker's latest version is older.
+                                         and the newest adapter unless the new broker knows a newer version.
 
 Nothing here blocks except :meth:`BrokerSession.poll` (up to its timeout) and :meth:`BrokerSession.drain`;
 heartbeats run in the BrokerLink's I/O thread, so a long training step never looks like a dead learner.
@@ -177,7 +177,8 @@ class BrokerSession:
                  unacked_batches=len(self._unacked_batches))
         for ack in self._unacked_batches.values():
             self.link.send(ack)
-        if self._newest is not None and welcome.latest_version < self._newest.version:
+        # a restarted broker may know our newest version (persisted) but not its tensors: send them again
+        if self._newest is not None and welcome.latest_version <= self._newest.version:
             self._adapter_sent_at[self._newest.version] = time.monotonic()
             self.link.send(self._newest.update(), self._newest.tensors)
         if self._wanted is not None:
