@@ -1,0 +1,282 @@
+"""The data path of the broker: leases out, rollout groups in, batches out, batch acks in.
+
+:class:`DataFlow` holds the message handlers for the five messages that move work, as a part of
+:class:`broker.core.BrokerCore` (which owns the state they act on: ``prompts``, ``leases``, ``buffer``,
+``peers``, ``stats``, ``latest_version``, the long-poll ``*_waiters`` and the ``_send``/``_reject`` helpers).
+Keeping them here keeps the core to dispatch, registration, persistence and timers.
+
+    LeaseRequest  -> admission.decide -> PromptSource.next -> LeaseTable.grant -> LeaseGrant (or park/wait)
+    RolloutGroup  -> dedup by group id -> value checks -> staleness -> byte bound -> buffer -> Ack (or Error,
+                     prompt re-queued)
+    BatchRequest  -> drop stale buffered groups (re-queued) -> serve oldest whole groups -> Batch (or park/wait)
+    BatchAck      -> trained (listed ids; none listed = all), unlisted re-queued -> Ack after the state write
+    LeaseReturn   -> re-queued
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import msgpack
+
+from broker import admission
+from broker.buffer import StoredGroup
+from broker.leases import Lease
+from broker.peers import Peer
+from broker.prompts import PromptKey, group_id_of, parse_group_id
+from common import framing, protocol, versions
+from common.protocol import Kind, ProtocolError
+
+
+@dataclass(slots=True, kw_only=True)
+class Waiter:
+    """A parked long-poll: answered when state changes, or empty at its deadline."""
+
+    identity: bytes
+    request: Any  # LeaseRequest or BatchRequest
+    deadline_s: float
+
+
+class DataFlow:
+    """Handlers of the work-moving messages; mixed into BrokerCore (see the module docstring)."""
+
+    @property
+    def mean_group_footprint(self) -> float:
+        """Mean bytes a group is charged in the buffer (0 before the first group)."""
+        return self.mean_group_bytes + self.buffer.group_overhead_bytes if self.mean_group_bytes else 0.0
+
+    # -- leases ----------------------------------------------------------------------------------------------
+
+    def _admission(self, identity: bytes, peer: Peer, requested: int) -> admission.Decision:
+        return admission.decide(admission.AdmissionInputs(
+            requested=requested, worker_version=peer.adapter_version, latest_version=self.latest_version,
+            max_staleness=self.max_staleness, groups_per_step=self.groups_per_version,
+            capacity_groups=self.capacity_groups, num_leased=len(self.leases), num_stored=self.buffer.num_groups,
+            num_trained_groups=self.num_trained_since_start, base_version=self.base_version,
+            worker_leases=self.leases.count(identity),
+            max_leases_per_worker=self.config.broker.max_leases_per_worker, stored_bytes=self.buffer.memory_bytes,
+            mean_group_bytes=self.mean_group_footprint, max_buffer_bytes=self.buffer.max_bytes,
+            prompts_available=self.prompts.available(requested), draining=self.draining))
+
+    def _on_lease_request(self, identity: bytes, peer: Peer, request: protocol.LeaseRequest, _env: Any,
+                          _frames: Any, now_s: float) -> None:
+        peer.adapter_version = request.adapter_version
+        if not self._try_grant(identity, peer, request, now_s, final=request.wait_ms == 0):
+            self.lease_waiters.append(Waiter(identity=identity, request=request,
+                                             deadline_s=now_s + request.wait_ms / 1000))
+
+    def _try_grant(self, identity: bytes, peer: Peer, request: protocol.LeaseRequest, now_s: float,
+                   final: bool) -> bool:
+        """Grant what admission allows; returns False (nothing sent) when nothing is granted and not final."""
+        decision = self._admission(identity, peer, request.max_leases)
+        if decision.num_leases == 0 and not final and decision.reason not in ("stale_adapter", "draining"):
+            return False
+        granted: list[Lease] = []
+        for _ in range(decision.num_leases):
+            key = self.prompts.next()
+            if key is None:
+                break
+            granted.append(self.leases.grant(key, identity, now_s))
+        reason = decision.reason if len(granted) == decision.num_leases else "no_prompts"
+        if not granted and not final and reason not in ("stale_adapter", "draining"):
+            return False
+        leases = []
+        for lease in granted:
+            item = self.prompts.item(lease.key)
+            leases.append(protocol.PromptLease(
+                lease_id=lease.lease_id, group_id=group_id_of(lease.key), prompt_index=lease.key[1],
+                epoch=lease.key[0], task=self.task_label, prompt=item.prompt, answer=item.answer, meta=item.meta,
+                group_size=self.group_size, deadline_s=self.leases.timeout_s))
+        peer.num_leases_granted += len(granted)
+        self.stats.count("leases", "granted", len(granted))
+        self._send(identity, protocol.LeaseGrant(leases=leases, reason=reason, latest_version=self.latest_version),
+                   on_fail=lambda: self._return_leases(granted, "undeliverable"))
+        return True
+
+    def _return_leases(self, leases: list[Lease], event: str) -> None:
+        for lease in leases:
+            if self.leases.get(lease.lease_id) is lease:
+                self.leases.pop(lease.lease_id)
+                self.prompts.requeue(lease.key)
+                self.stats.count("leases", event)
+
+    def _on_lease_return(self, identity: bytes, _peer: Peer, returned: protocol.LeaseReturn, _env: Any,
+                         _frames: Any, _now_s: float) -> None:
+        unknown = []
+        for lease_id in returned.lease_ids:
+            lease = self.leases.get(lease_id)
+            if lease is None or lease.worker != identity:
+                unknown.append(lease_id)
+            else:
+                self._return_leases([lease], "returned")
+        self._dirty = True
+        if unknown:
+            self._reject(identity, "unknown_lease", f"lease(s) {unknown[:8]} are not held by you (expired, "
+                         "reclaimed or never granted)", ref_kind=Kind.LEASE_RETURN, ref_id=unknown[0])
+
+    # -- rollout groups --------------------------------------------------------------------------------------
+
+    def _on_rollout_group(self, identity: bytes, peer: Peer, group: protocol.RolloutGroup,
+                          envelope: framing.Envelope, _frames: Any, now_s: float) -> None:
+        key = parse_group_id(group.group_id)
+        state = self.prompts.state(key) if key is not None else "new"
+        if key is None or state == "new":
+            self._reject(identity, "unknown_lease", f"group {group.group_id!r} (lease {group.lease_id!r}) was never "
+                         "leased by this broker", ref_kind=Kind.ROLLOUT_GROUP, ref_id=group.group_id)
+            return
+        if state in ("buffered", "training", "trained"):
+            self.stats.count("groups", "duplicate")
+            self._send(identity, protocol.Ack(ref_kind=Kind.ROLLOUT_GROUP, ref_id=group.group_id, status="duplicate"))
+            return
+        try:
+            if group.num_samples != self.group_size:
+                raise ProtocolError(f"RolloutGroup {group.group_id}: {group.num_samples} samples, the run's "
+                                    f"group_size is {self.group_size} (groups travel whole)", code="invalid_group")
+            protocol.check_group_values(group, envelope.specs, envelope.frames, vocab_size=self.vocab_size,
+                                        latest_version=self.latest_version)
+        except ProtocolError as exc:
+            self._refuse_group(identity, key, group, exc.code, str(exc))
+            return
+        if versions.is_too_stale(self.latest_version, group.min_version, self.max_staleness):
+            self.stats.count("dropped", "stale_on_arrival")
+            self._refuse_group(identity, key, group, "invalid_group",
+                               f"RolloutGroup {group.group_id}: min_version {group.min_version} is more than "
+                               f"max_staleness {self.max_staleness} behind version {self.latest_version}; "
+                               "the prompt was re-queued", reason="stale")
+            return
+        if not self.buffer.fits(envelope.num_bytes):
+            self.stats.count("dropped", "buffer_full")
+            self._refuse_group(identity, key, group, "limit",
+                               f"RolloutGroup {group.group_id}: {envelope.num_bytes} bytes do not fit the buffer "
+                               f"({self.buffer.memory_bytes} of broker.max_buffer_bytes={self.buffer.max_bytes} "
+                               "used, counting per-group overhead); "
+                               "the prompt was re-queued", reason="buffer_full")
+            return
+        lease = self.leases.cancel_key(key)
+        if lease is not None:
+            self.stats.count("leases", "submitted" if lease.lease_id == group.lease_id else "cancelled")
+        self.prompts.set_state(key, "buffered")
+        num_tokens = sum(group.completion_lens)
+        self.buffer.add(StoredGroup(group_id=group.group_id, key=key, header=envelope.header,
+                                    wire_specs=[s.to_wire() for s in envelope.specs],
+                                    frames=envelope.frames, num_bytes=envelope.num_bytes,
+                                    min_version=group.min_version, num_tokens=num_tokens, worker=peer.client_id,
+                                    received_s=now_s))
+        weight = 0.1 if self.mean_group_bytes else 1.0
+        self.mean_group_bytes += weight * (envelope.num_bytes - self.mean_group_bytes)
+        peer.num_groups_accepted += 1
+        self.stats.count("groups", "accepted")
+        self.stats.tokens_accepted += num_tokens
+        self._send(identity, protocol.Ack(ref_kind=Kind.ROLLOUT_GROUP, ref_id=group.group_id))
+        self._dirty = True
+
+    def _refuse_group(self, identity: bytes, key: PromptKey, group: protocol.RolloutGroup, code: str, message: str,
+                      reason: str | None = None) -> None:
+        """Error for a group that will not be buffered; its prompt goes back to the queue."""
+        lease = self.leases.get(group.lease_id)
+        if lease is not None and lease.key == key:
+            self._return_leases([lease], "refused")
+        # otherwise the prompt is queued already, or leased again to another worker (theirs to deliver)
+        self._reject(identity, code, message, ref_kind=Kind.ROLLOUT_GROUP, ref_id=group.group_id, reason=reason)
+        self._dirty = True
+
+    # -- batches ---------------------------------------------------------------------------------------------
+
+    def _drop_stale(self) -> None:
+        if self._stale_checked_version == self.latest_version:
+            return
+        self._stale_checked_version = self.latest_version
+        for group in self.buffer.drop_stale(self.latest_version, self.max_staleness):
+            self.prompts.requeue(group.key)
+            self.stats.count("dropped", "stale")
+            self._dirty = True
+
+    def _on_batch_request(self, identity: bytes, peer: Peer, request: protocol.BatchRequest, _env: Any,
+                          _frames: Any, now_s: float) -> None:
+        self.learner_progress["learner_version"] = request.learner_version
+        if request.num_groups > self.buffer.max_groups:
+            self._reject(identity, "limit", f"BatchRequest for {request.num_groups} groups can never be filled: the "
+                         f"broker holds at most {self.buffer.max_groups} (broker.capacity_groups)",
+                         ref_kind=Kind.BATCH_REQUEST)
+            return
+        self._drop_stale()
+        if not self._try_serve(identity, request, final=request.wait_ms == 0):
+            self.batch_waiters.append(Waiter(identity=identity, request=request,
+                                             deadline_s=now_s + request.wait_ms / 1000))
+
+    def _try_serve(self, identity: bytes, request: protocol.BatchRequest, final: bool) -> bool:
+        batch_id = f"{self.broker_id}.{self._batch_seq + 1}"
+        groups = self.buffer.serve(request.num_groups, batch_id)
+        if groups is None:
+            if final:
+                self._send(identity, protocol.Batch(latest_version=self.latest_version))
+            return final
+        self._batch_seq += 1
+        entries, specs, frames = [], [], []
+        for group in groups:
+            self.prompts.set_state(group.key, "training")
+            self.stats.count("served_staleness", versions.staleness(self.latest_version, group.min_version))
+            entries.append({"group": group.header, "first_tensor": len(specs)})
+            base = len(frames)
+            specs.extend({**spec, "frame": base + spec["frame"]} for spec in group.wire_specs)
+            frames.extend(group.frames)
+        header = {"batch_id": batch_id, "groups": entries, "latest_version": self.latest_version, "tensors": specs}
+        self.stats.count("groups", "served", len(groups))
+        # framing.pack_raw's layout, with the tensor specs kept as wire dicts from the groups' arrival
+        message = [framing.PREAMBLE.pack(framing.MAGIC, protocol.PROTOCOL_VERSION, Kind.BATCH),
+                   msgpack.packb(header, use_bin_type=True), *frames]
+        self._send_frames(identity, Kind.BATCH, message, on_fail=lambda: self._unserve(batch_id),
+                          num_bytes=sum(g.num_bytes for g in groups))
+        return True
+
+    def _unserve(self, batch_id: str) -> None:
+        for group in self.buffer.unserve(batch_id):
+            self.prompts.set_state(group.key, "buffered")
+            self.stats.count("groups", "restored")
+
+    def _on_batch_ack(self, identity: bytes, _peer: Peer, ack: protocol.BatchAck, _env: Any, _frames: Any,
+                      _now_s: float) -> None:
+        listed = set(ack.group_ids)
+        groups = self.buffer.ack(ack.batch_id)
+        if groups is None and not listed:
+            self._reject(identity, "unknown_batch", f"batch {ack.batch_id!r} is unknown to this broker and the ack "
+                         "lists no group_ids", ref_kind=Kind.BATCH_ACK, ref_id=ack.batch_id)
+            return
+        num_trained = 0
+        for group in groups or []:
+            if listed and group.group_id not in listed:
+                self.prompts.requeue(group.key)
+                self.stats.count("dropped", "not_trained")
+            else:
+                num_trained += self.prompts.mark_trained(group.key)
+        served = {g.group_id for g in groups or []}
+        for group_id in listed - served:
+            num_trained += self._mark_trained(group_id)
+        self.num_trained_total += num_trained
+        self.num_trained_since_start += num_trained
+        self.stats.count("groups", "trained", num_trained)
+        self.learner_progress.update(step=ack.step, trained_version=ack.trained_version,
+                                     checkpoint_version=ack.checkpoint_version)
+        self._persist_due = True
+        self._send(identity, protocol.Ack(ref_kind=Kind.BATCH_ACK, ref_id=ack.batch_id), after_persist=True)
+        self._dirty = True
+
+    def _mark_trained(self, group_id: str) -> int:
+        """A group trained from a batch this broker did not serve (it restarted); 1 if it was pending."""
+        key = parse_group_id(group_id)
+        if key is None or self.prompts.state(key) in ("new", "trained"):
+            return 0
+        self.buffer.discard(group_id)
+        if self.leases.cancel_key(key) is not None:
+            self.stats.count("leases", "cancelled")
+        return int(self.prompts.mark_trained(key))
+
+    def _answer_lease_waiter(self, waiter: Waiter, now_s: float, final: bool) -> bool:
+        peer = self.peers.get(waiter.identity)
+        if peer is None:
+            return True
+        return self._try_grant(waiter.identity, peer, waiter.request, now_s, final)
+
+    def _answer_batch_waiter(self, waiter: Waiter, _now_s: float, final: bool) -> bool:
+        return self._try_serve(waiter.identity, waiter.request, final)
