@@ -80,8 +80,10 @@ def test_hf_worker_joins_generates_and_follows_a_published_adapter(procs: Proces
              "a group generated with v1", procs)
     assert (broker.run_dir / "workers" / "hf1" / "adapters" / "v000001" / "adapter_model.safetensors").is_file()
     assert [e["version"] for e in events(worker, "adapter_loaded")] == [1]
+    late = start_worker(procs, broker, "late")  # joins after v1: gets it right after its Welcome
+    wait_for(lambda: [e["version"] for e in events(late, "adapter_loaded")] == [1], 20, "the late joiner's v1", procs)
     learner.close()
-    assert worker.stop() == 0
+    assert worker.stop() == 0 and late.stop() == 0
 
 
 def test_heartbeats_during_a_long_generation_and_sigterm_returns_the_lease(procs: Processes,
