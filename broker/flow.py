@@ -26,7 +26,10 @@ from broker.leases import Lease
 from broker.peers import Peer
 from broker.prompts import PromptKey, group_id_of, parse_group_id
 from common import framing, protocol, versions
+from common.logging import get_logger
 from common.protocol import Kind, ProtocolError
+
+log = get_logger("broker")
 
 
 @dataclass(slots=True, kw_only=True)
@@ -178,6 +181,8 @@ class DataFlow:
         if lease is not None and lease.key == key:
             self._return_leases([lease], "refused")
         # otherwise the prompt is queued already, or leased again to another worker (theirs to deliver)
+        log.info("group_refused", group_id=group.group_id, worker=group.worker_id, code=code, reason=reason or code,
+                 error=message[:200])
         self._reject(identity, code, message, ref_kind=Kind.ROLLOUT_GROUP, ref_id=group.group_id, reason=reason)
         self._dirty = True
 
@@ -187,10 +192,14 @@ class DataFlow:
         if self._stale_checked_version == self.latest_version:
             return
         self._stale_checked_version = self.latest_version
-        for group in self.buffer.drop_stale(self.latest_version, self.max_staleness):
+        dropped = self.buffer.drop_stale(self.latest_version, self.max_staleness)
+        for group in dropped:
             self.prompts.requeue(group.key)
             self.stats.count("dropped", "stale")
             self._dirty = True
+        if dropped:
+            log.info("stale_groups_dropped", num_groups=len(dropped), latest_version=self.latest_version,
+                     max_staleness=self.max_staleness, requeued=[g.group_id for g in dropped[:8]])
 
     def _on_batch_request(self, identity: bytes, peer: Peer, request: protocol.BatchRequest, _env: Any,
                           _frames: Any, now_s: float) -> None:
