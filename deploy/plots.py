@@ -77,7 +77,8 @@ def plot_learning(steps: list[dict], evals: list[dict], start_s: float, path: Pa
             ax.text(0.5, 0.5, "no learner steps recorded", ha="center", va="center", transform=ax.transAxes)
     axes[0].set_ylabel("reward / accuracy")
     axes[0].set_ylim(-0.02, 1.02)
-    axes[0].legend(loc="lower right", fontsize=8)
+    if axes[0].get_legend_handles_labels()[0]:
+        axes[0].legend(loc="lower right", fontsize=8)
     fig.suptitle("Reward and held-out accuracy")
     return _save(fig, path, plt)
 

@@ -1,0 +1,49 @@
+# Sourced by broker.sh, worker.sh and learner.sh: defaults, checks, and the arguments every role shares.
+# Every setting comes from the environment (systemd: EnvironmentFile=/etc/loraflow/loraflow.env; by hand:
+# `set -a; . deploy/systemd/loraflow.env; set +a`). LORAFLOW_DRY_RUN=1 prints the command instead of running it.
+
+: "${LORAFLOW_HOME:=$(cd "$(dirname "${BASH_SOURCE[0]}")/../.." && pwd)}"
+: "${LORAFLOW_VENV:=$LORAFLOW_HOME/.venv}"
+: "${LORAFLOW_CONFIG:=$LORAFLOW_HOME/deploy/configs/demo.toml}"
+: "${LORAFLOW_RUN_DIR:=/var/lib/loraflow/run}"
+: "${LORAFLOW_ENDPOINT:=tcp://127.0.0.1:5555}"
+: "${LORAFLOW_KEYS_DIR:=}"
+: "${LORAFLOW_EXTRA_ARGS:=}"
+
+LORAFLOW_PYTHON="$LORAFLOW_VENV/bin/python"
+
+loraflow_die() {
+    echo "$(basename "$0"): $*" >&2
+    exit 2
+}
+
+loraflow_check() {
+    [ -x "$LORAFLOW_PYTHON" ] || loraflow_die "no Python at $LORAFLOW_PYTHON (set LORAFLOW_VENV, or run 'make venv' in $LORAFLOW_HOME)"
+    [ -f "$LORAFLOW_CONFIG" ] || loraflow_die "config file $LORAFLOW_CONFIG does not exist (set LORAFLOW_CONFIG)"
+    if [ -n "$LORAFLOW_KEYS_DIR" ] && [ ! -d "$LORAFLOW_KEYS_DIR" ]; then
+        loraflow_die "LORAFLOW_KEYS_DIR=$LORAFLOW_KEYS_DIR is not a directory (make one with 'loraflow keys DIR')"
+    fi
+    export PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=false
+}
+
+# loraflow_args ROLE_KEY: the config file, run dir, and CURVE settings (client key name ROLE_KEY) as "$@"
+loraflow_common_args() {
+    local client_key="$1"
+    LORAFLOW_ARGS=("$LORAFLOW_CONFIG" --run-dir "$LORAFLOW_RUN_DIR")
+    if [ -n "$LORAFLOW_KEYS_DIR" ]; then
+        LORAFLOW_ARGS+=(--set security.enabled=true --set "security.keys_dir=\"$LORAFLOW_KEYS_DIR\"")
+        [ -n "$client_key" ] && LORAFLOW_ARGS+=(--set "security.client_key=\"$client_key\"")
+    fi
+    # shellcheck disable=SC2206 # word splitting of the extra arguments is intended
+    [ -n "$LORAFLOW_EXTRA_ARGS" ] && LORAFLOW_ARGS+=($LORAFLOW_EXTRA_ARGS)
+    return 0
+}
+
+loraflow_exec() {
+    if [ "${LORAFLOW_DRY_RUN:-0}" = 1 ]; then
+        printf '%q ' "$@"
+        echo
+        exit 0
+    fi
+    exec "$@"
+}

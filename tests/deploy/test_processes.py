@@ -1,0 +1,114 @@
+"""Supervision: crashed children restart with backoff, config errors and endless crashes are fatal, stops are
+clean (SIGTERM, then SIGKILL), and every start and exit is recorded."""
+
+from __future__ import annotations
+
+import os
+import signal
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from deploy import rundir
+from deploy.processes import Managed, RestartPolicy, Supervisor, Unrecoverable
+from tests.support import wait_for
+
+# a child that counts its starts in a file and exits with the code given for that start (default: runs on)
+SCRIPT = """
+import os, signal, sys, time
+path, codes = sys.argv[1], [int(c) for c in sys.argv[2].split(",") if c]
+n = len(open(path).read()) if os.path.exists(path) else 0
+open(path, "a").write("x")
+if sys.argv[3] == "ignore-term":
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+print("start", n, flush=True)
+if n < len(codes):
+    sys.exit(codes[n])
+while True:
+    time.sleep(0.05)
+"""
+
+
+def child(tmp_path: Path, name: str, codes: str, mode: str = "") -> Managed:
+    script = tmp_path / "child.py"
+    script.write_text(SCRIPT)
+    return Managed(name=name, argv=[sys.executable, str(script), str(tmp_path / f"{name}.starts"), codes, mode],
+                   log_path=tmp_path / "logs" / f"{name}.log", env=dict(os.environ))
+
+
+def starts(tmp_path: Path, name: str) -> int:
+    path = tmp_path / f"{name}.starts"
+    return len(path.read_text()) if path.exists() else 0
+
+
+def run_until(supervisor: Supervisor, condition, timeout_s: float = 20.0) -> list[Managed]:
+    finished: list[Managed] = []
+
+    def step():
+        finished.extend(supervisor.check())
+        return condition()
+
+    wait_for(step, timeout_s, "the supervised condition")
+    return finished
+
+
+def test_a_crashing_child_is_restarted_with_backoff(tmp_path: Path) -> None:
+    events: list[str] = []
+    supervisor = Supervisor(RestartPolicy(backoff_s=0.2, max_backoff_s=0.3, max_restarts=3), on_event=events.append,
+                            events_path=tmp_path / "processes.jsonl")
+    worker = supervisor.add(child(tmp_path, "worker-1", "1,-9"))  # exit 1, then exit -9... then runs
+    began = time.monotonic()
+    run_until(supervisor, lambda: starts(tmp_path, "worker-1") == 3 and worker.alive())
+    assert time.monotonic() - began >= 0.2 + 0.3  # backoff 0.2 s, then doubled and capped at 0.3 s
+    assert worker.num_restarts == 2 and worker.exit_codes == [1, 247]
+    assert len(events) == 2 and "restarting in" in events[0]
+    supervisor.stop(["worker-1"], timeout_s=5)
+    assert not worker.alive() and worker.exit_codes[-1] == -signal.SIGTERM
+    recorded = [(e["process"], e["event"]) for e in rundir.read_jsonl(tmp_path / "processes.jsonl")]
+    assert recorded == [("worker-1", "start"), ("worker-1", "exit")] * 3
+    assert "start 2" in worker.log_path.read_text()  # the log is appended across restarts
+
+
+def test_exit_zero_is_finished_not_restarted(tmp_path: Path) -> None:
+    supervisor = Supervisor(RestartPolicy(backoff_s=0.05))
+    learner = supervisor.add(child(tmp_path, "learner", "0"))
+    finished = run_until(supervisor, lambda: learner.finished)
+    assert finished == [learner] and learner.num_restarts == 0
+    assert supervisor.check() == []
+
+
+def test_a_config_error_is_fatal_at_once(tmp_path: Path) -> None:
+    supervisor = Supervisor(RestartPolicy(backoff_s=0.05))
+    supervisor.add(child(tmp_path, "broker", "2"))
+    with pytest.raises(Unrecoverable, match="(?s)broker refused to start .*exit code 2.*start 0"):
+        run_until(supervisor, lambda: False)
+    assert starts(tmp_path, "broker") == 1
+
+
+def test_endless_crashes_give_up_naming_the_setting(tmp_path: Path) -> None:
+    supervisor = Supervisor(RestartPolicy(backoff_s=0.01, max_backoff_s=0.02, max_restarts=2))
+    supervisor.add(child(tmp_path, "worker-2", "3,3,3,3,3"))
+    with pytest.raises(Unrecoverable, match=r"(?s)worker-2 failed 3 times in a row \(last: exit code 3\).*max_restarts = 2"):
+        run_until(supervisor, lambda: False)
+    assert starts(tmp_path, "worker-2") == 3
+
+
+def test_stop_kills_a_child_that_ignores_sigterm(tmp_path: Path) -> None:
+    events: list[str] = []
+    supervisor = Supervisor(RestartPolicy(), on_event=events.append)
+    stubborn = supervisor.add(child(tmp_path, "worker-3", "", "ignore-term"))
+    wait_for(lambda: "start 0" in stubborn.log_path.read_text(), 20, "the child to install its handler")
+    supervisor.stop(["worker-3"], timeout_s=0.5)
+    assert not stubborn.alive() and stubborn.exit_codes == [-signal.SIGKILL]
+    assert events == ["worker-3 did not stop within 0 s; killed"]
+
+
+def test_a_pending_restart_is_cancelled_by_stop(tmp_path: Path) -> None:
+    supervisor = Supervisor(RestartPolicy(backoff_s=30))
+    worker = supervisor.add(child(tmp_path, "worker-4", "1"))
+    run_until(supervisor, lambda: worker.restart_at_s is not None)
+    supervisor.stop(["worker-4"], timeout_s=1)
+    supervisor.check(now_s=time.monotonic() + 60)
+    assert starts(tmp_path, "worker-4") == 1
