@@ -237,7 +237,8 @@ def test_grant_to_a_vanished_worker_goes_back_to_the_queue(procs: Processes) -> 
         wait_for(lambda: broker.stats()["connections"].get("disconnected", 0) >= 1, 5, "the disconnect", procs)
         learner.ack(learner.batch(2).record)  # frees the capacity: the parked grant is sent to nobody
         stats = wait_for(lambda: (s := broker.stats())["send_failed"] and s, 5, "the failed send", procs)
-        assert stats["send_failed"] == {"unreachable": 1}
+        # EHOSTUNREACH once zmq has dropped the pipe, EAGAIN while it is still being torn down: refused either way
+        assert sum(stats["send_failed"].values()) == 1 and set(stats["send_failed"]) <= {"unreachable", "hwm"}
         assert stats["lease_events"]["undeliverable"] == 2 and stats["prompts"]["queued"] == 2
         assert [lease.group_id for lease in worker.lease(2).leases] == ["0:2", "0:3"]
     finally:
