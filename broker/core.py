@@ -370,7 +370,7 @@ class BrokerCore(DataFlow):
     # -- adapters --------------------------------------------------------------------------------------------
 
     def _on_adapter_update(self, identity: bytes, peer: Peer, update: protocol.AdapterUpdate,
-                           envelope: framing.Envelope, frames: list[Any], _now_s: float) -> None:
+                           envelope: framing.Envelope, frames: list[Any], now_s: float) -> None:
         restoring = update.version == self.latest_version and self.adapters.get(update.version) is None
         if update.version <= self.latest_version and not restoring:
             self._reject(identity, "stale_version", f"AdapterUpdate version {update.version} does not advance the "
@@ -391,6 +391,7 @@ class BrokerCore(DataFlow):
         notice = stored.notice()
         for worker in self.peers.of_role("worker"):
             self._send(worker.identity, notice)
+        self._answer_stale_lease_waiters(now_s)
         self._drop_stale()
         self.stats.count("adapters", "restored" if restoring else "published")
         log.info("adapter_published", version=update.version, step=update.step, num_bytes=stored.num_bytes,
@@ -452,9 +453,7 @@ class BrokerCore(DataFlow):
                 self._drop_stale()
             while self.batch_waiters and self._answer_batch_waiter(self.batch_waiters[0], now_s, final=False):
                 self.batch_waiters.popleft()
-            for waiter in list(self.lease_waiters):
-                if self._answer_lease_waiter(waiter, now_s, final=False):
-                    self.lease_waiters.remove(waiter)
+            self._serve_lease_waiters(now_s)
         out, self.outbox = self.outbox, []
         return out
 

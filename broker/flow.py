@@ -15,6 +15,7 @@ Keeping them here keeps the core to dispatch, registration, persistence and time
 
 from __future__ import annotations
 
+from collections import deque
 from dataclasses import dataclass
 from typing import Any
 
@@ -51,16 +52,48 @@ class DataFlow:
 
     # -- leases ----------------------------------------------------------------------------------------------
 
-    def _admission(self, identity: bytes, peer: Peer, requested: int) -> admission.Decision:
-        return admission.decide(admission.AdmissionInputs(
-            requested=requested, worker_version=peer.adapter_version, latest_version=self.latest_version,
+    def _admission_inputs(self, worker_version: int, worker_leases: int, requested: int) -> admission.AdmissionInputs:
+        return admission.AdmissionInputs(
+            requested=requested, worker_version=worker_version, latest_version=self.latest_version,
             max_staleness=self.max_staleness, groups_per_step=self.groups_per_version,
             capacity_groups=self.capacity_groups, num_leased=len(self.leases), num_stored=self.buffer.num_groups,
             num_trained_groups=self.num_trained_since_start, base_version=self.base_version,
-            worker_leases=self.leases.count(identity),
-            max_leases_per_worker=self.config.broker.max_leases_per_worker, stored_bytes=self.buffer.memory_bytes,
-            mean_group_bytes=self.mean_group_footprint, max_buffer_bytes=self.buffer.max_bytes,
-            prompts_available=self.prompts.available(requested), draining=self.draining))
+            worker_leases=worker_leases, max_leases_per_worker=self.config.broker.max_leases_per_worker,
+            stored_bytes=self.buffer.memory_bytes, mean_group_bytes=self.mean_group_footprint,
+            max_buffer_bytes=self.buffer.max_bytes, prompts_available=self.prompts.available(requested),
+            draining=self.draining)
+
+    def credit(self) -> int:
+        """Groups any up-to-date worker could be leased now (capacity, admission limit, byte bound)."""
+        return admission.credit(self._admission_inputs(self.latest_version, 0, 0))
+
+    def _admission(self, identity: bytes, peer: Peer, requested: int) -> admission.Decision:
+        return admission.decide(self._admission_inputs(peer.adapter_version, self.leases.count(identity), requested))
+
+    def _serve_lease_waiters(self, now_s: float) -> None:
+        """Grant parked lease requests in arrival order while there is credit and something to lease."""
+        if not self.lease_waiters or self.draining:
+            return
+        remaining: deque[Waiter] = deque()
+        open_ = self.credit() > 0 and self.prompts.available(1) > 0
+        for waiter in self.lease_waiters:
+            if open_ and self._answer_lease_waiter(waiter, now_s, final=False):
+                open_ = self.credit() > 0 and self.prompts.available(1) > 0
+                continue
+            remaining.append(waiter)
+        self.lease_waiters = remaining
+
+    def _answer_stale_lease_waiters(self, now_s: float) -> None:
+        """After a new version: parked requests of workers now too far behind get "stale_adapter" at once."""
+        remaining: deque[Waiter] = deque()
+        for waiter in self.lease_waiters:
+            peer = self.peers.get(waiter.identity)
+            if peer is not None and not versions.worker_may_generate(peer.adapter_version, self.latest_version,
+                                                                     self.max_staleness):
+                self._try_grant(waiter.identity, peer, waiter.request, now_s, final=True)
+                continue
+            remaining.append(waiter)
+        self.lease_waiters = remaining
 
     def _on_lease_request(self, identity: bytes, peer: Peer, request: protocol.LeaseRequest, _env: Any,
                           _frames: Any, now_s: float) -> None:

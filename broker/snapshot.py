@@ -24,8 +24,6 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
-from broker import admission
-
 if TYPE_CHECKING:
     from broker.core import BrokerCore
     from broker.peers import Peer
@@ -66,13 +64,7 @@ def build_snapshot(core: BrokerCore, now_s: float) -> dict[str, Any]:
         learner_share = _busy_share_from_counters(learners[0].counters)
         if learner_share is None:
             learner_share = learner["busy_share"]
-    credit = admission.credit(admission.AdmissionInputs(
-        requested=0, worker_version=core.latest_version, latest_version=core.latest_version,
-        max_staleness=core.max_staleness, groups_per_step=core.groups_per_version,
-        capacity_groups=core.capacity_groups, num_leased=len(core.leases), num_stored=core.buffer.num_groups,
-        num_trained_groups=core.num_trained_since_start, base_version=core.base_version, worker_leases=0,
-        max_leases_per_worker=1, stored_bytes=core.buffer.memory_bytes, mean_group_bytes=core.mean_group_footprint,
-        max_buffer_bytes=core.buffer.max_bytes, prompts_available=0))
+    credit = core.credit()
     broker = core.config.broker
     return {
         "broker_id": core.broker_id,

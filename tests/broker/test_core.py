@@ -386,3 +386,28 @@ def test_restart_restores_cursor_pending_and_adapter(tmp_path) -> None:
     h.hello(W1, session="s2")
     assert [lease.group_id for lease in h.lease(W1, 3, adapter_version=1)] == ["0:1", "0:2", "0:3"]
     assert h.submit(W1, leases[0], version=1).status == "duplicate"
+
+
+def test_parked_request_of_a_worker_left_behind_is_answered_at_publish(h: Harness) -> None:
+    h.lease(W1, 4)
+    assert h.send(W1, LeaseRequest(max_leases=1, adapter_version=0, wait_ms=60_000)) == []
+    h.publish(1)
+    assert h.stats()["waiting"]["lease_requests"] == 1  # one version behind is within max_staleness 1
+    replies = h.send(LEARNER, *make_adapter(2))
+    grants = [r for i, r, _ in replies if i == W1 and r.KIND == Kind.LEASE_GRANT]
+    assert [(g.leases, g.reason) for g in grants] == [([], "stale_adapter")]
+    assert h.stats()["waiting"]["lease_requests"] == 0
+
+
+def test_many_parked_requests_are_served_in_order_as_credit_frees(h: Harness) -> None:
+    workers = [f"worker/p{i}".encode() for i in range(6)]
+    for identity in workers:
+        h.hello(identity)
+    fill(h, 4)  # capacity 4 is now all buffered
+    for identity in workers:
+        assert h.send(identity, LeaseRequest(max_leases=1, wait_ms=60_000)) == []
+    (_, batch, _), = h.send(LEARNER, BatchRequest(num_groups=2))
+    h.send(LEARNER, BatchAck(batch_id=batch.batch_id, step=1, trained_version=0, group_ids=["0:0", "0:1"]))
+    replies = h.send(LEARNER, *make_adapter(1))  # lifts the admission limit: 2 slots
+    granted = [i for i, r, _ in replies if r.KIND == Kind.LEASE_GRANT]
+    assert granted == workers[:2] and h.stats()["waiting"]["lease_requests"] == 4
