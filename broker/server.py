@@ -16,16 +16,19 @@
 
 What it consumes: every client message on the ROUTER (Hello, Heartbeat, LeaseRequest, RolloutGroup,
 LeaseReturn, AdapterFetch, AdapterUpdate, BatchRequest, BatchAck, StatsRequest, Bye) and the socket
-monitor's connect/disconnect events. What it produces: replies and forwarded frames on the same ROUTER, the
-state file (written by a helper thread, :class:`broker.state.StateWriter`, whose "durable" signal arrives on a
-pipe in the same poll: acks that depend on a write wait for it without stalling the loop), Prometheus
-gauges. What it blocks on: ``zmq.Poller.poll`` only, with the timeout set to the
-core's next deadline (capped at ``MAX_POLL_MS`` so a stop request is noticed promptly). What unblocks it: any
-incoming message, a deadline, or :meth:`BrokerServer.stop` (the signal handler). With CURVE
-(``security.enabled``) every message carries the role its sender's key is authorised for, and the core lets a
-client act only in that role. Sends never block: with
+monitor's connect/disconnect events.
+
+What it produces: replies and forwarded frames on the same ROUTER, the state file and the newest adapter on
+disk (written by a helper thread, :class:`broker.state.StateWriter`, whose "durable" signal arrives on a pipe
+in the same poll, so acks that depend on a write wait for it without stalling the loop), Prometheus gauges.
+
+What it blocks on: ``zmq.Poller.poll`` only, with the timeout set to the core's next deadline (capped at
+``MAX_POLL_MS`` so a stop request is noticed promptly). What unblocks it: an incoming message, a durable
+write, a deadline, or :meth:`BrokerServer.stop` (the signal handler). Sends never block: with
 ``ROUTER_MANDATORY`` a peer that is gone (EHOSTUNREACH) or whose queue is full (EAGAIN) makes the send fail
 at once, and the core takes back what the message promised (leases re-queued, a batch back to the buffer).
+With CURVE (``security.enabled``) every message carries the role its sender's key is authorised for, and
+the core lets a client act only in that role.
 
 Up to ``MAX_DRAIN`` messages are received per wake-up before timers and sends run, which amortises the poll
 and the state-file write over a burst; tensor frames are received with ``copy=False`` and forwarded as the
