@@ -287,7 +287,7 @@ class DataFlow:
             return
         num_trained = 0
         for group in groups or []:
-            if listed and group.group_id not in listed:
+            if group.group_id not in listed:  # the list is authoritative: unlisted = not trained
                 self.prompts.requeue(group.key)
                 self.stats.count("dropped", "not_trained")
             else:

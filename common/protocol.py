@@ -291,7 +291,8 @@ class BatchAck:
     step: int = rule(ge=0)
     trained_version: int = rule(ge=0, doc="policy version of the parameters the step updated")
     group_ids: list[str] = rule(default_factory=list, max_len=MAX_BATCH_GROUPS,
-                                doc="the groups trained (lets a restarted broker recognise a batch it never served)")
+                                doc="exactly the groups done with (trained, or already trained): served groups not "
+                                "listed are re-queued; lets a restarted broker recognise a batch it never served")
     checkpoint_version: int = rule(0, ge=0, doc="newest version covered by a durable learner checkpoint")
 
 
