@@ -1,0 +1,199 @@
+"""Asynchrony measured: the same number of samples at max_staleness 0 (synchronous), 1, 2 and 4, in one run.
+
+Setup per mode: a real broker, ``--workers`` real rollout workers with the ``sim`` backend (lognormal,
+long-tailed completion lengths at a fixed tokens/s per stream; no model, so the figures describe the
+orchestration), and a learner whose step cost is controlled: it speaks the real learner's protocol through
+``learner.session.BrokerSession`` (long-polled BatchRequest, AdapterUpdate v+1 after every step, BatchAck) but
+its training step is a sleep. The first ``--warmup`` steps of a mode are not timed.
+
+1. Generation alone: a learner that trains in no time, with the loosest staleness, so the workers never wait:
+   their throughput gives ``gen_s``, the time to generate one step's samples.
+2. The learner's step cost ``train_s`` is set to ``gen_s`` (``--train-s`` overrides): equal stages give the
+   largest possible gain from overlapping them.
+3. Each max_staleness with that learner. Ideal overlap: a step takes max(gen_s, train_s) instead of
+   gen_s + train_s, a speedup of (gen + train) / max(gen, train) over sync (the bound); nothing can exceed
+   max(gen, train) per step, so "of ideal" = (ideal step) / (measured step) is the share of the bound an async
+   mode reaches (target >= 85 %). The measured synchronous mode is usually slower than gen_s + train_s: each
+   step waits for the slowest sample of a whole wave, a cost async also removes.
+
+Figures per mode: samples/s, step time, the learner's busy share (train time / wall time), staleness trained.
+Last line: value = samples/s at ``--report-staleness`` (default 4), reference = the ideal (perfect overlap)
+samples/s, ratio = share of the ideal reached; the synchronous figures are extra fields.
+
+    .venv/bin/python bench/async_vs_sync.py [--workers 8] [--steps 24] [--train-s auto]
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+import tempfile
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+import torch  # noqa: E402
+
+from bench.report import report  # noqa: E402
+from common.config import load_config  # noqa: E402
+from common.metrics import Metrics  # noqa: E402
+from common.protocol import BatchAck  # noqa: E402
+from common.transport import fetch_stats  # noqa: E402
+from learner.publish import AdapterSnapshot, tensors_sha256  # noqa: E402
+from learner.session import BrokerSession  # noqa: E402
+from tests.support import Processes, start_broker, wait_for  # noqa: E402
+
+# a small LoRA-shaped adapter: workers verify and store every version as usual
+ADAPTER_CONFIG = {"peft_type": "LORA", "r": 4, "lora_alpha": 8, "target_modules": ["q_proj"],
+                  "task_type": "CAUSAL_LM", "inference_mode": True}
+
+
+@dataclass(slots=True, kw_only=True)
+class ModeResult:
+    max_staleness: int
+    samples_per_s: float
+    step_s: float
+    wait_s: float  # mean wait for a batch per timed step
+    busy_share: float
+    staleness: dict[int, int]
+    num_dropped_stale: int = 0  # groups the broker dropped as too stale (their prompts generated again)
+
+
+def adapter(version: int) -> AdapterSnapshot:
+    tensors = [("base_model.model.model.layers.0.self_attn.q_proj.lora_A.weight", torch.full((4, 128), float(version))),
+               ("base_model.model.model.layers.0.self_attn.q_proj.lora_B.weight", torch.zeros(128, 4))]
+    return AdapterSnapshot(version=version, step=version, tensors=tensors, adapter_config=ADAPTER_CONFIG,
+                           sha256=tensors_sha256(tensors), base_model="sim")
+
+
+def settings(args: argparse.Namespace, max_staleness: int) -> list[str]:
+    return [f"run.max_staleness={max_staleness}", f"run.groups_per_step={args.groups}",
+            f"run.group_size={args.group_size}", "broker.heartbeat_interval_s=0.5", "worker.backend=\"sim\"",
+            f"worker.capacity={args.capacity}", f"worker.chunk_tokens={args.chunk_tokens}",
+            f"worker.max_new_tokens={args.max_tokens}", f"worker.sim.tokens_per_s={args.tokens_per_s}",
+            f"worker.sim.mean_tokens={args.mean_tokens}", f"worker.sim.length_sigma={args.sigma}",
+            f"worker.sim.max_tokens={args.max_tokens}", f"run.seed={args.seed}"]
+
+
+def run_mode(tmp: Path, args: argparse.Namespace, max_staleness: int) -> ModeResult:
+    tmp.mkdir(parents=True, exist_ok=True)
+    procs = Processes(tmp)
+    run_dir = tmp / "run"
+    overrides = settings(args, max_staleness)
+    session = None
+    try:
+        broker = start_broker(procs, *overrides, run_dir=run_dir)
+        worker_args = ["--run-dir", str(run_dir), "--endpoint", broker.endpoint]
+        for item in overrides:
+            worker_args += ["--set", item]
+        for i in range(args.workers):
+            procs.python(f"worker-{i}", "rollout_worker", *worker_args, "--worker-id", f"sim-{i}")
+        wait_for(lambda: len(fetch_stats(broker.endpoint)["workers"]) == args.workers, 120,
+                 f"{args.workers} workers to join", procs)
+        config = load_config(None, [*overrides, f"broker.endpoint=\"{broker.endpoint}\""])
+        session = BrokerSession(config, version=0, metrics=Metrics(), client_id="bench-learner")
+        session.start(30)
+        result = learn(session, args, max_staleness)
+        dropped = fetch_stats(broker.endpoint)["dropped"]
+        result.num_dropped_stale = int(dropped.get("stale", 0) + dropped.get("stale_on_arrival", 0))
+        return result
+    finally:
+        if session is not None:
+            session.close("done")
+        procs.cleanup()
+
+
+def learn(session: BrokerSession, args: argparse.Namespace, max_staleness: int) -> ModeResult:
+    """The learner with a controlled step cost: batch in, sleep ``train_s``, publish v+1, ack."""
+    version = 0
+    staleness: dict[int, int] = {}
+    waits = []
+    session.want_batch(args.groups, 1000, version)
+    started = 0.0
+    for step in range(1, args.steps + 1):
+        if step == args.warmup + 1:
+            started = time.monotonic()
+        waited = time.monotonic()
+        item = None
+        while item is None:
+            item = session.poll(0.5)
+        if step > args.warmup:
+            waits.append(time.monotonic() - waited)
+            for entry in item.record.groups:
+                lag = version - entry.group.min_version
+                staleness[lag] = staleness.get(lag, 0) + 1
+        time.sleep(args.train_s_value)
+        version += 1
+        session.publish(adapter(version))
+        session.want_batch(args.groups, 1000, version)
+        session.ack_batch(BatchAck(batch_id=item.record.batch_id, step=step, trained_version=version - 1,
+                                   group_ids=[e.group.group_id for e in item.record.groups]))
+    wall_s = time.monotonic() - started
+    timed = args.steps - args.warmup
+    assert max(staleness) <= max_staleness, f"trained staleness {staleness} beyond {max_staleness}"
+    return ModeResult(max_staleness=max_staleness, samples_per_s=timed * args.groups * args.group_size / wall_s,
+                      step_s=wall_s / timed, wait_s=statistics.mean(waits), busy_share=timed * args.train_s_value / wall_s,
+                      staleness=dict(sorted(staleness.items())))
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--workers", type=int, default=8)
+    parser.add_argument("--capacity", type=int, default=2, help="groups each worker generates at once")
+    parser.add_argument("--steps", type=int, default=24)
+    parser.add_argument("--warmup", type=int, default=4)
+    parser.add_argument("--groups", type=int, default=16, help="groups per step")
+    parser.add_argument("--group-size", type=int, default=8)
+    parser.add_argument("--train-s", default="auto", help="the learner's step cost in s; auto = generation time")
+    parser.add_argument("--tokens-per-s", type=float, default=1000.0, help="sim decode speed per stream")
+    parser.add_argument("--mean-tokens", type=float, default=48.0)
+    parser.add_argument("--sigma", type=float, default=1.0, help="lognormal sigma of completion lengths")
+    parser.add_argument("--max-tokens", type=int, default=512)
+    parser.add_argument("--chunk-tokens", type=int, default=16)
+    parser.add_argument("--staleness", type=int, nargs="+", default=[0, 1, 2, 4])
+    parser.add_argument("--report-staleness", type=int, default=4)
+    parser.add_argument("--seed", type=int, default=0)
+    args = parser.parse_args()
+    if args.staleness[0] != 0:
+        raise SystemExit("--staleness must start with 0: the synchronous run is the reference")
+    samples_per_step = args.groups * args.group_size
+    with tempfile.TemporaryDirectory(prefix="bench-async-") as tmp:
+        args.train_s_value = 0.0
+        generation = run_mode(Path(tmp) / "gen", args, max(args.staleness))
+        gen_s = samples_per_step / generation.samples_per_s
+        args.train_s_value = gen_s if args.train_s == "auto" else float(args.train_s)
+        train_s = args.train_s_value
+        print(f"generation alone: {generation.samples_per_s:.1f} samples/s = {gen_s * 1000:.0f} ms per step of "
+              f"{samples_per_step} samples; learner step cost {train_s * 1000:.0f} ms", flush=True)
+        results = []
+        for max_staleness in args.staleness:
+            results.append(run_mode(Path(tmp) / str(max_staleness), args, max_staleness))
+            r = results[-1]
+            print(f"max_staleness {r.max_staleness}: {r.samples_per_s:7.1f} samples/s  step {r.step_s * 1000:6.0f} ms  "
+                  f"wait {r.wait_s * 1000:6.0f} ms  learner busy {r.busy_share:5.1%}  staleness {r.staleness}  "
+                  f"dropped as stale {r.num_dropped_stale}",
+                  flush=True)
+    sync = results[0]
+    ideal_step_s = max(gen_s, train_s)
+    bound = (gen_s + train_s) / ideal_step_s
+    ideal_rate = samples_per_step / ideal_step_s
+    print(f"\nideal overlap: a step of {ideal_step_s * 1000:.0f} ms instead of {(gen_s + train_s) * 1000:.0f} ms, "
+          f"{bound:.2f}x over sync ({ideal_rate:.1f} samples/s); measured sync step {sync.step_s * 1000:.0f} ms")
+    print(f"{'max_staleness':>13}  {'samples/s':>9}  {'vs sync':>7}  {'of ideal':>8}  {'learner busy':>12}")
+    for r in results:
+        print(f"{r.max_staleness:>13}  {r.samples_per_s:>9.1f}  {r.samples_per_s / sync.samples_per_s:>6.2f}x  "
+              f"{r.samples_per_s / ideal_rate:>8.1%}  {r.busy_share:>12.1%}")
+    chosen = next(r for r in results if r.max_staleness == args.report_staleness)
+    report("async_vs_sync", f"samples_per_s_staleness_{args.report_staleness}", chosen.samples_per_s, "samples/s",
+           ideal_rate, ratio=chosen.samples_per_s / ideal_rate, ratio_is="share of the ideal overlap reached",
+           ideal_bound_x=round(bound, 3), speedup_vs_sync=round(chosen.samples_per_s / sync.samples_per_s, 3),
+           sync_samples_per_s=round(sync.samples_per_s, 2), learner_busy_share=round(chosen.busy_share, 4),
+           sync_busy_share=round(sync.busy_share, 4), gen_s=round(gen_s, 4), train_s=round(train_s, 4),
+           by_staleness={str(r.max_staleness): round(r.samples_per_s, 2) for r in results})
+
+
+if __name__ == "__main__":
+    main()
