@@ -47,7 +47,8 @@ class RunConfig:
 
 @dataclass(slots=True, kw_only=True)
 class ModelConfig:
-    path: str = rule("builtin:tiny", doc="local HF model directory, or builtin:tiny (built offline, cached)")
+    path: str = rule("builtin:tiny", doc="local HF model directory, or builtin:tiny (built offline, cached); "
+                     "`loraflow run` also takes builtin:demo (the tiny model warmed up for the demo)")
     cache_dir: str = rule("", doc="where builtin models are built; default ~/.cache/loraflow")
     dtype: str = rule("float32", choices=("float32", "bfloat16", "float16"), doc="weights dtype for generation")
     max_seq_len: int = rule(512, ge=8, le=1 << 20, unit="tokens", doc="prompt + completion limit")
