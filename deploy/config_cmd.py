@@ -1,0 +1,104 @@
+"""``loraflow config``: the resolved config of a file plus overrides, or the reference of every setting.
+
+    loraflow config [config.toml] [--set section.key=value ...]   the resolved config, as TOML
+    loraflow config --reference [--markdown]                      every section and key: type, default, unit,
+                                                                  range and meaning, generated from common/config.py
+
+The reference comes from the field declarations themselves (:func:`common.schema.describe`), so it cannot
+drift from what the loader accepts; the README's configuration reference is this command's Markdown output.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import typing
+from typing import Any
+
+from common.cli import config_from_args, config_parser
+from common.config import Config, to_toml
+from common.schema import Rule, describe
+
+
+def sections(cls: type = Config, prefix: str = "") -> list[tuple[str, type]]:
+    """(dotted section name, record class) of every config table, nested ones after their parent."""
+    out = []
+    hints = typing.get_type_hints(cls)
+    for f in dataclasses.fields(cls):
+        kind = hints[f.name]
+        if dataclasses.is_dataclass(kind):
+            name = f"{prefix}{f.name}"
+            out.append((name, kind))
+            out += sections(kind, f"{name}.")
+    return out
+
+
+def _num(value: float) -> str:
+    return str(int(value)) if float(value).is_integer() else f"{value:g}"
+
+
+def _range(rule: Rule) -> str:
+    parts = []
+    if rule.choices is not None:
+        parts.append(" | ".join(str(c) for c in rule.choices))
+    if rule.ge is not None:
+        parts.append(f">= {_num(rule.ge)}")
+    if rule.gt is not None:
+        parts.append(f"> {_num(rule.gt)}")
+    if rule.le is not None:
+        parts.append(f"<= {_num(rule.le)}")
+    if rule.max_len is not None:
+        parts.append(f"at most {rule.max_len} chars")
+    return ", ".join(parts)
+
+
+def _default(value: Any) -> str:
+    return json.dumps(value) if isinstance(value, str | list | bool) else f"{value:g}" if isinstance(value, float) else str(value)
+
+
+def reference_rows(cls: type) -> list[tuple[str, str, str, str, str, str]]:
+    """(key, type, default, unit, range, meaning) of the scalar settings of one section."""
+    rows = []
+    for name, type_text, default, rule in describe(cls):
+        if dataclasses.is_dataclass(default):
+            continue  # a nested section, listed on its own
+        rows.append((name, type_text, _default(default), rule.unit, _range(rule), rule.doc))
+    return rows
+
+
+def reference_markdown() -> str:
+    lines = []
+    for name, cls in sections():
+        doc = (cls.__doc__ or "").strip()
+        lines += [f"#### `[{name}]`", ""]
+        if doc and not doc.startswith(cls.__name__ + "("):
+            lines += [doc, ""]
+        lines += ["| key | type | default | unit | allowed | meaning |", "|---|---|---|---|---|---|"]
+        for key, kind, default, unit, allowed, meaning in reference_rows(cls):
+            cells = [f"`{key}`", kind, f"`{default}`", unit, allowed, meaning]
+            lines.append("| " + " | ".join(c.replace("|", "\\|") for c in cells) + " |")
+        lines.append("")
+    return "\n".join(lines)
+
+
+def reference_text() -> str:
+    lines = []
+    for name, cls in sections():
+        lines.append(f"[{name}]")
+        for key, kind, default, unit, allowed, meaning in reference_rows(cls):
+            detail = ", ".join(x for x in (kind, unit, allowed) if x)
+            lines.append(f"  {key} = {default}  ({detail})  {meaning}".rstrip())
+        lines.append("")
+    return "\n".join(lines)
+
+
+def main(argv: list[str]) -> int:
+    parser = config_parser("loraflow config", "Print the resolved config, or the reference of every setting.")
+    parser.add_argument("--reference", action="store_true", help="print every section and key with its meaning")
+    parser.add_argument("--markdown", action="store_true", help="with --reference: as Markdown tables")
+    args = parser.parse_args(argv)
+    if args.reference:
+        print(reference_markdown() if args.markdown else reference_text())
+        return 0
+    print(to_toml(config_from_args(args)))
+    return 0
