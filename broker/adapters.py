@@ -5,7 +5,8 @@ order, :func:`common.framing.frames_sha256`). The broker checks the digest once,
 (``hashlib`` over memoryviews, no copy), then keeps the *whole received message* — preamble, header and tensor frames — and forwards it
 unchanged to every worker that fetches it: re-sending a ``zmq.Frame`` shares its buffer, so sixteen workers
 fetching a 50 MB adapter cost no extra 50 MB copies in the broker. The newest ``num_kept`` versions are
-kept (workers a little behind can still fetch the version they ask for); older ones are released.
+kept (workers a little behind can still fetch the version they ask for); older ones are released, and versions
+a restarted learner rolled back are forgotten at once (:meth:`AdapterCache.withdraw`).
 
 Pure logic apart from hashing: no sockets.
 """
@@ -76,6 +77,13 @@ class AdapterCache:
         while len(self._by_version) > self.num_kept:
             self._by_version.popitem(last=False)
         return stored
+
+    def withdraw(self, lo: int, hi: int) -> list[int]:
+        """Forget the kept versions in [lo, hi] (a restarted learner rolled them back); returns them."""
+        gone = [v for v in self._by_version if lo <= v <= hi]
+        for version in gone:
+            del self._by_version[version]
+        return gone
 
     def snapshot(self) -> list[dict[str, Any]]:
         return [{"version": a.version, "num_bytes": a.num_bytes, "num_tensors": a.num_tensors,

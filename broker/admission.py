@@ -5,7 +5,8 @@ trained and stored. For a LeaseRequest the answer is the smallest of these limit
 earliest in this order on a tie) is the reason sent back in an empty or short LeaseGrant::
 
     stale_adapter  the worker's adapter is more than max_staleness behind the newest version
-                   (versions.worker_may_generate): it must fetch the newest adapter first
+                   (versions.worker_may_generate), or a version a restarted learner withdrew: it must
+                   fetch the newest adapter first
     draining       the broker is shutting down
     limit          the worker already holds broker.max_leases_per_worker leases
     backpressure   in flight (leased + buffered + training) would exceed capacity_groups, or
@@ -44,6 +45,7 @@ class AdmissionInputs:
     max_buffer_bytes: int
     prompts_available: int  # what the prompt source can hand out (capped at ``requested``)
     draining: bool = False
+    worker_withdrawn: bool = False  # the worker's adapter is a withdrawn version
 
 
 @dataclass(frozen=True, slots=True)
@@ -70,7 +72,8 @@ def credit(inputs: AdmissionInputs) -> int:
 
 def decide(inputs: AdmissionInputs) -> Decision:
     """How many leases to grant now (<= requested) and why not more."""
-    if not versions.worker_may_generate(inputs.worker_version, inputs.latest_version, inputs.max_staleness):
+    if inputs.worker_withdrawn or not versions.worker_may_generate(inputs.worker_version, inputs.latest_version,
+                                                                    inputs.max_staleness):
         return Decision(0, "stale_adapter")
     if inputs.draining:
         return Decision(0, "draining")

@@ -23,9 +23,16 @@ Semantics (the contract between roles, see the team plan):
 - BatchAck: the listed groups are trained (none listed = the whole batch); a batch's unlisted groups are
   re-queued; an unknown batch id (a restarted broker) marks the listed ids trained. The Ack is sent only
   after the state file is written (one write for all acks handled in one loop pass: group commit).
-- AdapterUpdate: version must exceed the latest (or equal it when this broker lost the frames in a restart);
-  Ack after the state write, then an AdapterNotice to every worker. Workers saying Hello with an older
-  version get the newest AdapterUpdate right after their Welcome.
+- AdapterUpdate: version must exceed the latest (or equal it, with the same sha256, when this broker lost the
+  frames in a restart; a withdrawn version never comes back); Ack after the state write, then an
+  AdapterNotice to every worker. Workers saying Hello with an older version get the newest AdapterUpdate
+  right after their Welcome.
+- Hello from a learner of another session than the one the training history belongs to (it restarted, and
+  resumed from a checkpoint of version v = ``Hello.adapter_version``): groups trained on parameters of version
+  >= v are re-queued, versions v+1..latest are withdrawn (dropped from the adapter cache; buffered groups
+  holding their tokens dropped and re-queued; arriving ones refused; workers holding one get no lease until
+  they load a newer version), and its Welcome waits for the state write that makes this durable
+  (:mod:`broker.history`). The resumed learner publishes its weights as latest+1 right away.
 """
 
 from __future__ import annotations
@@ -41,6 +48,7 @@ from typing import Any
 from broker.adapters import AdapterCache
 from broker.buffer import RolloutBuffer
 from broker.flow import DataFlow, Waiter
+from broker.history import TrainingHistory
 from broker.leases import LeaseTable
 from broker.peers import Peer, PeerRegistry, RegistryFull
 from broker.prompts import PromptSource, group_id_of
@@ -128,6 +136,10 @@ class BrokerCore(DataFlow):
         self.draining = False
         self.learner_progress: dict[str, int] = {}
 
+        self.latest_sha256 = ""
+        learner = config.learner
+        self.history = TrainingHistory(max_records=(2 * learner.checkpoint_every * run.groups_per_step
+                                                    + self.capacity_groups) if learner.checkpoint_every else 0)
         self.writer = StateWriter(self.state_path) if self.state_path else None
         self._unsaved_adapter: tuple[int, list[Any]] | None = None
         self.prompts = self._restore(task)
@@ -156,14 +168,20 @@ class BrokerCore(DataFlow):
         block = max(RESERVE_BLOCK, 4 * self.capacity_groups)
         fresh = PromptSource(task, prompt_limit=broker.prompt_limit, num_epochs=broker.num_epochs,
                              reserve_block=block)
+        persisted = load_state(self.state_path) if self.state_path else None
+        if persisted is not None:
+            check_matches(persisted, task=run.task, seed=run.seed, epoch_size=fresh.epoch_size,
+                          path=str(self.state_path))
+            self.latest_version, self.latest_sha256 = persisted.latest_version, persisted.latest_sha256
+            self.num_trained_total = persisted.num_trained_groups
+            self.history = TrainingHistory(max_records=self.history.max_records,
+                                           learner_session=persisted.learner_session,
+                                           uncommitted=persisted.uncommitted_records(),
+                                           withdrawn=persisted.withdrawn_ranges())
         if self.writer is not None:
             self._restore_adapter(self.writer.adapter_path)
-        persisted = load_state(self.state_path) if self.state_path else None
         if persisted is None:
             return fresh
-        check_matches(persisted, task=run.task, seed=run.seed, epoch_size=fresh.epoch_size, path=str(self.state_path))
-        self.latest_version = max(self.latest_version, persisted.latest_version)
-        self.num_trained_total = persisted.num_trained_groups
         requeued = sorted(set(persisted.pending_keys())
                           | set(fresh.keys_between(persisted.cursor_key, persisted.reserved_key)))
         requeued = [k for k in requeued if not broker.num_epochs or k[0] < broker.num_epochs]
@@ -180,8 +198,12 @@ class BrokerCore(DataFlow):
         update, envelope = protocol.decode(frames)
         if not isinstance(update, protocol.AdapterUpdate):
             raise ValueError(f"{path} holds a {type(update).__name__}, not an AdapterUpdate; move it away")
+        if self.history.is_withdrawn(update.version) or update.version < self.latest_version:
+            log.info("adapter_not_restored", version=update.version, path=str(path),
+                     why="withdrawn" if self.history.is_withdrawn(update.version) else "older than the state")
+            return
         self.adapters.add(update, envelope.specs, frames)
-        self.latest_version = max(self.latest_version, update.version)
+        self.latest_version, self.latest_sha256 = update.version, update.sha256
         log.info("adapter_restored", version=update.version, path=str(path))
 
     def _state(self) -> BrokerState:
@@ -189,7 +211,9 @@ class BrokerCore(DataFlow):
             task=self.config.run.task, seed=self.config.run.seed, epoch_size=self.prompts.epoch_size,
             cursor=self.prompts.cursor, reserved_until=self.prompts.reserved_until,
             pending=self.prompts.pending_keys(), latest_version=self.latest_version,
-            num_trained_groups=self.num_trained_total)
+            num_trained_groups=self.num_trained_total, latest_sha256=self.latest_sha256,
+            learner_session=self.history.learner_session, uncommitted=self.history.uncommitted.items(),
+            withdrawn=self.history.withdrawn)
 
     def persist(self) -> None:
         """Write the state file now, in this thread (start, reserved block, shutdown)."""
@@ -323,6 +347,9 @@ class BrokerCore(DataFlow):
                     log.warning("learner_replaced", old=other.name, new=peer.name)
                     self.peers.remove(other.identity)
                     self._peer_gone(other, "replaced")
+        restarted = peer.role == "learner" and hello.session != self.history.learner_session
+        if restarted:
+            self._learner_restarted(hello, now_s)  # its Welcome waits until the rollback is durable
         broker = self.config.broker
         self._send(identity, protocol.Welcome(
             broker_id=self.broker_id, latest_version=self.latest_version, group_size=self.group_size,
@@ -330,7 +357,7 @@ class BrokerCore(DataFlow):
             heartbeat_interval_s=broker.heartbeat_interval_s,
             heartbeat_timeout_s=broker.heartbeat_interval_s * broker.heartbeat_misses,
             lease_timeout_s=broker.lease_timeout_s, max_message_bytes=broker.max_message_bytes,
-            vocab_size=self.vocab_size))
+            vocab_size=self.vocab_size), after_persist=restarted)
         newest = self.adapters.newest
         if peer.role == "worker" and newest is not None and hello.adapter_version < newest.version:
             self._send_frames(identity, Kind.ADAPTER_UPDATE, newest.message)
@@ -367,11 +394,43 @@ class BrokerCore(DataFlow):
         self.stats.count("peers_gone", why)
         self._dirty = True
 
+    def _learner_restarted(self, hello: protocol.Hello, now_s: float) -> None:
+        """A learner process that is not the one whose steps the history holds: it resumed from a checkpoint of
+        version ``hello.adapter_version``. What it trained since is re-queued; what it published since is
+        withdrawn from the adapter cache, the buffer and the workers (see :mod:`broker.history`)."""
+        resumed = hello.adapter_version
+        lost = self.history.rollback(resumed)
+        for key in lost:
+            if self.prompts.state(key) == "trained":
+                self.prompts.requeue(key)
+                self.num_trained_total -= 1
+                self.num_trained_since_start -= 1
+        self.stats.count("groups", "rolled_back", len(lost))
+        withdrawn = resumed < self.latest_version and self.history.withdraw(resumed + 1, self.latest_version)
+        if withdrawn:
+            gone = self.adapters.withdraw(resumed + 1, self.latest_version)
+            self.stats.count("adapters", "withdrawn", len(gone))
+            self.base_version += self.latest_version - resumed  # the admission limit counts versions trained
+            self._drop_withdrawn()
+            self._answer_stale_lease_waiters(now_s)
+        self.history.learner_session = hello.session
+        self._persist_due = True
+        self._dirty = True
+        log.info("learner_restarted", session=hello.session, resumed_version=resumed,
+                 latest_version=self.latest_version, requeued=len(lost), withdrawn=self.history.withdrawn)
+
     # -- adapters --------------------------------------------------------------------------------------------
 
     def _on_adapter_update(self, identity: bytes, peer: Peer, update: protocol.AdapterUpdate,
                            envelope: framing.Envelope, frames: list[Any], now_s: float) -> None:
-        restoring = update.version == self.latest_version and self.adapters.get(update.version) is None
+        restoring = (update.version == self.latest_version and self.adapters.get(update.version) is None
+                     and not self.history.is_withdrawn(update.version))
+        if restoring and self.latest_sha256 and update.sha256.lower() != self.latest_sha256.lower():
+            self._reject(identity, "stale_version", f"AdapterUpdate version {update.version} was published before "
+                         f"with other weights (sha256 {self.latest_sha256[:12]}...); a version number is never "
+                         f"reused: publish version {self.latest_version + 1} or later",
+                         ref_kind=Kind.ADAPTER_UPDATE, ref_id=str(update.version))
+            return
         if update.version <= self.latest_version and not restoring:
             self._reject(identity, "stale_version", f"AdapterUpdate version {update.version} does not advance the "
                          f"latest version {self.latest_version}; publish version {self.latest_version + 1} or later",
@@ -382,7 +441,7 @@ class BrokerCore(DataFlow):
         except ProtocolError as exc:
             self._reject(identity, exc.code, str(exc), ref_kind=Kind.ADAPTER_UPDATE, ref_id=str(update.version))
             return
-        self.latest_version = update.version
+        self.latest_version, self.latest_sha256 = update.version, update.sha256.lower()
         peer.adapter_version = update.version
         self._unsaved_adapter = (update.version, stored.message)
         self._persist_due = True

@@ -6,10 +6,12 @@
 Keeping them here keeps the core to dispatch, registration, persistence and timers.
 
     LeaseRequest  -> admission.decide -> PromptSource.next -> LeaseTable.grant -> LeaseGrant (or park/wait)
-    RolloutGroup  -> dedup by group id -> value checks -> staleness -> byte bound -> buffer -> Ack (or Error,
-                     prompt re-queued)
-    BatchRequest  -> drop stale buffered groups (re-queued) -> serve oldest whole groups -> Batch (or park/wait)
-    BatchAck      -> trained (listed ids; none listed = all), unlisted re-queued -> Ack after the state write
+    RolloutGroup  -> dedup by group id -> value checks -> staleness -> withdrawn tokens -> byte bound -> buffer
+                     -> Ack (or Error, prompt re-queued)
+    BatchRequest  -> drop stale buffered groups (re-queued) -> serve oldest whole groups -> Batch (or park/wait;
+                     when every epoch is issued and only buffered groups remain, a short final batch)
+    BatchAck      -> listed ids trained (recorded until a learner checkpoint covers them, broker.history),
+                     unlisted re-queued -> Ack after the state write
     LeaseReturn   -> re-queued
 """
 
@@ -20,6 +22,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import msgpack
+import numpy as np
 
 from broker import admission
 from broker.buffer import StoredGroup
@@ -27,10 +30,22 @@ from broker.leases import Lease
 from broker.peers import Peer
 from broker.prompts import PromptKey, group_id_of, parse_group_id
 from common import framing, protocol, versions
+from common.framing import TensorSpec
 from common.logging import get_logger
 from common.protocol import Kind, ProtocolError
 
 log = get_logger("broker")
+
+
+def token_versions(specs: list[Any], frames: list[Any]) -> np.ndarray:
+    """The per-token policy versions of one group: a numpy view of its ``versions`` frame (specs as received,
+    :class:`common.framing.TensorSpec`, or as kept in the buffer, wire dicts)."""
+    for spec in specs:
+        wire = spec if isinstance(spec, dict) else spec.to_wire()
+        if wire["name"] == "versions":
+            return framing.as_numpy(TensorSpec(wire["name"], wire["dtype"], tuple(wire["shape"]), wire["frame"]),
+                                    frames[wire["frame"]])
+    raise AssertionError("a validated group always has a versions tensor")
 
 
 @dataclass(slots=True, kw_only=True)
@@ -61,7 +76,7 @@ class DataFlow:
             worker_leases=worker_leases, max_leases_per_worker=self.config.broker.max_leases_per_worker,
             stored_bytes=self.buffer.memory_bytes, mean_group_bytes=self.mean_group_footprint,
             max_buffer_bytes=self.buffer.max_bytes, prompts_available=self.prompts.available(requested),
-            draining=self.draining)
+            draining=self.draining, worker_withdrawn=self.history.is_withdrawn(worker_version))
 
     def credit(self) -> int:
         """Groups any up-to-date worker could be leased now (capacity, admission limit, byte bound)."""
@@ -84,12 +99,13 @@ class DataFlow:
         self.lease_waiters = remaining
 
     def _answer_stale_lease_waiters(self, now_s: float) -> None:
-        """After a new version: parked requests of workers now too far behind get "stale_adapter" at once."""
+        """After a new or withdrawn version: parked requests of workers now too far behind, or holding a withdrawn
+        version, get "stale_adapter" at once."""
         remaining: deque[Waiter] = deque()
         for waiter in self.lease_waiters:
             peer = self.peers.get(waiter.identity)
-            if peer is not None and not versions.worker_may_generate(peer.adapter_version, self.latest_version,
-                                                                     self.max_staleness):
+            if peer is not None and (self.history.is_withdrawn(peer.adapter_version) or not versions.worker_may_generate(
+                    peer.adapter_version, self.latest_version, self.max_staleness)):
                 self._try_grant(waiter.identity, peer, waiter.request, now_s, final=True)
                 continue
             remaining.append(waiter)
@@ -181,6 +197,14 @@ class DataFlow:
                                f"max_staleness {self.max_staleness} behind version {self.latest_version}; "
                                "the prompt was re-queued", reason="stale")
             return
+        if self.history.withdrawn and versions.overlaps(self.history.withdrawn, group.min_version, group.max_version) \
+                and versions.touches(self.history.withdrawn, token_versions(envelope.specs, envelope.frames)):
+            self.stats.count("dropped", "withdrawn_on_arrival")
+            self._refuse_group(identity, key, group, "invalid_group",
+                               f"RolloutGroup {group.group_id}: holds tokens of a withdrawn version "
+                               f"{self.history.withdrawn} (a restarted learner rolled it back); the prompt was "
+                               "re-queued", reason="withdrawn")
+            return
         if not self.buffer.fits(envelope.num_bytes):
             self.stats.count("dropped", "buffer_full")
             self._refuse_group(identity, key, group, "limit",
@@ -249,7 +273,10 @@ class DataFlow:
 
     def _try_serve(self, identity: bytes, request: protocol.BatchRequest, final: bool) -> bool:
         batch_id = f"{self.broker_id}.{self._batch_seq + 1}"
-        groups = self.buffer.serve(request.num_groups, batch_id)
+        num_groups = request.num_groups
+        if self.buffer.num_buffered < num_groups and self._nothing_more_to_come():
+            num_groups = self.buffer.num_buffered  # the dataset's last groups: a short batch, else it never ends
+        groups = self.buffer.serve(num_groups, batch_id)
         if groups is None:
             if final:
                 self._send(identity, protocol.Batch(latest_version=self.latest_version))
@@ -272,6 +299,24 @@ class DataFlow:
                           num_bytes=sum(g.num_bytes for g in groups))
         return True
 
+    def _nothing_more_to_come(self) -> bool:
+        """Every epoch is issued and nothing is queued or leased: the buffer holds the last groups there will be."""
+        return self.prompts.exhausted() and self.prompts.num_queued == 0 and len(self.leases) == 0
+
+    def _drop_withdrawn(self) -> None:
+        """Take buffered groups holding a withdrawn version's tokens out of the buffer; their prompts re-queued."""
+        dropped = [g for g in self.buffer.buffered()
+                   if versions.overlaps(self.history.withdrawn, g.min_version, g.header["max_version"])
+                   and versions.touches(self.history.withdrawn, token_versions(g.wire_specs, g.frames))]
+        for group in dropped:
+            self.buffer.discard(group.group_id)
+            self.prompts.requeue(group.key)
+            self.stats.count("dropped", "withdrawn")
+        if dropped:
+            log.info("withdrawn_groups_dropped", num_groups=len(dropped), withdrawn=self.history.withdrawn,
+                     requeued=[g.group_id for g in dropped[:8]])
+            self._dirty = True
+
     def _unserve(self, batch_id: str) -> None:
         for group in self.buffer.unserve(batch_id):
             self.prompts.set_state(group.key, "buffered")
@@ -290,13 +335,15 @@ class DataFlow:
             if group.group_id not in listed:  # the list is authoritative: unlisted = not trained
                 self.prompts.requeue(group.key)
                 self.stats.count("dropped", "not_trained")
-            else:
-                num_trained += self.prompts.mark_trained(group.key)
+            elif self.prompts.mark_trained(group.key):
+                num_trained += 1
+                self.history.record(group.key, ack.trained_version)
         served = {g.group_id for g in groups or []}
         for group_id in listed - served:
-            num_trained += self._mark_trained(group_id)
+            num_trained += self._mark_trained(group_id, ack.trained_version)
         self.num_trained_total += num_trained
         self.num_trained_since_start += num_trained
+        self.history.commit(ack.checkpoint_version)
         self.stats.count("groups", "trained", num_trained)
         self.learner_progress.update(step=ack.step, trained_version=ack.trained_version,
                                      checkpoint_version=ack.checkpoint_version)
@@ -304,7 +351,7 @@ class DataFlow:
         self._send(identity, protocol.Ack(ref_kind=Kind.BATCH_ACK, ref_id=ack.batch_id), after_persist=True)
         self._dirty = True
 
-    def _mark_trained(self, group_id: str) -> int:
+    def _mark_trained(self, group_id: str, trained_version: int) -> int:
         """A group trained from a batch this broker did not serve (it restarted); 1 if it was pending."""
         key = parse_group_id(group_id)
         if key is None or self.prompts.state(key) in ("new", "trained"):
@@ -312,7 +359,10 @@ class DataFlow:
         self.buffer.discard(group_id)
         if self.leases.cancel_key(key) is not None:
             self.stats.count("leases", "cancelled")
-        return int(self.prompts.mark_trained(key))
+        if not self.prompts.mark_trained(key):
+            return 0
+        self.history.record(key, trained_version)
+        return 1
 
     def _answer_lease_waiter(self, waiter: Waiter, now_s: float, final: bool) -> bool:
         peer = self.peers.get(waiter.identity)

@@ -13,6 +13,7 @@
     learner_busy_share     from the learner's counters (busy_s / (busy_s + idle_s)) when it reports them,
                            else from the states its heartbeats reported
     adapters[{version, num_bytes, ...}]
+    history{uncommitted_groups, withdrawn[[lo, hi]], learner_session}   (see broker.history)
     counters as in broker.stats: messages_in/out, bytes_in/out, rejected, num_rejected, dropped, send_failed,
     group_events, lease_events, served_staleness, adapter_events, peers_gone, connections, state_writes,
     rates{...}
@@ -97,5 +98,6 @@ def build_snapshot(core: BrokerCore, now_s: float) -> dict[str, Any]:
         "learner": learner,
         "learner_busy_share": learner_share,
         "adapters": core.adapters.snapshot(),
+        "history": core.history.snapshot(),
         **core.stats.snapshot(now_s),
     }

@@ -6,8 +6,23 @@
   the block of keys the cursor may hand out before the next write (:mod:`broker.prompts` calls back before
   crossing it, and the server writes synchronously then);
 - ``pending``: every issued key not yet trained (queued, leased, buffered, training);
-- ``latest_version``: the newest adapter version published, and ``num_trained_groups`` since the counting base;
+- ``latest_version``: the newest adapter version published, ``latest_sha256`` its checksum (a version number is
+  never accepted again with other weights), and ``num_trained_groups`` since the counting base;
+- ``uncommitted``: ``[epoch, index, trained_version]`` of trained groups no learner checkpoint covers yet, and
+  ``learner_session``: the learner process they belong to. A learner that dies loses the steps after its last
+  checkpoint; when a learner of another session says hello at version ``v`` (its checkpoint's), the groups
+  trained on parameters of version ``>= v`` are re-queued (see :mod:`broker.core`);
+- ``withdrawn``: inclusive ``[lo, hi]`` ranges of versions a restarted learner rolled back (never served again,
+  no group holding one of their tokens is buffered or trained);
 - the task identity (``task``, ``seed``, ``epoch_size``) so a state file of another dataset is refused.
+
+What is deliberately *not* kept: the rollout buffer. Buffered and training groups are tensor bytes (up to
+``broker.max_buffer_bytes``); writing them would put the disk in the data path of every group. They are not
+lost: their keys are ``pending``, so a restarted broker re-queues them, and the groups themselves come back by
+the delivery rules: a worker keeps every group until the broker acknowledges it and re-sends the unacknowledged
+ones when it sees the new broker (``Reconnected``); a group the old broker had acknowledged is generated again
+from its re-queued prompt; a group already trained reaches the new broker as the learner's re-sent BatchAck
+(its group ids), which marks the prompt trained and turns any regenerated copy into a duplicate.
 
 On restart every pending key *and* every key of the reserved block is re-queued and the cursor starts after
 the block: a key handed out after the last write is inside the block, so it is issued again only as a
@@ -32,7 +47,7 @@ import os
 import struct
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -55,6 +70,11 @@ class BrokerState:
     latest_version: int = rule(0, ge=0)
     num_trained_groups: int = rule(0, ge=0)
     written_unix: float = rule(0.0, ge=0)
+    latest_sha256: str = rule("", max_len=64, doc="checksum of latest_version's adapter tensors")
+    learner_session: str = rule("", max_len=128, doc="session of the learner the uncommitted groups belong to")
+    uncommitted: list[list[int]] = rule(default_factory=list,
+                                        doc="[epoch, index, trained_version] trained after the learner's checkpoint")
+    withdrawn: list[list[int]] = rule(default_factory=list, doc="[lo, hi] version ranges rolled back")
 
     @property
     def cursor_key(self) -> PromptKey:
@@ -67,6 +87,17 @@ class BrokerState:
     def pending_keys(self) -> list[PromptKey]:
         return [_key(k, "pending") for k in self.pending]
 
+    def uncommitted_records(self) -> list[tuple[PromptKey, int]]:
+        """(key, trained_version) of the trained groups no learner checkpoint covers, in training order."""
+        if any(len(r) != 3 for r in self.uncommitted):
+            raise ValueError("broker state: uncommitted entries must be [epoch, index, trained_version]")
+        return [(_key(r[:2], "uncommitted"), r[2]) for r in self.uncommitted]
+
+    def withdrawn_ranges(self) -> list[tuple[int, int]]:
+        if any(len(r) != 2 or r[0] > r[1] for r in self.withdrawn):
+            raise ValueError(f"broker state: withdrawn must hold [lo, hi] ranges, got {self.withdrawn}")
+        return [(r[0], r[1]) for r in self.withdrawn]
+
 
 def _key(value: list[int], name: str) -> PromptKey:
     if len(value) != 2 or min(value) < 0:
@@ -75,11 +106,15 @@ def _key(value: list[int], name: str) -> PromptKey:
 
 
 def make_state(*, task: str, seed: int, epoch_size: int | None, cursor: PromptKey, reserved_until: PromptKey,
-               pending: list[PromptKey], latest_version: int, num_trained_groups: int) -> BrokerState:
+               pending: list[PromptKey], latest_version: int, num_trained_groups: int, latest_sha256: str = "",
+               learner_session: str = "", uncommitted: Iterable[tuple[PromptKey, int]] = (),
+               withdrawn: Iterable[tuple[int, int]] = ()) -> BrokerState:
     return BrokerState(task=task, seed=seed, epoch_size=epoch_size or 0, cursor=list(cursor),
                        reserved_until=list(reserved_until), pending=[list(k) for k in pending],
                        latest_version=latest_version, num_trained_groups=num_trained_groups,
-                       written_unix=round(time.time(), 3))
+                       written_unix=round(time.time(), 3), latest_sha256=latest_sha256,
+                       learner_session=learner_session, uncommitted=[[*k, v] for k, v in uncommitted],
+                       withdrawn=[list(r) for r in withdrawn])
 
 
 def save_state(path: str | os.PathLike, state: BrokerState) -> None:

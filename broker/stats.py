@@ -11,12 +11,15 @@ Counter families (Prometheus name ``loraflow_broker_<family>_total{label=...}``)
 
     messages_in{kind} / messages_out{kind}   bytes_in / bytes_out
     rejected{reason}      a message refused with an Error reply (or none, where no reply is possible)
-    dropped{reason}       a group removed without training: stale, stale_on_arrival, buffer_full, not_trained
+    dropped{reason}       a group removed without training: stale, stale_on_arrival, buffer_full, not_trained,
+                          withdrawn / withdrawn_on_arrival (holds tokens of a version a restarted learner
+                          rolled back)
     send_failed{reason}   a reply zmq would not take: unreachable (peer gone), hwm (peer's queue full)
-    groups{event}         accepted, duplicate, served, trained, restored (learner gone, back to the buffer)
+    groups{event}         accepted, duplicate, served, trained, restored (learner gone, back to the buffer),
+                          rolled_back (trained after the checkpoint a restarted learner resumed from: re-queued)
     leases{event}         granted, submitted, returned, expired, reclaimed, cancelled, undeliverable
     served_staleness{staleness}
-    adapters{event}       published, restored (re-published after a broker restart)
+    adapters{event}       published, restored (re-published after a broker restart), withdrawn
     peers_gone{reason}    bye, dead (heartbeats missed), restarted (new session), replaced (another learner)
     state_writes{trigger} sync writes of the state file
     connections{event}    accepted / disconnected TCP connections (zmq drops a peer that sends a frame over

@@ -7,9 +7,19 @@
 - ``max_staleness`` bounds it. The broker leases only to workers whose adapter is recent enough that what they
   generate can still be trained, admits no more groups than the learner can consume within the bound (AReaL's
   rule), and drops buffered groups that aged past it; the learner checks again before training.
+- Withdrawn versions: a learner that dies loses the steps after its last checkpoint. The versions it published
+  after that checkpoint are *withdrawn* (inclusive ranges ``(lo, hi)``): their numbers are never used again, no
+  token generated under them is ever trained, and the resumed learner publishes its checkpoint's weights under
+  a new number above all of them. :func:`withdraw` merges a range in, :func:`overlaps` and :func:`touches`
+  test a group's version span and its per-token versions against them.
 """
 
 from __future__ import annotations
+
+from collections.abc import Iterable, Sequence
+from typing import Any
+
+VersionRange = tuple[int, int]  # inclusive (lo, hi)
 
 
 def staleness(learner_version: int, oldest_token_version: int) -> int:
@@ -37,3 +47,28 @@ def admission_limit(learner_version: int, max_staleness: int, groups_per_step: i
     """
     steps_done = learner_version - base_version
     return max(0, (max_staleness + 1 + steps_done) * groups_per_step - num_trained_groups)
+
+
+def withdraw(ranges: Iterable[VersionRange], lo: int, hi: int) -> list[VersionRange]:
+    """``ranges`` with ``[lo, hi]`` merged in (sorted, disjoint, adjacent ranges joined); unchanged if lo > hi."""
+    merged: list[VersionRange] = []
+    for start, end in sorted([*ranges, (lo, hi)] if lo <= hi else list(ranges)):
+        if merged and start <= merged[-1][1] + 1:
+            merged[-1] = (merged[-1][0], max(merged[-1][1], end))
+        else:
+            merged.append((start, end))
+    return merged
+
+
+def is_withdrawn(ranges: Sequence[VersionRange], version: int) -> bool:
+    return any(lo <= version <= hi for lo, hi in ranges)
+
+
+def overlaps(ranges: Sequence[VersionRange], min_version: int, max_version: int) -> bool:
+    """Whether a group whose tokens span [min_version, max_version] may hold a withdrawn token."""
+    return any(lo <= max_version and min_version <= hi for lo, hi in ranges)
+
+
+def touches(ranges: Sequence[VersionRange], token_versions: Any) -> bool:
+    """Whether any of the per-token versions (a numpy array or torch tensor of ints) is withdrawn."""
+    return any(bool(((token_versions >= lo) & (token_versions <= hi)).any()) for lo, hi in ranges)

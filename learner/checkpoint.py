@@ -5,8 +5,9 @@ A checkpoint is a directory ``<run_dir>/learner/checkpoints/step_00000040/``:
 - DCP files (``.metadata``, ``__<rank>_0.distcp``): the LoRA parameters (sharded DTensors; the frozen base is
   not saved, it is reloaded from the model directory), the optimizer state (AdamW moments and step counts,
   param groups with their lr), and each rank's torch RNG state (CPU, and CUDA when used) under its own key;
-- ``learner_state.json`` (rank 0): step, policy version, scheduler state, world size, and the ids of every
-  group trained so far (the learner never trains a group twice, across restarts too).
+- ``learner_state.json`` (rank 0): step, policy version, scheduler state, world size, the ids of every
+  group trained so far (the learner never trains a group twice, across restarts too), and the version ranges
+  withdrawn by earlier resumes (never trained on, see :mod:`common.versions`).
 
 Crash safety: everything is written into ``step_XXXXXXXX.partial`` (DCP fsyncs its files), then rank 0
 writes ``learner_state.json``, fsyncs it and the directory, and renames the directory to its final name. Only
@@ -58,6 +59,7 @@ class LearnerState:
     version: int = 0
     trained_group_ids: set[str] = field(default_factory=set)
     checkpoint_version: int = 0  # newest version covered by a durable checkpoint
+    withdrawn: list[tuple[int, int]] = field(default_factory=list)  # versions rolled back by resumes (inclusive)
 
 
 def _fsync(path: Path) -> None:
@@ -124,6 +126,7 @@ class Checkpointer:
                 "device": self.parallel.device.type,
                 "scheduler": scheduler.state_dict(),
                 "trained_group_ids": sorted(state.trained_group_ids),
+                "withdrawn_versions": [list(r) for r in state.withdrawn],
                 "created_unix": time.time(),
             }
             state_path = partial / STATE_FILE
@@ -170,7 +173,8 @@ class Checkpointer:
         log.info("checkpoint_loaded", step=meta["step"], version=meta["version"], path=str(path))
         return LearnerState(step=int(meta["step"]), version=int(meta["version"]),
                             trained_group_ids=set(meta["trained_group_ids"]),
-                            checkpoint_version=int(meta["version"]))
+                            checkpoint_version=int(meta["version"]),
+                            withdrawn=[(int(lo), int(hi)) for lo, hi in meta.get("withdrawn_versions", [])])
 
     def clean_partial(self) -> None:
         """Remove directories a crashed save left behind (rank 0)."""

@@ -27,14 +27,14 @@ from typing import Any
 
 import torch
 
-from common import protocol, versions
+from common import framing, protocol, versions
 from common.framing import TensorSpec
 from common.protocol import GROUP_TENSORS, Batch, BatchEntry, ProtocolError
 from learner.loss import group_advantages
 
 NUM_GROUP_TENSORS = len(GROUP_TENSORS)
 #: why a group of a batch is not trained; the first two are still acknowledged as trained
-SKIP_REASONS = ("already_trained", "zero_variance", "stale", "invalid")
+SKIP_REASONS = ("already_trained", "zero_variance", "stale", "invalid", "withdrawn")
 ACKED_SKIPS = ("already_trained", "zero_variance")
 
 
@@ -48,31 +48,39 @@ class Selection:
     train: list[int] = field(default_factory=list)       # entry indices of the groups to train, batch order
     ack_group_ids: list[str] = field(default_factory=list)  # trained + already trained + zero variance
     skipped: collections.Counter = field(default_factory=collections.Counter)  # reason -> groups
+    skipped_ids: dict[str, list[str]] = field(default_factory=dict)  # reason -> group ids, batch order
     staleness: collections.Counter = field(default_factory=collections.Counter)  # staleness -> trained groups
 
 
 def select_groups(batch: Batch, specs: Sequence[TensorSpec], frames: Sequence[Any], *, version: int,
                   max_staleness: int, trained_group_ids: set[str], vocab_size: int,
-                  scale_by_std: bool = True) -> Selection:
+                  scale_by_std: bool = True, withdrawn: Sequence[tuple[int, int]] = ()) -> Selection:
     """Decide per group: train it, or skip it with a reason (see SKIP_REASONS).
 
     - ``already_trained``: its id is in ``trained_group_ids`` or earlier in this batch (acknowledged again);
     - ``stale``: ``version - min_version > max_staleness`` (not acknowledged: the broker re-queues the prompt);
     - ``invalid``: tensor contents out of range or an empty prompt (not acknowledged);
+    - ``withdrawn``: a token was generated under a version in ``withdrawn`` (rolled back when this learner
+      resumed; the broker drops such groups too, this is the learner's own guard; not acknowledged);
     - ``zero_variance``: all rewards equal, no learning signal (acknowledged: the prompt is done).
     """
     out = Selection()
     seen: set[str] = set()
     candidates: list[int] = []
+
+    def skip(reason: str, group_id: str) -> None:
+        out.skipped[reason] += 1
+        out.skipped_ids.setdefault(reason, []).append(group_id)
+
     for i, entry in enumerate(batch.groups):
         group = entry.group
         if group.group_id in trained_group_ids or group.group_id in seen:
-            out.skipped["already_trained"] += 1
+            skip("already_trained", group.group_id)
             out.ack_group_ids.append(group.group_id)
             continue
         seen.add(group.group_id)
         if versions.is_too_stale(version, group.min_version, max_staleness):
-            out.skipped["stale"] += 1
+            skip("stale", group.group_id)
             continue
         group_specs = specs[entry.first_tensor:entry.first_tensor + NUM_GROUP_TENSORS]
         try:
@@ -81,8 +89,13 @@ def select_groups(batch: Batch, specs: Sequence[TensorSpec], frames: Sequence[An
             if min(group.prompt_lens) < 1:
                 raise ProtocolError(f"RolloutGroup {group.group_id}: a sample has an empty prompt", "invalid_group")
         except ProtocolError:
-            out.skipped["invalid"] += 1
+            skip("invalid", group.group_id)
             continue
+        if withdrawn and versions.overlaps(withdrawn, group.min_version, group.max_version):
+            spec = next(s for s in group_specs if s.name == "versions")
+            if versions.touches(withdrawn, framing.as_numpy(spec, frames[spec.frame])):
+                skip("withdrawn", group.group_id)
+                continue
         candidates.append(i)
     if candidates:
         rewards = [r for i in candidates for r in batch.groups[i].group.rewards]
@@ -93,7 +106,7 @@ def select_groups(batch: Batch, specs: Sequence[TensorSpec], frames: Sequence[An
             group = batch.groups[i].group
             out.ack_group_ids.append(group.group_id)
             if zero_variance[k]:
-                out.skipped["zero_variance"] += 1
+                skip("zero_variance", group.group_id)
             else:
                 out.train.append(i)
                 out.staleness[versions.staleness(version, group.min_version)] += 1

@@ -14,12 +14,23 @@
                                                         metrics.jsonl line; heartbeat state and counters
 
 Consumes: Batch messages (rank 0, through :class:`learner.session.BrokerSession`).
-Produces: AdapterUpdate messages, BatchAcks, ``<run_dir>/learner/{metrics.jsonl, adapters/, checkpoints/}``.
+Produces: AdapterUpdate messages, BatchAcks, ``<run_dir>/learner/{metrics.jsonl, ledger.jsonl, adapters/,
+checkpoints/}`` (the ledger line of a step is written before its checkpoint and its BatchAck,
+:mod:`learner.ledger`).
 Blocks on: the broker's next batch (rank 0 polls in short slices; the other ranks wait in the ``agree``
 collective meanwhile) and on collectives with the other ranks.
 Unblocked by: a non-empty batch, a stop request on any rank (SIGTERM / SIGINT), or ``run.num_steps`` reached.
 A stop is clean: the last step finishes, the final adapter is published and written as a PEFT directory, a
 final checkpoint is saved, and the process exits 0.
+
+Resuming after a crash: the steps after the newest checkpoint are lost with the process, and so are the
+adapter versions published after it. The resumed learner says hello at its checkpoint's version ``c``; if
+anything newer was published (the broker's latest version, or an adapter directory on disk) up to ``v``, the
+versions ``c+1..v`` are *withdrawn*: it publishes its checkpoint's weights at once as version ``v+1`` (a
+number never used, so no version ever names two sets of weights; workers move to it like to any new version),
+never trains a group holding a token of ``c+1..v`` (skipped ``withdrawn``, not acknowledged), and keeps the
+ranges in its checkpoints. The broker, seeing a learner of a new session, re-queues the groups trained after
+that checkpoint and withdraws the same versions on its side (:mod:`broker.history`).
 """
 
 from __future__ import annotations
@@ -33,6 +44,7 @@ from typing import Any
 
 import torch
 
+from common import versions
 from common.config import Config, write_resolved
 from common.logging import bind, get_logger
 from common.metrics import Metrics, serve_prometheus
@@ -41,6 +53,7 @@ from common.timeline import Timeline
 from common.tiny_model import resolve_model
 from learner import data, publish
 from learner.checkpoint import Checkpointer, LearnerState
+from learner.ledger import Ledger
 from learner.loss import LossConfig
 from learner.model import Policy, build_policy
 from learner.parallel import Parallel, init_parallel
@@ -78,7 +91,7 @@ class Learner:
 
     def __init__(self, config: Config, parallel: Parallel, policy: Policy, optimizer: torch.optim.Optimizer,
                  scheduler: Any, checkpointer: Checkpointer, state: LearnerState, session: BrokerSession | None,
-                 metrics: Metrics) -> None:
+                 metrics: Metrics, ledger: Ledger | None = None) -> None:
         self.config = config
         self.parallel = parallel
         self.policy = policy
@@ -88,6 +101,7 @@ class Learner:
         self.state = state
         self.session = session
         self.metrics = metrics
+        self.ledger = ledger or Ledger(None)
         self.loss_config = LossConfig.from_learner(config.learner)
         self.learner_dir = config.run_dir / "learner"
         self.adapter_root = self.learner_dir / "adapters"
@@ -135,7 +149,8 @@ class Learner:
         selection = data.select_groups(batch, envelope.specs, envelope.frames, version=self.state.version,
                                        max_staleness=self.config.run.max_staleness,
                                        trained_group_ids=self.state.trained_group_ids,
-                                       vocab_size=self.policy.vocab_size, scale_by_std=self.config.learner.scale_by_std)
+                                       vocab_size=self.policy.vocab_size, scale_by_std=self.config.learner.scale_by_std,
+                                       withdrawn=self.state.withdrawn)
         for reason, count in selection.skipped.items():
             self.metrics.inc("groups_skipped", count, reason=reason)
         frames = data.trainable_frames(batch, envelope.specs, envelope.frames, selection.train)
@@ -154,6 +169,7 @@ class Learner:
             self.state.version = version
             self.newest = snap
             assert self.session is not None
+            self.ledger.publish(version=version, step=self.state.step, sha256=snap.sha256, num_bytes=snap.num_bytes)
             self.session.publish(snap)
             every = self.config.learner.save_adapter_every
             if every and version % every == 0:
@@ -196,6 +212,7 @@ class Learner:
                 self._want_batch()  # the broker assembles the next batch while we checkpoint and report
             if received is not None:
                 self.state.trained_group_ids.update(received.selection.ack_group_ids)
+                self._record(received, trained_version)
             every = self.config.learner.checkpoint_every
             if every and self.state.step % every == 0:
                 checkpoint_s = self.checkpoint()
@@ -207,6 +224,18 @@ class Learner:
                              publish_s=publish_s, checkpoint_s=checkpoint_s)
         self.finish()
         return 0
+
+    def _record(self, received: Received, trained_version: int) -> None:
+        """The step's ledger line (before its checkpoint and BatchAck, see learner.ledger)."""
+        selection, groups = received.selection, received.batch.groups
+        trained = [groups[i].group.group_id for i in selection.train]
+        zero_variance = selection.skipped_ids.get("zero_variance", [])
+        by_id = {e.group.group_id: e.group for e in groups}
+        self.ledger.step(step=self.state.step, batch_id=received.batch.batch_id, trained_version=trained_version,
+                         trained=trained, zero_variance=zero_variance,
+                         already_trained=selection.skipped_ids.get("already_trained", []),
+                         not_acked=[g for r in ("stale", "invalid", "withdrawn") for g in selection.skipped_ids.get(r, [])],
+                         versions={g: (by_id[g].min_version, by_id[g].max_version) for g in (*trained, *zero_variance)})
 
     def _acknowledge(self, received: Received, trained_version: int) -> None:
         assert self.session is not None
@@ -291,13 +320,17 @@ def run(config: Config) -> int:
         if latest is not None:
             state = checkpointer.load(latest, policy, optimizer, scheduler)
         metrics = Metrics()
+        ledger = Ledger(learner_dir / "ledger.jsonl" if parallel.is_main else None)
         if parallel.is_main:
             publish.clean_partial_dirs(learner_dir / "adapters")
-            session = _connect(config, state, metrics)
+            session = _connect(config, state, metrics, ledger)
             if config.learner.metrics_port:
                 serve_prometheus(metrics, config.learner.metrics_port)
-        learner = Learner(config, parallel, policy, optimizer, scheduler, checkpointer, state, session, metrics)
+        learner = Learner(config, parallel, policy, optimizer, scheduler, checkpointer, state, session, metrics,
+                          ledger)
         _install_stop_handlers(learner)
+        if parallel.broadcast_int(int(state.version > state.checkpoint_version)):
+            learner.publish()  # the checkpoint's weights under a new number: replaces the withdrawn versions
         return learner.run()
     finally:
         if session is not None:
@@ -305,16 +338,21 @@ def run(config: Config) -> int:
         parallel.close()
 
 
-def _connect(config: Config, state: LearnerState, metrics: Metrics) -> BrokerSession:
-    """Say hello at the resumed version; continue numbering after anything already published."""
+def _connect(config: Config, state: LearnerState, metrics: Metrics, ledger: Ledger) -> BrokerSession:
+    """Say hello at the resumed version; withdraw what was published after it and number after it."""
     on_disk = publish.newest_adapter_version(config.run_dir / "learner" / "adapters")
     session = BrokerSession(config, version=state.version, metrics=metrics)
     welcome = session.start(CONNECT_TIMEOUT_S)
     ahead = max(on_disk, welcome.latest_version)
     if ahead > state.version:
-        # versions published after the checkpoint we resumed from: never reuse their numbers
-        log.info("version_continues_after_published", resumed_version=state.version, next_version=ahead + 1)
+        # versions published after the checkpoint we resumed from: withdrawn, and their numbers never reused
+        state.withdrawn = versions.withdraw(state.withdrawn, state.version + 1, ahead)
+        log.info("versions_withdrawn", resumed_version=state.version, withdrawn=state.withdrawn,
+                 next_version=ahead + 1)
         state.version = ahead
+    ledger.start(session=session.link.hello.session, step=state.step, version=state.version,
+                 checkpoint_version=state.checkpoint_version, next_version=state.version + 1,
+                 withdrawn=state.withdrawn)
     if welcome.groups_per_step != config.run.groups_per_step or welcome.max_staleness != config.run.max_staleness:
         log.warning("config_differs_from_broker", broker_groups_per_step=welcome.groups_per_step,
                     broker_max_staleness=welcome.max_staleness, groups_per_step=config.run.groups_per_step,

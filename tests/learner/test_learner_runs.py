@@ -8,8 +8,9 @@ The scripted broker (tests/learner/scripted.py) serves the same deterministic ba
   chance would turn a rounding difference into a step of a sizeable fraction of the lr (seen: 1.8e-4 at the
   first step with eps 1e-8; 6e-7 after five steps with 1e-5), which says nothing about the learner;
 - run C is SIGKILLed after step 3 (checkpoint at step 2), restarted with resume, fed the batches that followed
-  its checkpoint, and must publish bit-identical adapters for steps 3-5 to run A's; then SIGTERM stops it
-  cleanly (exit 0, final checkpoint and adapter directory).
+  its checkpoint, and must publish bit-identical adapters for steps 3-5 to run A's; it first republishes its
+  checkpoint's weights under a new number (version 3, published after the checkpoint, is withdrawn); then
+  SIGTERM stops it cleanly (exit 0, final checkpoint and adapter directory).
 """
 
 from __future__ import annotations
@@ -160,11 +161,14 @@ def test_sigkill_then_resume_is_bit_identical_and_sigterm_is_clean(reference_run
     assert [h.adapter_version for h in broker.hellos] == [0, 2]  # resumed at the step-2 checkpoint
     assert broker.served == [0, 1, 2, 2, 3, 4]  # the batches after the checkpoint, fed again
     versions = [p.version for p in broker.published]
-    assert versions == sorted(set(versions)) == [1, 2, 3, 4, 5, 6]  # numbering continues after version 3
+    assert versions == sorted(set(versions)) == [1, 2, 3, 4, 5, 6, 7]  # numbering continues after version 3
+    # version 3 (step 3) was lost with the process: withdrawn, and the checkpoint's weights come back as version 4
+    resumed = broker.published[3]
+    assert (resumed.version, resumed.step, resumed.sha256) == (4, 2, first_life[2].sha256)
     reference = {p.step: p.sha256 for p in one.broker.published}
     assert {s: p.sha256 for s, p in first_life.items()} == {s: reference[s] for s in (1, 2, 3)}
     assert {s: p.sha256 for s, p in broker.by_step().items()} == reference  # steps 3-5 bit-identical
     checkpoints = sorted(p.name for p in (run_dir / "learner" / "checkpoints").iterdir())
     assert checkpoints == ["step_00000004", "step_00000005"]  # final checkpoint on SIGTERM; partial cleaned
-    assert (run_dir / "learner" / "adapters" / "v000006" / "adapter_model.safetensors").is_file()
+    assert (run_dir / "learner" / "adapters" / "v000007" / "adapter_model.safetensors").is_file()
     assert [b.reason for b in broker.byes] == ["stopped"]
