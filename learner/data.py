@@ -25,6 +25,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+import numpy as np
 import torch
 
 from common import framing, protocol, versions
@@ -49,6 +50,8 @@ class Selection:
     ack_group_ids: list[str] = field(default_factory=list)  # trained + already trained + zero variance
     skipped: collections.Counter = field(default_factory=collections.Counter)  # reason -> groups
     skipped_ids: dict[str, list[str]] = field(default_factory=dict)  # reason -> group ids, batch order
+    token_versions: dict[str, list[int]] = field(default_factory=dict)  # the distinct versions of each
+                                                                        # acknowledged new group's tokens
     staleness: collections.Counter = field(default_factory=collections.Counter)  # staleness -> trained groups
 
 
@@ -91,11 +94,13 @@ def select_groups(batch: Batch, specs: Sequence[TensorSpec], frames: Sequence[An
         except ProtocolError:
             skip("invalid", group.group_id)
             continue
-        if withdrawn and versions.overlaps(withdrawn, group.min_version, group.max_version):
-            spec = next(s for s in group_specs if s.name == "versions")
-            if versions.touches(withdrawn, framing.as_numpy(spec, frames[spec.frame])):
-                skip("withdrawn", group.group_id)
-                continue
+        spec = next(s for s in group_specs if s.name == "versions")
+        token_versions = framing.as_numpy(spec, frames[spec.frame])
+        if withdrawn and versions.overlaps(withdrawn, group.min_version, group.max_version) \
+                and versions.touches(withdrawn, token_versions):
+            skip("withdrawn", group.group_id)
+            continue
+        out.token_versions[group.group_id] = [int(v) for v in np.unique(token_versions)]
         candidates.append(i)
     if candidates:
         rewards = [r for i in candidates for r in batch.groups[i].group.rewards]

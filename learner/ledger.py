@@ -12,7 +12,7 @@
      "not_acked", "versions"}
         one optimizer step: the group ids trained, acknowledged without a gradient (zero reward variance,
         or trained before), skipped and left to the broker to re-queue (stale, invalid, withdrawn tokens), and
-        each trained group's [min_version, max_version]
+        the distinct policy versions of each trained or zero-variance group's tokens
 
 What it is for: the *committed history* of a run is the chain of steps its newest checkpoint descends from.
 Reading the ledger in order and cutting the chain back to ``step`` at every ``start`` line gives exactly that
@@ -59,21 +59,42 @@ class Ledger:
 
     def step(self, *, step: int, batch_id: str, trained_version: int, trained: Sequence[str],
              zero_variance: Sequence[str], already_trained: Sequence[str], not_acked: Sequence[str],
-             versions: dict[str, tuple[int, int]]) -> None:
+             versions: dict[str, list[int]]) -> None:
         self._write({"event": "step", "step": step, "batch_id": batch_id, "trained_version": trained_version,
                      "trained": list(trained), "zero_variance": list(zero_variance),
                      "already_trained": list(already_trained), "not_acked": list(not_acked),
-                     "versions": {k: list(v) for k, v in versions.items()}})
+                     "versions": versions})
+
+
+def newest_published(path: Path | None, tail_bytes: int = 1 << 20) -> int:
+    """The highest version a ``publish`` line names (0 if none): a restarted learner numbers after it, so a
+    version it sent before dying, even one the broker never received, is never reused for other weights.
+    Reads the file's tail (publish lines come every step); the whole file only if the tail holds none."""
+    if path is None or not path.is_file():
+        return 0
+    size = path.stat().st_size
+    with open(path, "rb") as f:
+        for start in ((max(0, size - tail_bytes), 0) if size > tail_bytes else (0,)):
+            f.seek(start)
+            found = [line["version"] for line in _parse(f.read().decode(errors="replace"))
+                     if line.get("event") == "publish"]
+            if found:
+                return max(found)
+    return 0
+
+
+def _parse(text: str) -> list[dict[str, Any]]:
+    lines = []
+    for raw in text.splitlines():
+        try:
+            line = json.loads(raw)
+        except json.JSONDecodeError:
+            continue  # a torn last line of a killed process, or the cut first line of a tail
+        if isinstance(line, dict):
+            lines.append(line)
+    return lines
 
 
 def read(path: Path) -> list[dict[str, Any]]:
     """The ledger's lines (a torn last line from a killed process is ignored)."""
-    lines = []
-    if not path.is_file():
-        return lines
-    for text in path.read_text().splitlines():
-        try:
-            lines.append(json.loads(text))
-        except json.JSONDecodeError:
-            continue
-    return lines
+    return _parse(path.read_text()) if path.is_file() else []

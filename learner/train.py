@@ -26,7 +26,8 @@ final checkpoint is saved, and the process exits 0.
 Resuming after a crash: the steps after the newest checkpoint are lost with the process, and so are the
 adapter versions published after it. The resumed learner says hello at its checkpoint's version ``c``; if
 anything newer was published (the broker's latest version, or an adapter directory on disk) up to ``v``, the
-versions ``c+1..v`` are *withdrawn*: it publishes its checkpoint's weights at once as version ``v+1`` (a
+versions ``c+1..v`` are *withdrawn* (``v`` also counts versions this run's ledger says were sent, even if no
+broker received them): it publishes its checkpoint's weights at once as version ``v+1`` (a
 number never used, so no version ever names two sets of weights; workers move to it like to any new version),
 never trains a group holding a token of ``c+1..v`` (skipped ``withdrawn``, not acknowledged), and keeps the
 ranges in its checkpoints. The broker, seeing a learner of a new session, re-queues the groups trained after
@@ -53,7 +54,7 @@ from common.timeline import Timeline
 from common.tiny_model import resolve_model
 from learner import data, publish
 from learner.checkpoint import Checkpointer, LearnerState
-from learner.ledger import Ledger
+from learner.ledger import Ledger, newest_published
 from learner.loss import LossConfig
 from learner.model import Policy, build_policy
 from learner.parallel import Parallel, init_parallel
@@ -230,12 +231,11 @@ class Learner:
         selection, groups = received.selection, received.batch.groups
         trained = [groups[i].group.group_id for i in selection.train]
         zero_variance = selection.skipped_ids.get("zero_variance", [])
-        by_id = {e.group.group_id: e.group for e in groups}
         self.ledger.step(step=self.state.step, batch_id=received.batch.batch_id, trained_version=trained_version,
                          trained=trained, zero_variance=zero_variance,
                          already_trained=selection.skipped_ids.get("already_trained", []),
                          not_acked=[g for r in ("stale", "invalid", "withdrawn") for g in selection.skipped_ids.get(r, [])],
-                         versions={g: (by_id[g].min_version, by_id[g].max_version) for g in (*trained, *zero_variance)})
+                         versions=selection.token_versions)
 
     def _acknowledge(self, received: Received, trained_version: int) -> None:
         assert self.session is not None
@@ -340,7 +340,8 @@ def run(config: Config) -> int:
 
 def _connect(config: Config, state: LearnerState, metrics: Metrics, ledger: Ledger) -> BrokerSession:
     """Say hello at the resumed version; withdraw what was published after it and number after it."""
-    on_disk = publish.newest_adapter_version(config.run_dir / "learner" / "adapters")
+    on_disk = max(publish.newest_adapter_version(config.run_dir / "learner" / "adapters"),
+                  newest_published(ledger.path))
     session = BrokerSession(config, version=state.version, metrics=metrics)
     welcome = session.start(CONNECT_TIMEOUT_S)
     ahead = max(on_disk, welcome.latest_version)

@@ -100,10 +100,12 @@ class Worker:
                                "waiting" if self.session.lease_request_pending else "idle")
                     self.wake.wait(self._wait_s())
             for group in finished:
-                self.session.submit(group)
+                # logged before sending: a worker's log is part of a run's ledger, and a kill between the two
+                # must not hide a group the broker may have received
                 log.info("group_submitted", group_id=group.group.group_id, min_version=group.group.min_version,
                          max_version=group.group.max_version, reward=round(sum(group.group.rewards)
                                                                            / group.group.num_samples, 3))
+                self.session.submit(group)
             self._report()
         self._shutdown()
 
