@@ -128,7 +128,9 @@ def build_demo_base(directory: str | os.PathLike, *, seed: int, recipe: Recipe =
     """Build the tiny model in ``directory``, warm it up, check it, save it; returns the metadata written."""
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers.utils import logging as hf_logging
 
+    hf_logging.disable_progress_bar()
     start = time.perf_counter()
     directory = Path(directory)
     threads = torch.get_num_threads()

@@ -41,6 +41,7 @@ loraflow_common_args() {
 
 loraflow_exec() {
     if [ "${LORAFLOW_DRY_RUN:-0}" = 1 ]; then
+        [ -n "${CUDA_VISIBLE_DEVICES:-}" ] && printf 'CUDA_VISIBLE_DEVICES=%s ' "$CUDA_VISIBLE_DEVICES"
         printf '%q ' "$@"
         echo
         exit 0

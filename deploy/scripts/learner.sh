@@ -6,13 +6,14 @@
 #   LORAFLOW_LEARNER_NNODES    nodes (default 1); with more, also set on every node:
 #   LORAFLOW_LEARNER_NODE_RANK   this node's rank (0 = the node whose rank 0 talks to the broker)
 #   LORAFLOW_RDZV_ENDPOINT       host:port of node 0 for torchrun's c10d rendezvous (e.g. learner-0:29500)
+#   LORAFLOW_LEARNER_GPUS      e.g. 4,5,6,7: CUDA_VISIBLE_DEVICES of the learner's ranks (optional)
 #   LORAFLOW_CONFIG, LORAFLOW_RUN_DIR, LORAFLOW_KEYS_DIR, LORAFLOW_EXTRA_ARGS, LORAFLOW_VENV (see common.sh)
 #
 # Resumes from the newest checkpoint in $LORAFLOW_RUN_DIR/learner/checkpoints. SIGTERM: finishes the step,
 # publishes and writes the last adapter, checkpoints, exits 0.
 set -euo pipefail
 if [ "${1:-}" = "--help" ] || [ "${1:-}" = "-h" ]; then
-    sed -n '2,12p' "$0" | sed 's/^# \{0,1\}//'
+    sed -n '2,13p' "$0" | sed 's/^# \{0,1\}//'
     exit 0
 fi
 source "$(dirname "${BASH_SOURCE[0]}")/common.sh"
@@ -21,6 +22,7 @@ source "$(dirname "${BASH_SOURCE[0]}")/common.sh"
 : "${LORAFLOW_LEARNER_NODE_RANK:=0}"
 : "${LORAFLOW_RDZV_ENDPOINT:=}"
 loraflow_check
+[ -n "${LORAFLOW_LEARNER_GPUS:-}" ] && export CUDA_VISIBLE_DEVICES="$LORAFLOW_LEARNER_GPUS"
 loraflow_common_args "${LORAFLOW_LEARNER_KEY:-learner}"
 args=("${LORAFLOW_ARGS[@]}" --endpoint "$LORAFLOW_ENDPOINT")
 if [ "$LORAFLOW_LEARNER_NPROC" = 1 ] && [ "$LORAFLOW_LEARNER_NNODES" = 1 ]; then

@@ -70,13 +70,15 @@ def test_env_file_documents_every_variable_the_scripts_read() -> None:
     used = set()
     for script in SCRIPTS.glob("*.sh"):
         used |= set(re.findall(r"\$\{?(LORAFLOW_[A-Z_]+)", script.read_text()))
-    internal = {"LORAFLOW_PYTHON", "LORAFLOW_ARGS", "LORAFLOW_DRY_RUN", "LORAFLOW_WORKER_DEVICE"}
+    internal = {"LORAFLOW_PYTHON", "LORAFLOW_ARGS", "LORAFLOW_DRY_RUN"}
     assert used - internal <= documented, sorted(used - internal - documented)
 
 
 def script_env(tmp_path: Path, config: Path, **extra: str) -> dict[str, str]:
-    return child_env(LORAFLOW_HOME=str(REPO), LORAFLOW_VENV=str(VENV), LORAFLOW_CONFIG=str(config),
-                     LORAFLOW_RUN_DIR=str(tmp_path / "run"), **extra)
+    env = child_env(LORAFLOW_HOME=str(REPO), LORAFLOW_VENV=str(VENV), LORAFLOW_CONFIG=str(config),
+                    LORAFLOW_RUN_DIR=str(tmp_path / "run"), **extra)
+    env.pop("CUDA_VISIBLE_DEVICES", None)
+    return env
 
 
 def dry_run(tmp_path: Path, script: str, *args: str, **env: str) -> subprocess.CompletedProcess:
@@ -114,6 +116,16 @@ def test_worker_script_names_the_worker_after_host_and_instance(tmp_path: Path) 
     assert "--endpoint tcp://b:5555" in result.stdout and "security.enabled=true" in result.stdout
     assert "security.client_key=\\\"worker\\\"" in result.stdout
     assert dry_run(tmp_path, "worker.sh").returncode == 2  # the instance is required
+    assert dry_run(tmp_path, "worker.sh", "x").returncode == 2  # and a number
+
+
+def test_gpus_are_spread_over_worker_instances(tmp_path: Path) -> None:
+    gpus = {"LORAFLOW_WORKER_GPUS": "4,5", "LORAFLOW_LEARNER_GPUS": "0,1,2,3"}
+    for instance, gpu in (("1", "4"), ("2", "5"), ("3", "4")):
+        assert dry_run(tmp_path, "worker.sh", instance, **gpus).stdout.startswith(f"CUDA_VISIBLE_DEVICES={gpu} ")
+    learner = dry_run(tmp_path, "learner.sh", LORAFLOW_LEARNER_NPROC="4", **gpus).stdout
+    assert learner.startswith("CUDA_VISIBLE_DEVICES=0,1,2,3 ") and "--nproc_per_node=4" in learner
+    assert not dry_run(tmp_path, "worker.sh", "1").stdout.startswith("CUDA_VISIBLE_DEVICES")
 
 
 def test_scripts_refuse_a_missing_config(tmp_path: Path) -> None:
