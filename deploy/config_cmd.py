@@ -3,6 +3,7 @@
     loraflow config [config.toml] [--set section.key=value ...]   the resolved config, as TOML
     loraflow config --reference [--markdown]                      every section and key: type, default, unit,
                                                                   range and meaning, generated from common/config.py
+    python -m deploy.config_cmd --update-readme README.md         rewrite the README's copy of the reference
 
 The reference comes from the field declarations themselves (:func:`common.schema.describe`), so it cannot
 drift from what the loader accepts; the README's configuration reference is this command's Markdown output.
@@ -12,7 +13,9 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import sys
 import typing
+from pathlib import Path
 from typing import Any
 
 from common.cli import config_from_args, config_parser
@@ -92,13 +95,34 @@ def reference_text() -> str:
     return "\n".join(lines)
 
 
+README_START, README_END = "<!-- config-reference:start -->", "<!-- config-reference:end -->"
+
+
+def update_readme(path: str) -> None:
+    """Replace the text between the README's config-reference markers with the generated reference."""
+    text = Path(path).read_text()
+    if README_START not in text or README_END not in text:
+        raise SystemExit(f"{path}: no {README_START} ... {README_END} markers")
+    head, rest = text.split(README_START, 1)
+    _, tail = rest.split(README_END, 1)
+    Path(path).write_text(f"{head}{README_START}\n{reference_markdown().strip()}\n{README_END}{tail}")
+
+
 def main(argv: list[str]) -> int:
     parser = config_parser("loraflow config", "Print the resolved config, or the reference of every setting.")
     parser.add_argument("--reference", action="store_true", help="print every section and key with its meaning")
     parser.add_argument("--markdown", action="store_true", help="with --reference: as Markdown tables")
+    parser.add_argument("--update-readme", metavar="README", help="rewrite the reference section of this file")
     args = parser.parse_args(argv)
+    if args.update_readme:
+        update_readme(args.update_readme)
+        return 0
     if args.reference:
         print(reference_markdown() if args.markdown else reference_text())
         return 0
     print(to_toml(config_from_args(args)))
     return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main(sys.argv[1:]))

@@ -72,7 +72,11 @@ class Measurement:
 
 @dataclass(slots=True, kw_only=True)
 class Summary:
-    """What a run ended with (also written to ``<run_dir>/summary.json``)."""
+    """What a run ended with (also written to ``<run_dir>/summary.json``).
+
+    ``wall_s`` is the whole ``loraflow run``; ``base_build_s`` the demo base build in it (0 when cached);
+    ``rl_s`` and ``target_reached_s`` count from starting the processes (the clock of the progress line).
+    """
 
     run_dir: str
     seed: int
@@ -155,7 +159,7 @@ class Launch:
                            f"{'s' if launch.learner_ranks > 1 else ''}) and {launch.num_workers} worker"
                            f"{'s' if launch.num_workers != 1 else ''}; logs in {self.run_dir / 'logs'}")
         self.start_broker(self.config.broker.bind)
-        self.display.event(f"broker listening on {self.endpoint}")
+        self.display.event(f"broker listening on {self.endpoint}; live picture: loraflow status {self.config_path}")
         self.progress = Progress(self.run_dir, self.endpoint, security=self._client_security())
         self.rl_started_s = time.monotonic()
         self.supervisor.add(self._child("learner", self.learner_argv()))
@@ -252,10 +256,10 @@ class Launch:
             self.display.event(f"held-out accuracy of the base model: {result.accuracy:.1%}")
             return ""
         self.display.event(f"held-out accuracy {result.accuracy:.1%} at v{result.version} (step {result.step}, "
-                           f"{time.monotonic() - self.started_s:.0f} s)")
+                           f"{time.monotonic() - self.rl_started_s:.0f} s)")
         target = self.config.eval.target_accuracy
         if result.kind == "periodic" and target and result.accuracy >= target:
-            self.summary.target_reached_s = round(time.monotonic() - self.started_s, 1)
+            self.summary.target_reached_s = round(time.monotonic() - self.rl_started_s, 1)
             return f"eval.target_accuracy ({target:.0%}) reached: {result.accuracy:.1%} at v{result.version}"
         return ""
 
