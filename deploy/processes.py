@@ -63,6 +63,7 @@ class Managed:
     num_restarts: int = 0
     restart_at_s: float | None = None  # a restart is scheduled for this monotonic time
     finished: bool = False  # exited 0 on its own
+    exit_recorded: bool = False  # the exit of the current incarnation was recorded
     exit_codes: list[int] = field(default_factory=list)
 
     @property
@@ -124,10 +125,12 @@ class Supervisor:
 
     def _start(self, child: Managed) -> None:
         child.start()
+        child.exit_recorded = False
         self._record(child, "start", pid=child.pid)
 
     def _exited(self, child: Managed, code: int) -> None:
         child.exit_codes.append(code)
+        child.exit_recorded = True
         self._record(child, "exit", pid=child.pid, code=code)
 
     def _record(self, child: Managed, event: str, **fields: object) -> None:
@@ -140,8 +143,8 @@ class Supervisor:
         now_s = time.monotonic() if now_s is None else now_s
         finished = []
         for child in self.children.values():
-            if child.popen is None or child.finished:
-                continue
+            if child.popen is None or child.finished or (child.exit_recorded and child.restart_at_s is None):
+                continue  # not started, done, or stopped on purpose
             if child.restart_at_s is not None:
                 if now_s >= child.restart_at_s:
                     child.num_restarts += 1
@@ -191,8 +194,8 @@ class Supervisor:
         targets = [self.children[n] for n in names if n in self.children]
         deadline = time.monotonic() + timeout_s
         for child in targets:
-            if child.popen is None or child.popen.returncode is not None:
-                continue  # never started, or its exit was already recorded
+            if child.popen is None or child.exit_recorded:
+                continue  # never started, or its exit was handled already
             code = child.wait(deadline - time.monotonic())
             if code is None:
                 log.warning("process_killed", process=child.name, after_s=timeout_s)
@@ -205,5 +208,5 @@ class Supervisor:
     def kill_all(self) -> None:
         self.signal(list(self.children), signal.SIGKILL)
         for child in self.children.values():
-            if child.popen is not None and child.popen.returncode is None and (code := child.wait(10)) is not None:
+            if child.popen is not None and not child.exit_recorded and (code := child.wait(10)) is not None:
                 self._exited(child, code)

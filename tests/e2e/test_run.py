@@ -2,13 +2,15 @@
 
 1. A shortened demo: versions advance, every trained group was within max_staleness, rewards are finite, the
    final adapter loads with peft, the run directory holds what the README promises.
-2. Synchronous mode with a worker killed (SIGKILL) mid-run: the launcher restarts it, the run completes, every
-   trained group was on-policy (staleness 0), and no leased prompt was lost or trained twice.
+2. Synchronous mode, one epoch, a worker and then the learner killed (SIGKILL) mid-run: the launcher restarts
+   both (the learner resumes from its checkpoint), the run completes by itself, every trained group was
+   on-policy (staleness 0), and no leased prompt was lost or trained twice.
 """
 
 from __future__ import annotations
 
 import json
+import os
 import re
 import signal
 import sys
@@ -18,6 +20,7 @@ import pytest
 
 from deploy import rundir
 from tests.e2e.accounting import check_exactly_once, check_steps, read_run
+from tests.fault.ledger import audit_run
 from tests.support import Processes, wait_for
 
 RUN_TIMEOUT_S = 300
@@ -70,28 +73,56 @@ def test_short_demo(procs: Processes, tmp_path: Path, quick_base_dir: Path) -> N
     assert lora_b and any(torch.count_nonzero(p) for p in lora_b)  # trained, not the zero initialisation
 
 
-@pytest.mark.slow
-def test_synchronous_run_survives_a_killed_worker(procs: Processes, tmp_path: Path, quick_base_dir: Path) -> None:
+def test_ctrl_c_stops_every_process_cleanly_and_keeps_the_newest_adapter(procs: Processes, tmp_path: Path,
+                                                                         quick_base_dir: Path) -> None:
     run_dir = tmp_path / "run"
-    launcher = start_run(procs, run_dir, quick_base_dir, "--num-steps", "16", "--max-staleness", "0",
-                         "--set", "launch.restart_backoff_s=0.5")
+    launcher = start_run(procs, run_dir, quick_base_dir, "--num-steps", "0")
+    wait_for(lambda: len(rundir.read_jsonl(rundir.metrics_path(run_dir))) >= 3, RUN_TIMEOUT_S, "three steps", procs)
+    launcher.signal(signal.SIGINT)
+    wait_for(lambda: not launcher.alive(), 120, "the launcher to stop", procs)
+    assert launcher.popen.returncode == 130, launcher.log()
+    out = launcher.log()
+    assert "SIGINT: stopping every process cleanly" in out and "final accuracy: " in out
+    exits = {e["process"]: e["code"] for e in rundir.read_jsonl(rundir.processes_path(run_dir)) if e["event"] == "exit"}
+    assert exits == {"broker": 0, "learner": 0, "worker-1": 0, "worker-2": 0}  # SIGTERM, clean exits, no kills
+    summary = json.loads((run_dir / "summary.json").read_text())
+    assert summary["stop_reason"] == "interrupted"
+    newest_version, _ = rundir.newest_adapter(run_dir)
+    published = max(s["version"] for s in rundir.read_jsonl(rundir.metrics_path(run_dir)))
+    assert summary["final_version"] == newest_version >= published  # the learner wrote its newest version
+    assert (run_dir / "final_adapter" / "adapter_model.safetensors").is_file()
 
-    def worker_pid_mid_run() -> int | None:
-        steps = rundir.read_jsonl(rundir.metrics_path(run_dir))
-        starts = [e for e in rundir.read_jsonl(rundir.processes_path(run_dir))
-                  if e["process"] == "worker-1" and e["event"] == "start"]
-        return starts[-1]["pid"] if len(steps) >= 4 and starts else None
 
-    pid = wait_for(worker_pid_mid_run, RUN_TIMEOUT_S, "the run to reach step 4", procs)
-    import os
+@pytest.mark.slow
+def test_synchronous_run_survives_a_killed_worker_and_learner(procs: Processes, tmp_path: Path,
+                                                              quick_base_dir: Path) -> None:
+    """One epoch of 48 prompts, max_staleness 0; SIGKILL worker-1, later the learner (after its checkpoint at
+    step 5): the launcher restarts both, the run completes by itself, and the audit of tests/fault holds
+    (every prompt trained exactly once in the committed history, nothing from a withdrawn version)."""
+    run_dir = tmp_path / "run"
+    launcher = start_run(procs, run_dir, quick_base_dir, "--num-steps", "12", "--max-staleness", "0",
+                         "--log-format", "json", "--set", "run.groups_per_step=4", "--set", "broker.prompt_limit=48",
+                         "--set", "broker.num_epochs=1", "--set", "launch.restart_backoff_s=0.5")
 
-    os.kill(pid, signal.SIGKILL)
+    def pid_once(process: str, min_step: int, ready=lambda: True):
+        def probe() -> int | None:
+            steps = rundir.read_jsonl(rundir.metrics_path(run_dir))
+            starts = [e for e in rundir.read_jsonl(rundir.processes_path(run_dir))
+                      if e["process"] == process and e["event"] == "start"]
+            return starts[-1]["pid"] if steps and steps[-1]["step"] >= min_step and starts and ready() else None
+        return wait_for(probe, RUN_TIMEOUT_S, f"step {min_step} before killing {process}", procs)
+
+    os.kill(pid_once("worker-1", 3), signal.SIGKILL)
+    checkpoint = run_dir / "learner" / "checkpoints" / "step_00000005" / "learner_state.json"
+    os.kill(pid_once("learner", 7, checkpoint.is_file), signal.SIGKILL)
     out = finish(procs, launcher)
     assert "worker-1 stopped unexpectedly (signal SIGKILL); restarting" in out
-    events = [(e["process"], e["event"]) for e in rundir.read_jsonl(rundir.processes_path(run_dir))]
-    assert events.count(("worker-1", "start")) == 2
-    assert json.loads((run_dir / "summary.json").read_text())["restarts"] == {"worker-1": 1}
+    assert "learner stopped unexpectedly (signal SIGKILL); restarting" in out
+    assert json.loads((run_dir / "summary.json").read_text())["restarts"] == {"worker-1": 1, "learner": 1}
 
-    record = read_run(run_dir)
-    check_steps(record, max_staleness=0, num_steps=16)  # synchronous: every trained group was on-policy
-    check_exactly_once(record)
+    audit = audit_run(run_dir, [run_dir / "logs" / "worker-1.log", run_dir / "logs" / "worker-2.log"], 48)
+    assert len(audit.starts) == 2 and audit.steps_lost >= 2, audit.summary()
+    assert len(audit.chain) == 12
+    for step in audit.chain:  # synchronous: every trained token came from the version being trained
+        for group_id, token_versions in step["versions"].items():
+            assert set(token_versions) == {step["trained_version"]}, (step["step"], group_id, token_versions)
