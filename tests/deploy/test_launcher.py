@@ -1,0 +1,72 @@
+"""`loraflow run` pieces that need no training: run directories, GPU assignment, and clear errors."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from common.config import load_config
+from deploy import rundir
+from deploy.launcher import DEMO_CONFIG, choose_run_dir, device_env, version_step
+from tests.support import REPO, child_env
+
+
+def test_a_fresh_run_dir_unless_one_is_named(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.chdir(tmp_path)
+    fresh = choose_run_dir(load_config(DEMO_CONFIG))
+    assert fresh.run_dir.parent == Path("runs") and fresh.run_dir.name.startswith("demo-")
+    fresh.run_dir.mkdir(parents=True)
+    assert choose_run_dir(load_config(DEMO_CONFIG)).run_dir != fresh.run_dir  # never reuses an existing one
+    named = load_config(DEMO_CONFIG, ["run.run_dir=\"runs/exp1\""])
+    assert choose_run_dir(named).run_dir == Path("runs/exp1")  # a named one is resumed
+
+
+def test_gpus_are_split_between_workers_and_learner_ranks(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
+    gpu = load_config(REPO / "deploy/configs/gpu-example.toml")  # 2 workers, 2 learner ranks, all on cuda
+    assert [device_env(n, gpu) for n in ("worker-1", "worker-2", "learner", "broker")] == [
+        {"CUDA_VISIBLE_DEVICES": "0"}, {"CUDA_VISIBLE_DEVICES": "1"}, {"CUDA_VISIBLE_DEVICES": "2,3"}, {}]
+    assert device_env("learner", load_config(DEMO_CONFIG)) == {}  # CPU roles get nothing
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "5")
+    assert device_env("worker-1", gpu) == {}  # an operator's choice wins
+
+
+def test_version_step_reads_the_learner_metrics(tmp_path: Path) -> None:
+    rundir.append_jsonl(rundir.metrics_path(tmp_path), {"step": 3, "version": 4})
+    assert version_step(tmp_path, 4) == 3 and version_step(tmp_path, 0) == 0 and version_step(tmp_path, 9) == 0
+
+
+def run(tmp_path: Path, *args: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "deploy.cli", "run", "--run-dir", str(tmp_path / "run"), *args],
+                          env=child_env(), capture_output=True, text=True, timeout=300, cwd=tmp_path)
+
+
+def test_a_missing_model_is_a_clear_error(tmp_path: Path) -> None:
+    result = run(tmp_path, "--model", str(tmp_path / "absent"))
+    assert result.returncode == 1
+    assert f"error: model.path '{tmp_path / 'absent'}' is not a Hugging Face model directory" in result.stdout
+    assert json.loads((tmp_path / "run" / "summary.json").read_text())["stop_reason"] == "error"
+
+
+def test_a_bad_config_value_names_the_key(tmp_path: Path) -> None:
+    result = run(tmp_path, "--set", "launch.num_workers=-1")
+    assert result.returncode == 2 and "launch.num_workers: must be >= 0, got -1" in result.stderr
+
+
+def test_a_learner_that_cannot_start_ends_the_run_with_its_log(tmp_path: Path, tiny_model_dir: Path) -> None:
+    result = run(tmp_path, "--model", str(tiny_model_dir), "--workers", "1", "--set", "launch.max_restarts=0",
+                 "--set", "learner.target_modules=[\"no_such_module\"]", "--set", "eval.num_prompts=0")
+    assert result.returncode == 1, result.stdout + result.stderr
+    assert "error: learner failed 1 times in a row (last: exit code 1); giving up" in result.stdout
+    assert "no_such_module" in result.stdout  # the tail of its log says why
+    events = rundir.read_jsonl(rundir.processes_path(tmp_path / "run"))
+    started = {e["process"] for e in events if e["event"] == "start"}
+    exited = {e["process"] for e in events if e["event"] == "exit"}
+    assert started == exited == {"broker", "learner", "worker-1"}  # nothing left running
+    assert not any(p.is_file() for p in [tmp_path / "run" / "final_adapter" / "adapter_config.json"])
+    assert os.path.isfile(tmp_path / "run" / "summary.json")
