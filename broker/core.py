@@ -50,7 +50,7 @@ from broker.buffer import RolloutBuffer
 from broker.flow import DataFlow, Waiter
 from broker.history import TrainingHistory
 from broker.leases import LeaseTable
-from broker.peers import Peer, PeerRegistry, RegistryFull
+from broker.peers import Peer, PeerRegistry, RegistryFull, display_name
 from broker.prompts import PromptSource, group_id_of
 from broker.snapshot import build_snapshot
 from broker.state import BrokerState, StateWriter, check_matches, load_adapter, load_state, make_state
@@ -259,7 +259,7 @@ class BrokerCore(DataFlow):
         peer = self.peers.get(identity)
         if peer is not None and ref_kind == Kind.ROLLOUT_GROUP:
             peer.num_groups_rejected += 1
-        log.debug("rejected", peer=identity.decode(errors="replace")[:64], code=code, error=message[:300])
+        log.debug("rejected", peer=display_name(identity)[:64], code=code, error=message[:300])
         if ref_kind == Kind.ERROR:
             return  # never answer an error with an error
         self._send(identity, protocol.Error(code=code, message=message[:4000], ref_kind=ref_kind,
@@ -279,7 +279,7 @@ class BrokerCore(DataFlow):
     def send_failed(self, out: Outgoing, reason: str) -> None:
         """zmq refused ``out`` (server calls this); undo what the message promised."""
         self.stats.count("send_failed", reason)
-        log.info("send_failed", peer=out.identity.decode(errors="replace")[:64], kind=KIND_NAMES.get(out.kind),
+        log.info("send_failed", peer=display_name(out.identity)[:64], kind=KIND_NAMES.get(out.kind),
                  reason=reason)
         if out.on_fail is not None:
             out.on_fail()
@@ -483,7 +483,7 @@ class BrokerCore(DataFlow):
             self.prompts.requeue(lease.key)
             self.stats.count("leases", "expired")
             log.info("lease_expired", lease_id=lease.lease_id, group_id=group_id_of(lease.key),
-                     worker=lease.worker.decode(errors="replace"))
+                     worker=display_name(lease.worker))
             self._dirty = True
         if now_s >= self._next_peer_check_s:
             self._next_peer_check_s = now_s + self.config.broker.heartbeat_interval_s * PEER_CHECK_FRACTION

@@ -19,6 +19,7 @@ import heapq
 import itertools
 from dataclasses import dataclass
 
+from broker.peers import display_name
 from broker.prompts import PromptKey
 
 
@@ -123,5 +124,5 @@ class LeaseTable:
 
     def snapshot(self, now_s: float) -> list[dict]:
         return [{"lease_id": lease.lease_id, "group_id": f"{lease.key[0]}:{lease.key[1]}",
-                 "worker": lease.worker.decode(errors="replace"), "age_s": round(now_s - lease.granted_s, 3),
+                 "worker": display_name(lease.worker), "age_s": round(now_s - lease.granted_s, 3),
                  "expires_in_s": round(lease.deadline_s - now_s, 3)} for lease in self._by_id.values()]

@@ -1,11 +1,16 @@
 """The registry of connected clients: who they are, their session, what they last reported, whether alive.
 
-Clients are keyed by their zmq identity (``<role>/<client_id>``, set by :class:`common.transport.BrokerLink`).
+Clients are keyed by their zmq identity (``<role>/<client_id>``, set by :class:`common.transport.BrokerLink`;
+with CURVE on, ``<role>/<client_id>/<route token>``: a random token per process, so that no other client, even an
+authorised one, can claim the identity and with it the messages routed to it). The token is never shown: a
+peer's :attr:`Peer.name` and everything stats report use :func:`display_name`.
+
 A client is registered by its Hello and stays registered while it is heard from: any message counts, and
 BrokerLink heartbeats every ``heartbeat_interval_s`` regardless of what its process is doing. Silence for
-``heartbeat_misses`` intervals means death (:meth:`PeerRegistry.dead`). A Hello under a known identity with a
-new ``session`` means the old process died and was restarted (:meth:`PeerRegistry.hello` returns the old
-entry so the server can reclaim what it held); the same session again is a harmless re-hello.
+``heartbeat_misses`` intervals means death (:meth:`PeerRegistry.dead`). A Hello with a new ``session`` from a
+known ``(role, client_id)``, under the same identity or another one, means the old process died and was
+restarted (:meth:`PeerRegistry.hello` returns the old entry so the server can reclaim what it held); the same
+session again is a harmless re-hello.
 
 Each peer also accumulates the time spent in each reported state (``training``, ``waiting``, ...), from
 which the stats derive busy shares (the learner's idle share is the headline number of async training).
@@ -23,6 +28,11 @@ from common.protocol import Heartbeat, Hello
 
 #: states in which a client is doing useful work (for busy shares)
 BUSY_STATES = frozenset({"generating", "scoring", "training", "publishing"})
+
+
+def display_name(identity: bytes) -> str:
+    """``<role>/<client_id>`` of a client identity, without the route token a CURVE client appends (a secret)."""
+    return "/".join(identity.decode(errors="replace").split("/")[:2])
 
 
 class RegistryFull(ValueError):
@@ -54,7 +64,7 @@ class Peer:
 
     @property
     def name(self) -> str:
-        return self.identity.decode(errors="replace")
+        return display_name(self.identity)
 
     def set_state(self, state: str, now_s: float) -> None:
         self.state_time_s[self.state] += max(0.0, now_s - self.state_since_s)
@@ -100,6 +110,11 @@ class PeerRegistry:
             old.last_seen_s = now_s
             old.adapter_version = max(old.adapter_version, hello.adapter_version)
             return old, None
+        if old is None:  # a previous process of the same client under another identity (CURVE route tokens)
+            old = next((p for p in self._peers.values() if (p.role, p.client_id) == (hello.role, hello.client_id)),
+                       None)
+            if old is not None:
+                del self._peers[old.identity]
         if old is None and hello.role == "worker" and self.num_workers() >= self.max_workers:
             raise RegistryFull(f"{self.max_workers} workers are registered (broker.max_workers)")
         peer = Peer(identity=identity, role=hello.role, client_id=hello.client_id, session=hello.session,

@@ -28,7 +28,8 @@ write, a deadline, or :meth:`BrokerServer.stop` (the signal handler). Sends neve
 ``ROUTER_MANDATORY`` a peer that is gone (EHOSTUNREACH) or whose queue is full (EAGAIN) makes the send fail
 at once, and the core takes back what the message promised (leases re-queued, a batch back to the buffer).
 With CURVE (``security.enabled``) every message carries the role its sender's key is authorised for, and
-the core lets a client act only in that role.
+the core lets a client act only in that role; handshakes with keys that are not authorised never reach the
+socket and are counted (``auth{refused}``).
 
 Up to ``MAX_DRAIN`` messages are received per wake-up before timers and sends run, which amortises the poll
 and the state-file write over a burst; tensor frames are received with ``copy=False`` and forwarded as the
@@ -46,6 +47,7 @@ import zmq
 from zmq.utils.monitor import recv_monitor_message
 
 from broker.core import BrokerCore
+from broker.peers import display_name
 from common import sockets
 from common.config import Config
 from common.logging import get_logger
@@ -82,6 +84,7 @@ class BrokerServer:
         self.poller.register(self.monitor, zmq.POLLIN)
         self.poller.register(self._wake_r, zmq.POLLIN)
         self._running = False
+        self._refused_counted = 0
 
     def _wake(self) -> None:
         with contextlib.suppress(BlockingIOError):  # a full pipe already wakes the loop
@@ -113,6 +116,7 @@ class BrokerServer:
                 if self.sock in events:
                     self._receive()
                 now_s = time.monotonic()
+                self._count_refused_handshakes()
                 core.tick(now_s)
                 self._send_all(core.flush(now_s))
             self._send_all(core.drain(time.monotonic()))
@@ -133,8 +137,17 @@ class BrokerServer:
             try:
                 core.handle(identity, frames[1:], now_s, authenticated_role=role)
             except Exception:  # a bug must cost one message, not the broker
-                log.exception("handler_failed", peer=identity.decode(errors="replace")[:64])
+                log.exception("handler_failed", peer=display_name(identity)[:64])
                 core.internal_error(identity, frames[1:])
+
+    def _count_refused_handshakes(self) -> None:
+        """CURVE handshakes the ZAP thread refused (unknown keys) since the last pass, into ``auth{refused}``."""
+        if self.security is None:
+            return
+        refused = self.security.num_refused
+        if refused != self._refused_counted:
+            self.core.stats.count("auth", "refused", refused - self._refused_counted)
+            self._refused_counted = refused
 
     def _send_all(self, outgoing: list) -> None:
         for out in outgoing:

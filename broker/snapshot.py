@@ -15,7 +15,7 @@
     adapters[{version, num_bytes, ...}]
     history{uncommitted_groups, withdrawn[[lo, hi]], learner_session}   (see broker.history)
     counters as in broker.stats: messages_in/out, bytes_in/out, rejected, num_rejected, dropped, send_failed,
-    group_events, lease_events, served_staleness, adapter_events, peers_gone, connections, state_writes,
+    group_events, lease_events, served_staleness, adapter_events, peers_gone, connections, auth, state_writes,
     rates{...}
 
 Every dict key is a string (msgpack maps decode with string keys only).

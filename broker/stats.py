@@ -24,6 +24,8 @@ Counter families (Prometheus name ``loraflow_broker_<family>_total{label=...}``)
     state_writes{trigger} sync writes of the state file
     connections{event}    accepted / disconnected TCP connections (zmq drops a peer that sends a frame over
                           broker.max_message_bytes before anything is read: it shows up here)
+    auth{event}           refused: CURVE handshakes with a key not authorised (security.enabled); such a
+                          client never gets a message through, so it appears nowhere else
 """
 
 from __future__ import annotations
@@ -50,7 +52,7 @@ class BrokerStats:
                 ("messages_in", "kind"), ("messages_out", "kind"), ("rejected", "reason"), ("dropped", "reason"),
                 ("send_failed", "reason"), ("groups", "event"), ("leases", "event"),
                 ("served_staleness", "staleness"), ("adapters", "event"), ("peers_gone", "reason"),
-                ("state_writes", "trigger"), ("connections", "event"))
+                ("state_writes", "trigger"), ("connections", "event"), ("auth", "event"))
         }
         self.bytes_in = 0
         self.bytes_out = 0
@@ -122,6 +124,7 @@ class BrokerStats:
             "adapter_events": self.family("adapters"),
             "peers_gone": self.family("peers_gone"),
             "connections": self.family("connections"),
+            "auth": self.family("auth"),
             "state_writes": sum(self.families["state_writes"][1].values()),
             "tokens_accepted": self.tokens_accepted,
             "rates": self.rates(now_s),

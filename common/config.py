@@ -160,7 +160,8 @@ class EvalConfig:
 class SecurityConfig:
     enabled: bool = rule(False, doc="CURVE authentication and encryption on every socket")
     keys_dir: str = rule("", doc="directory made by `loraflow keys`")
-    client_key: str = rule("", doc="name of this client's key pair in keys_dir (e.g. worker, learner)")
+    client_key: str = rule("", doc="name of this client's key pair in keys_dir (e.g. gpu-3); default: the "
+                           "client's role (worker, learner, observer)")
 
 
 @dataclass(slots=True, kw_only=True)

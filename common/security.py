@@ -199,8 +199,10 @@ def role_of(frame: Any) -> str | None:
     return user_id.split(":", 1)[0] if user_id else None
 
 
-def client_security(config: Any) -> ClientSecurity | None:
-    """Client-side security for a loaded Config (None when security is off)."""
+def client_security(config: Any, role: str = "") -> ClientSecurity | None:
+    """Client-side security for a loaded Config (None when security is off). The key pair is
+    ``security.client_key``, else the one named after the client's ``role`` (``loraflow keys DIR`` makes
+    ``worker``, ``learner`` and ``observer``), so one config serves every role of a single-machine run."""
     if not config.security.enabled:
         return None
-    return ClientSecurity.load(config.security.keys_dir, config.security.client_key)
+    return ClientSecurity.load(config.security.keys_dir, config.security.client_key or role)

@@ -27,6 +27,7 @@ import collections
 import itertools
 import os
 import queue
+import secrets
 import socket
 import threading
 import time
@@ -88,6 +89,7 @@ class BrokerLink:
         self.num_reconnects = 0
         self._ctx = ctx or zmq.Context.instance()
         self._security = security
+        self._route_token = secrets.token_hex(16) if security is not None else ""
         self._interval_s = heartbeat_interval_s
         self._timeout_s = heartbeat_timeout_s
         self._max_bytes = max_message_bytes
@@ -213,7 +215,10 @@ class BrokerLink:
             dealer.close(linger=sockets.LINGER_MS)
 
     def _identity(self) -> bytes:
-        return f"{self.hello.role}/{self.hello.client_id}".encode()[:255]
+        """``<role>/<client_id>``; with CURVE, plus a random route token: an identity another authorised client
+        cannot guess, so it cannot take over this client's route (zmq hands an identity to its newest holder)."""
+        base = f"{self.hello.role}/{self.hello.client_id}"[:200]
+        return (f"{base}/{self._route_token}" if self._route_token else base).encode()
 
     def _handle(self, frames: list[Any]) -> bool:
         """Route one message from the broker; returns True when a hello must be sent again."""

@@ -50,7 +50,7 @@ class BrokerSession:
 
         broker = config.broker
         hello = Hello(role="learner", client_id=client_id, adapter_version=version)
-        self.link = BrokerLink(broker.endpoint, hello, security=client_security(config),
+        self.link = BrokerLink(broker.endpoint, hello, security=client_security(config, role="learner"),
                                heartbeat_interval_s=broker.heartbeat_interval_s,
                                heartbeat_timeout_s=broker.heartbeat_interval_s * broker.heartbeat_misses,
                                max_message_bytes=broker.max_message_bytes)

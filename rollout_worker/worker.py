@@ -40,6 +40,7 @@ from common.config import Config
 from common.logging import bind, get_logger
 from common.metrics import Metrics, serve_prometheus
 from common.protocol import LeaseGrant
+from common.security import client_security
 from common.timeline import Timeline
 from common.transport import BrokerUnavailable
 from rollout_worker.adapters import AdapterStore
@@ -229,7 +230,7 @@ def run(config: Config) -> int:
         serve_prometheus(metrics, config.worker.metrics_port)
     store = AdapterStore(Path(config.worker.adapter_dir or config.run_dir / "workers" / worker_id / "adapters"))
     session = BrokerSession(config, worker_id=worker_id, store=store, metrics=metrics, wake=wake,
-                            security=_security(config))
+                            security=client_security(config, role="worker"))
     backend: Backend | None = None
     try:
         welcome = session.start()
@@ -249,11 +250,3 @@ def run(config: Config) -> int:
             backend.close()
     timeline.mark("idle")
     return 0
-
-
-def _security(config: Config) -> Any:
-    if not config.security.enabled:
-        return None
-    from common.security import ClientSecurity
-
-    return ClientSecurity.load(config.security.keys_dir, config.security.client_key or "worker")

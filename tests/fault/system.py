@@ -31,7 +31,8 @@ HEARTBEAT_S = 0.2
 
 def write_config(path: Path, *, run_dir: Path, model_dir: Path, backend: str, num_prompts: int,
                  groups_per_step: int = 4, group_size: int = 4, checkpoint_every: int = 2, max_staleness: int = 2,
-                 seed: int = 0) -> Path:
+                 seed: int = 0, extra: str = "") -> Path:
+    """One TOML for every role of a small single-epoch run (``extra``: more TOML appended, e.g. [security])."""
     path.write_text(f"""
 [run]
 run_dir = "{run_dir}"
@@ -66,7 +67,7 @@ save_adapter_every = 0
 num_threads = 1
 batch_wait_ms = 200
 micro_batch_tokens = 512
-""")
+{extra}""")
     return path
 
 
