@@ -10,14 +10,14 @@ five tensor frames) to one consumer process, three ways, in the same run:
   any hop;
 - broker: producers act as workers (LeaseRequest, RolloutGroup, Ack) and the consumer as the learner
   (BatchRequest, Batch, BatchAck) against ``python -m broker``: leases, validation of every group (numpy
-  views), dedup, buffering, batching and an fsynced state write per BatchAck.
+  views), dedup, buffering, batching and an fsynced state write per BatchAck;
+- curve: the same with ``security.enabled``: every byte CURVE-encrypted (keys made once per run in the work
+  directory, the producers holding a worker key, the consumer the learner key).
 
 The figure is tensor payload bytes per second at the consumer, over ``--seconds`` after a warm-up. Every
 socket's high-water mark is small so no mode can run ahead into unbounded queues. Targets: broker >= 0.8 x
-relay at 256 KB and 4 MB, >= 0.5 x at 16 KB. The JSON line's ratio is broker / relay at 256 KB.
-
-``--curve`` is the hook for CURVE-encrypted runs (security is its own issue): it is refused until
-``common.security`` exists.
+relay at 256 KB and 4 MB, >= 0.5 x at 16 KB. The JSON line's ratio is broker / relay at 256 KB; its
+``curve_ratio`` is curve / broker at 256 KB (``curve_ratio_by_size`` for every size): the cost of encryption.
 """
 
 from __future__ import annotations
@@ -49,7 +49,9 @@ from common.protocol import (  # noqa: E402
     LeaseRequest,
     RolloutGroup,
 )
+from common.security import ClientSecurity, generate_keys  # noqa: E402
 
+BENCH_KEYS = {"worker": "bench-worker", "learner": "bench-learner"}  # role -> key name (curve mode)
 GROUP_SIZE = 8
 PROMPT_LEN = 16
 HWM = 8
@@ -143,19 +145,29 @@ def kind_and_header(frames: list) -> tuple[int, dict]:
     return kind, msgpack.unpackb(frames[1].buffer)
 
 
+def client_socket(endpoint: str, identity: bytes, keys_dir: str | None, hwm: int | None = None
+                  ) -> tuple[zmq.Context, zmq.Socket]:
+    """A DEALER to the broker, with the worker's or learner's CURVE keys when ``keys_dir`` is set."""
+    ctx = zmq.Context()
+    sock = ctx.socket(zmq.DEALER)
+    sock.setsockopt(zmq.IDENTITY, identity)
+    if hwm is not None:
+        sock.setsockopt(zmq.SNDHWM, hwm)
+    if keys_dir is not None:
+        ClientSecurity.load(keys_dir, BENCH_KEYS[identity.split(b"/")[0].decode()]).apply_client(sock)
+    sock.connect(endpoint)
+    return ctx, sock
+
+
 def hello(sock: zmq.Socket, role: str, name: str) -> None:
     sock.send_multipart(protocol.encode(Hello(role=role, client_id=name, session=uuid.uuid4().hex[:8])))
     while kind_and_header(sock.recv_multipart(copy=False))[0] != Kind.WELCOME:
         pass
 
 
-def broker_worker(endpoint: str, num_bytes: int, max_leases: int, stop: mp.Event) -> None:
+def broker_worker(endpoint: str, num_bytes: int, max_leases: int, stop: mp.Event, keys_dir: str | None) -> None:
     name = f"bench-{os.getpid()}"
-    ctx = zmq.Context()
-    sock = ctx.socket(zmq.DEALER)
-    sock.setsockopt(zmq.IDENTITY, f"worker/{name}".encode())
-    sock.setsockopt(zmq.SNDHWM, HWM)
-    sock.connect(endpoint)
+    ctx, sock = client_socket(endpoint, f"worker/{name}".encode(), keys_dir, hwm=HWM)
     hello(sock, "worker", name)
     tensors = group_tensors(num_bytes)
     template = protocol.encode(group_record("0:0", "L", name, tensors), tensors)
@@ -188,11 +200,9 @@ def broker_worker(endpoint: str, num_bytes: int, max_leases: int, stop: mp.Event
     ctx.term()
 
 
-def broker_learner(endpoint: str, num_groups: int, prefetch: int, seconds: float, results: mp.Queue) -> None:
-    ctx = zmq.Context()
-    sock = ctx.socket(zmq.DEALER)
-    sock.setsockopt(zmq.IDENTITY, b"learner/bench")
-    sock.connect(endpoint)
+def broker_learner(endpoint: str, num_groups: int, prefetch: int, seconds: float, results: mp.Queue,
+                   keys_dir: str | None) -> None:
+    ctx, sock = client_socket(endpoint, b"learner/bench", keys_dir)
     hello(sock, "learner", "bench")
     results.put(endpoint)
     request = protocol.encode(BatchRequest(num_groups=num_groups, wait_ms=1000))
@@ -225,6 +235,14 @@ def broker_learner(endpoint: str, num_groups: int, prefetch: int, seconds: float
 
 
 # -- modes -------------------------------------------------------------------------------------------------
+
+
+def bench_keys(workdir: Path) -> str:
+    """CURVE keys for the curve mode (made once per work directory): the broker's, a worker's, the learner's."""
+    keys = workdir / "keys"
+    if not (keys / "broker.key_secret").is_file():
+        generate_keys(keys, {BENCH_KEYS["worker"]: "worker", BENCH_KEYS["learner"]: "learner"})
+    return str(keys)
 
 
 def cpu_seconds(pid: int) -> float:
@@ -265,13 +283,16 @@ def run_mode(mode: str, num_bytes: int, producers: int, seconds: float, workdir:
             capacity = max(capacity_batches * num_groups, producers * 8)
             endpoint_file = workdir / "broker.endpoint"
             endpoint_file.unlink(missing_ok=True)
+            keys_dir = bench_keys(workdir) if mode == "curve" else None
+            security = ["--set", "security.enabled=true", "--set", f"security.keys_dir=\"{keys_dir}\""] if keys_dir else []
             profile = ["-m", "cProfile", "-o", os.environ["BENCH_PROFILE"]] if os.environ.get("BENCH_PROFILE") else []
             broker = subprocess.Popen(
                 [sys.executable, *profile, "-m", "broker", "--run-dir", str(workdir / "run"), "--log-level", "warning",
                  "--set", "broker.bind=\"tcp://127.0.0.1:0\"", "--set", f"broker.endpoint_file=\"{endpoint_file}\"",
                  "--set", f"run.group_size={GROUP_SIZE}", "--set", f"run.groups_per_step={num_groups}",
                  "--set", "run.max_staleness=1000", "--set", f"broker.capacity_groups={capacity}",
-                 "--set", "broker.heartbeat_misses=100", "--set", f"broker.max_leases_per_worker={capacity}"],
+                 "--set", "broker.heartbeat_misses=100", "--set", f"broker.max_leases_per_worker={capacity}",
+                 *security],
                 cwd=Path(__file__).resolve().parent.parent)
             deadline = time.monotonic() + 30
             while not (endpoint_file.is_file() and endpoint_file.read_text().strip()):
@@ -280,11 +301,12 @@ def run_mode(mode: str, num_bytes: int, producers: int, seconds: float, workdir:
                 time.sleep(0.05)
             endpoint = endpoint_file.read_text().strip()
             hop_pid = broker.pid
-            consumer = spawn.Process(target=broker_learner, args=(endpoint, num_groups, prefetch, seconds, results))
+            consumer = spawn.Process(target=broker_learner,
+                                     args=(endpoint, num_groups, prefetch, seconds, results, keys_dir))
             consumer.start()
             results.get(timeout=30)
             per_worker = max(2, capacity // producers)
-            producers_ = [spawn.Process(target=broker_worker, args=(endpoint, num_bytes, per_worker, stop))
+            producers_ = [spawn.Process(target=broker_worker, args=(endpoint, num_bytes, per_worker, stop, keys_dir))
                           for _ in range(producers)]
         for child in producers_:
             child.start()
@@ -316,16 +338,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--seconds", type=float, default=3.0, help="measured seconds per run")
     parser.add_argument("--repeats", type=int, default=3, help="interleaved runs per mode and size (median kept)")
     parser.add_argument("--sizes", default="16384,262144,4194304", help="group sizes in bytes, comma-separated")
-    parser.add_argument("--modes", default="direct,relay,broker")
+    parser.add_argument("--modes", default="direct,relay,broker,curve")
     parser.add_argument("--batch-bytes", type=int, default=4 << 20, help="broker mode: bytes per learner batch "
                         "(groups per batch = this / group size, 2..64)")
     parser.add_argument("--capacity-batches", type=int, default=4, help="broker mode: capacity_groups in batches")
     parser.add_argument("--prefetch", type=int, default=2, help="broker mode: batch requests kept outstanding")
-    parser.add_argument("--curve", action="store_true", help="CURVE on every socket (needs common.security)")
     args = parser.parse_args(argv)
-    if args.curve:
-        print("--curve: not wired into this benchmark yet (security is its own issue)", file=sys.stderr)
-        return 2
     sizes = [int(s) for s in args.sizes.split(",")]
     modes = args.modes.split(",")
     results: dict[int, dict[str, float]] = {}
@@ -346,6 +364,8 @@ def main(argv: list[str] | None = None) -> int:
                               for m in modes)
             ratios = "  ".join(f"{m}/relay {row[m] / row['relay']:.2f}" for m in modes
                                if m != "relay" and "relay" in row)
+            if "curve" in row and "broker" in row:
+                ratios += f"  curve/broker {row['curve'] / row['broker']:.2f}"
             spread = "  ".join(f"{m} [{min(r[0] for r in runs[m]) / 1e6:.0f}-{max(r[0] for r in runs[m]) / 1e6:.0f}]"
                                for m in modes)
             print(f"group {size / 1024:>6.0f} KB  {cells}   {ratios}   runs: {spread}", flush=True)
@@ -355,7 +375,10 @@ def main(argv: list[str] | None = None) -> int:
            row.get("relay", 0.0) / 1e6, producers=args.producers,
            by_size={str(s): {m: round(v / 1e6, 1) for m, v in r.items()} for s, r in results.items()},
            ratio_by_size={str(s): round(r["broker"] / r["relay"], 3) for s, r in results.items()
-                          if "broker" in r and "relay" in r})
+                          if "broker" in r and "relay" in r},
+           curve_ratio=round(row["curve"] / row["broker"], 3) if "curve" in row and "broker" in row else None,
+           curve_ratio_by_size={str(s): round(r["curve"] / r["broker"], 3) for s, r in results.items()
+                                if "curve" in r and "broker" in r})
     return 0
 
 

@@ -42,6 +42,7 @@ an Ack only once the write covering it is durable. Rare writes that must precede
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import struct
@@ -53,7 +54,7 @@ from pathlib import Path
 from typing import Any
 
 from broker.prompts import PromptKey
-from common.schema import SchemaError, build, dump, rule
+from common.schema import SchemaError, build, rule
 
 STATE_FORMAT = 1
 
@@ -99,6 +100,9 @@ class BrokerState:
         return [(r[0], r[1]) for r in self.withdrawn]
 
 
+_FIELD_NAMES = tuple(f.name for f in dataclasses.fields(BrokerState))
+
+
 def _key(value: list[int], name: str) -> PromptKey:
     if len(value) != 2 or min(value) < 0:
         raise ValueError(f"broker state: {name} must be [epoch, index] with non-negative ints, got {value}")
@@ -123,7 +127,9 @@ def save_state(path: str | os.PathLike, state: BrokerState) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
     with open(tmp, "w") as f:
-        json.dump(dump(state), f, separators=(",", ":"))
+        # every field is a plain JSON value already: skip schema.dump's per-element walk (the file is written
+        # after every BatchAck and holds hundreds of keys)
+        json.dump({name: getattr(state, name) for name in _FIELD_NAMES}, f, separators=(",", ":"))
         f.flush()
         os.fsync(f.fileno())
     os.replace(tmp, path)
