@@ -17,6 +17,11 @@ process is a new one (a different ``broker_id`` in its Welcome, or a ``not_regis
 again. The caller then gets a :class:`Reconnected` item from :meth:`BrokerLink.recv` and re-sends whatever the
 old broker had not acknowledged (the broker deduplicates).
 
+Refusals are errors at the caller, with the broker's reason: a Hello answered by an Error (too many workers,
+another protocol version, a key not authorised for the role) makes :meth:`BrokerLink.start` raise
+:class:`BrokerRefused`; a message larger than the broker's ``max_message_bytes`` (from its Welcome) is not sent,
+:meth:`BrokerLink.send` raises :class:`MessageTooLarge` (zmq would otherwise drop the connection silently).
+
 Heartbeats run independently of the caller, so a long generation or training step never looks like a dead
 client. Heartbeat pongs are consumed here and only update :attr:`BrokerLink.latest_version`.
 """
@@ -38,7 +43,7 @@ from typing import Any
 
 import zmq
 
-from common import protocol, sockets
+from common import framing, protocol, sockets
 from common.framing import Envelope
 from common.logging import get_logger
 from common.protocol import Error, Heartbeat, Hello, Kind, ProtocolError, Welcome
@@ -49,6 +54,15 @@ _link_ids = itertools.count()
 
 class BrokerUnavailable(TimeoutError):
     """The broker did not answer in time; the message names the setting to raise."""
+
+
+class BrokerRefused(ConnectionError):
+    """The broker answered the Hello with an Error (protocol version, too many workers, a key not authorised
+    for the role): waiting will not help; the message is the broker's, saying what to change."""
+
+
+class MessageTooLarge(ValueError):
+    """A message is larger than the broker accepts (``broker.max_message_bytes``, told in its Welcome)."""
 
 
 @dataclass(slots=True)
@@ -96,6 +110,8 @@ class BrokerLink:
         self._inbox: queue.Queue[Incoming | Reconnected] = queue.Queue()
         self._held: collections.deque[Incoming | Reconnected] = collections.deque()
         self._welcomed = threading.Event()
+        self._answered = threading.Event()  # a Welcome, or an Error refusing the Hello
+        self._refusal: Error | None = None
         self._stop = threading.Event()
         self._send_lock = threading.Lock()
         pipe_name = f"inproc://broker-link-{os.getpid()}-{next(_link_ids)}"
@@ -110,11 +126,15 @@ class BrokerLink:
     def start(self, timeout_s: float = 30.0) -> Welcome:
         """Connect, say hello and wait for the Welcome."""
         self._thread.start()
-        if not self._welcomed.wait(timeout_s):
+        if not self._answered.wait(timeout_s):
             self.close(send_bye=False)
             raise BrokerUnavailable(f"no Welcome from the broker at {self.endpoint} within {timeout_s:.0f} s; "
                                     "is it running and is broker.endpoint right? (raise the connect timeout "
                                     "if it is just slow to start)")
+        if self._refusal is not None:
+            self.close(send_bye=False)
+            raise BrokerRefused(f"the broker at {self.endpoint} refused this {self.hello.role} "
+                                f"({self._refusal.code}): {self._refusal.message}")
         assert self.welcome is not None
         return self.welcome
 
@@ -123,6 +143,14 @@ class BrokerLink:
         self.send_frames(protocol.encode(message, list(tensors)))
 
     def send_frames(self, frames: list[Any]) -> None:
+        """Queue encoded frames; raises MessageTooLarge (nothing sent) when the broker would refuse the size."""
+        limit = self.welcome.max_message_bytes if self.welcome is not None else self._max_bytes
+        size = sum(memoryview(f).nbytes for f in frames)
+        if size > limit:
+            kind = framing.PREAMBLE.unpack(memoryview(frames[0]))[2]
+            name = Kind(kind).name if kind in protocol.KNOWN_KINDS else f"kind-{kind}"
+            raise MessageTooLarge(f"a {name} message of {size} bytes exceeds the broker's limit of {limit} bytes "
+                                  "(broker.max_message_bytes): raise it on the broker, or make the message smaller")
         with self._send_lock:
             self._pipe.send_multipart(frames, copy=False)
 
@@ -228,6 +256,10 @@ class BrokerLink:
             self.num_decode_errors += 1
             log.warning("bad_message_from_broker", error=str(exc))
             return False
+        if isinstance(record, Error) and record.ref_kind == Kind.HELLO and not self._welcomed.is_set():
+            self._refusal = record  # start() raises BrokerRefused with the broker's reason
+            self._answered.set()
+            return False
         if isinstance(record, Welcome):
             previous = self.welcome
             self.welcome = record
@@ -237,6 +269,7 @@ class BrokerLink:
                 log.info("broker_restarted", broker_id=record.broker_id)
                 self._inbox.put(Reconnected(record))
             self._welcomed.set()
+            self._answered.set()
             return False
         if isinstance(record, Heartbeat):
             self.latest_version = max(self.latest_version, record.latest_version)

@@ -12,7 +12,9 @@ processed while the worker loop is busy generating::
     Reconnected     -> re-send every group not yet acknowledged; the pending lease request is void
 
 Delivery: :meth:`submit` keeps each group's encoded frames until the broker acknowledges its group id, and
-re-sends them all after a broker restart; the broker deduplicates by group id, so at-least-once is safe. The
+re-sends them all after a broker restart; the broker deduplicates by group id, so at-least-once is safe. A group
+over the broker's ``max_message_bytes`` is never sent: its lease goes back (counted ``groups_rejected{oversize}``,
+logged with what to change). The
 ``wake`` event is set whenever something arrives that the worker loop should act on.
 """
 
@@ -42,7 +44,7 @@ from common.protocol import (
     LeaseReturn,
     Welcome,
 )
-from common.transport import BrokerLink, Incoming, Reconnected
+from common.transport import BrokerLink, Incoming, MessageTooLarge, Reconnected
 from rollout_worker.adapters import AdapterRejected, AdapterStore, ReceivedAdapter
 from rollout_worker.rollout import FinishedGroup
 
@@ -128,12 +130,22 @@ class BrokerSession:
             self.metrics.inc("leases_returned", len(lease_ids), reason=reason)
 
     def submit(self, finished: FinishedGroup) -> None:
-        """Send a group and keep it until the broker acknowledges it."""
+        """Send a group and keep it until the broker acknowledges it. A group larger than the broker accepts
+        is dropped, its lease returned (the prompt is generated again) and the reason logged and counted."""
         frames = protocol.encode(finished.group, finished.tensors)
         group_id = finished.group.group_id
         with self._lock:
             self._unacked[group_id] = PendingGroup(group_id, frames, time.monotonic())
-        self.link.send_frames(list(frames))
+        try:
+            self.link.send_frames(list(frames))
+        except MessageTooLarge as exc:
+            with self._lock:
+                self._unacked.pop(group_id, None)
+            self.metrics.inc("groups_rejected", reason="oversize")
+            log.error("group_too_large", group_id=group_id, error=str(exc),
+                      fix="lower worker.max_new_tokens / run.group_size, or raise broker.max_message_bytes")
+            self.return_leases([finished.group.lease_id], "group too large")
+            return
         self.metrics.inc("groups_submitted")
 
     @property

@@ -42,7 +42,7 @@ from common.metrics import Metrics, serve_prometheus
 from common.protocol import LeaseGrant
 from common.security import client_security
 from common.timeline import Timeline
-from common.transport import BrokerUnavailable
+from common.transport import BrokerRefused, BrokerUnavailable
 from rollout_worker.adapters import AdapterStore
 from rollout_worker.backends import Backend, make_backend, resident_count
 from rollout_worker.client import LEASE_WAIT_MS, BrokerSession
@@ -243,6 +243,9 @@ def run(config: Config) -> int:
         worker.run()
     except BrokerUnavailable as exc:
         log.error("broker_unavailable", error=str(exc))
+        return 1
+    except BrokerRefused as exc:  # too many workers, another protocol version, a key not authorised as a worker
+        log.error("broker_refused", error=str(exc))
         return 1
     finally:
         session.close(reason="worker stopping")
