@@ -391,7 +391,7 @@ def main(argv: list[str]) -> int:
     launch = Launch(config, display, started_s=started_s)
 
     def request_stop(signum: int, _frame: Any) -> None:
-        if launch.stop_requested:  # a second ctrl-C: do not wait for a clean stop
+        if launch.stop_requested or not launch.supervisor.children:  # again, or nothing started yet: at once
             launch.supervisor.kill_all()
             raise KeyboardInterrupt
         launch.stop_requested = "interrupted"
@@ -399,8 +399,20 @@ def main(argv: list[str]) -> int:
 
     signal.signal(signal.SIGINT, request_stop)
     signal.signal(signal.SIGTERM, request_stop)
+    try:
+        return run(launch)
+    except KeyboardInterrupt:
+        launch.supervisor.kill_all()
+        display.close()
+        display.event("stopped at once: every process killed")
+        return 130
+
+
+def run(launch: Launch) -> int:
+    """Prepare, start, watch, stop and report; returns the exit code."""
+    config, display = launch.config, launch.display
     display.event(f"loraflow run: {config.run.name} (seed {config.run.seed}, task {config.run.task}), "
-                  f"run dir {run_dir}")
+                  f"run dir {config.run_dir}")
     code = 0
     try:
         import torch
@@ -421,11 +433,6 @@ def main(argv: list[str]) -> int:
         launch.summary.stop_reason = "error"
         display.event(f"error: {exc}")
         code = 1
-    except KeyboardInterrupt:
-        launch.supervisor.kill_all()
-        display.close()
-        display.event("killed every process")
-        return 130
     finally:
         launch.shutdown()
     launch.finish()
