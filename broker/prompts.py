@@ -40,11 +40,13 @@ def group_id_of(key: PromptKey) -> str:
 
 
 def parse_group_id(group_id: str) -> PromptKey | None:
-    """The key of a ``"epoch:index"`` group id, or None when it is not one."""
+    """The key of a ``"epoch:index"`` group id, or None when it is not one. Only the canonical spelling counts
+    (ASCII digits, no leading zeros): "0:03" must not name the prompt whose group is held as "0:3"."""
     epoch, sep, index = group_id.partition(":")
-    if not sep or not epoch.isdigit() or not index.isdigit() or len(group_id) > 40:
+    if not sep or len(group_id) > 40 or not (epoch + index).isascii() or not epoch.isdigit() or not index.isdigit():
         return None
-    return int(epoch), int(index)
+    key = int(epoch), int(index)
+    return key if group_id_of(key) == group_id else None
 
 
 class PromptSource:
