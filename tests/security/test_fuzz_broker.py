@@ -45,8 +45,6 @@ from common.transport import fetch_stats
 from tests.broker.clients import Learner, Worker, make_adapter, make_group
 from tests.support import Processes, start_broker
 
-pytestmark = pytest.mark.fault
-
 VOCAB = 64
 GROUP_SIZE = 2
 FUZZ = settings(max_examples=120, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture,
