@@ -204,12 +204,10 @@ class Launch:
         return Managed(name=name, argv=argv, log_path=self.run_dir / "logs" / f"{name}.log", env=env)
 
     def _client_security(self) -> Any:
-        security = self.config.security
-        if not security.enabled:
-            return None
-        from common.security import ClientSecurity
+        """The progress display's key (the ``observer`` pair unless security.client_key names one)."""
+        from common.security import client_security
 
-        return ClientSecurity.load(security.keys_dir, security.client_key or "observer")
+        return client_security(self.config, "observer")
 
     # -- watch -----------------------------------------------------------------------------------------------
 
@@ -425,6 +423,8 @@ def run(launch: Launch) -> int:
             launch.pending_eval = launch.evaluator.submit(launch.measure, 0, None, "base")
         reason = launch.watch()
         launch.summary.stop_reason = reason
+        if launch.progress is not None:  # the last picture before stopping
+            display.status(render(launch.progress.poll(stats_timeout_s=1.0)), force=True)
         display.close()
         display.event(f"stopping: {reason}")
     except (Unrecoverable, DemoBaseError, ValueError) as exc:

@@ -13,6 +13,7 @@ import json
 import os
 import re
 import signal
+import subprocess
 import sys
 from pathlib import Path
 
@@ -21,7 +22,7 @@ import pytest
 from deploy import rundir
 from tests.e2e.accounting import check_exactly_once, check_steps, read_run
 from tests.fault.ledger import audit_run
-from tests.support import Processes, wait_for
+from tests.support import Processes, child_env, wait_for
 
 RUN_TIMEOUT_S = 300
 
@@ -91,6 +92,20 @@ def test_ctrl_c_stops_every_process_cleanly_and_keeps_the_newest_adapter(procs: 
     published = max(s["version"] for s in rundir.read_jsonl(rundir.metrics_path(run_dir)))
     assert summary["final_version"] == newest_version >= published  # the learner wrote its newest version
     assert (run_dir / "final_adapter" / "adapter_model.safetensors").is_file()
+
+
+def test_a_secured_run(procs: Processes, tmp_path: Path, quick_base_dir: Path) -> None:
+    """With security.enabled every child connects with its role's CURVE key (made by `loraflow keys`)."""
+    keys = tmp_path / "keys"
+    subprocess.run([sys.executable, "-m", "deploy.cli", "keys", str(keys)], check=True, capture_output=True,
+                   env=child_env())
+    run_dir = tmp_path / "run"
+    launcher = start_run(procs, run_dir, quick_base_dir, "--num-steps", "3", "--workers", "1",
+                         "--set", "security.enabled=true", "--set", f"security.keys_dir=\"{keys}\"")
+    out = finish(procs, launcher)
+    assert "run.num_steps (3) reached" in out and "final accuracy: " in out
+    assert "workers 1" in out  # the progress display got the broker's stats over CURVE too
+    assert [s["step"] for s in rundir.read_jsonl(rundir.metrics_path(run_dir))] == [1, 2, 3]
 
 
 @pytest.mark.slow
