@@ -24,14 +24,14 @@ A stop is clean: the last step finishes, the final adapter is published and writ
 final checkpoint is saved, and the process exits 0.
 
 Resuming after a crash: the steps after the newest checkpoint are lost with the process, and so are the
-adapter versions published after it. The resumed learner says hello at its checkpoint's version ``c``; if
-anything newer was published (the broker's latest version, or an adapter directory on disk) up to ``v``, the
-versions ``c+1..v`` are *withdrawn* (``v`` also counts versions this run's ledger says were sent, even if no
-broker received them): it publishes its checkpoint's weights at once as version ``v+1`` (a
-number never used, so no version ever names two sets of weights; workers move to it like to any new version),
-never trains a group holding a token of ``c+1..v`` (skipped ``withdrawn``, not acknowledged), and keeps the
-ranges in its checkpoints. The broker, seeing a learner of a new session, re-queues the groups trained after
-that checkpoint and withdraws the same versions on its side (:mod:`broker.history`).
+adapter versions published after it. The resumed learner says hello at its checkpoint's version ``c``. If
+anything newer was published, up to ``v`` (the broker's latest version, an adapter directory on disk, or a
+version this run's ledger says was sent, even one no broker received), the versions ``c+1..v`` are
+*withdrawn*: it publishes its checkpoint's weights at once as version ``v+1`` (a number never used, so no
+version ever names two sets of weights; workers move to it like to any new version), never trains a group
+holding a token of ``c+1..v`` (skipped ``withdrawn``, not acknowledged), and keeps the ranges in its
+checkpoints. The broker, seeing a learner of a new session, re-queues the groups trained after that checkpoint
+and withdraws the same versions on its side (:mod:`broker.history`).
 """
 
 from __future__ import annotations
