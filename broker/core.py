@@ -203,7 +203,7 @@ class BrokerCore(DataFlow):
                      why="withdrawn" if self.history.is_withdrawn(update.version) else "older than the state")
             return
         self.adapters.add(update, envelope.specs, frames)
-        self.latest_version, self.latest_sha256 = update.version, update.sha256
+        self.latest_version, self.latest_sha256 = update.version, update.sha256.lower()
         log.info("adapter_restored", version=update.version, path=str(path))
 
     def _state(self) -> BrokerState:
