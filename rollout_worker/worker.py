@@ -18,6 +18,12 @@ Heartbeats run in BrokerLink's I/O thread, so a long chunk never looks like a de
 the reported state current (starting, idle, waiting, generating, scoring, stopping), mirrored into the run's
 timeline (``timeline/worker-<id>.jsonl``).
 
+Withdrawn versions: when the learner restarts from an older checkpoint, the versions it published after that
+checkpoint are withdrawn (see broker/history.py). Nothing special happens here: the broker grants no lease to a
+worker still holding one (``stale_adapter``, so it fetches), refuses groups holding their tokens (dropped like any
+refused group, the prompt re-queued), and the learner republishes under a new, higher version, which the worker
+loads like any newer adapter.
+
 SIGTERM (or SIGINT): stop leasing, return the leases of unfinished groups (LeaseReturn; the broker re-queues
 them), wait up to ``STOP_ACK_WAIT_S`` for the acks of submitted groups, say Bye, exit 0. After SIGKILL the broker
 reclaims the leases itself (missed heartbeats, or a hello with a new session from the same worker id). A signal
