@@ -182,7 +182,7 @@ class System:
         delay; ``learner+`` kills the learner right after an uncheckpointed step, ``learner-rank-<r>`` one rank."""
         for role in schedule:
             target = self.ledger_steps() + steps_between
-            wait_for(lambda target=target: self.ledger_steps() >= target, 120,
+            wait_for(lambda target=target, role=role: self._progressed(target, role), 120,
                      f"{steps_between} more steps before killing {role}", self.procs, interval_s=0.05)
             time.sleep(rng.uniform(0, 0.5))
             if role == "learner+":
@@ -193,6 +193,16 @@ class System:
                 self.kill(role)
 
     # -- observing ---------------------------------------------------------------------------------------------
+
+    def _progressed(self, target_steps: int, role: str) -> bool:
+        if self.ledger_steps() >= target_steps:
+            return True
+        stats = self.stats()
+        if stats is not None and stats["prompts"]["exhausted"] and stats["prompts"]["queued"] == 0 \
+                and stats["prompts"]["leased"] + stats["prompts"]["buffered"] + stats["prompts"]["training"] == 0:
+            raise AssertionError(f"the run trained every prompt before the schedule killed {role}: give it more "
+                                 f"prompts (kills so far: {self.kills})")
+        return False
 
     def _last_step(self) -> int:
         path = self.run_dir / "learner" / "ledger.jsonl"

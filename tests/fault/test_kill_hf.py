@@ -18,7 +18,7 @@ from tests.support import Processes
 
 pytestmark = pytest.mark.fault
 
-NUM_PROMPTS = 32
+NUM_PROMPTS = 48
 CHECKPOINT_EVERY = 3
 
 

@@ -18,7 +18,7 @@ from tests.support import Processes
 
 pytestmark = pytest.mark.fault
 
-NUM_PROMPTS = 48
+NUM_PROMPTS = 64
 CHECKPOINT_EVERY = 3
 
 
