@@ -125,13 +125,13 @@ class System:
 
     def kill(self, role: str) -> None:
         """SIGKILL one process of ``role`` (broker, learner, worker-<i>) and start it again."""
+        if role == "learner" and self.learner_ranks > 1:
+            self.kill_learner_rank(0)
+            return
         self.kills.append(role)
         if role == "broker":
             self.broker.kill()
             self.start_broker()
-        elif role == "learner" and self.learner_ranks > 1:
-            self.kills.pop()
-            self.kill_learner_rank(0)
         elif role == "learner":
             self.learner.kill()
             self.start_learner()
