@@ -257,7 +257,13 @@ class BrokerSession:
             for group in pending:
                 group.num_sends += 1
         for group in pending:
-            self.link.send_frames(list(group.frames))
+            try:
+                self.link.send_frames(list(group.frames))
+            except MessageTooLarge as exc:  # the new broker allows less: its prompt is queued there already
+                with self._lock:
+                    self._unacked.pop(group.group_id, None)
+                self.metrics.inc("groups_rejected", reason="oversize")
+                log.error("group_too_large", group_id=group.group_id, error=str(exc))
         self.metrics.inc("groups_resent", len(pending))
         log.info("broker_reconnected", broker_id=event.welcome.broker_id, resent=len(pending),
                  latest_version=event.welcome.latest_version)
