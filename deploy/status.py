@@ -107,6 +107,10 @@ def render(snap: dict[str, Any]) -> str:
                                  if adapters else "none published"))
     lines.append(f"dropped   {_pairs(snap.get('dropped', {}))}")
     lines.append(f"rejected  {_pairs(snap.get('rejected', {}))}")
+    auth, history = snap.get("auth", {}), snap.get("history") or {}
+    lines.append(f"security  refused handshakes {auth.get('refused', 0)}   "
+                 f"recovery  uncommitted groups {history.get('uncommitted_groups', 0)}  "
+                 f"withdrawn versions {history.get('withdrawn') or '-'}")
     failed = snap.get("send_failed", {})
     if failed:
         lines.append(f"send failed  {_pairs(failed)}")
@@ -137,7 +141,7 @@ def main(argv: list[str] | None = None) -> int:
     if config.security.enabled:
         from common.security import client_security
 
-        security = client_security(config)
+        security = client_security(config, role="observer")
     try:
         while True:
             try:

@@ -42,7 +42,8 @@ def check_exactly_once(record: RunRecord) -> None:
     lost = record.issued_ids - record.trained_ids - record.pending_ids
     assert not lost, f"prompts issued but neither trained nor pending: {sorted(lost)[:10]}"
     assert record.broker_trained == len(record.trained_ids)
-    acked = sum(s["num_groups"] - s["skipped"].get("stale", 0) for s in record.steps)
+    not_acked = ("stale", "invalid", "withdrawn")
+    acked = sum(s["num_groups"] - sum(s["skipped"].get(r, 0) for r in not_acked) for s in record.steps)
     assert sum(s["skipped"].get("already_trained", 0) for s in record.steps) == 0, "a group was served again"
     assert acked == len(record.trained_ids), f"{acked} groups acknowledged, {len(record.trained_ids)} distinct"
 
