@@ -37,10 +37,13 @@ def main(argv: list[str]) -> int:
     config = config_from_args(args)
     setup_logging("learner", fmt=config.run.log_format, level=config.run.log_level,
                   rank=int(os.environ.get("RANK", 0)))
-    from learner.train import run  # torch is imported only now
+    from learner.train import SetupError, run  # torch is imported only now
 
     try:
         return run(config)
+    except SetupError as exc:
+        get_logger("learner").error("learner_config_error", error=str(exc))
+        return 2
     except Exception:
         get_logger("learner").exception("learner_failed")
         return 1

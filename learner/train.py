@@ -294,6 +294,10 @@ class Learner:
         log.info("learner_stopped", step=self.state.step, version=self.state.version)
 
 
+class SetupError(ValueError):
+    """A configuration problem found while building the model; the process exits 2 (no point restarting)."""
+
+
 def run(config: Config) -> int:
     """Start (or resume) the learner and run the loop until it stops; returns the exit code."""
     parallel = init_parallel(config.learner.device)
@@ -309,8 +313,11 @@ def run(config: Config) -> int:
             write_resolved(config, learner_dir / "config.toml")
             resolve_model(config.model.path, config.model.cache_dir)  # builds builtin:tiny once, before the others
         parallel.barrier()
-        model_dir = resolve_model(config.model.path, config.model.cache_dir)
-        policy = build_policy(Path(model_dir), config.learner, parallel, seed=config.run.seed)
+        try:
+            model_dir = resolve_model(config.model.path, config.model.cache_dir)
+            policy = build_policy(Path(model_dir), config.learner, parallel, seed=config.run.seed)
+        except ValueError as exc:  # a model path or target_modules that cannot work: restarting will not help
+            raise SetupError(str(exc)) from exc
         optimizer, scheduler = make_optimizer(policy, config.learner)
         checkpointer = Checkpointer(learner_dir / "checkpoints", keep=config.learner.keep_checkpoints,
                                     parallel=parallel)

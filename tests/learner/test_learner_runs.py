@@ -172,3 +172,12 @@ def test_sigkill_then_resume_is_bit_identical_and_sigterm_is_clean(reference_run
     assert checkpoints == ["step_00000004", "step_00000005"]  # final checkpoint on SIGTERM; partial cleaned
     assert (run_dir / "learner" / "adapters" / "v000007" / "adapter_model.safetensors").is_file()
     assert [b.reason for b in broker.byes] == ["stopped"]
+
+
+def test_a_target_module_that_matches_nothing_exits_2_with_the_setting_named(procs: Processes, tiny_model_dir: Path,
+                                                                               tmp_path: Path) -> None:
+    """Exit code 2 tells supervisors (loraflow run, systemd) that restarting cannot help."""
+    proc = procs.spawn("learner-bad", learner_argv(tmp_path / "run", "tcp://127.0.0.1:1", tiny_model_dir,
+                                                   'learner.target_modules=["no_such_proj"]'))
+    assert proc.popen.wait(timeout=120) == 2, proc.log()
+    assert "learner.target_modules" in proc.log() and "no_such_proj" in proc.log()
