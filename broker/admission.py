@@ -12,6 +12,12 @@ earliest in this order on a tie) is the reason sent back in an empty or short Le
     backpressure   in flight (leased + buffered + training) would exceed capacity_groups, or
                    versions.admission_limit (AReaL's rule: no group may outlive the staleness bound), or the
                    byte bound projected from the mean group size seen so far
+
+The admission limit is taken at the *worker's* adapter version: a group generated with version w is
+trained behind everything already in flight, so it stays within the bound only while in flight <
+(max_staleness + 1 + w - base) x groups_per_step - trained. A worker one version behind therefore gets less
+credit than an up-to-date one; when that is what holds it back, the reason is ``stale_adapter`` (fetch the
+newest adapter, then ask again) rather than generating groups that would be dropped as stale.
     no_prompts     the prompt source has nothing left (all epochs issued, nothing re-queued)
 
 Pure logic, unit-tested: the server gathers the inputs into an :class:`AdmissionInputs` and sends what
@@ -54,11 +60,13 @@ class Decision:
     reason: str  # "" when everything requested is granted
 
 
-def credit(inputs: AdmissionInputs) -> int:
-    """Groups that may still start: capacity, the staleness-safe admission limit and the byte bound."""
+def credit(inputs: AdmissionInputs, version: int | None = None) -> int:
+    """Groups that may still start with adapter ``version`` (default: the worker's): capacity, the
+    staleness-safe admission limit and the byte bound."""
     in_flight = inputs.num_leased + inputs.num_stored
+    version = inputs.worker_version if version is None else version
     limit = min(inputs.capacity_groups,
-                versions.admission_limit(inputs.latest_version, inputs.max_staleness, inputs.groups_per_step,
+                versions.admission_limit(version, inputs.max_staleness, inputs.groups_per_step,
                                          inputs.num_trained_groups, inputs.base_version))
     free = limit - in_flight
     if inputs.mean_group_bytes > 0:
@@ -77,10 +85,13 @@ def decide(inputs: AdmissionInputs) -> Decision:
         return Decision(0, "stale_adapter")
     if inputs.draining:
         return Decision(0, "draining")
+    up_to_date = credit(inputs, inputs.latest_version)
+    own = credit(inputs)
     limits = (
         ("limit", max(0, inputs.max_leases_per_worker - inputs.worker_leases)),
-        ("backpressure", credit(inputs)),
+        ("backpressure", up_to_date),
         ("no_prompts", max(0, inputs.prompts_available)),
+        ("stale_adapter", own),  # last: only when an up-to-date adapter would be granted more
     )
     granted, reason = inputs.requested, ""
     for name, allowed in limits:

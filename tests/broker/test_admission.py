@@ -35,6 +35,12 @@ BASE = AdmissionInputs(requested=4, worker_version=0, latest_version=0, max_stal
     ({"capacity_groups": 100, "requested": 20, "prompts_available": 20, "num_trained_groups": 4}, 4, "backpressure"),
     ({"capacity_groups": 100, "requested": 20, "prompts_available": 20, "latest_version": 5, "worker_version": 5,
       "base_version": 5}, 8, "backpressure"),  # counting restarts at the broker's base version
+    # ... taken at the worker's version: a group made with v0 queues behind what is in flight
+    ({"capacity_groups": 100, "requested": 20, "prompts_available": 20, "latest_version": 1,
+      "worker_version": 0, "num_trained_groups": 4}, 4, "stale_adapter"),  # v1 would get 8
+    ({"capacity_groups": 100, "requested": 20, "prompts_available": 20, "latest_version": 1,
+      "worker_version": 0, "num_trained_groups": 4, "num_stored": 4}, 0, "stale_adapter"),
+    ({"latest_version": 1, "worker_version": 0, "num_stored": 8}, 0, "backpressure"),  # full either way
     # byte bound projected from the mean group size
     ({"mean_group_bytes": 300_000.0}, 3, "backpressure"),
     ({"mean_group_bytes": 300_000.0, "num_leased": 1, "stored_bytes": 300_000}, 1, "backpressure"),

@@ -202,8 +202,11 @@ def test_backpressure_and_long_poll(h: Harness) -> None:
     record, tensors = make_adapter(1)
     replies = h.send(LEARNER, record, tensors)
     grants = [r for i, r, _ in replies if r.KIND == Kind.LEASE_GRANT]
-    assert [lease.group_id for lease in grants[0].leases] == ["0:4", "0:5"]
+    # W1 still holds v0: its groups would queue behind 0:2 and 0:3 and be trained at v2, past the bound,
+    # so it is told to fetch v1 instead of being given work that would be dropped as stale
+    assert grants[0].leases == [] and grants[0].reason == "stale_adapter"
     assert h.stats()["waiting"]["lease_requests"] == 0
+    assert [lease.group_id for lease in h.lease(W1, 2, adapter_version=1)] == ["0:4", "0:5"]
 
 
 def test_long_poll_times_out_with_reason(h: Harness) -> None:
@@ -403,11 +406,12 @@ def test_many_parked_requests_are_served_in_order_as_credit_frees(h: Harness) ->
     workers = [f"worker/p{i}".encode() for i in range(6)]
     for identity in workers:
         h.hello(identity)
-    fill(h, 4)  # capacity 4 is now all buffered
+    h.send(LEARNER, *make_adapter(1))  # the admission limit is now (1 + 1 + 1) x 2: capacity 4 binds
+    fill(h, 4, version=1)  # capacity 4 is now all buffered
     for identity in workers:
-        assert h.send(identity, LeaseRequest(max_leases=1, wait_ms=60_000)) == []
+        assert h.send(identity, LeaseRequest(max_leases=1, adapter_version=1, wait_ms=60_000)) == []
     (_, batch, _), = h.send(LEARNER, BatchRequest(num_groups=2))
-    h.send(LEARNER, BatchAck(batch_id=batch.batch_id, step=1, trained_version=0, group_ids=["0:0", "0:1"]))
-    replies = h.send(LEARNER, *make_adapter(1))  # lifts the admission limit: 2 slots
+    replies = h.send(LEARNER, BatchAck(batch_id=batch.batch_id, step=1, trained_version=1,
+                                       group_ids=["0:0", "0:1"]))  # frees 2 slots
     granted = [i for i, r, _ in replies if r.KIND == Kind.LEASE_GRANT]
     assert granted == workers[:2] and h.stats()["waiting"]["lease_requests"] == 4
