@@ -25,6 +25,7 @@ from __future__ import annotations
 import argparse
 import multiprocessing as mp
 import os
+import shutil
 import statistics
 import subprocess
 import sys
@@ -42,6 +43,8 @@ import zmq  # noqa: E402
 from bench.report import report  # noqa: E402
 from common import framing, protocol  # noqa: E402
 from common.protocol import (  # noqa: E402
+    AdapterFetch,
+    AdapterUpdate,
     BatchAck,
     BatchRequest,
     Hello,
@@ -166,6 +169,9 @@ def hello(sock: zmq.Socket, role: str, name: str) -> None:
 
 
 def broker_worker(endpoint: str, num_bytes: int, max_leases: int, stop: mp.Event, keys_dir: str | None) -> None:
+    """A lean rollout worker: long-polls for leases, submits a group per lease, and follows the learner's
+    adapter versions as the real worker does (AdapterNotice -> AdapterFetch, one in flight; the version it
+    holds goes into its LeaseRequests, so admission works as in a run)."""
     name = f"bench-{os.getpid()}"
     ctx, sock = client_socket(endpoint, f"worker/{name}".encode(), keys_dir, hwm=HWM)
     hello(sock, "worker", name)
@@ -173,15 +179,24 @@ def broker_worker(endpoint: str, num_bytes: int, max_leases: int, stop: mp.Event
     template = protocol.encode(group_record("0:0", "L", name, tensors), tensors)
     header = msgpack.unpackb(template[1])
     packer = msgpack.Packer(use_bin_type=True)
+    fetch = protocol.encode(AdapterFetch(version=0))
     leases: list = []
-    asking = False
+    asking = fetching = False
+    held = noticed = stamped = 0  # adapter version held; newest version announced; version the tokens carry
     while not stop.is_set():
         if not asking and len(leases) < max_leases // 2 + 1:
-            sock.send_multipart(protocol.encode(LeaseRequest(max_leases=max_leases - len(leases), wait_ms=200)))
+            sock.send_multipart(protocol.encode(LeaseRequest(max_leases=max_leases - len(leases), adapter_version=held,
+                                                             wait_ms=200)))
             asking = True
+        if noticed > held and not fetching:
+            sock.send_multipart(fetch)
+            fetching = True
         if leases:
             lease = leases.pop()
             header["group_id"], header["lease_id"] = lease["group_id"], lease["lease_id"]
+            if stamped != held:  # generated with the adapter now held: its tokens carry that version
+                stamped = header["min_version"] = header["max_version"] = held
+                template[2 + 3] = np.full(len(tensors[3][1]), held, dtype=np.int32)
             sock.send_multipart([template[0], packer.pack(header), *template[2:]], copy=False)
         elif not sock.poll(50):
             continue
@@ -192,24 +207,44 @@ def broker_worker(endpoint: str, num_bytes: int, max_leases: int, stop: mp.Event
                 break
             kind = framing.PREAMBLE.unpack(frames[0].buffer)[2]
             if kind == Kind.LEASE_GRANT:
-                leases.extend(msgpack.unpackb(frames[1].buffer)["leases"])
+                grant = msgpack.unpackb(frames[1].buffer)
+                leases.extend(grant["leases"])
+                noticed = max(noticed, grant["latest_version"])
                 asking = False
+            elif kind == Kind.ADAPTER_NOTICE:
+                noticed = max(noticed, msgpack.unpackb(frames[1].buffer)["version"])
+            elif kind == Kind.ADAPTER_UPDATE:
+                held = max(held, msgpack.unpackb(frames[1].buffer)["version"])
+                fetching = False
             elif kind == Kind.ERROR:
                 raise SystemExit(f"producer: broker error {msgpack.unpackb(frames[1].buffer)}")
     sock.close(linger=0)
     ctx.term()
 
 
+def adapter_message(version: int) -> list:
+    """A tiny AdapterUpdate (two 2 KB LoRA tensors, PEFT names) as the learner publishes after every step."""
+    rng = np.random.default_rng(version)
+    tensors = [(f"base_model.model.layers.0.q_proj.lora_{ab}.weight", rng.standard_normal(512, dtype=np.float32))
+               for ab in "AB"]
+    update = AdapterUpdate(version=version, step=version, sha256=framing.frames_sha256([t for _, t in tensors]),
+                           adapter_config={"r": 8, "lora_alpha": 16, "peft_type": "LORA"})
+    return protocol.encode(update, tensors)
+
+
 def broker_learner(endpoint: str, num_groups: int, prefetch: int, seconds: float, results: mp.Queue,
                    keys_dir: str | None) -> None:
+    """A learner whose steps take no time: after every batch it publishes the next adapter version (a tiny one,
+    as the real learner publishes every step) and acknowledges the batch, keeping ``prefetch`` requests out."""
     ctx, sock = client_socket(endpoint, b"learner/bench", keys_dir)
     hello(sock, "learner", "bench")
     results.put(endpoint)
-    request = protocol.encode(BatchRequest(num_groups=num_groups, wait_ms=1000))
+    version = 0
     for _ in range(prefetch):  # batches requested ahead, as a learner that prefetches
-        sock.send_multipart(request)
+        sock.send_multipart(protocol.encode(BatchRequest(num_groups=num_groups, wait_ms=1000)))
     start = end = None
     total, step = 0, 0
+    trace: dict[int, int] | None = {} if os.environ.get("BENCH_TRACE") else None  # second -> bytes
     while True:
         frames = sock.recv_multipart(copy=False)
         kind, batch = kind_and_header(frames)
@@ -226,9 +261,18 @@ def broker_learner(endpoint: str, num_groups: int, prefetch: int, seconds: float
             step += 1
             if now >= start:
                 total += payload_bytes(frames)
-            sock.send_multipart(protocol.encode(BatchAck(batch_id=batch["batch_id"], step=step, trained_version=0,
+                if trace is not None:
+                    trace[int(now - start)] = trace.get(int(now - start), 0) + payload_bytes(frames)
+            version += 1  # the step trained version - 1 and publishes version
+            sock.send_multipart(adapter_message(version), copy=False)
+            sock.send_multipart(protocol.encode(BatchAck(batch_id=batch["batch_id"], step=step,
+                                                         trained_version=version - 1,
                                                          group_ids=[e["group"]["group_id"] for e in batch["groups"]])))
-        sock.send_multipart(request)
+        sock.send_multipart(protocol.encode(BatchRequest(num_groups=num_groups, wait_ms=1000,
+                                                         learner_version=version)))
+    if trace is not None:
+        print("  learner MB/s per second: " + " ".join(f"{trace.get(i, 0) / 1e6:.0f}" for i in range(int(seconds))),
+              flush=True)
     results.put(total / (now - start))
     sock.close(linger=0)
     ctx.term()
@@ -283,6 +327,7 @@ def run_mode(mode: str, num_bytes: int, producers: int, seconds: float, workdir:
             capacity = max(capacity_batches * num_groups, producers * 8)
             endpoint_file = workdir / "broker.endpoint"
             endpoint_file.unlink(missing_ok=True)
+            shutil.rmtree(workdir / "run", ignore_errors=True)  # a fresh broker each run (no restored state)
             keys_dir = bench_keys(workdir) if mode == "curve" else None
             security = ["--set", "security.enabled=true", "--set", f"security.keys_dir=\"{keys_dir}\""] if keys_dir else []
             profile = ["-m", "cProfile", "-o", os.environ["BENCH_PROFILE"]] if os.environ.get("BENCH_PROFILE") else []
