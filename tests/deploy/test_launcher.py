@@ -59,10 +59,11 @@ def test_a_bad_config_value_names_the_key(tmp_path: Path) -> None:
 
 
 def test_a_learner_that_cannot_start_ends_the_run_with_its_log(tmp_path: Path, tiny_model_dir: Path) -> None:
-    result = run(tmp_path, "--model", str(tiny_model_dir), "--workers", "1", "--set", "launch.max_restarts=0",
+    # the learner exits 2 (a config error found at start-up): fatal at once, whatever launch.max_restarts says
+    result = run(tmp_path, "--model", str(tiny_model_dir), "--workers", "1", "--set", "launch.max_restarts=3",
                  "--set", "learner.target_modules=[\"no_such_module\"]", "--set", "eval.num_prompts=0")
     assert result.returncode == 1, result.stdout + result.stderr
-    assert "error: learner failed 1 times in a row (last: exit code 1); giving up" in result.stdout
+    assert "learner refused to start (exit code 2: a usage or config error)" in result.stdout
     assert "no_such_module" in result.stdout  # the tail of its log says why
     events = rundir.read_jsonl(rundir.processes_path(tmp_path / "run"))
     started = {e["process"] for e in events if e["event"] == "start"}
