@@ -388,6 +388,7 @@ class BrokerCore(DataFlow):
                 for group in self.buffer.unserve(batch_id):
                     self.prompts.set_state(group.key, "buffered")
                     self.stats.count("groups", "restored")
+                    self._stale_checked_version = -1  # they may have aged while in training: check again
         for waiters in (self.lease_waiters, self.batch_waiters):
             for waiter in [w for w in waiters if w.identity == identity]:
                 waiters.remove(waiter)

@@ -321,6 +321,7 @@ class DataFlow:
         for group in self.buffer.unserve(batch_id):
             self.prompts.set_state(group.key, "buffered")
             self.stats.count("groups", "restored")
+            self._stale_checked_version = -1  # restored groups may have aged while in training: check again
 
     def _on_batch_ack(self, identity: bytes, _peer: Peer, ack: protocol.BatchAck, _env: Any, _frames: Any,
                       _now_s: float) -> None:

@@ -315,6 +315,17 @@ def test_learner_death_restores_its_batches(h: Harness) -> None:
     assert [e.group.group_id for e in batch.groups] == ["0:0", "0:1", "0:2", "0:3"]
 
 
+def test_groups_that_aged_in_training_are_dropped_when_restored(h: Harness) -> None:
+    fill(h, 2)
+    h.send(LEARNER, BatchRequest(num_groups=2))
+    h.publish(1)
+    h.publish(2)  # the training groups (version 0) are now 2 behind, the bound is 1
+    h.hello(LEARNER, session="restarted")  # its batch comes back to the buffer
+    assert h.send(LEARNER, BatchRequest(num_groups=2, wait_ms=1000)) == []
+    stats = h.stats()
+    assert stats["dropped"] == {"stale": 2} and stats["prompts"]["queued"] == 2
+
+
 def test_undeliverable_batch_and_grant_are_taken_back(h: Harness) -> None:
     fill(h, 2)
     h.failing = {LEARNER, W1}
