@@ -59,6 +59,7 @@ GROUP_SIZE = 8
 PROMPT_LEN = 16
 HWM = 8
 WARMUP_S = 0.5
+CHECKPOINT_EVERY = 20
 
 
 def group_tensors(num_bytes: int) -> list[tuple[str, np.ndarray]]:
@@ -235,11 +236,13 @@ def adapter_message(version: int) -> list:
 def broker_learner(endpoint: str, num_groups: int, prefetch: int, seconds: float, results: mp.Queue,
                    keys_dir: str | None) -> None:
     """A learner whose steps take no time: after every batch it publishes the next adapter version (a tiny one,
-    as the real learner publishes every step) and acknowledges the batch, keeping ``prefetch`` requests out."""
+    as the real learner publishes every step) and acknowledges the batch, keeping ``prefetch`` requests out;
+    its acks report a checkpoint every CHECKPOINT_EVERY steps (learner.checkpoint_every's default), which lets
+    the broker forget the trained groups it keeps for a learner restart."""
     ctx, sock = client_socket(endpoint, b"learner/bench", keys_dir)
     hello(sock, "learner", "bench")
     results.put(endpoint)
-    version = 0
+    version = checkpoint_version = 0
     for _ in range(prefetch):  # batches requested ahead, as a learner that prefetches
         sock.send_multipart(protocol.encode(BatchRequest(num_groups=num_groups, wait_ms=1000)))
     start = end = None
@@ -264,10 +267,12 @@ def broker_learner(endpoint: str, num_groups: int, prefetch: int, seconds: float
                 if trace is not None:
                     trace[int(now - start)] = trace.get(int(now - start), 0) + payload_bytes(frames)
             version += 1  # the step trained version - 1 and publishes version
+            if step % CHECKPOINT_EVERY == 0:
+                checkpoint_version = version
             sock.send_multipart(adapter_message(version), copy=False)
-            sock.send_multipart(protocol.encode(BatchAck(batch_id=batch["batch_id"], step=step,
-                                                         trained_version=version - 1,
-                                                         group_ids=[e["group"]["group_id"] for e in batch["groups"]])))
+            sock.send_multipart(protocol.encode(BatchAck(
+                batch_id=batch["batch_id"], step=step, trained_version=version - 1,
+                group_ids=[e["group"]["group_id"] for e in batch["groups"]], checkpoint_version=checkpoint_version)))
         sock.send_multipart(protocol.encode(BatchRequest(num_groups=num_groups, wait_ms=1000,
                                                          learner_version=version)))
     if trace is not None:
@@ -363,7 +368,10 @@ def run_mode(mode: str, num_bytes: int, producers: int, seconds: float, workdir:
         elapsed = time.perf_counter() - started
         shares = {k: (sum(cpu_seconds(p) for p in v) - before[k]) / elapsed for k, v in pids.items()}
         if os.environ.get("BENCH_CPU"):
-            print(f"  {mode} {num_bytes}: {value / 1e6:.0f} MB/s cpu " + " ".join(f"{k} {v:.0%}" for k, v in shares.items()))
+            per_gb = {k: v / max(value, 1.0) * 1e9 for k, v in shares.items()}  # CPU s per GB moved (approx.)
+            print(f"  {mode} {num_bytes}: {value / 1e6:.0f} MB/s cpu " + " ".join(f"{k} {v:.0%}" for k, v in shares.items())
+                  + "  cpu s/GB " + " ".join(f"{k} {v:.2f}" for k, v in per_gb.items())
+                  + f" total {sum(per_gb.values()):.2f}", flush=True)
         consumer.join(timeout=10)
         return value, shares["hop"]
     finally:
