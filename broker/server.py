@@ -128,7 +128,7 @@ class BrokerServer:
         core = self.core
         for _ in range(MAX_DRAIN):
             try:
-                frames = self.sock.recv_multipart(zmq.NOBLOCK, copy=False)
+                frames = sockets.recv_frames(self.sock, zmq.NOBLOCK)
             except zmq.Again:
                 return
             identity = frames[0].bytes
@@ -152,7 +152,7 @@ class BrokerServer:
     def _send_all(self, outgoing: list) -> None:
         for out in outgoing:
             try:
-                self.sock.send_multipart([out.identity, *out.frames], flags=zmq.NOBLOCK, copy=False)
+                sockets.send_frames(self.sock, [out.identity, *out.frames], zmq.NOBLOCK)
             except zmq.Again:
                 self.core.send_failed(out, "hwm")
             except zmq.ZMQError as exc:

@@ -10,12 +10,20 @@ before it is ever buffered).
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Any
 
 import zmq
+import zmq.backend
 
 DEFAULT_HWM = 1000
 LINGER_MS = 200
+
+# pyzmq's compiled socket methods, under zmq.Socket's convenience layer; flags as plain ints (IntFlag arithmetic
+# runs in Python for every frame)
+_send = zmq.backend.Socket.send
+_recv = zmq.backend.Socket.recv
+_SNDMORE = int(zmq.SNDMORE)
 
 
 def make_context(io_threads: int = 1) -> zmq.Context:
@@ -60,3 +68,26 @@ def dealer_socket(ctx: zmq.Context, endpoint: str, *, identity: bytes, hwm: int 
 def connect_endpoint(bound: str) -> str:
     """An endpoint clients can connect to from one the broker bound (0.0.0.0/* become 127.0.0.1)."""
     return bound.replace("tcp://0.0.0.0:", "tcp://127.0.0.1:").replace("tcp://*:", "tcp://127.0.0.1:")
+
+
+def send_frames(sock: zmq.Socket, frames: Sequence[Any], flags: int = 0) -> None:
+    """``sock.send_multipart(frames, flags, copy=False)`` without pyzmq's per-frame Python layer (about 4x less
+    CPU for a message of several small frames; the same zmq calls, errors and copy rules: buffers under
+    ``zmq.COPY_THRESHOLD`` are copied, ``zmq.Frame`` objects and larger buffers are sent without copying)."""
+    flags = int(flags)
+    more = flags | _SNDMORE
+    last = len(frames) - 1
+    for i, frame in enumerate(frames):
+        _send(sock, frame, more if i < last else flags, False, False)
+
+
+def recv_frames(sock: zmq.Socket, flags: int = 0) -> list[zmq.Frame]:
+    """``sock.recv_multipart(flags, copy=False)`` without pyzmq's per-frame Python layer (each Frame says
+    whether more follow; raises zmq.Again like recv_multipart when NOBLOCK finds nothing)."""
+    flags = int(flags)
+    frame = _recv(sock, flags, False, False)
+    frames = [frame]
+    while frame.more:
+        frame = _recv(sock, flags, False, False)
+        frames.append(frame)
+    return frames
