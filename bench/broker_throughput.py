@@ -164,7 +164,8 @@ def client_socket(endpoint: str, identity: bytes, keys_dir: str | None, hwm: int
 
 
 def hello(sock: zmq.Socket, role: str, name: str) -> None:
-    sock.send_multipart(protocol.encode(Hello(role=role, client_id=name, session=uuid.uuid4().hex[:8])))
+    sock.send_multipart(protocol.encode(Hello(role=role, client_id=name, session=uuid.uuid4().hex[:8],
+                                              batched_acks=role == "worker")))  # as rollout_worker's client
     while kind_and_header(sock.recv_multipart(copy=False))[0] != Kind.WELCOME:
         pass
 

@@ -150,6 +150,7 @@ class BrokerCore(DataFlow):
         self.lease_waiters: deque[Waiter] = deque()
         self.batch_waiters: deque[Waiter] = deque()
         self.outbox: list[Outgoing] = []
+        self._group_acks: dict[tuple[bytes, str], list[str]] = {}  # (client, status) -> group ids to acknowledge
         self._unsubmitted: list[Outgoing] = []  # replies that need the next state write
         self._awaiting_write: deque[tuple[int, list[Outgoing]]] = deque()  # (write seq, replies)
         self._persist_due = False
@@ -273,7 +274,7 @@ class BrokerCore(DataFlow):
     def has_work(self) -> bool:
         """Something to send, write or re-evaluate without waiting for a message."""
         durable = self.writer.durable_seq if self.writer is not None else 0
-        return bool(self.outbox or self._dirty or self._persist_due
+        return bool(self.outbox or self._dirty or self._persist_due or self._group_acks
                     or (self._awaiting_write and self._awaiting_write[0][0] <= durable))
 
     def send_failed(self, out: Outgoing, reason: str) -> None:
@@ -514,6 +515,8 @@ class BrokerCore(DataFlow):
             while self.batch_waiters and self._answer_batch_waiter(self.batch_waiters[0], now_s, final=False):
                 self.batch_waiters.popleft()
             self._serve_lease_waiters(now_s)
+        if self._group_acks:
+            self._send_group_acks()
         out, self.outbox = self.outbox, []
         return out
 
@@ -536,6 +539,7 @@ class BrokerCore(DataFlow):
             self._answer_batch_waiter(waiter, now_s, final=True)
         self.lease_waiters.clear()
         self.batch_waiters.clear()
+        self._send_group_acks()
         if self.writer is not None:
             self.writer.close()  # finishes a background write in progress
         self.persist()

@@ -7,7 +7,8 @@ Keeping them here keeps the core to dispatch, registration, persistence and time
 
     LeaseRequest  -> admission.decide -> PromptSource.next -> LeaseTable.grant -> LeaseGrant (or park/wait)
     RolloutGroup  -> dedup by group id -> value checks -> staleness -> withdrawn tokens -> byte bound -> buffer
-                     -> Ack (or Error, prompt re-queued)
+                     -> Ack (or Error, prompt re-queued); to a client that reads Ack.ref_ids, one Ack per loop
+                     pass for all its groups (of one status)
     BatchRequest  -> drop stale buffered groups (re-queued) -> serve oldest whole groups -> Batch (or park/wait;
                      when every epoch is issued and only buffered groups remain, a short final batch)
     BatchAck      -> listed ids trained (recorded until a learner checkpoint covers them, broker.history),
@@ -179,7 +180,7 @@ class DataFlow:
             return
         if state in ("buffered", "training", "trained"):
             self.stats.count("groups", "duplicate")
-            self._send(identity, protocol.Ack(ref_kind=Kind.ROLLOUT_GROUP, ref_id=group.group_id, status="duplicate"))
+            self._ack_group(identity, peer, group.group_id, "duplicate")
             return
         try:
             if group.num_samples != self.group_size:
@@ -228,8 +229,26 @@ class DataFlow:
         peer.num_groups_accepted += 1
         self.stats.count("groups", "accepted")
         self.stats.tokens_accepted += num_tokens
-        self._send(identity, protocol.Ack(ref_kind=Kind.ROLLOUT_GROUP, ref_id=group.group_id))
+        self._ack_group(identity, peer, group.group_id, "accepted")
         self._dirty = True
+
+    def _ack_group(self, identity: bytes, peer: Peer, group_id: str, status: str) -> None:
+        """Acknowledge a group: at once, or (a client that reads Ack.ref_ids) with its other groups of this loop
+        pass in one Ack per status (:meth:`_send_group_acks`)."""
+        if peer.batched_acks:
+            self._group_acks.setdefault((identity, status), []).append(group_id)
+        else:
+            self._send(identity, protocol.Ack(ref_kind=Kind.ROLLOUT_GROUP, ref_id=group_id, status=status))
+
+    def _send_group_acks(self) -> None:
+        """The acknowledgements gathered in this loop pass, one Ack per (client, status) and MAX_BATCH_GROUPS ids."""
+        acks, self._group_acks = self._group_acks, {}
+        step = protocol.MAX_BATCH_GROUPS + 1  # ref_id plus up to MAX_BATCH_GROUPS ref_ids
+        for (identity, status), ids in acks.items():
+            for start in range(0, len(ids), step):
+                chunk = ids[start:start + step]
+                self._send(identity, protocol.Ack(ref_kind=Kind.ROLLOUT_GROUP, ref_id=chunk[0], status=status,
+                                                  ref_ids=chunk[1:] or None))
 
     def _refuse_group(self, identity: bytes, key: PromptKey, group: protocol.RolloutGroup, code: str, message: str,
                       reason: str | None = None) -> None:

@@ -50,6 +50,7 @@ class Peer:
     host: str = ""
     pid: int = 0
     adapter_version: int = 0
+    batched_acks: bool = False  # reads Ack.ref_ids: its groups are acknowledged together, once per loop pass
     state: str = "starting"
     num_leases_reported: int = 0
     counters: dict[str, Any] = field(default_factory=dict)
@@ -109,6 +110,7 @@ class PeerRegistry:
         if old is not None and old.session == hello.session and old.role == hello.role:
             old.last_seen_s = now_s
             old.adapter_version = max(old.adapter_version, hello.adapter_version)
+            old.batched_acks = hello.batched_acks
             return old, None
         if old is None:  # a previous process of the same client under another identity (CURVE route tokens)
             old = next((p for p in self._peers.values() if (p.role, p.client_id) == (hello.role, hello.client_id)),
@@ -119,7 +121,8 @@ class PeerRegistry:
             raise RegistryFull(f"{self.max_workers} workers are registered (broker.max_workers)")
         peer = Peer(identity=identity, role=hello.role, client_id=hello.client_id, session=hello.session,
                     backend=hello.backend, capacity=hello.capacity, host=hello.host, pid=hello.pid,
-                    adapter_version=hello.adapter_version, registered_s=now_s, registered_unix=time.time(),
+                    adapter_version=hello.adapter_version, batched_acks=hello.batched_acks,
+                    registered_s=now_s, registered_unix=time.time(),
                     last_seen_s=now_s, state_since_s=now_s)
         self._peers[identity] = peer
         return peer, old

@@ -3,7 +3,8 @@
 Who sends what (all through the broker's one ROUTER socket; clients use DEALER sockets)::
 
     worker  -> broker   Hello, Heartbeat, LeaseRequest, RolloutGroup, LeaseReturn, AdapterFetch, Bye
-    broker  -> worker   Welcome, Heartbeat (pong), LeaseGrant, Ack(group), AdapterNotice, AdapterUpdate, Error
+    broker  -> worker   Welcome, Heartbeat (pong), LeaseGrant, Ack(group, or several: ref_ids), AdapterNotice,
+                        AdapterUpdate, Error
     learner -> broker   Hello, Heartbeat, AdapterUpdate (publish), BatchRequest, BatchAck, Bye
     broker  -> learner  Welcome, Heartbeat (pong), Ack(adapter), Batch, Error
     anyone  -> broker   StatsRequest  ->  Stats
@@ -105,6 +106,8 @@ class Hello:
     pid: int = rule(0, ge=0)
     session: str = rule("", max_len=MAX_ID_LEN, doc="random per process start: a new session of a known id "
                         "means the old process died and its leases are reclaimed")
+    batched_acks: bool = rule(False, doc="the client reads Ack.ref_ids, so the broker may acknowledge several "
+                              "rollout groups in one Ack")
 
 
 @dataclass(slots=True, kw_only=True)
@@ -231,6 +234,14 @@ class Ack:
     ref_kind: int = rule(ge=0, doc="kind of the acknowledged message")
     ref_id: str = rule(max_len=MAX_ID_LEN, doc="group id or adapter version")
     status: str = rule("accepted", choices=ACK_STATUSES)
+    ref_ids: list[str] | None = rule(None, max_len=MAX_BATCH_GROUPS, doc="more ids this Ack acknowledges, with the "
+                                     "same ref_kind and status (sent only to clients that said "
+                                     "Hello(batched_acks=True)); None: ref_id alone")
+
+    @property
+    def ids(self) -> list[str]:
+        """Every id this Ack acknowledges: ref_id, then ref_ids."""
+        return [self.ref_id, *self.ref_ids] if self.ref_ids else [self.ref_id]
 
 
 @dataclass(slots=True, kw_only=True)

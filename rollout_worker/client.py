@@ -5,7 +5,7 @@ thread) and adds a dispatcher thread that handles everything the broker sends, s
 processed while the worker loop is busy generating::
 
     LeaseGrant      -> grants queue (the worker loop starts the groups); reason stale_adapter -> fetch newest
-    Ack(group)      -> drop the kept copy of that group (accepted or duplicate)
+    Ack(group)      -> drop the kept copy of that group (accepted or duplicate; one Ack may name several groups)
     Error(invalid_group, group id) -> drop it too (the broker re-queued the prompt), counted
     AdapterNotice   -> AdapterFetch(newest) unless that version is held or being fetched
     AdapterUpdate   -> verify + write (AdapterStore) -> adapters queue (the loop loads it between chunks)
@@ -69,7 +69,7 @@ class BrokerSession:
                  wake: threading.Event, security: Any = None) -> None:
         broker = config.broker
         hello = Hello(role="worker", client_id=worker_id, backend=config.worker.backend,
-                      capacity=config.worker.capacity)
+                      capacity=config.worker.capacity, batched_acks=True)
         self.link = BrokerLink(broker.endpoint, hello, security=security,
                                heartbeat_interval_s=broker.heartbeat_interval_s,
                                heartbeat_timeout_s=broker.heartbeat_interval_s * broker.heartbeat_misses,
@@ -195,13 +195,15 @@ class BrokerSession:
             self.wake.set()
         elif isinstance(record, protocol.Ack):
             if record.ref_kind == Kind.ROLLOUT_GROUP:
-                with self._lock:
-                    pending = self._unacked.pop(record.ref_id, None)
-                if pending is not None:
-                    self.metrics.inc("groups_acked", status=record.status)
-                    log.info("group_acked", group_id=record.ref_id, status=record.status,
-                             rtt_ms=round((time.monotonic() - pending.first_sent) * 1000, 1), sends=pending.num_sends)
-                    self.wake.set()
+                for group_id in record.ids:  # one Ack may cover several groups (Hello.batched_acks)
+                    with self._lock:
+                        pending = self._unacked.pop(group_id, None)
+                    if pending is not None:
+                        self.metrics.inc("groups_acked", status=record.status)
+                        log.info("group_acked", group_id=group_id, status=record.status,
+                                 rtt_ms=round((time.monotonic() - pending.first_sent) * 1000, 1),
+                                 sends=pending.num_sends)
+                        self.wake.set()
         elif isinstance(record, AdapterNotice):
             if record.version > self.adapter_version:
                 self.fetch_adapter(record.version)

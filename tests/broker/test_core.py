@@ -13,10 +13,12 @@ from common.protocol import (
     Bye,
     Error,
     Heartbeat,
+    Hello,
     Kind,
     LeaseRequest,
     LeaseReturn,
     Welcome,
+    encode,
 )
 from tests.broker.clients import adapter_tensors, make_adapter, make_group
 from tests.broker.harness import LEARNER, W1, W2, Harness
@@ -115,6 +117,27 @@ def test_lease_submit_ack_duplicate(h: Harness) -> None:
     stats = h.stats()
     assert stats["group_events"] == {"accepted": 1, "duplicate": 1}
     assert stats["buffer"]["groups"] == 1 and stats["prompts"]["buffered"] == 1
+
+
+def test_batched_acks_one_per_pass_and_status(h: Harness) -> None:
+    h.send(W2, Hello(role="worker", client_id="w2", session="s1", batched_acks=True))
+    leases, other = h.lease(W2, 3), h.lease(W1)[0]
+    for lease in [*leases, leases[0]]:  # three groups and a duplicate of the first, in one loop pass
+        record, tensors = make_group(lease, "w2")
+        h.core.handle(W2, encode(record, tensors), h.now)
+    invalid, tensors = make_group(other, "w1", logprob=float("nan"))
+    h.core.handle(W1, encode(invalid, tensors), h.now)
+    replies = [(i, r) for i, r, _ in h.flush() if r.KIND in (Kind.ACK, Kind.ERROR)]
+    assert [(i, r.status, r.ids) for i, r in replies if r.KIND == Kind.ACK] == [
+        (W2, "accepted", ["0:0", "0:1", "0:2"]), (W2, "duplicate", ["0:0"])]
+    assert [(i, r.code, r.ref_id) for i, r in replies if r.KIND == Kind.ERROR] == [(W1, "invalid_group", "0:3")]
+    # a client that did not ask for them gets one Ack per group, without ref_ids
+    ack = h.submit(W1, h.lease(W1)[0])
+    assert (ack.ref_id, ack.ref_ids, ack.ids) == ("0:3", None, ["0:3"])  # 0:3 was re-queued
+    many = [f"1:{i}" for i in range(5000)]  # more than one Ack may carry (ref_id + MAX_BATCH_GROUPS ref_ids)
+    h.core._group_acks[(W2, "duplicate")] = list(many)
+    acks = [r for _, r, _ in h.flush()]
+    assert [len(a.ids) for a in acks] == [4097, 903] and [i for a in acks for i in a.ids] == many
 
 
 @pytest.mark.parametrize("tensor_changes, message", [
