@@ -195,6 +195,7 @@ GROUP_TENSORS: dict[str, tuple[str, str]] = {
     "versions": ("int32", "completion_lens"),
     "loss_mask": ("uint8", "completion_lens"),
 }
+GROUP_TENSORS_DTYPES = frozenset(dtype for dtype, _ in GROUP_TENSORS.values())
 
 
 @dataclass(slots=True, kw_only=True)
@@ -425,6 +426,24 @@ def check_batch_layout(batch: Batch, specs: Sequence[TensorSpec]) -> None:
         raise ProtocolError(f"Batch: {len(specs)} tensors for {len(batch.groups)} groups")
 
 
+_NUMPY_DTYPES = {name: np.dtype(name) for name in GROUP_TENSORS_DTYPES}
+_UINT32 = np.dtype(np.uint32)
+_MAX, _MIN = np.maximum.reduce, np.minimum.reduce  # the reductions behind ndarray.max/min, one Python call less
+
+
+def _group_arrays(specs: Sequence[TensorSpec], frames: Sequence[Any]) -> dict[str, np.ndarray]:
+    """name -> numpy view of each tensor frame of a group whose layout was checked (1-D, known dtypes)."""
+    arrays = {}
+    for s in specs:
+        dtype = _NUMPY_DTYPES.get(s.dtype)
+        if dtype is None or len(s.shape) != 1:
+            arrays[s.name] = framing.as_numpy(s, frames[s.frame])
+        else:
+            frame = frames[s.frame]
+            arrays[s.name] = np.frombuffer(frame.buffer if hasattr(frame, "buffer") else frame, dtype=dtype)
+    return arrays
+
+
 def check_group_values(group: RolloutGroup, specs: Sequence[TensorSpec], frames: Sequence[Any], *,
                        vocab_size: int, latest_version: int) -> None:
     """Tensor contents in range, read through numpy views (no copies): raises ProtocolError('invalid_group').
@@ -433,8 +452,10 @@ def check_group_values(group: RolloutGroup, specs: Sequence[TensorSpec], frames:
     - log-probs finite and <= 1e-3 (a log-probability; slack for float rounding) where loss_mask is 1
     - loss_mask only 0 or 1; versions within [min_version, max_version] and max_version <= latest_version
     - rewards finite (checked by the record already)
+
+    Seven reductions in all (one pass over each id and mask tensor, two over log-probs and versions).
     """
-    arrays = {s.name: framing.as_numpy(s, frames[s.frame]) for s in specs}
+    arrays = _group_arrays(specs, frames)
 
     def bad(what: str) -> ProtocolError:
         return ProtocolError(f"RolloutGroup {group.group_id}: {what}", code="invalid_group")
@@ -443,14 +464,14 @@ def check_group_values(group: RolloutGroup, specs: Sequence[TensorSpec], frames:
         for name in ("prompt_ids", "completion_ids"):
             ids = arrays[name]
             # one pass for both bounds: as unsigned, negative int32 ids are >= 2**31 > any vocab size
-            if ids.size and int(ids.view(np.uint32).max()) >= vocab_size:
+            if ids.size and int(_MAX(ids.view(_UINT32))) >= vocab_size:
                 raise bad(f"{name} has ids outside [0, {vocab_size}): min {int(ids.min())}, max {int(ids.max())}")
     mask = arrays["loss_mask"]
-    if mask.size and int(mask.max()) > 1:
+    if mask.size and int(_MAX(mask)) > 1:
         raise bad("loss_mask must hold only 0 and 1")
     logprobs = arrays["logprobs"]
     if logprobs.size:
-        high, low = float(logprobs.max()), float(logprobs.min())  # NaN propagates into both
+        high, low = float(_MAX(logprobs)), float(_MIN(logprobs))  # NaN propagates into both
         if not (math.isfinite(high) and math.isfinite(low)):
             raise bad("logprobs contain NaN or inf")
         if high > 1e-3:
@@ -458,9 +479,11 @@ def check_group_values(group: RolloutGroup, specs: Sequence[TensorSpec], frames:
     if group.max_version > latest_version:
         raise bad(f"max_version {group.max_version} is newer than the latest published version {latest_version}")
     versions = arrays["versions"]
-    if versions.size and (int(versions.min()) < group.min_version or int(versions.max()) > group.max_version):
-        raise bad(f"token versions span [{int(versions.min())}, {int(versions.max())}], header says "
-                  f"[{group.min_version}, {group.max_version}]")
+    if versions.size:
+        oldest, newest = int(_MIN(versions)), int(_MAX(versions))
+        if oldest < group.min_version or newest > group.max_version:
+            raise bad(f"token versions span [{oldest}, {newest}], header says "
+                      f"[{group.min_version}, {group.max_version}]")
 
 
 def group_tensors(group_specs: Sequence[TensorSpec], frames: Sequence[Any]) -> dict[str, Any]:
