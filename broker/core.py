@@ -301,6 +301,9 @@ class BrokerCore(DataFlow):
         kind = envelope.kind
         self.stats.bytes_in += envelope.num_bytes
         self.stats.count("messages_in", KIND_NAMES[kind])
+        if self.peers.fenced_by(identity) is not None:
+            self._reject(identity, "replaced", self._fenced_message(identity), ref_kind=kind)
+            return
         peer = self.peers.heard(identity, now_s)
         if kind not in SENDERS:
             self._reject(identity, "forbidden", f"{KIND_NAMES[kind]} messages are sent by the broker, not to it",
@@ -345,9 +348,10 @@ class BrokerCore(DataFlow):
         if peer.role == "learner":
             for other in self.peers.of_role("learner"):
                 if other.identity != identity:
-                    log.warning("learner_replaced", old=other.name, new=peer.name)
-                    self.peers.remove(other.identity)
+                    self._fence_learner(other, peer)
                     self._peer_gone(other, "replaced")
+            if replaced is not None and replaced.identity != identity:  # the same client id on another route
+                self._fence_learner(replaced, peer)
         restarted = peer.role == "learner" and hello.session != self.history.learner_session
         if restarted:
             self._learner_restarted(hello, now_s)  # its Welcome waits until the rollback is durable
@@ -366,6 +370,18 @@ class BrokerCore(DataFlow):
             log.info("peer_joined", peer=peer.name, role=peer.role, session=peer.session, host=peer.host,
                      pid=peer.pid, adapter_version=peer.adapter_version)
         self._dirty = True
+
+    def _fence_learner(self, old: Peer, successor: Peer) -> None:
+        """``old`` was replaced by the learner ``successor``: its identity is refused from now on, and it is told."""
+        self.peers.fence(old, successor)
+        log.warning("learner_replaced", old=old.name, old_session=old.session, new_session=successor.session,
+                    new_host=successor.host, new_pid=successor.pid)
+        self._reject(old.identity, "replaced", self._fenced_message(old.identity), ref_kind=Kind.HELLO)
+
+    def _fenced_message(self, identity: bytes) -> str:
+        return (f"this learner was replaced by another learner process, {self.peers.fenced_by(identity)}, that "
+                "connected to the same broker; it must stop so that two learners never train one run (to run this "
+                "one instead, stop the other and start this one again)")
 
     def _on_heartbeat(self, identity: bytes, peer: Peer, beat: protocol.Heartbeat, _env: Any, _frames: Any,
                       now_s: float) -> None:

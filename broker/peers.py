@@ -12,6 +12,12 @@ known ``(role, client_id)``, under the same identity or another one, means the o
 restarted (:meth:`PeerRegistry.hello` returns the old entry so the server can reclaim what it held); the same
 session again is a harmless re-hello.
 
+There is one learner. A learner's Hello replaces any other learner (the newest process wins: a supervisor
+restarting a crashed learner must not wait for the old one's heartbeats to time out), and the replaced one is
+*fenced*: its identity (every learner process has its own, see :class:`common.transport.BrokerLink`) is refused
+with ``replaced`` from then on (:meth:`PeerRegistry.fence`), so a learner that was only partitioned or hung
+cannot come back and train the same run a second time.
+
 Each peer also accumulates the time spent in each reported state (``training``, ``waiting``, ...), from
 which the stats derive busy shares (the learner's idle share is the headline number of async training).
 Pure logic: no sockets; callers pass ``now_s`` (``time.monotonic()``).
@@ -20,11 +26,13 @@ Pure logic: no sockets; callers pass ``now_s`` (``time.monotonic()``).
 from __future__ import annotations
 
 import time
-from collections import defaultdict
+from collections import OrderedDict, defaultdict
 from dataclasses import dataclass, field
 from typing import Any
 
 from common.protocol import Heartbeat, Hello
+
+MAX_FENCED = 64  # replaced learners remembered (the oldest are forgotten; each is one learner restart)
 
 #: states in which a client is doing useful work (for busy shares)
 BUSY_STATES = frozenset({"generating", "scoring", "training", "publishing"})
@@ -88,6 +96,7 @@ class PeerRegistry:
         self.timeout_s = heartbeat_interval_s * heartbeat_misses
         self.max_workers = max_workers
         self._peers: dict[bytes, Peer] = {}
+        self._fenced: OrderedDict[bytes, str] = OrderedDict()  # identity of a replaced learner -> its successor
 
     def __len__(self) -> int:
         return len(self._peers)
@@ -142,6 +151,18 @@ class PeerRegistry:
 
     def remove(self, identity: bytes) -> Peer | None:
         return self._peers.pop(identity, None)
+
+    def fence(self, old: Peer, successor: Peer) -> None:
+        """Refuse ``old``'s identity from now on: a learner replaced by ``successor`` must never act again."""
+        self._peers.pop(old.identity, None)
+        self._fenced[old.identity] = (f"{successor.name} (session {successor.session}, host {successor.host or '?'}, "
+                                      f"pid {successor.pid})")
+        while len(self._fenced) > MAX_FENCED:
+            self._fenced.popitem(last=False)
+
+    def fenced_by(self, identity: bytes) -> str | None:
+        """Who replaced the learner with this identity, or None when it is not fenced."""
+        return self._fenced.get(identity)
 
     def dead(self, now_s: float) -> list[Peer]:
         """Remove and return the peers silent for longer than the heartbeat timeout."""

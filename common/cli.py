@@ -13,6 +13,10 @@ import sys
 
 from common.config import Config, ConfigError, load_config
 
+#: exit codes the supervisor (deploy/processes.py) and the systemd units act on: restarting will not help
+EXIT_CONFIG_ERROR = 2  # a usage or config error (argparse exits 2 too)
+EXIT_REPLACED = 4  # a learner fenced by the broker: another learner process took over the run
+
 #: flag -> (config key, type, help)
 COMMON_FLAGS: dict[str, tuple[str, type, str]] = {
     "--endpoint": ("broker.endpoint", str, "broker address clients connect to (tcp://host:port)"),

@@ -83,6 +83,7 @@ ERROR_CODES = (
     "forbidden",  # the sender's role may not send this message
     "limit",  # too many workers, leases or bytes
     "stale_version",  # an adapter version that does not advance the latest one
+    "replaced",  # a learner replaced by another learner process: it must stop (two never train one run)
     "internal",
 )
 FINISH_REASONS = ("stop", "length", "abort", "error", "turn_limit")

@@ -103,7 +103,7 @@ class BrokerLink:
         self.num_reconnects = 0
         self._ctx = ctx or zmq.Context.instance()
         self._security = security
-        self._route_token = secrets.token_hex(16) if security is not None else ""
+        self._route_token = secrets.token_hex(16) if security is not None or hello.role == "learner" else ""
         self._interval_s = heartbeat_interval_s
         self._timeout_s = heartbeat_timeout_s
         self._max_bytes = max_message_bytes
@@ -244,7 +244,9 @@ class BrokerLink:
 
     def _identity(self) -> bytes:
         """``<role>/<client_id>``; with CURVE, plus a random route token: an identity another authorised client
-        cannot guess, so it cannot take over this client's route (zmq hands an identity to its newest holder)."""
+        cannot guess, so it cannot take over this client's route (zmq hands an identity to its newest holder).
+        A learner always has one: a second learner process gets another route, so the broker can tell the two
+        apart and fence the one it replaced."""
         base = f"{self.hello.role}/{self.hello.client_id}"[:200]
         return (f"{base}/{self._route_token}" if self._route_token else base).encode()
 

@@ -10,7 +10,8 @@ ctrl-C in the terminal reaches only the launcher, which then stops them in order
 Restart policy, checked by :meth:`Supervisor.check`:
 
 - a child that exits with 0 has finished (the learner after ``run.num_steps``); it is not restarted;
-- exit code 2 is a usage or config error: restarting cannot help, so it is fatal at once;
+- exit code 2 is a usage or config error, exit code 4 a learner fenced by the broker because another learner
+  process took over the run (``common.cli``): restarting cannot help, so both are fatal at once;
 - any other exit (a crash, a kill) is restarted after ``restart_backoff_s``, doubling up to ``max_backoff_s``;
   a child that then stays up for ``STABLE_S`` gets its backoff reset;
 - more than ``max_restarts`` consecutive failures is fatal: the run ends with an error naming the process,
@@ -28,13 +29,13 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from common.cli import EXIT_CONFIG_ERROR, EXIT_REPLACED
 from common.logging import get_logger
 from deploy.rundir import append_jsonl
 
 log = get_logger("launcher")
 
 STABLE_S = 60.0
-CONFIG_ERROR_EXIT = 2
 
 
 class Unrecoverable(RuntimeError):
@@ -166,9 +167,12 @@ class Supervisor:
 
     def _failed(self, child: Managed, code: int, now_s: float) -> None:
         how = f"signal {signal.Signals(-code).name}" if code < 0 else f"exit code {code}"
-        if code == CONFIG_ERROR_EXIT:
+        if code == EXIT_CONFIG_ERROR:
             raise Unrecoverable(f"{child.name} refused to start ({how}: a usage or config error); "
                                 f"see {child.log_path}:\n{child.log_tail()}")
+        if code == EXIT_REPLACED:
+            raise Unrecoverable(f"{child.name} was replaced by another learner process connected to the same "
+                                f"broker ({how}); stop the other one first; see {child.log_path}:\n{child.log_tail()}")
         child.failures += 1
         if child.failures > self.policy.max_restarts:
             raise Unrecoverable(f"{child.name} failed {child.failures} times in a row (last: {how}); giving up "

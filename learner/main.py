@@ -17,7 +17,7 @@ from __future__ import annotations
 import argparse
 import os
 
-from common.cli import config_from_args, config_parser
+from common.cli import EXIT_CONFIG_ERROR, EXIT_REPLACED, config_from_args, config_parser
 from common.logging import get_logger, setup_logging
 
 EXTRA_FLAGS = {
@@ -37,13 +37,17 @@ def main(argv: list[str]) -> int:
     config = config_from_args(args)
     setup_logging("learner", fmt=config.run.log_format, level=config.run.log_level,
                   rank=int(os.environ.get("RANK", 0)))
+    from learner.session import LearnerReplaced
     from learner.train import SetupError, run  # torch is imported only now
 
     try:
         return run(config)
     except SetupError as exc:
         get_logger("learner").error("learner_config_error", error=str(exc))
-        return 2
+        return EXIT_CONFIG_ERROR
+    except LearnerReplaced as exc:
+        get_logger("learner").error("learner_replaced", error=str(exc))
+        return EXIT_REPLACED
     except Exception:
         get_logger("learner").exception("learner_failed")
         return 1

@@ -12,8 +12,10 @@
 
 Nothing here blocks except :meth:`BrokerSession.poll` (up to its timeout) and :meth:`BrokerSession.drain`;
 heartbeats run in the BrokerLink's I/O thread, so a long training step never looks like a dead learner.
-Errors from the broker are logged and counted (``broker_errors{code}``); the only fatal one is a BatchRequest
-refused with ``limit`` (the broker can never hold that many groups), which raises :class:`BatchRequestRefused`.
+Errors from the broker are logged and counted (``broker_errors{code}``). Two are fatal: a BatchRequest refused
+with ``limit`` (the broker can never hold that many groups) raises :class:`BatchRequestRefused`, and
+``replaced`` (another learner process connected to the broker and took over the run; this one is fenced)
+raises :class:`LearnerReplaced`.
 """
 
 from __future__ import annotations
@@ -34,6 +36,10 @@ log = get_logger("learner.session")
 
 class BatchRequestRefused(RuntimeError):
     """The broker can never serve the batch size asked for (run.groups_per_step vs broker.capacity_groups)."""
+
+
+class LearnerReplaced(RuntimeError):
+    """The broker fenced this learner: another learner process took over the run."""
 
 
 @dataclass(slots=True)
@@ -159,6 +165,8 @@ class BrokerSession:
         self.metrics.inc("broker_errors", code=error.code)
         log.warning("broker_error", code=error.code, message=error.message, ref_kind=error.ref_kind,
                     ref_id=error.ref_id)
+        if error.code == "replaced":
+            raise LearnerReplaced(error.message)
         if error.ref_kind == Kind.BATCH_REQUEST:
             if error.code == "limit":  # the broker can never hold that many groups: waiting will not help
                 raise BatchRequestRefused(f"{error.message}; make run.groups_per_step the same for the broker and "

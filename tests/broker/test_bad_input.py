@@ -14,6 +14,7 @@ from common.protocol import (
     AdapterUpdate,
     BatchAck,
     BatchRequest,
+    Bye,
     Error,
     Hello,
     Kind,
@@ -131,6 +132,8 @@ def test_malformed_barrage_then_business_as_usual(procs: Processes, tmp_path: Pa
     wait_for(lambda: broker.stats()["connections"].get("disconnected", 0) >= 1, 10, "zmq to drop the sender", procs)
     big.close()
     raw.close()
+    learner_raw.send(protocol.encode(Bye(reason="done")))  # (else the learner below replaces and fences it)
+    wait_for(lambda: broker.stats()["learner"] is None, 10, "the raw learner's goodbye", procs)
     learner_raw.close()
 
     # ... and everything still works, stats included

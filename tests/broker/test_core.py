@@ -338,6 +338,29 @@ def test_learner_death_restores_its_batches(h: Harness) -> None:
     assert [e.group.group_id for e in batch.groups] == ["0:0", "0:1", "0:2", "0:3"]
 
 
+@pytest.mark.parametrize("new_identity", [b"learner/learner/route2", b"learner/other"])
+def test_a_second_learner_replaces_the_first_which_is_fenced(h: Harness, new_identity: bytes) -> None:
+    fill(h, 2)
+    h.send(LEARNER, BatchRequest(num_groups=2))  # the first learner holds a batch in training
+    replies = h.send(new_identity, Hello(role="learner", client_id=new_identity.decode().split("/")[1],
+                                         session="second", host="node-2", pid=4242))
+    told = [r for i, r, _ in replies if i == LEARNER]
+    assert [(r.KIND, r.code) for r in told] == [(Kind.ERROR, "replaced")], replies
+    assert "node-2" in told[0].message and "pid 4242" in told[0].message
+    assert kinds(replies, new_identity) == ["WELCOME"]
+    # whatever the fenced learner sends from now on, a reconnecting Hello included, is refused and counted
+    for record in (BatchAck(batch_id="b", step=1, trained_version=0, group_ids=["0:0"]),
+                   BatchRequest(num_groups=2), Heartbeat(),
+                   Hello(role="learner", client_id="learner", session="s1")):
+        replies = h.send(LEARNER, record)
+        assert [(i, r.code) for i, r, _ in replies] == [(LEARNER, "replaced")], replies
+    stats = h.stats()
+    assert stats["rejected"]["replaced"] == 5 and stats["learner"]["session"] == "second"
+    # the successor gets the groups the fenced one had in training
+    (_, batch, _), = h.send(new_identity, BatchRequest(num_groups=2))
+    assert [e.group.group_id for e in batch.groups] == ["0:0", "0:1"]
+
+
 def test_groups_that_aged_in_training_are_dropped_when_restored(h: Harness) -> None:
     fill(h, 2)
     h.send(LEARNER, BatchRequest(num_groups=2))

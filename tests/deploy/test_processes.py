@@ -79,12 +79,17 @@ def test_exit_zero_is_finished_not_restarted(tmp_path: Path) -> None:
     assert supervisor.check() == []
 
 
-def test_a_config_error_is_fatal_at_once(tmp_path: Path) -> None:
+@pytest.mark.parametrize("name, code, message", [
+    ("broker", "2", "broker refused to start .*exit code 2.*start 0"),  # a usage or config error
+    ("learner", "4", "learner was replaced by another learner process .*exit code 4.*start 0"),  # fenced
+])
+def test_a_config_error_or_a_fenced_learner_is_fatal_at_once(tmp_path: Path, name: str, code: str,
+                                                             message: str) -> None:
     supervisor = Supervisor(RestartPolicy(backoff_s=0.05))
-    supervisor.add(child(tmp_path, "broker", "2"))
-    with pytest.raises(Unrecoverable, match="(?s)broker refused to start .*exit code 2.*start 0"):
+    supervisor.add(child(tmp_path, name, code))
+    with pytest.raises(Unrecoverable, match=f"(?s){message}"):
         run_until(supervisor, lambda: False)
-    assert starts(tmp_path, "broker") == 1
+    assert starts(tmp_path, name) == 1
 
 
 def test_endless_crashes_give_up_naming_the_setting(tmp_path: Path) -> None:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 from pathlib import Path
 
 from tests.learner.scripted import Producer
@@ -39,3 +40,39 @@ def test_learner_trains_with_the_real_broker(tiny_model_dir: Path, procs: Proces
     assert all(max(int(k) for k in m["staleness"]) <= 1 for m in lines if m["staleness"])
     assert (run_dir / "learner" / "adapters" / f"v{NUM_STEPS:06d}" / "adapter_config.json").is_file()
     assert "unacknowledged_at_exit" not in learner.log()
+
+
+def test_a_learner_replaced_by_another_is_fenced_and_exits_4(tiny_model_dir: Path, procs: Processes,
+                                                             tmp_path: Path) -> None:
+    """Two learners against one broker: the newest wins, the first is refused from then on and stops with
+    EXIT_REPLACED (which the supervisor and the systemd unit do not restart), naming its successor."""
+    from common.cli import EXIT_REPLACED
+    from common.config import load_config
+    from common.metrics import Metrics
+    from learner.session import BrokerSession
+
+    run_dir = tmp_path / "run"
+    model = f"model.path=\"{tiny_model_dir}\""
+    broker = start_broker(procs, *RUN, model, run_dir=run_dir)
+    producer = Producer(broker.endpoint)
+    producer.start()
+    args = ["--run-dir", str(run_dir), "--endpoint", broker.endpoint, "--num-steps", "0"]
+    for override in (*RUN, model, "learner.lora_rank=4", "learner.save_adapter_every=0"):
+        args += ["--set", override]
+    learner = procs.python("learner", "learner", *args)
+    successor = None
+    try:
+        wait_for(lambda: producer.notices, 120, "the first learner's first adapter", procs)
+        config = load_config(None, [f"broker.endpoint=\"{broker.endpoint}\"", *RUN])
+        successor = BrokerSession(config, version=producer.notices[-1], metrics=Metrics(), client_id="learner")
+        successor.start(10)
+        assert learner.popen.wait(timeout=60) == EXIT_REPLACED, procs.logs()
+        assert "learner_replaced" in learner.log() and f"pid {os.getpid()}" in learner.log()
+        stats = broker.stats()
+        assert stats["learner"]["session"] == successor.link.hello.session
+        assert stats["rejected"]["replaced"] >= 1
+    finally:
+        producer.stop.set()
+        producer.join(timeout=10)
+        if successor is not None:
+            successor.close()
