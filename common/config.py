@@ -105,6 +105,8 @@ class WorkerConfig:
     chunk_tokens: int = rule(16, ge=1, unit="tokens", doc="decode chunk; adapter swaps happen between chunks")
     partial_policy: str = rule("continue", choices=("finish", "continue", "abort"),
                                doc="what a new adapter does to a generation in progress")
+    max_aborts: int = rule(2, ge=0, doc="abort policy: restarts of one sample at most, then it continues under "
+                           "the newest adapter (so it finishes even when adapters arrive faster than it takes)")
     env: str = rule("", doc="environment: empty = the run's task, or package.module:Name")
     reward: str = rule("", doc="reward function override: package.module:function")
     reward_timeout_s: float = rule(10.0, gt=0, unit="s")

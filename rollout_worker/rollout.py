@@ -25,7 +25,9 @@ at the sample's next chunk boundary:
 - ``continue``: later chunks use the new version; the prefix is kept and re-read by the new adapter, so one
   sample may span versions;
 - ``abort``: the sample's tokens are dropped and it starts again from the prompt under the new version
-  (counter ``samples_aborted``); samples already done are kept.
+  (counter ``samples_aborted``); samples already done are kept. After ``worker.max_aborts`` restarts a sample
+  continues at later swaps instead (counter ``abort_limit_reached``): when adapters arrive faster than a sample completes,
+  aborting forever would never finish it.
 
 A group's ``min_version`` is the oldest version of any of its tokens: what the broker's staleness rule uses.
 """
@@ -237,6 +239,9 @@ class Rollouts:
             self.metrics.inc("pinned_version_lost")
             log.warning("pinned_version_lost", version=sample.version, newest=newest)
             return newest
+        if policy == "abort" and sample.num_aborts >= self.config.max_aborts:
+            self.metrics.inc("abort_limit_reached")  # once per swap continued past the limit
+            return newest  # continue: the prefix is kept, later tokens carry the new version
         if policy == "abort":
             sample.truncate(0)
             sample.turn = sample.turn_start = sample.turn_tokens = 0

@@ -245,6 +245,25 @@ def test_finish_keeps_the_old_version_to_the_end() -> None:
     assert rollouts.versions_in_use() == set()
 
 
+def test_abort_gives_up_after_max_aborts_so_a_sample_always_finishes() -> None:
+    backend = ScriptedBackend(lambda i, t: ("a" * 10, True))
+    rollouts = make_rollouts(backend, partial_policy="abort", max_aborts=2)
+    rollouts.add(lease("0:0", group_size=1))
+    finished: list[FinishedGroup] = []
+    for version in range(1, 20):  # a new adapter after every chunk: sooner than any sample completes
+        finished += rollouts.step()
+        if finished:
+            break
+        serve_version(backend, version)
+        rollouts.current_version = version
+    (done,) = finished
+    assert done.group.metrics["num_aborts"] == 2 and rollouts.metrics.counter("samples_aborted") == 2
+    assert rollouts.metrics.counter("abort_limit_reached") >= 1
+    versions = samples(done)[0]["versions"]
+    assert versions[0] == 2 and versions[-1] > 2  # restarted twice, then continued across versions
+    assert samples(done)[0]["completion_ids"] == list(b"a" * 10) + [EOS]
+
+
 def test_abort_restarts_the_sample_under_the_new_version() -> None:
     rollouts, first, second = swap_mid_generation("abort")
     assert [s["versions"] for s in samples(first)] == [[1] * 11] * 2
