@@ -20,7 +20,6 @@ import argparse
 import hashlib
 import multiprocessing as mp
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
@@ -33,6 +32,7 @@ import msgpack  # noqa: E402
 import numpy as np  # noqa: E402
 import zmq  # noqa: E402
 
+from bench.broker_proc import start_broker  # noqa: E402
 from bench.report import report  # noqa: E402
 from common import framing, protocol  # noqa: E402
 from common.protocol import AdapterFetch, AdapterUpdate, Hello, Kind  # noqa: E402
@@ -110,23 +110,9 @@ def direct_time(message: list, repeats: int) -> float:
     return statistics.median(times[1:])
 
 
-def start_broker(workdir: Path) -> tuple[subprocess.Popen, str]:
-    endpoint_file = workdir / "broker.endpoint"
-    proc = subprocess.Popen([sys.executable, "-m", "broker", "--run-dir", str(workdir / "run"), "--log-level", "warning",
-                             "--set", "broker.bind=\"tcp://127.0.0.1:0\"",
-                             "--set", f"broker.endpoint_file=\"{endpoint_file}\"",
-                             "--set", "broker.heartbeat_misses=100", "--set", "broker.num_adapters_kept=2"], cwd=REPO)
-    deadline = time.monotonic() + 30
-    while not (endpoint_file.is_file() and endpoint_file.read_text().strip()):
-        if time.monotonic() > deadline or proc.poll() is not None:
-            raise RuntimeError("the broker did not start")
-        time.sleep(0.05)
-    return proc, endpoint_file.read_text().strip()
-
-
 def fanout_times(tensors: list, num_workers: int, repeats: int, first_version: int, workdir: Path) -> list[float]:
     spawn = mp.get_context("spawn")
-    broker, endpoint = start_broker(workdir / f"n{num_workers}")
+    broker, endpoint = start_broker(workdir / f"n{num_workers}", "broker.num_adapters_kept=2")
     ready, received = spawn.Queue(), spawn.Queue()
     workers = [spawn.Process(target=worker, args=(endpoint, i, ready, received), daemon=True)
                for i in range(num_workers)]

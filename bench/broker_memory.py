@@ -13,10 +13,8 @@ bound + 150 MB (ratio < 1 meets the target).
 from __future__ import annotations
 
 import argparse
-import subprocess
 import sys
 import tempfile
-import time
 import uuid
 from pathlib import Path
 
@@ -25,6 +23,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 import msgpack  # noqa: E402
 import zmq  # noqa: E402
 
+from bench.broker_proc import start_broker  # noqa: E402
 from bench.broker_throughput import GROUP_SIZE, group_record, group_tensors  # noqa: E402
 from bench.report import report  # noqa: E402
 from common import framing, protocol  # noqa: E402
@@ -88,20 +87,10 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     bound = args.bound_mb * MB
     with tempfile.TemporaryDirectory(prefix="bench-memory-", dir=REPO) as tmp:
-        endpoint_file = Path(tmp) / "broker.endpoint"
-        broker = subprocess.Popen(
-            [sys.executable, "-m", "broker", "--run-dir", str(Path(tmp) / "run"), "--log-level", "warning",
-             "--set", "broker.bind=\"tcp://127.0.0.1:0\"", "--set", f"broker.endpoint_file=\"{endpoint_file}\"",
-             "--set", f"broker.max_buffer_bytes={bound}", "--set", "broker.capacity_groups=100000",
-             "--set", "broker.max_leases_per_worker=100000", "--set", f"run.group_size={GROUP_SIZE}",
-             "--set", "run.max_staleness=1000", "--set", "broker.heartbeat_misses=100"], cwd=REPO)
+        broker, endpoint = start_broker(Path(tmp), f"broker.max_buffer_bytes={bound}", "broker.capacity_groups=100000",
+                                        "broker.max_leases_per_worker=100000", f"run.group_size={GROUP_SIZE}",
+                                        "run.max_staleness=1000")
         try:
-            deadline = time.monotonic() + 30
-            while not (endpoint_file.is_file() and endpoint_file.read_text().strip()):
-                if time.monotonic() > deadline or broker.poll() is not None:
-                    raise RuntimeError("the broker did not start")
-                time.sleep(0.05)
-            endpoint = endpoint_file.read_text().strip()
             idle = rss_bytes(broker.pid)
             accepted = fill(endpoint, args.group_kb * 1024)
             ctx = zmq.Context()

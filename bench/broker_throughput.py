@@ -27,7 +27,6 @@ import multiprocessing as mp
 import os
 import shutil
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
@@ -40,6 +39,7 @@ import msgpack  # noqa: E402
 import numpy as np  # noqa: E402
 import zmq  # noqa: E402
 
+from bench.broker_proc import start_broker  # noqa: E402
 from bench.report import report  # noqa: E402
 from common import framing, protocol  # noqa: E402
 from common.protocol import (  # noqa: E402
@@ -331,26 +331,14 @@ def run_mode(mode: str, num_bytes: int, producers: int, seconds: float, workdir:
         else:
             num_groups = int(min(64, max(2, batch_bytes // num_bytes)))
             capacity = max(capacity_batches * num_groups, producers * 8)
-            endpoint_file = workdir / "broker.endpoint"
-            endpoint_file.unlink(missing_ok=True)
             shutil.rmtree(workdir / "run", ignore_errors=True)  # a fresh broker each run (no restored state)
             keys_dir = bench_keys(workdir) if mode == "curve" else None
-            security = ["--set", "security.enabled=true", "--set", f"security.keys_dir=\"{keys_dir}\""] if keys_dir else []
-            profile = ["-m", "cProfile", "-o", os.environ["BENCH_PROFILE"]] if os.environ.get("BENCH_PROFILE") else []
-            broker = subprocess.Popen(
-                [sys.executable, *profile, "-m", "broker", "--run-dir", str(workdir / "run"), "--log-level", "warning",
-                 "--set", "broker.bind=\"tcp://127.0.0.1:0\"", "--set", f"broker.endpoint_file=\"{endpoint_file}\"",
-                 "--set", f"run.group_size={GROUP_SIZE}", "--set", f"run.groups_per_step={num_groups}",
-                 "--set", "run.max_staleness=1000", "--set", f"broker.capacity_groups={capacity}",
-                 "--set", "broker.heartbeat_misses=100", "--set", f"broker.max_leases_per_worker={capacity}",
-                 *security],
-                cwd=Path(__file__).resolve().parent.parent)
-            deadline = time.monotonic() + 30
-            while not (endpoint_file.is_file() and endpoint_file.read_text().strip()):
-                if time.monotonic() > deadline or broker.poll() is not None:
-                    raise RuntimeError("the broker did not start")
-                time.sleep(0.05)
-            endpoint = endpoint_file.read_text().strip()
+            security = ["security.enabled=true", f"security.keys_dir=\"{keys_dir}\""] if keys_dir else []
+            profile = ("-m", "cProfile", "-o", os.environ["BENCH_PROFILE"]) if os.environ.get("BENCH_PROFILE") else ()
+            broker, endpoint = start_broker(workdir, f"run.group_size={GROUP_SIZE}", f"run.groups_per_step={num_groups}",
+                                            "run.max_staleness=1000", f"broker.capacity_groups={capacity}",
+                                            f"broker.max_leases_per_worker={capacity}", *security,
+                                            python_args=profile)
             hop_pid = broker.pid
             consumer = spawn.Process(target=broker_learner,
                                      args=(endpoint, num_groups, prefetch, seconds, results, keys_dir))

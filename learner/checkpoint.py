@@ -40,6 +40,7 @@ from torch.distributed.checkpoint.state_dict import (
     set_optimizer_state_dict,
 )
 
+from common.durable import fsync_path
 from common.logging import get_logger
 from learner.model import Policy
 from learner.parallel import Parallel
@@ -60,14 +61,6 @@ class LearnerState:
     trained_group_ids: set[str] = field(default_factory=set)
     checkpoint_version: int = 0  # newest version covered by a durable checkpoint
     withdrawn: list[tuple[int, int]] = field(default_factory=list)  # versions rolled back by resumes (inclusive)
-
-
-def _fsync(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
 
 
 class Checkpointer:
@@ -131,8 +124,8 @@ class Checkpointer:
             }
             state_path = partial / STATE_FILE
             state_path.write_text(json.dumps(meta))
-            _fsync(state_path)
-            _fsync(partial)
+            fsync_path(state_path)
+            fsync_path(partial)
             if final.exists():  # the same step saved again after a resume: swap, never leaving none
                 old = self.directory / f"{final.name}.old"
                 shutil.rmtree(old, ignore_errors=True)
@@ -141,7 +134,7 @@ class Checkpointer:
                 shutil.rmtree(old, ignore_errors=True)
             else:
                 os.rename(partial, final)
-            _fsync(self.directory)
+            fsync_path(self.directory)
             for old in self.complete()[:-self.keep]:
                 shutil.rmtree(old, ignore_errors=True)
             log.info("checkpoint_saved", step=state.step, version=state.version, path=str(final),

@@ -30,6 +30,7 @@ import torch
 from peft import LoraConfig, get_peft_model_state_dict
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
+from common.durable import fsync_path
 from common.framing import frames_sha256
 from common.protocol import AdapterUpdate
 from learner.model import Policy
@@ -107,14 +108,6 @@ def newest_adapter_version(root: Path) -> int:
     return max(found, default=0)
 
 
-def _fsync(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
 def write_adapter_dir(root: Path, snap: AdapterSnapshot) -> Path:
     """Write ``root/v{version}`` atomically: files in a temporary dir, fsynced, then renamed into place."""
     from safetensors.torch import save_file
@@ -127,8 +120,8 @@ def write_adapter_dir(root: Path, snap: AdapterSnapshot) -> Path:
     save_file(dict(snap.tensors), str(tmp / ADAPTER_WEIGHTS), metadata={"format": "pt"})
     (tmp / ADAPTER_CONFIG).write_text(json.dumps(snap.adapter_config, indent=2, sort_keys=True))
     for name in (ADAPTER_WEIGHTS, ADAPTER_CONFIG):
-        _fsync(tmp / name)
-    _fsync(tmp)
+        fsync_path(tmp / name)
+    fsync_path(tmp)
     if target.exists():  # the same version written again (a run restarted without its broker): replace it
         old = root / f".old-{target.name}-{os.getpid()}"
         os.rename(target, old)
@@ -136,7 +129,7 @@ def write_adapter_dir(root: Path, snap: AdapterSnapshot) -> Path:
         shutil.rmtree(old, ignore_errors=True)
     else:
         os.rename(tmp, target)
-    _fsync(root)
+    fsync_path(root)
     return target
 
 

@@ -11,17 +11,9 @@ from pathlib import Path
 
 import pytest
 
+from tests.torch_threads import one_torch_thread  # noqa: F401  (an autouse fixture for this package)
+
 QUICK_STEPS = 150
-
-
-@pytest.fixture(autouse=True, scope="package")
-def one_torch_thread():
-    import torch
-
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
 
 
 @pytest.fixture(scope="session")

@@ -1,0 +1,31 @@
+"""The broker as the benchmarks start it: ``python -m broker`` on a free loopback port, quiet logs."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parent.parent
+
+
+def start_broker(workdir: Path, *overrides: str, python_args: tuple[str, ...] = (),
+                 timeout_s: float = 30.0) -> tuple[subprocess.Popen, str]:
+    """(process, endpoint) of a broker with its run directory in ``workdir``; ``overrides`` are ``--set``
+    values (``section.key=value``); ``python_args`` go before ``-m broker`` (e.g. cProfile)."""
+    endpoint_file = workdir / "broker.endpoint"
+    endpoint_file.unlink(missing_ok=True)
+    argv = [sys.executable, *python_args, "-m", "broker", "--run-dir", str(workdir / "run"), "--log-level", "warning",
+            "--set", "broker.bind=\"tcp://127.0.0.1:0\"", "--set", f"broker.endpoint_file=\"{endpoint_file}\"",
+            "--set", "broker.heartbeat_misses=100"]
+    for override in overrides:
+        argv += ["--set", override]
+    proc = subprocess.Popen(argv, cwd=REPO)
+    deadline = time.monotonic() + timeout_s
+    while not (endpoint_file.is_file() and endpoint_file.read_text().strip()):
+        if time.monotonic() > deadline or proc.poll() is not None:
+            proc.kill()
+            raise RuntimeError(f"the broker did not start (exit code {proc.poll()})")
+        time.sleep(0.05)
+    return proc, endpoint_file.read_text().strip()
