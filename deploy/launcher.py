@@ -116,6 +116,7 @@ class Launch:
         self.last_eval_s = 0.0
         self.rl_started_s = 0.0
         self.stop_requested = ""
+        self.stop_signal = ""  # the signal behind stop_requested == "interrupted" (shown by watch)
         self.model_ready = False
 
     # -- start -----------------------------------------------------------------------------------------------
@@ -230,6 +231,8 @@ class Launch:
                 self.display.status(render(self.progress.poll(stats_timeout_s=0.5)))
                 next_progress_s = now_s + launch.progress_every_s
             time.sleep(TICK_S)
+        if self.stop_signal:
+            self.display.event(f"{self.stop_signal}: stopping every process cleanly (again to kill at once)")
         return self.stop_requested
 
     def maybe_start_eval(self, now_s: float) -> None:
@@ -389,11 +392,12 @@ def main(argv: list[str]) -> int:
     launch = Launch(config, display, started_s=started_s)
 
     def request_stop(signum: int, _frame: Any) -> None:
+        # flags only, no output: the handler may run in the middle of a write to stdout or the log, which do not
+        # allow reentry; watch() says what happens, the KeyboardInterrupt handler below kills
         if launch.stop_requested or not launch.supervisor.children:  # again, or nothing started yet: at once
-            launch.supervisor.kill_all()
             raise KeyboardInterrupt
         launch.stop_requested = "interrupted"
-        display.event(f"{signal.Signals(signum).name}: stopping every process cleanly (again to kill at once)")
+        launch.stop_signal = signal.Signals(signum).name
 
     signal.signal(signal.SIGINT, request_stop)
     signal.signal(signal.SIGTERM, request_stop)

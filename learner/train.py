@@ -109,6 +109,7 @@ class Learner:
         self.timeline = Timeline.for_process(config.run_dir, "learner") if parallel.is_main else Timeline(None)
         self.timers = Timers()
         self.stop_requested = False
+        self.stop_signal = ""  # which signal set stop_requested (logged by the loop, never by the handler)
         self.last_checkpoint_step = state.step
         self.published_step = state.step  # the step whose parameters the newest version holds
         self.newest: publish.AdapterSnapshot | None = None
@@ -140,6 +141,7 @@ class Learner:
                     received, frames = self._select(item.record, item.envelope)
             stop, ready = self.parallel.agree(self.stop_requested, frames is not None)
             if stop:
+                log.info("stop_requested", signal=self.stop_signal or "(on another rank)")
                 return None
             if ready:
                 break
@@ -370,8 +372,9 @@ def _connect(config: Config, state: LearnerState, metrics: Metrics, ledger: Ledg
 
 def _install_stop_handlers(learner: Learner) -> None:
     def request_stop(signum: int, _frame: Any) -> None:
-        if not learner.stop_requested:
-            log.info("stop_requested", signal=signal.Signals(signum).name)
+        # flags only, no logging: the handler may run while this thread holds the log stream's lock, which
+        # structlog takes without reentrancy (see rollout_worker.worker.run)
+        learner.stop_signal = learner.stop_signal or signal.Signals(signum).name
         learner.stop_requested = True
 
     signal.signal(signal.SIGTERM, request_stop)

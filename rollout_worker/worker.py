@@ -63,6 +63,10 @@ IDLE_WAIT_S = 0.5
 EMPTY_GRANT_BACKOFF_S = 0.2
 
 
+class StoppedWhileStarting(BaseException):
+    """SIGTERM or SIGINT before the loop runs (connecting, loading the model): nothing is leased, so leave."""
+
+
 def default_worker_id() -> str:
     return f"{socket.gethostname()}-{os.getpid()}"
 
@@ -91,7 +95,8 @@ class Worker:
 
     # -- the loop ----------------------------------------------------------------------------------------------
 
-    def run(self) -> None:
+    def run(self, signals: list[str] | None = None) -> None:
+        """Generate until ``stop`` is set; ``signals`` are the names of the signals that set it (for the log)."""
         while not self.stop.is_set():
             self.wake.clear()
             self._load_adapters()
@@ -114,6 +119,8 @@ class Worker:
                                                                            / group.group.num_samples, 3))
                 self.session.submit(group)
             self._report()
+        if signals:
+            log.info("signal", signal=signals[0])
         self._shutdown()
 
     def _wait_s(self) -> float:
@@ -211,24 +218,34 @@ class Worker:
                  submitted=int(self.metrics.total("groups_submitted")))
 
 
-def run(config: Config) -> int:
-    """Join the broker, load the backend, generate until SIGTERM; returns the exit code."""
-    worker_id = config.worker.id or default_worker_id()
-    bind(worker=worker_id)
-    stop, wake, looping = threading.Event(), threading.Event(), threading.Event()
+def install_stop_handlers(stop: threading.Event, wake: threading.Event, looping: threading.Event) -> list[str]:
+    """SIGTERM / SIGINT: before ``looping`` is set raise :class:`StoppedWhileStarting`, then set ``stop`` and
+    ``wake``. Returns the list the signals' names go into (the loop logs them).
 
-    def on_signal(signum: int, frame: Any) -> None:
+    Flags only, never a log line: a handler runs between two bytecodes of the main thread, maybe while that
+    thread holds the log stream's lock, which structlog takes without reentrancy (a SIGTERM during a burst of
+    log lines hung a worker for good).
+    """
+    received: list[str] = []
+
+    def on_signal(signum: int, _frame: Any) -> None:
         if not looping.is_set():  # still connecting or loading the model: nothing is leased, just leave
-            try:
-                log.info("stopped_while_starting", signal=signal.Signals(signum).name)
-            finally:
-                os._exit(0)
-        log.info("signal", signal=signal.Signals(signum).name)
+            raise StoppedWhileStarting(signal.Signals(signum).name)
+        received.append(signal.Signals(signum).name)
         stop.set()
         wake.set()
 
     signal.signal(signal.SIGTERM, on_signal)
     signal.signal(signal.SIGINT, on_signal)
+    return received
+
+
+def run(config: Config) -> int:
+    """Join the broker, load the backend, generate until SIGTERM; returns the exit code."""
+    worker_id = config.worker.id or default_worker_id()
+    bind(worker=worker_id)
+    stop, wake, looping = threading.Event(), threading.Event(), threading.Event()
+    received = install_stop_handlers(stop, wake, looping)
     timeline = Timeline.for_process(config.run_dir, f"worker-{worker_id}")
     timeline.mark("starting")
     metrics = Metrics()
@@ -246,7 +263,10 @@ def run(config: Config) -> int:
         worker = Worker(config, worker_id=worker_id, session=session, backend=backend, store=store, metrics=metrics,
                         wake=wake, stop=stop, timeline=timeline, max_staleness=welcome.max_staleness)
         looping.set()
-        worker.run()
+        worker.run(received)
+    except StoppedWhileStarting as exc:
+        log.info("stopped_while_starting", signal=str(exc))
+        return 0
     except BrokerUnavailable as exc:
         log.error("broker_unavailable", error=str(exc))
         return 1

@@ -144,3 +144,21 @@ def start_broker(procs: Processes, *overrides: str, name: str = "broker", run_di
     if not proc.alive():
         raise AssertionError(f"broker exited with {proc.popen.returncode}\n{proc.log()}")
     return BrokerHandle(proc, endpoint_file.read_text().strip(), endpoint_file, run_dir)
+
+
+class NoLogging:
+    """Stands in for a module's ``log`` where nothing may log (signal handlers): any call fails the test."""
+
+    def __getattr__(self, name: str) -> Any:
+        raise AssertionError(f"a signal handler called log.{name}")
+
+
+@contextlib.contextmanager
+def restored_signal_handlers() -> Any:
+    """Put back this process's SIGTERM and SIGINT handlers after a test installed its own."""
+    saved = {sig: signal.getsignal(sig) for sig in (signal.SIGTERM, signal.SIGINT)}
+    try:
+        yield
+    finally:
+        for sig, handler in saved.items():
+            signal.signal(sig, handler)
