@@ -245,7 +245,17 @@ def run(config: Config) -> int:
     worker_id = config.worker.id or default_worker_id()
     bind(worker=worker_id)
     stop, wake, looping = threading.Event(), threading.Event(), threading.Event()
-    received = install_stop_handlers(stop, wake, looping)
+    try:
+        received = install_stop_handlers(stop, wake, looping)
+        return _join_and_generate(config, worker_id, stop=stop, wake=wake, looping=looping, received=received)
+    except StoppedWhileStarting as exc:  # wherever start-up was (the session's finally has run)
+        looping.set()  # a second signal now only sets flags
+        log.info("stopped_while_starting", signal=str(exc))
+        return 0
+
+
+def _join_and_generate(config: Config, worker_id: str, *, stop: threading.Event, wake: threading.Event,
+                       looping: threading.Event, received: list[str]) -> int:
     timeline = Timeline.for_process(config.run_dir, f"worker-{worker_id}")
     timeline.mark("starting")
     metrics = Metrics()
@@ -264,9 +274,6 @@ def run(config: Config) -> int:
                         wake=wake, stop=stop, timeline=timeline, max_staleness=welcome.max_staleness)
         looping.set()
         worker.run(received)
-    except StoppedWhileStarting as exc:
-        log.info("stopped_while_starting", signal=str(exc))
-        return 0
     except BrokerUnavailable as exc:
         log.error("broker_unavailable", error=str(exc))
         return 1
