@@ -65,6 +65,7 @@ class Managed:
     restart_at_s: float | None = None  # a restart is scheduled for this monotonic time
     finished: bool = False  # exited 0 on its own
     exit_recorded: bool = False  # the exit of the current incarnation was recorded
+    terminating: bool = False  # this incarnation got its SIGTERM (a second one could land in its clean exit)
     exit_codes: list[int] = field(default_factory=list)
 
     @property
@@ -83,9 +84,16 @@ class Managed:
                                           cwd=self.cwd, start_new_session=True)
         self.started_s = time.monotonic()
         self.restart_at_s = None
+        self.terminating = False
         log.info("process_started", process=self.name, pid=self.popen.pid)
 
     def signal(self, sig: int) -> None:
+        """Send ``sig`` to the child's whole session; SIGTERM only once per incarnation: Python restores the
+        default handler while it finalizes, so a second SIGTERM during a clean exit would kill it (-15)."""
+        if sig == signal.SIGTERM:
+            if self.terminating:
+                return
+            self.terminating = True
         if self.alive():
             assert self.popen is not None
             with contextlib.suppress(ProcessLookupError):

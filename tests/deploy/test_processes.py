@@ -23,6 +23,14 @@ n = len(open(path).read()) if os.path.exists(path) else 0
 open(path, "a").write("x")
 if sys.argv[3] == "ignore-term":
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
+if sys.argv[3] == "count-term":  # a clean exit that takes a while; the exit code is the number of SIGTERMs seen
+    terms = []
+    signal.signal(signal.SIGTERM, lambda *_: terms.append(1))
+    print("ready", flush=True)
+    while not terms:
+        time.sleep(0.01)
+    time.sleep(0.5)
+    sys.exit(len(terms))
 print("start", n, flush=True)
 if n < len(codes):
     sys.exit(codes[n])
@@ -98,6 +106,18 @@ def test_endless_crashes_give_up_naming_the_setting(tmp_path: Path) -> None:
     with pytest.raises(Unrecoverable, match=r"(?s)worker-2 failed 3 times in a row \(last: exit code 3\).*max_restarts = 2"):
         run_until(supervisor, lambda: False)
     assert starts(tmp_path, "worker-2") == 3
+
+
+def test_a_child_gets_one_sigterm_however_often_it_is_asked_to_stop(tmp_path: Path) -> None:
+    """The launcher signals the workers first and stops them later; a second SIGTERM during a clean exit would
+    land after Python restored the default handler and kill the child (-15)."""
+    supervisor = Supervisor(RestartPolicy())
+    worker = supervisor.add(child(tmp_path, "worker-1", "", "count-term"))
+    wait_for(lambda: "ready" in worker.log_path.read_text(), 10, "the child to install its handler")
+    supervisor.signal(["worker-1"])
+    time.sleep(0.2)  # (the launcher stops the learner in between; signals this close together would coalesce)
+    supervisor.stop(["worker-1"], 10)
+    assert worker.exit_codes == [1]
 
 
 def test_stop_kills_a_child_that_ignores_sigterm(tmp_path: Path) -> None:
