@@ -372,8 +372,8 @@ def _connect(config: Config, state: LearnerState, metrics: Metrics, ledger: Ledg
 
 def _install_stop_handlers(learner: Learner) -> None:
     def request_stop(signum: int, _frame: Any) -> None:
-        # flags only, no logging: the handler may run while this thread holds the log stream's lock, which
-        # structlog takes without reentrancy (see rollout_worker.worker.run)
+        # flags only, no logging: the handler runs between two bytecodes of the main thread, maybe while it holds
+        # the log stream's lock, which structlog takes without reentrancy (the process would hang for good)
         learner.stop_signal = learner.stop_signal or signal.Signals(signum).name
         learner.stop_requested = True
 
