@@ -140,7 +140,8 @@ class BrokerCore(DataFlow):
         learner = config.learner
         self.history = TrainingHistory(max_records=(2 * learner.checkpoint_every * run.groups_per_step
                                                     + self.capacity_groups) if learner.checkpoint_every else 0)
-        self.writer = StateWriter(self.state_path) if self.state_path else None
+        self.writer = (StateWriter(self.state_path, min_interval_s=config.broker.state_write_interval_ms / 1000)
+                       if self.state_path else None)
         self._unsaved_adapter: tuple[int, list[Any]] | None = None
         self.prompts = self._restore(task)
         self.base_version = self.latest_version

@@ -129,7 +129,8 @@ def save_state(path: str | os.PathLike, state: BrokerState) -> None:
     with open(tmp, "w") as f:
         # every field is a plain JSON value already: skip schema.dump's per-element walk (the file is written
         # after every BatchAck and holds hundreds of keys)
-        json.dump({name: getattr(state, name) for name in _FIELD_NAMES}, f, separators=(",", ":"))
+        # (dumps, not dump: only the one-shot encoder runs in C)
+        f.write(json.dumps({name: getattr(state, name) for name in _FIELD_NAMES}, separators=(",", ":")))
         f.flush()
         os.fsync(f.fileno())
     os.replace(tmp, path)
@@ -213,11 +214,17 @@ class StateWriter:
     called from the helper thread after each background write (the server uses it to wake its poll). An
     adapter handed in with a state is written before that state (to ``adapter_path``), so a state never names a
     latest version whose adapter is not on disk too.
+
+    Background writes start at least ``min_interval_s`` after the previous one ended (group commit): a learner
+    stepping faster than that gets one write (two fsyncs) per interval instead of one per step, each covering
+    every ack of the interval. A write after a quiet interval starts at once.
     """
 
     def __init__(self, path: str | os.PathLike, on_durable: Callable[[], None] | None = None,
-                 adapter_path: str | os.PathLike | None = None) -> None:
+                 adapter_path: str | os.PathLike | None = None, min_interval_s: float = 0.0) -> None:
         self.path = Path(path)
+        self.min_interval_s = min_interval_s
+        self._last_write_end = float("-inf")  # time.monotonic() when the previous background write ended
         self.adapter_path = Path(adapter_path) if adapter_path else self.path.with_name("adapter.bin")
         self._adapter_written = 0
         self._pending_adapter: tuple[int, list[Any]] | None = None
@@ -283,9 +290,12 @@ class StateWriter:
                     self._cond.wait()
                 if self._pending is None:
                     return
+                while not self._closed and (wait_s := self._last_write_end + self.min_interval_s - time.monotonic()) > 0:
+                    self._cond.wait(wait_s)  # newer states replace the pending one meanwhile
                 seq, state = self._pending
                 adapter, self._pending, self._pending_adapter = self._pending_adapter, None, None
             self._write(seq, state, adapter)
+            self._last_write_end = time.monotonic()
             if self.on_durable is not None:
                 self.on_durable()
 

@@ -69,6 +69,9 @@ class BrokerConfig:
     max_leases_per_worker: int = rule(64, ge=1)
     num_adapters_kept: int = rule(4, ge=1, doc="newest adapter versions the broker keeps for fetches")
     state_path: str = rule("", doc="persisted cursor/version file; default <run_dir>/broker/state.json")
+    state_write_interval_ms: float = rule(20.0, ge=0, le=10_000, unit="ms",
+                                          doc="background state writes start at least this long after the previous "
+                                          "one (group commit; the acks they cover wait for them); 0 = back to back")
     prompt_limit: int = rule(0, ge=0, doc="prompts per epoch for generated tasks (0 = unbounded)")
     num_epochs: int = rule(0, ge=0, doc="stop leasing after this many epochs; 0 = forever")
     metrics_port: int = rule(0, ge=0, le=65535, doc="Prometheus /metrics port; 0 = off")
