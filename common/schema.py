@@ -128,6 +128,8 @@ def _fast_check(annotation: Any, rule_: Rule) -> Any:
         return ok
     if typing.get_origin(annotation) is list:
         (item_type,) = typing.get_args(annotation)
+        if item_type in (int, float, str):
+            return _plain_list_ok(item_type, rule_)
         item_ok = _scalar_ok(item_type, dataclasses.replace(rule_, max_len=None))
         if item_ok is None:
             return None
@@ -138,6 +140,37 @@ def _fast_check(annotation: Any, rule_: Rule) -> Any:
 
         return list_ok
     return None
+
+
+def _plain_list_ok(item_type: type, rule_: Rule) -> Any:
+    """The list predicate of :func:`_fast_check` for ints, floats or strings, without a Python call per item:
+    item types, bounds, finiteness and choices are checked by builtins over the whole list."""
+    only = {item_type}
+    ge, le, gt, max_len = rule_.ge, rule_.le, rule_.gt, rule_.max_len
+    choices = frozenset(rule_.choices) if rule_.choices is not None else None
+    finite = item_type is float and rule_.finite
+    bounded = item_type is not str and (ge is not None or le is not None or gt is not None)
+
+    def list_ok(value: Any) -> bool:
+        if type(value) is not list or (max_len is not None and len(value) > max_len):
+            return False
+        if not value:
+            return True
+        if set(map(type, value)) != only:  # (bool is not int here: type(True) is bool)
+            return False
+        if finite:
+            try:
+                if not math.isfinite(math.fsum(value)):  # NaN and inf carry into the sum
+                    return False
+            except (OverflowError, ValueError):  # finite values whose sum overflows; inf - inf
+                return False
+        if bounded:
+            low, high = min(value), max(value)
+            if (ge is not None and low < ge) or (gt is not None and low <= gt) or (le is not None and high > le):
+                return False
+        return choices is None or choices.issuperset(value)
+
+    return list_ok
 
 
 def build(cls: type[T], mapping: Any, path: str) -> T:

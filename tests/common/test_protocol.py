@@ -235,3 +235,25 @@ def test_mutated_group_fields_raise_only_protocol_errors(data: st.DataObject) ->
         protocol.check_group_values(record, env.specs, env.frames, vocab_size=10, latest_version=1)
     except ProtocolError:
         pass
+
+
+_LIST_ITEMS = st.one_of(st.integers(-5, 2**70), st.floats(allow_nan=True, allow_infinity=True), st.booleans(),
+                        st.sampled_from(["stop", "length", "aborted", "bogus", ""]), st.none())
+
+
+@settings(max_examples=400, deadline=None)
+@given(field=st.sampled_from(["prompt_lens", "completion_lens", "rewards", "finish_reasons"]),
+       value=st.one_of(*(st.lists(items, max_size=protocol.MAX_GROUP_SIZE + 2) for items in (
+           st.integers(-5, 2**70), st.floats(allow_nan=True, allow_infinity=True), st.floats(-1e308, 1e308),
+           st.sampled_from(["stop", "length", "aborted", "bogus"]), _LIST_ITEMS))))
+def test_fast_list_checks_agree_with_the_generic_path(field: str, value: list) -> None:
+    """A list field's fast predicate says yes only to values the generic check returns unchanged."""
+    from common.schema import SchemaError, _fields, check_value
+
+    name, annotation, rule_, _required, fast = next(f for f in _fields(RolloutGroup) if f[0] == field)
+    try:
+        generic = check_value(value, annotation, rule_, name)
+    except SchemaError:
+        generic = None
+    if fast(value):
+        assert generic == value and [type(x) for x in generic] == [type(x) for x in value]
