@@ -8,15 +8,22 @@ five tensor frames) to one consumer process, three ways, in the same run:
 - direct: producers PUSH -> consumer PULL (the floor: one hop);
 - relay:  producers PUSH -> ``zmq.proxy`` (PULL -> PUSH, its own process) -> consumer PULL: the cost of
   any hop;
+- pyrelay: the same hop as a Python loop (``recv_multipart`` / ``send_multipart``, ``copy=False``, no logic): what
+  a hop costs in Python before it does any work, so broker / pyrelay is the price of the broker's per-group work;
 - broker: producers act as workers (LeaseRequest, RolloutGroup, Ack) and the consumer as the learner
   (BatchRequest, Batch, BatchAck) against ``python -m broker``: leases, validation of every group (numpy
-  views), dedup, buffering, batching and an fsynced state write per BatchAck;
+  views), dedup, buffering, batching and fsynced state writes (group commit);
 - curve: the same with ``security.enabled``: every byte CURVE-encrypted (keys made once per run in the work
   directory, the producers holding a worker key, the consumer the learner key).
 
 The figure is tensor payload bytes per second at the consumer, over ``--seconds`` after a warm-up. Every
-socket's high-water mark is small so no mode can run ahead into unbounded queues. Targets: broker >= 0.8 x
-relay at 256 KB and 4 MB, >= 0.5 x at 16 KB. The JSON line's ratio is broker / relay at 256 KB; its
+socket's high-water mark is small so no mode can run ahead into unbounded queues. Next to it, each mode's CPU
+per group summed over all its processes (producers, hop, consumer, in microseconds): on a machine whose cores
+all these processes share, throughput goes as the inverse of that sum, so it says what a ratio target allows
+the broker protocol to add per group. ``BENCH_CPU=1`` prints each run's CPU by process, the hop process's by
+thread (main, zmq I/O, other) and how busy the whole machine was.
+
+Targets: broker >= 0.8 x relay at 256 KB and 4 MB, >= 0.5 x at 16 KB. The JSON line's ratio is broker / relay at 256 KB; its
 ``curve_ratio`` is curve / broker at 256 KB (``curve_ratio_by_size`` for every size): the cost of encryption.
 """
 
@@ -130,8 +137,9 @@ def pull_consumer(endpoint: str | None, seconds: float, results: mp.Queue) -> No
     ctx.term()
 
 
-def relay(endpoints: mp.Queue) -> None:
-    """A bare zmq.proxy (PULL -> PUSH) on two free ports; puts (frontend, backend)."""
+def relay(endpoints: mp.Queue, in_python: bool = False) -> None:
+    """A bare zmq.proxy (PULL -> PUSH) on two free ports, or the same hop as a Python loop; puts (frontend,
+    backend)."""
     ctx = zmq.Context()
     pull, push = ctx.socket(zmq.PULL), ctx.socket(zmq.PUSH)
     for sock in (pull, push):
@@ -139,7 +147,10 @@ def relay(endpoints: mp.Queue) -> None:
         sock.setsockopt(zmq.RCVHWM, HWM)
         sock.bind("tcp://127.0.0.1:*")
     endpoints.put((pull.getsockopt_string(zmq.LAST_ENDPOINT), push.getsockopt_string(zmq.LAST_ENDPOINT)))
-    zmq.proxy(pull, push)
+    if not in_python:
+        zmq.proxy(pull, push)
+    while True:
+        push.send_multipart(pull.recv_multipart(copy=False), copy=False)
 
 
 def kind_and_header(frames: list) -> tuple[int, dict]:
@@ -295,15 +306,35 @@ def bench_keys(workdir: Path) -> str:
     return str(keys)
 
 
-def cpu_seconds(pid: int) -> float:
-    """User + system CPU time of a process so far (Linux /proc)."""
-    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+def cpu_seconds(pid: int, tid: int | None = None) -> float:
+    """User + system CPU time of a process (or one of its threads) so far (Linux /proc)."""
+    path = f"/proc/{pid}/task/{tid}/stat" if tid is not None else f"/proc/{pid}/stat"
+    fields = Path(path).read_text().rsplit(")", 1)[1].split()
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
+def thread_cpu(pid: int) -> dict[str, float]:
+    """CPU seconds so far of a process's threads: "main", zmq's "io" threads, "other" (e.g. the state writer;
+    a thread that ended since the last call is missing from both, so compare only over a run)."""
+    out = {"main": 0.0, "io": 0.0, "other": 0.0}
+    for task in Path(f"/proc/{pid}/task").iterdir():
+        tid = int(task.name)
+        name = "main" if tid == pid else "io" if (task / "comm").read_text().startswith("ZMQbg/IO") else "other"
+        out[name] += cpu_seconds(pid, tid)
+    return out
+
+
+def machine_busy_ticks() -> tuple[int, int]:
+    """(busy, total) jiffies of all cores so far (/proc/stat): the share of the machine in use."""
+    values = [int(v) for v in Path("/proc/stat").read_text().split("\n", 1)[0].split()[1:]]
+    idle = values[3] + values[4]  # idle + iowait
+    return sum(values) - idle, sum(values)
+
+
 def run_mode(mode: str, num_bytes: int, producers: int, seconds: float, workdir: Path,
-             batch_bytes: int = 4 << 20, capacity_batches: int = 4, prefetch: int = 2) -> tuple[float, float]:
-    """(payload bytes/s at the consumer, CPU share of the hop process: proxy or broker; 0 for direct)."""
+             batch_bytes: int = 4 << 20, capacity_batches: int = 4, prefetch: int = 2) -> tuple[float, dict[str, float]]:
+    """(payload bytes/s at the consumer, CPU share (cores) of the hop process, the consumer and the producers;
+    the hop's is 0 for direct)."""
     spawn = mp.get_context("spawn")
     stop, results = spawn.Event(), spawn.Queue()
     children: list = []
@@ -317,8 +348,8 @@ def run_mode(mode: str, num_bytes: int, producers: int, seconds: float, workdir:
             endpoint = results.get(timeout=30)
             producers_ = [spawn.Process(target=push_producer, args=(endpoint, num_bytes, stop))
                           for _ in range(producers)]
-        elif mode == "relay":
-            proxy = spawn.Process(target=relay, args=(results,), daemon=True)
+        elif mode in ("relay", "pyrelay"):
+            proxy = spawn.Process(target=relay, args=(results, mode == "pyrelay"), daemon=True)
             proxy.start()
             children.append(proxy)
             hop_pid = proxy.pid
@@ -353,16 +384,22 @@ def run_mode(mode: str, num_bytes: int, producers: int, seconds: float, workdir:
         pids = {"hop": [hop_pid] if hop_pid else [], "consumer": [consumer.pid], "producers": [p.pid for p in producers_]}
         started = time.perf_counter()
         before = {k: sum(cpu_seconds(p) for p in v) for k, v in pids.items()}
+        threads_before = thread_cpu(hop_pid) if hop_pid else {}
+        machine_before = machine_busy_ticks()
         value = results.get(timeout=seconds + 60)
         elapsed = time.perf_counter() - started
         shares = {k: (sum(cpu_seconds(p) for p in v) - before[k]) / elapsed for k, v in pids.items()}
+        threads = {k: (v - threads_before[k]) / elapsed for k, v in thread_cpu(hop_pid).items()} if hop_pid else {}
+        busy_now, total_now = machine_busy_ticks()
+        machine_busy = (busy_now - machine_before[0]) / max(1, total_now - machine_before[1])
         if os.environ.get("BENCH_CPU"):
             per_gb = {k: v / max(value, 1.0) * 1e9 for k, v in shares.items()}  # CPU s per GB moved (approx.)
             print(f"  {mode} {num_bytes}: {value / 1e6:.0f} MB/s cpu " + " ".join(f"{k} {v:.0%}" for k, v in shares.items())
                   + "  cpu s/GB " + " ".join(f"{k} {v:.2f}" for k, v in per_gb.items())
-                  + f" total {sum(per_gb.values()):.2f}", flush=True)
+                  + f" total {sum(per_gb.values()):.2f}  hop threads " + " ".join(f"{k} {v:.0%}" for k, v in threads.items())
+                  + f"  machine busy {machine_busy:.0%}", flush=True)
         consumer.join(timeout=10)
-        return value, shares["hop"]
+        return value, shares
     finally:
         stop.set()
         for child in children:
@@ -380,7 +417,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--seconds", type=float, default=3.0, help="measured seconds per run")
     parser.add_argument("--repeats", type=int, default=3, help="interleaved runs per mode and size (median kept)")
     parser.add_argument("--sizes", default="16384,262144,4194304", help="group sizes in bytes, comma-separated")
-    parser.add_argument("--modes", default="direct,relay,broker,curve")
+    parser.add_argument("--modes", default="direct,relay,pyrelay,broker,curve")
     parser.add_argument("--batch-bytes", type=int, default=4 << 20, help="broker mode: bytes per learner batch "
                         "(groups per batch = this / group size, 2..64)")
     parser.add_argument("--capacity-batches", type=int, default=4, help="broker mode: capacity_groups in batches")
@@ -390,17 +427,20 @@ def main(argv: list[str] | None = None) -> int:
     modes = args.modes.split(",")
     results: dict[int, dict[str, float]] = {}
     cpu: dict[int, dict[str, float]] = {}
+    cpu_per_group: dict[int, dict[str, float]] = {}  # microseconds of CPU, all processes of a mode
     print(f"{args.producers} producers, {args.seconds:g} s per run, median of {args.repeats} interleaved runs; "
           "payload MB/s at the consumer (CPU share of the hop process)", flush=True)
     with tempfile.TemporaryDirectory(prefix="bench-broker-", dir=Path(__file__).resolve().parent.parent) as tmp:
         for size in sizes:
-            runs: dict[str, list[tuple[float, float]]] = {m: [] for m in modes}
+            runs: dict[str, list[tuple[float, dict[str, float]]]] = {m: [] for m in modes}
             for _ in range(args.repeats):
                 for mode in modes:
                     runs[mode].append(run_mode(mode, size, args.producers, args.seconds, Path(tmp),
                                                args.batch_bytes, args.capacity_batches, args.prefetch))
             results[size] = {m: statistics.median(r[0] for r in runs[m]) for m in modes}
-            cpu[size] = {m: statistics.median(r[1] for r in runs[m]) for m in modes}
+            cpu[size] = {m: statistics.median(r[1]["hop"] for r in runs[m]) for m in modes}
+            cpu_per_group[size] = {m: statistics.median(sum(r[1].values()) / max(r[0] / size, 1e-9) * 1e6
+                                                        for r in runs[m]) for m in modes}
             row = results[size]
             cells = "  ".join(f"{m} {row[m] / 1e6:7.1f}" + (f" ({cpu[size][m]:.0%})" if m != "direct" else "")
                               for m in modes)
@@ -411,6 +451,8 @@ def main(argv: list[str] | None = None) -> int:
             spread = "  ".join(f"{m} [{min(r[0] for r in runs[m]) / 1e6:.0f}-{max(r[0] for r in runs[m]) / 1e6:.0f}]"
                                for m in modes)
             print(f"group {size / 1024:>6.0f} KB  {cells}   {ratios}   runs: {spread}", flush=True)
+            print(" " * 17 + "CPU per group, all processes: "
+                  + "  ".join(f"{m} {cpu_per_group[size][m]:.0f} us" for m in modes), flush=True)
     key = 262144 if 262144 in results else sizes[0]
     row = results[key]
     report("broker_throughput", f"broker throughput, {key // 1024} KB groups", row.get("broker", 0.0) / 1e6, "MB/s",
@@ -420,7 +462,8 @@ def main(argv: list[str] | None = None) -> int:
                           if "broker" in r and "relay" in r},
            curve_ratio=round(row["curve"] / row["broker"], 3) if "curve" in row and "broker" in row else None,
            curve_ratio_by_size={str(s): round(r["curve"] / r["broker"], 3) for s, r in results.items()
-                                if "curve" in r and "broker" in r})
+                                if "curve" in r and "broker" in r},
+           cpu_us_per_group_by_size={str(s): {m: round(v) for m, v in r.items()} for s, r in cpu_per_group.items()})
     return 0
 
 
