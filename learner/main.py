@@ -10,6 +10,11 @@ R ranks on one machine (rank 0 talks to the broker; every rank trains a shard)::
 
 ``--resume`` (the default) continues from the newest complete checkpoint in ``<run_dir>/learner/checkpoints``;
 ``--no-resume`` starts from the base model even if checkpoints exist.
+
+Exit codes: 0 stopped cleanly, 2 a configuration error, 4 replaced by another learner (the broker fenced this
+one), 1 anything else. torchrun reports any failed rank as 1, so a rank that stops with 2 or 4 also writes the
+code to ``$LORAFLOW_EXIT_CODE_FILE`` when set; ``deploy/scripts/learner.sh`` exits with it, and the systemd unit
+does not restart either.
 """
 
 from __future__ import annotations
@@ -27,6 +32,18 @@ EXTRA_FLAGS = {
 
 
 def main(argv: list[str]) -> int:
+    try:
+        code = _main(argv)
+    except SystemExit as exc:  # argparse and config errors
+        if exc.code == EXIT_CONFIG_ERROR:
+            _record_exit_code(EXIT_CONFIG_ERROR)
+        raise
+    if code in (EXIT_CONFIG_ERROR, EXIT_REPLACED):
+        _record_exit_code(code)
+    return code
+
+
+def _main(argv: list[str]) -> int:
     parser = config_parser("loraflow learner", "Train the LoRA adapter on rollout groups from the broker "
                            "(run under torchrun for several ranks).", EXTRA_FLAGS)
     parser.add_argument("--resume", action=argparse.BooleanOptionalAction, default=None,
@@ -51,3 +68,15 @@ def main(argv: list[str]) -> int:
     except Exception:
         get_logger("learner").exception("learner_failed")
         return 1
+
+
+def _record_exit_code(code: int) -> None:
+    """Write ``code`` to ``$LORAFLOW_EXIT_CODE_FILE`` when set (torchrun reports every failed rank as 1)."""
+    path = os.environ.get("LORAFLOW_EXIT_CODE_FILE")
+    if not path:
+        return
+    try:
+        with open(path, "w") as f:
+            f.write(f"{code}\n")
+    except OSError as exc:
+        get_logger("learner").warning("exit_code_file_failed", path=path, error=str(exc))

@@ -48,3 +48,23 @@ loraflow_exec() {
     fi
     exec "$@"
 }
+
+# loraflow_exec_keeping_exit_code CMD...: run CMD (torchrun) to its end and exit with its code, except that a
+# learner rank's own 2 (config error) or 4 (replaced by another learner), which torchrun reports as 1, is
+# passed on: systemd must not restart either (RestartPreventExitStatus=2 4). A SIGTERM or ctrl-C reaches CMD
+# too (systemd signals every process of the unit; the terminal its process group); this shell waits for it.
+loraflow_exec_keeping_exit_code() {
+    [ "${LORAFLOW_DRY_RUN:-0}" = 1 ] && loraflow_exec "$@"
+    local code_file code=0 own
+    code_file="$(mktemp "${TMPDIR:-/tmp}/loraflow-exit.XXXXXX")"
+    trap ':' TERM INT
+    LORAFLOW_EXIT_CODE_FILE="$code_file" "$@" || code=$?
+    own="$(cat "$code_file" 2>/dev/null || true)"
+    rm -f "$code_file"
+    if [ "$code" != 0 ] && { [ "$own" = 2 ] || [ "$own" = 4 ]; }; then
+        echo "$(basename "$0"): a learner rank exited with $own (torchrun reported $code)" >&2
+        code="$own"
+    fi
+    exit "$code"
+}
+

@@ -10,10 +10,11 @@
 #   LORAFLOW_CONFIG, LORAFLOW_RUN_DIR, LORAFLOW_KEYS_DIR, LORAFLOW_EXTRA_ARGS, LORAFLOW_VENV (see common.sh)
 #
 # Resumes from the newest checkpoint in $LORAFLOW_RUN_DIR/learner/checkpoints. SIGTERM: finishes the step,
-# publishes and writes the last adapter, checkpoints, exits 0.
+# publishes and writes the last adapter, checkpoints, exits 0. Exits 2 on a config error and 4 when another
+# learner took over the run (also under torchrun, which itself would say 1).
 set -euo pipefail
 if [ "${1:-}" = "--help" ] || [ "${1:-}" = "-h" ]; then
-    sed -n '2,13p' "$0" | sed 's/^# \{0,1\}//'
+    sed -n '2,14p' "$0" | sed 's/^# \{0,1\}//'
     exit 0
 fi
 source "$(dirname "${BASH_SOURCE[0]}")/common.sh"
@@ -29,11 +30,11 @@ if [ "$LORAFLOW_LEARNER_NPROC" = 1 ] && [ "$LORAFLOW_LEARNER_NNODES" = 1 ]; then
     loraflow_exec "$LORAFLOW_PYTHON" -m learner "${args[@]}"
 fi
 if [ "$LORAFLOW_LEARNER_NNODES" = 1 ]; then
-    loraflow_exec "$LORAFLOW_PYTHON" -m torch.distributed.run --standalone \
+    loraflow_exec_keeping_exit_code "$LORAFLOW_PYTHON" -m torch.distributed.run --standalone \
         --nproc_per_node="$LORAFLOW_LEARNER_NPROC" -m learner "${args[@]}"
 fi
 [ -n "$LORAFLOW_RDZV_ENDPOINT" ] || loraflow_die "LORAFLOW_LEARNER_NNODES=$LORAFLOW_LEARNER_NNODES needs LORAFLOW_RDZV_ENDPOINT (host:port of node 0)"
-loraflow_exec "$LORAFLOW_PYTHON" -m torch.distributed.run --nnodes="$LORAFLOW_LEARNER_NNODES" \
+loraflow_exec_keeping_exit_code "$LORAFLOW_PYTHON" -m torch.distributed.run --nnodes="$LORAFLOW_LEARNER_NNODES" \
     --nproc_per_node="$LORAFLOW_LEARNER_NPROC" --node_rank="$LORAFLOW_LEARNER_NODE_RANK" \
     --rdzv_backend=c10d --rdzv_endpoint="$LORAFLOW_RDZV_ENDPOINT" --rdzv_id=loraflow-learner \
     -m learner "${args[@]}"

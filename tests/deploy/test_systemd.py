@@ -173,3 +173,47 @@ checkpoint_every = 0
     for proc in (worker, learner, broker):
         proc.signal(signal.SIGTERM)
         assert proc.popen.wait(timeout=60) == 0, proc.log()
+
+
+def run_keeping_exit_code(tmp_path: Path, child: str, **popen: object) -> subprocess.Popen:
+    """bash running common.sh's loraflow_exec_keeping_exit_code on ``python -c child`` (as learner.sh runs
+    torchrun), in its own process group like a systemd unit's."""
+    script = f'source "{SCRIPTS / "common.sh"}"; loraflow_exec_keeping_exit_code "{sys.executable}" -c "$CHILD"'
+    env = {**os.environ, "CHILD": child, "TMPDIR": str(tmp_path)}
+    return subprocess.Popen(["bash", "-c", script], env=env, start_new_session=True, stderr=subprocess.PIPE,
+                            text=True, **popen)
+
+
+@pytest.mark.parametrize(("writes", "exits", "expected"), [
+    ("4", 1, 4),  # torchrun says 1 when rank 0 was replaced (4): the unit must see 4
+    ("2", 1, 2),  # a config error on every rank
+    ("", 1, 1),  # a crash: restarted
+    ("7", 1, 1),  # only 2 and 4 are passed on
+    ("4", 0, 0),  # torchrun itself succeeded
+])
+def test_learner_script_passes_a_ranks_exit_code_through_torchrun(tmp_path: Path, writes: str, exits: int,
+                                                                   expected: int) -> None:
+    child = (f"import os, sys; w = {writes!r}\n"
+             "if w: open(os.environ['LORAFLOW_EXIT_CODE_FILE'], 'w').write(w + '\\n')\n"
+             f"sys.exit({exits})")
+    proc = run_keeping_exit_code(tmp_path, child)
+    _, stderr = proc.communicate(timeout=30)
+    assert proc.returncode == expected, stderr
+    assert ("a learner rank exited with" in stderr) == (expected != exits)
+    assert not list(tmp_path.glob("loraflow-exit.*"))  # the code file is removed
+
+
+def test_learner_script_waits_for_torchrun_after_sigterm(tmp_path: Path) -> None:
+    """systemd sends SIGTERM to every process of the unit: the script must outlive the child's clean stop (its
+    exit code is the unit's), not die with the signal."""
+    done = tmp_path / "child-done"
+    child = ("import signal, sys, time\n"
+             "signal.signal(signal.SIGTERM, lambda *_: None)\n"
+             "print('ready', flush=True)\n"
+             "signal.pause()\n"
+             f"time.sleep(0.5); open({str(done)!r}, 'w').write('x'); sys.exit(0)")
+    proc = run_keeping_exit_code(tmp_path, child, stdout=subprocess.PIPE)
+    assert proc.stdout.readline().strip() == "ready"
+    os.killpg(proc.pid, signal.SIGTERM)
+    assert proc.wait(timeout=30) == 0, proc.stderr.read()
+    assert done.is_file()

@@ -4,10 +4,13 @@ from __future__ import annotations
 
 import json
 import os
+import sys
 from pathlib import Path
 
+import pytest
+
 from tests.learner.scripted import Producer
-from tests.support import Processes, start_broker, wait_for
+from tests.support import REPO, Processes, child_env, start_broker, wait_for
 
 NUM_STEPS = 4
 RUN = ["run.groups_per_step=2", "run.group_size=4", "run.max_staleness=1", "broker.heartbeat_interval_s=0.2"]
@@ -42,10 +45,12 @@ def test_learner_trains_with_the_real_broker(tiny_model_dir: Path, procs: Proces
     assert "unacknowledged_at_exit" not in learner.log()
 
 
+@pytest.mark.parametrize("how", ["process", "torchrun"])
 def test_a_learner_replaced_by_another_is_fenced_and_exits_4(tiny_model_dir: Path, procs: Processes,
-                                                             tmp_path: Path) -> None:
+                                                             tmp_path: Path, how: str) -> None:
     """Two learners against one broker: the newest wins, the first is refused from then on and stops with
-    EXIT_REPLACED (which the supervisor and the systemd unit do not restart), naming its successor."""
+    EXIT_REPLACED (which the supervisor and the systemd unit do not restart), naming its successor. Under
+    torchrun (2 ranks, started by the systemd unit's script) the script passes rank 0's 4 on, not torchrun's 1."""
     from common.cli import EXIT_REPLACED
     from common.config import load_config
     from common.metrics import Metrics
@@ -56,13 +61,22 @@ def test_a_learner_replaced_by_another_is_fenced_and_exits_4(tiny_model_dir: Pat
     broker = start_broker(procs, *RUN, model, run_dir=run_dir)
     producer = Producer(broker.endpoint)
     producer.start()
+    overrides = (*RUN, model, "learner.lora_rank=4", "learner.save_adapter_every=0", "learner.num_threads=1")
     args = ["--run-dir", str(run_dir), "--endpoint", broker.endpoint, "--num-steps", "0"]
-    for override in (*RUN, model, "learner.lora_rank=4", "learner.save_adapter_every=0"):
+    for override in overrides:
         args += ["--set", override]
-    learner = procs.python("learner", "learner", *args)
+    if how == "process":
+        learner = procs.python("learner", "learner", *args)
+    else:
+        config = tmp_path / "run.toml"
+        config.touch()
+        env = child_env(LORAFLOW_HOME=str(REPO), LORAFLOW_VENV=str(Path(sys.executable).parent.parent),
+                        LORAFLOW_CONFIG=str(config), LORAFLOW_RUN_DIR=str(run_dir), LORAFLOW_ENDPOINT=broker.endpoint,
+                        LORAFLOW_LEARNER_NPROC="2", LORAFLOW_EXTRA_ARGS=" ".join(args[4:]))
+        learner = procs.spawn("learner", [str(REPO / "deploy" / "scripts" / "learner.sh")], env=env)
     successor = None
     try:
-        wait_for(lambda: producer.notices, 120, "the first learner's first adapter", procs)
+        wait_for(lambda: producer.notices, 180, "the first learner's first adapter", procs)
         config = load_config(None, [f"broker.endpoint=\"{broker.endpoint}\"", *RUN])
         successor = BrokerSession(config, version=producer.notices[-1], metrics=Metrics(), client_id="learner")
         successor.start(10)
