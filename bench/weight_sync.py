@@ -1,8 +1,8 @@
 """Weight sync: bytes per adapter version, and time from the optimizer step to the adapter being at the broker.
 
 One learner process (a process group of one, FSDP2 on the CPU) trains the LoRA adapter on small synthetic
-batches and, after each optimizer step, publishes the new version exactly as the learner does: all-gather the
-LoRA tensors (``get_model_state_dict(full_state_dict, cpu_offload, ignore_frozen_params)``), PEFT names,
+batches and, after each optimizer step, publishes the new version exactly as the learner does: gather the
+LoRA tensors in one collective (``learner.publish.gather_trainable``), PEFT names,
 sha256, AdapterUpdate through a real broker (``python -m broker``), until the broker's Ack (the adapter is then
 available to every worker). Timed from the end of ``optimizer.step()`` to that Ack.
 
