@@ -18,3 +18,15 @@ def test_one_collective_gather_equals_torchs(ranks: int) -> None:
                             capture_output=True, text=True, timeout=180, env=child_env(), cwd=REPO)
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     assert f"gather ok on {ranks} ranks" in result.stdout
+
+
+def test_parameters_that_are_not_row_shards_take_torchs_gather() -> None:
+    """Not FSDP2 dim-0 shards (here plain tensors): gather_trainable declines on every rank alike, and the
+    publish path falls back to get_model_state_dict."""
+    from torch import nn
+
+    from learner.publish import gather_trainable
+
+    assert gather_trainable(nn.Linear(3, 2), is_main=True) is None
+    frozen = nn.Linear(3, 2).requires_grad_(False)
+    assert gather_trainable(frozen, is_main=True) is None
