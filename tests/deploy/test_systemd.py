@@ -208,9 +208,9 @@ def test_learner_script_waits_for_torchrun_after_sigterm(tmp_path: Path) -> None
     exit code is the unit's), not die with the signal."""
     done = tmp_path / "child-done"
     child = ("import signal, sys, time\n"
-             "signal.signal(signal.SIGTERM, lambda *_: None)\n"
+             "signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGTERM})\n"  # no window between ready and wait
              "print('ready', flush=True)\n"
-             "signal.pause()\n"
+             "signal.sigwait({signal.SIGTERM})\n"
              f"time.sleep(0.5); open({str(done)!r}, 'w').write('x'); sys.exit(0)")
     proc = run_keeping_exit_code(tmp_path, child, stdout=subprocess.PIPE)
     assert proc.stdout.readline().strip() == "ready"
