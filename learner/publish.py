@@ -96,8 +96,8 @@ def gather_adapter(policy: Policy, *, is_main: bool) -> list[tuple[str, torch.Te
 
 def gather_trainable(model: torch.nn.Module, *, is_main: bool) -> dict[str, torch.Tensor] | None:
     """Collective: name -> full CPU tensor of every trainable parameter on rank 0 ({} elsewhere), in one
-    ``all_gather``; None (on every rank alike: the test only reads placements and shapes, which all ranks
-    share) when the parameters are not all dim-0 shards of one 1-D mesh with one dtype."""
+    ``all_gather``; None when the parameters are not all dim-0 shards of one 1-D mesh with one dtype (then on
+    every rank alike: the check reads only placements, meshes and dtypes, which all ranks share)."""
     params = [(name, p) for name, p in model.named_parameters() if p.requires_grad]
     if not params or not all(_is_row_shard(p, params[0][1]) for _, p in params):
         return None
