@@ -127,9 +127,8 @@ def save_state(path: str | os.PathLike, state: BrokerState) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
     with open(tmp, "w") as f:
-        # every field is a plain JSON value already: skip schema.dump's per-element walk (the file is written
-        # after every BatchAck and holds hundreds of keys)
-        # (dumps, not dump: only the one-shot encoder runs in C)
+        # every field is a plain JSON value already: skip schema.dump's per-element walk (the file is written up
+        # to every state_write_interval_ms and holds hundreds of keys); dumps, not dump: only dumps runs in C
         f.write(json.dumps({name: getattr(state, name) for name in _FIELD_NAMES}, separators=(",", ":")))
         f.flush()
         os.fsync(f.fileno())

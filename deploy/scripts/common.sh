@@ -67,4 +67,3 @@ loraflow_exec_keeping_exit_code() {
     fi
     exit "$code"
 }
-
