@@ -147,10 +147,10 @@ def relay(endpoints: mp.Queue, in_python: bool = False) -> None:
         sock.setsockopt(zmq.RCVHWM, HWM)
         sock.bind("tcp://127.0.0.1:*")
     endpoints.put((pull.getsockopt_string(zmq.LAST_ENDPOINT), push.getsockopt_string(zmq.LAST_ENDPOINT)))
-    if not in_python:
-        zmq.proxy(pull, push)
-    while True:
-        push.send_multipart(pull.recv_multipart(copy=False), copy=False)
+    if in_python:
+        while True:
+            push.send_multipart(pull.recv_multipart(copy=False), copy=False)
+    zmq.proxy(pull, push)
 
 
 def kind_and_header(frames: list) -> tuple[int, dict]:
