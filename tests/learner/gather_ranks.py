@@ -8,6 +8,7 @@ exactly what ``get_model_state_dict(full_state_dict=True)`` does, names and valu
 from __future__ import annotations
 
 import os
+import sys
 
 import torch
 import torch.distributed as dist
@@ -51,9 +52,12 @@ def main() -> None:
     else:
         assert mine == {}
     dist.barrier()
-    dist.destroy_process_group()
 
 
 if __name__ == "__main__":
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     main()
+    # every rank is past the barrier: leave without tearing gloo down, whose threads are sometimes still
+    # joinable at interpreter exit ("terminate called without an active exception", 1 run in ~20 on 3 ranks)
+    sys.stdout.flush()
+    os._exit(0)
