@@ -21,6 +21,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from common import lora_targets
 from common.schema import SchemaError, build, dump, rule
 
 
@@ -131,8 +132,11 @@ class LearnerConfig:
     lora_rank: int = rule(16, ge=1, le=1024)
     lora_alpha: float = rule(32.0, gt=0)
     lora_dropout: float = rule(0.0, ge=0, le=0.9)
-    target_modules: list[str] = rule(default_factory=lambda: ["q_proj", "k_proj", "v_proj", "o_proj",
-                                                               "gate_proj", "up_proj", "down_proj"])
+    target_modules: str | list[str] = rule(default_factory=lambda: ["q_proj", "k_proj", "v_proj", "o_proj",
+                                                                     "gate_proj", "up_proj", "down_proj"],
+                                           doc='"all-linear" (every linear layer but the output head) or module '
+                                           'names matched as peft does (q_proj = every *.q_proj); only linear '
+                                           "layers: embeddings and lm_head are refused at start-up")
     clip_eps: float = rule(0.2, gt=0, le=10, doc="PPO clip range (lower)")
     clip_eps_high: float = rule(0.0, ge=0, le=10, doc="PPO clip range (upper); 0 = clip_eps")
     off_policy: str = rule("tis", choices=("none", "tis", "mask"),
@@ -262,6 +266,10 @@ def validate(config: Config) -> None:
     for name, endpoint in (("broker.endpoint", config.broker.endpoint), ("broker.bind", config.broker.bind)):
         if endpoint and not endpoint.startswith(("tcp://", "ipc://", "inproc://")):
             raise ConfigError(f"{name} ({endpoint!r}) must start with tcp://, ipc:// or inproc://")
+    try:
+        lora_targets.check_setting(learner.target_modules)
+    except lora_targets.TargetModulesError as exc:
+        raise ConfigError(str(exc)) from None
     if config.security.enabled and not config.security.keys_dir:
         raise ConfigError("security.enabled needs security.keys_dir (make one with `loraflow keys`)")
 

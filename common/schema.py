@@ -14,7 +14,7 @@ are caught and wire peers cannot smuggle fields. :func:`dump` goes the other way
 friendly values.
 
 Supported annotations: ``int``, ``float``, ``str``, ``bool``, ``bytes``, ``list[T]``, ``dict[str, Any]``,
-``T | None`` and nested record classes. ``bool`` is never accepted for ``int``; ``int`` is accepted for
+``T | None``, unions of those (``str | list[str]``: the first that fits) and nested record classes. ``bool`` is never accepted for ``int``; ``int`` is accepted for
 ``float``.
 """
 
@@ -204,8 +204,16 @@ def check_value(value: Any, annotation: Any, rule_: Rule, path: str) -> Any:
             if type(None) in options:
                 return None
             raise SchemaError(f"{path}: must not be empty (null)")
-        (inner,) = [a for a in options if a is not type(None)]
-        return check_value(value, inner, rule_, path)
+        inner = [a for a in options if a is not type(None)]
+        if len(inner) == 1:
+            return check_value(value, inner[0], rule_, path)
+        for option in inner:  # ``str | list[str]``: the first option the value fits
+            try:
+                return check_value(value, option, rule_, path)
+            except SchemaError:
+                pass
+        raise SchemaError(f"{path}: expected {' or '.join(map(_type_text, inner))}, got {type(value).__name__} "
+                          f"{value!r:.40}")
     if dataclasses.is_dataclass(annotation):
         return build(annotation, value, path)
     if origin is list:

@@ -4,7 +4,9 @@
   and published in float32 too.
 - The adapter is ``peft.LoraConfig(r, lora_alpha, lora_dropout, target_modules)``: ``lora_A`` is drawn from a
   seeded generator (identical on every rank before sharding), ``lora_B`` starts at zero, so the untrained
-  policy is exactly the base model: version 0.
+  policy is exactly the base model: version 0. ``target_modules`` is checked against the model (built on the
+  meta device) before its weights load, and ``"all-linear"`` expanded (:mod:`common.lora_targets`): a name
+  that selects nothing, an embedding or the output head is a config error (exit 2).
 - FSDP2: ``fully_shard`` on each decoder layer (the classes the model lists in ``_no_split_modules``), then on
   the root, over the 1-D mesh of :mod:`learner.parallel`. Frozen and trainable parameters share a group.
 - Mixed precision: ``auto`` computes in bf16 (fp32 gradient reduction) on GPUs that support it, fp32 elsewhere;
@@ -26,6 +28,7 @@ from torch import nn
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
 from common.config import LearnerConfig
+from common.lora_targets import check_model_dir
 from learner.parallel import Parallel
 
 
@@ -63,9 +66,10 @@ def resolve_compute_dtype(setting: str, device: torch.device) -> torch.dtype:
     return torch.float32
 
 
-def lora_config_for(learner: LearnerConfig, model_dir: Path) -> LoraConfig:
+def lora_config_for(learner: LearnerConfig, model_dir: Path, target_modules: list[str]) -> LoraConfig:
+    """The adapter's peft config; ``target_modules`` as :func:`common.lora_targets.check_model_dir` resolved them."""
     return LoraConfig(r=learner.lora_rank, lora_alpha=learner.lora_alpha, lora_dropout=learner.lora_dropout,
-                      target_modules=list(learner.target_modules), task_type="CAUSAL_LM", bias="none",
+                      target_modules=target_modules, task_type="CAUSAL_LM", bias="none",
                       base_model_name_or_path=str(model_dir))
 
 
@@ -83,14 +87,12 @@ def build_policy(model_dir: Path, learner: LearnerConfig, parallel: Parallel, *,
     """Load the base, add the LoRA adapter (seeded), shard with FSDP2; identical on every rank."""
     from transformers import AutoModelForCausalLM
 
+    target_modules = check_model_dir(learner.target_modules, model_dir)  # before any weight is read
     base = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32)
     base.config.use_cache = False
     base.requires_grad_(False)
     layers = decoder_layers(base)
-    lora_config = lora_config_for(learner, model_dir)
-    missing = [t for t in lora_config.target_modules if not any(n.endswith(f".{t}") for n, _ in base.named_modules())]
-    if missing:
-        raise ValueError(f"learner.target_modules {sorted(missing)} match no module of {model_dir}")
+    lora_config = lora_config_for(learner, model_dir, target_modules)
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
         model = get_peft_model(base, lora_config)
