@@ -47,7 +47,7 @@ def measure_chunked(backend, prompts: list[str], tokens: int, chunk: int, versio
 
     config = WorkerConfig(chunk_tokens=chunk, max_new_tokens=tokens, reward_timeout_s=30)
     rollouts = Rollouts(backend, EnvResolver(), config, worker_id="bench", max_seq_len=512)
-    rollouts.current_version = version
+    assert rollouts.current_version == version  # the backend's newest
     for i, prompt in enumerate(prompts):
         rollouts.add(PromptLease(lease_id=f"l{i}", group_id=f"0:{i}", prompt_index=i, epoch=0, task="arith",
                                  prompt=prompt, answer="", group_size=1, deadline_s=600))

@@ -114,6 +114,9 @@ class WorkerConfig:
     env: str = rule("", doc="environment: empty = the run's task, or package.module:Name")
     reward: str = rule("", doc="reward function override: package.module:function")
     reward_timeout_s: float = rule(10.0, gt=0, unit="s")
+    max_failed_reward_groups: int = rule(8, ge=0, doc="stop the worker (exit 2, not restarted) after this many "
+                                         "groups in a row whose every sample's reward or environment failed; "
+                                         "0 = never")
     max_turns: int = rule(4, ge=1, doc="multi-turn environments: model turns per episode")
     adapter_dir: str = rule("", doc="where received adapters are written; default <run_dir>/workers/<id>/adapters")
     metrics_port: int = rule(0, ge=0, le=65535)

@@ -8,7 +8,10 @@ safetensors file is written straight from the received frames (an 8-byte header 
 bytes): no torch import and no tensor conversion, so bf16 stays bit-exact and a ``sim`` worker never loads torch.
 
 Each directory is written under a temporary name and renamed into place, so a reader never sees half an adapter.
-:meth:`AdapterStore.prune` deletes the directories of versions the backend no longer holds.
+The directory belongs to one worker process: what an earlier process left there is removed when the store
+opens it, :meth:`AdapterStore.prune` deletes the directories of versions the backend no longer holds and
+:meth:`AdapterStore.discard` one that will never be loaded, so the directory holds the versions the worker
+serves or keeps for samples under way, plus at most the one waiting to be loaded.
 """
 
 from __future__ import annotations
@@ -84,6 +87,9 @@ class AdapterStore:
         self.directory.mkdir(parents=True, exist_ok=True)
         self.adapters: dict[int, ReceivedAdapter] = {}
         self._lock = threading.Lock()  # receive() runs on the session's thread, prune() on the worker loop's
+        for leftover in self.directory.glob("*v[0-9]*"):  # v<version> and .v<version>.tmp-<pid> of a past process
+            if leftover.is_dir() and leftover.name.lstrip(".").startswith("v"):
+                shutil.rmtree(leftover, ignore_errors=True)
 
     def receive(self, update: AdapterUpdate, specs: Sequence[TensorSpec], frames: Sequence[Any]) -> ReceivedAdapter:
         """Verify and write one AdapterUpdate; raises AdapterRejected. A version already held is returned as is."""
@@ -129,3 +135,10 @@ class AdapterStore:
         for path in paths:
             shutil.rmtree(path, ignore_errors=True)
         return removed
+
+    def discard(self, version: int) -> None:
+        """Delete the directory of ``version`` (superseded before it was loaded, or refused by the backend)."""
+        with self._lock:
+            adapter = self.adapters.pop(version, None)
+        if adapter is not None:
+            shutil.rmtree(adapter.path, ignore_errors=True)

@@ -7,9 +7,24 @@ processed while the worker loop is busy generating::
     LeaseGrant      -> grants queue (the worker loop starts the groups); reason stale_adapter -> fetch newest
     Ack(group)      -> drop the kept copy of that group (accepted or duplicate; one Ack may name several groups)
     Error(invalid_group, group id) -> drop it too (the broker re-queued the prompt), counted
-    AdapterNotice   -> AdapterFetch(newest) unless that version is held or being fetched
-    AdapterUpdate   -> verify + write (AdapterStore) -> adapters queue (the loop loads it between chunks)
+    AdapterNotice   -> remember the newest version published; fetch it when the next adapter is wanted
+    AdapterUpdate   -> verify + write (AdapterStore) -> the adapter slot (the loop takes it between chunks)
     Reconnected     -> re-send every group not yet acknowledged; the pending lease request is void
+
+Adapters: the worker only ever loads the newest version it knows of, so the session never fetches, verifies or
+writes one it would skip. It keeps at most one adapter ahead of the backend: one :class:`ReceivedAdapter` in a
+slot (verified and written, waiting for the worker loop's :meth:`take_adapter`) or one AdapterFetch in flight,
+never both. Notices only raise the newest version known; a fetch (always "the newest", ``AdapterFetch(0)``)
+goes out when that is above what was received, nothing waits in the slot and no fetch is in flight (or it was
+sent ``FETCH_RETRY_S`` ago): on a notice, and when the loop takes the slot (so the next version is fetched while
+the current one loads). A learner publishing faster than a worker loads therefore costs one fetch per load,
+not one per version; the versions published in between are never transferred. An update that arrives no
+newer than one already received (an answer to an older fetch, a broker's push after a reconnect) is dropped
+before any check or write; one that is newer than the adapter in the slot replaces it (the older directory is
+deleted). Both count as ``adapters_superseded``. The answer to a fetch is used even when a newer notice
+overtook it in flight: it is the broker's newest of one round trip ago, and skipping it would starve a worker
+whose learner publishes more often than one round trip. The Welcome counts as a fetch in flight when the
+broker is ahead: it pushes its newest adapter right after the Welcome.
 
 Delivery: :meth:`submit` keeps each group's encoded frames until the broker acknowledges its group id, and
 re-sends them all after a broker restart; the broker deduplicates by group id, so at-least-once is safe. A group
@@ -81,12 +96,15 @@ class BrokerSession:
         self.metrics = metrics
         self.wake = wake
         self.grants: queue.Queue[LeaseGrant] = queue.Queue()
-        self.adapters: queue.Queue[ReceivedAdapter] = queue.Queue()
         self.welcome: Welcome | None = None
-        self.adapter_version = 0  # newest version received (and queued for the backend)
         self._lock = threading.Lock()
         self._unacked: dict[str, PendingGroup] = {}
         self._lease_request_deadline: float | None = None  # monotonic; None = no request outstanding
+        # adapters (see the module docstring); the version the backend serves is the backend's, told via
+        # set_adapter_version for the wire (hello, heartbeats) only
+        self._newest_published = 0  # the newest version the broker said exists (Welcome, notices, grants)
+        self._newest_received = 0  # the newest version verified and written (in the slot, loading or loaded)
+        self._slot: ReceivedAdapter | None = None  # verified, not yet taken by the worker loop
         self._fetch: tuple[int, float] | None = None  # (version wanted, sent at) of the adapter fetch in flight
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
@@ -95,6 +113,7 @@ class BrokerSession:
 
     def start(self, timeout_s: float = 30.0) -> Welcome:
         self.welcome = self.link.start(timeout_s)
+        self._expect_push(self.welcome)
         self._thread = threading.Thread(target=self._dispatch, args=(structlog.contextvars.get_contextvars(),),
                                         name="broker-session", daemon=True)
         self._thread.start()
@@ -158,14 +177,43 @@ class BrokerSession:
         self.link.hello.adapter_version = version
         self.link.set_state(adapter_version=version)
 
-    def fetch_adapter(self, version: int = 0) -> None:
-        """Ask for the newest adapter (``version`` is what we expect to get, for de-duplicating requests)."""
+    def take_adapter(self) -> ReceivedAdapter | None:
+        """The adapter waiting in the slot (the newest received), if any; the next newer one is fetched now."""
+        with self._lock:
+            adapter, self._slot = self._slot, None
+        if adapter is not None:
+            self._fetch_if_wanted()
+        return adapter
+
+    def discard_adapter(self, adapter: ReceivedAdapter) -> None:
+        """Delete the files of an adapter the backend could not load."""
+        self.store.discard(adapter.version)
+
+    def _published(self, version: int) -> None:
+        """The broker says ``version`` exists (a notice, a grant, a Welcome)."""
+        with self._lock:
+            self._newest_published = max(self._newest_published, version)
+        self._fetch_if_wanted()
+
+    def _fetch_if_wanted(self, *, force: bool = False) -> None:
+        """Send AdapterFetch(newest) when a newer version exists (or ``force``: the broker says ours is stale),
+        the slot is empty and no fetch is in flight (see the module docstring)."""
         with self._lock:
             now = time.monotonic()
-            if self._fetch is not None and self._fetch[0] >= version and now - self._fetch[1] < FETCH_RETRY_S:
+            wanted = max(self._newest_published, self._newest_received + 1 if force else 0)
+            if (wanted <= self._newest_received or self._slot is not None
+                    or (self._fetch is not None and now - self._fetch[1] < FETCH_RETRY_S)):
                 return
-            self._fetch = (version, now)
+            self._fetch = (wanted, now)
+        self.metrics.inc("adapter_fetches")
         self.link.send(AdapterFetch(version=0))
+
+    def _expect_push(self, welcome: Welcome) -> None:
+        """A broker ahead of the version in our hello sends its newest adapter right after the Welcome."""
+        with self._lock:
+            self._newest_published = max(self._newest_published, welcome.latest_version)
+            if welcome.latest_version > max(self.link.hello.adapter_version, self._newest_received):
+                self._fetch = (welcome.latest_version, time.monotonic())
 
     # -- dispatcher thread -------------------------------------------------------------------------------------
 
@@ -189,8 +237,10 @@ class BrokerSession:
         if isinstance(record, LeaseGrant):
             with self._lock:
                 self._lease_request_deadline = None
-            if record.reason == "stale_adapter":
-                self.fetch_adapter(record.latest_version)
+            if record.reason == "stale_adapter":  # the broker wants a newer adapter before it leases
+                with self._lock:
+                    self._newest_published = max(self._newest_published, record.latest_version)
+                self._fetch_if_wanted(force=True)
             self.grants.put(record)
             self.wake.set()
         elif isinstance(record, protocol.Ack):
@@ -205,8 +255,7 @@ class BrokerSession:
                                  sends=pending.num_sends)
                         self.wake.set()
         elif isinstance(record, AdapterNotice):
-            if record.version > self.adapter_version:
-                self.fetch_adapter(record.version)
+            self._published(record.version)
         elif isinstance(record, AdapterUpdate):
             self._on_adapter(record, item)
         elif isinstance(record, Error):
@@ -217,20 +266,27 @@ class BrokerSession:
 
     def _on_adapter(self, update: AdapterUpdate, item: Incoming) -> None:
         with self._lock:
-            if self._fetch is not None and update.version >= self._fetch[0]:
-                self._fetch = None
-        if update.version <= self.adapter_version:
-            return  # an answer to an older fetch
+            self._fetch = None  # the answer (the broker answers one fetch with one update)
+            self._newest_published = max(self._newest_published, update.version)
+            superseded = update.version <= self._newest_received
+        if superseded:  # an answer to an older fetch, or a push after a reconnect: never checked or written
+            self.metrics.inc("adapters_superseded")
+            self._fetch_if_wanted()
+            return
         try:
             adapter = self.store.receive(update, item.envelope.specs, item.envelope.frames)
         except AdapterRejected as exc:
             self.metrics.inc("adapters_rejected", reason=exc.reason)
             log.warning("adapter_rejected", version=update.version, reason=exc.reason, error=str(exc))
             return
-        self.adapter_version = adapter.version
+        with self._lock:
+            replaced, self._slot = self._slot, adapter
+            self._newest_received = adapter.version
+        if replaced is not None:  # only when an unasked push raced a fetch: the older one is never loaded
+            self.metrics.inc("adapters_superseded")
+            self.discard_adapter(replaced)
         self.metrics.inc("adapters_received")
         self.metrics.inc("adapter_bytes_received", adapter.num_bytes)
-        self.adapters.put(adapter)
         self.wake.set()
 
     def _on_error(self, error: Error) -> None:
@@ -244,7 +300,7 @@ class BrokerSession:
             with self._lock:
                 self._lease_request_deadline = None
             self.wake.set()
-        elif error.ref_kind == Kind.ADAPTER_FETCH:
+        elif error.ref_kind == Kind.ADAPTER_FETCH:  # nothing kept at the broker: the next notice fetches again
             with self._lock:
                 self._fetch = None
         log.warning("broker_error", code=error.code, message=error.message, ref_kind=error.ref_kind,
@@ -255,6 +311,8 @@ class BrokerSession:
         with self._lock:
             self._lease_request_deadline = None
             self._fetch = None
+        self._expect_push(event.welcome)
+        with self._lock:
             pending = list(self._unacked.values())
             for group in pending:
                 group.num_sends += 1

@@ -14,8 +14,8 @@ One round generates one chunk for every ready sample of every group at once, so 
 and groups leased at different times share batches: a sample that ends leaves at the next chunk boundary, one
 whose environment step returned joins the next round. A slow environment step holds up only its own sample.
 
-Versions and partial rollouts. ``current_version`` is the newest adapter the backend holds (the worker raises
-it when one arrives). Every generated token records the version that produced it; environment tokens record
+Versions and partial rollouts. ``current_version`` is the newest adapter the backend holds (read from the
+backend, which owns it). Every generated token records the version that produced it; environment tokens record
 the current version when they are appended (never older than the sample's own tokens, so they never make a
 group look staler). When a new version arrives while a sample is under way, ``worker.partial_policy`` decides
 at the sample's next chunk boundary:
@@ -127,8 +127,12 @@ class Rollouts:
         self.reward_fn = reward_fn
         self.wake = wake or threading.Event()
         self.greedy = greedy
-        self.current_version = 0
+        self.last_failure = ""  # what the newest failure of user code said (the worker's stop message names it)
         self.groups: dict[str, GroupRollout] = {}  # by lease id, in lease order
+
+    @property
+    def current_version(self) -> int:
+        return self.backend.newest_version
 
     # -- groups ------------------------------------------------------------------------------------------------
 
@@ -339,6 +343,7 @@ class Rollouts:
         """User code failed: the sample ends with reward 0, counted and logged."""
         sample.status, sample.reward, sample.finish_reason = DONE, 0.0, "error"
         group.num_reward_failures += 1
+        self.last_failure = f"{reason}: {error}"
         self.metrics.inc("reward_failures", reason=reason)
         log.warning("reward_failed", group_id=group.lease.group_id, sample=sample.index, reason=reason, error=error)
 

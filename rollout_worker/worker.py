@@ -1,18 +1,31 @@
 """The worker loop: leases in, scored rollout groups out, adapters swapped between chunks.
 
-    consumes   LeaseGrants and verified adapters (queued by the BrokerSession's dispatcher thread) and
-               finished environment steps (guarded threads)
+    consumes   LeaseGrants (queued by the BrokerSession's dispatcher thread), the newest verified adapter (the
+               session's one-adapter slot) and finished environment steps (guarded threads)
     produces   RolloutGroups (kept until acked), LeaseRequests, LeaseReturns when stopping
     blocks on  the backend's generate call (one chunk round); with nothing ready, on the wake event, set by a
                grant, an adapter, an ack, an environment step or SIGTERM (timeout: the next step deadline)
     owns       the backend: no other thread touches the model
 
     loop:
-        new adapters -> backend; current version = the newest; versions beyond retention unloaded and deleted
+        the adapter in the session's slot (the newest received) -> backend; older versions no sample under way
+            needs are unloaded and their directories deleted
         granted leases -> new groups in Rollouts
         groups < worker.capacity -> keep one LeaseRequest outstanding (a long-poll at the broker)
         a sample ready -> one chunk round (Rollouts.step), else wait for the wake event
         finished groups -> submit (BrokerSession keeps them until acked, re-sends after a broker restart)
+
+Joining a busy run: the session fetches only the newest adapter and holds at most one ahead of the backend
+(see rollout_worker/client.py), so a worker joining a learner that publishes faster than it loads loads one
+adapter per loop pass, each the newest it knows of, and generates between loads; the versions published in
+between are never fetched. The backend owns "which version am I on" (``backend.newest_version``); the rollouts
+read it, and the session is told after each load for the hello and heartbeats. One pass of the loop loads at
+most one adapter and generates at most one chunk round, so a stop request is seen within about one of each.
+
+Reward failures: a group whose every sample's reward (or environment) failed trains nothing. After
+``worker.max_failed_reward_groups`` such groups in a row (0 = never) the worker logs ``reward_failing`` with
+the reward function or environment and the last error, returns its leases (that group's too) and exits with
+code 2, a config-class error that ``loraflow run`` and systemd do not restart.
 
 Heartbeats run in BrokerLink's I/O thread, so a long chunk never looks like a dead worker; the loop only keeps
 the reported state current (starting, idle, waiting, generating, scoring, stopping), mirrored into the run's
@@ -42,6 +55,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+from common.cli import EXIT_CONFIG_ERROR
 from common.config import Config
 from common.logging import bind, get_logger
 from common.metrics import Metrics, serve_prometheus
@@ -50,11 +64,11 @@ from common.security import client_security
 from common.timeline import Timeline
 from common.transport import BrokerRefused, BrokerUnavailable
 from rollout_worker.adapters import AdapterStore
-from rollout_worker.backends import Backend, make_backend, resident_count
+from rollout_worker.backends import Backend, make_backend
 from rollout_worker.client import LEASE_WAIT_MS, BrokerSession
 from rollout_worker.envs import EnvResolver
 from rollout_worker.rewards import load_reward
-from rollout_worker.rollout import Rollouts
+from rollout_worker.rollout import FinishedGroup, Rollouts
 
 log = get_logger("worker")
 
@@ -76,7 +90,7 @@ class Worker:
 
     def __init__(self, config: Config, *, worker_id: str, session: BrokerSession, backend: Backend,
                  store: AdapterStore, metrics: Metrics, wake: threading.Event, stop: threading.Event,
-                 timeline: Timeline, max_staleness: int) -> None:
+                 timeline: Timeline) -> None:
         self.config = config
         self.worker_id = worker_id
         self.session = session
@@ -86,20 +100,22 @@ class Worker:
         self.wake = wake
         self.stop = stop
         self.timeline = timeline
-        self.num_resident = resident_count(config, max_staleness)
         self.rollouts = Rollouts(backend, EnvResolver(config.worker.env), config.worker, worker_id=worker_id,
                                  max_seq_len=config.model.max_seq_len, metrics=metrics,
                                  reward_fn=load_reward(config.worker.reward), wake=wake)
         self._next_request_at = 0.0
         self._state = ""
+        self._num_failed_groups = 0  # groups in a row whose every sample's reward failed
+        self._fatal = ""  # why the worker stops with EXIT_CONFIG_ERROR
 
     # -- the loop ----------------------------------------------------------------------------------------------
 
-    def run(self, signals: list[str] | None = None) -> None:
-        """Generate until ``stop`` is set; ``signals`` are the names of the signals that set it (for the log)."""
+    def run(self, signals: list[str] | None = None) -> int:
+        """Generate until ``stop`` is set; ``signals`` are the names of the signals that set it (for the log).
+        Returns the exit code: 0, or EXIT_CONFIG_ERROR when the reward fails on everything."""
         while not self.stop.is_set():
             self.wake.clear()
-            self._load_adapters()
+            self._load_adapter()
             self._start_granted()
             self._request_leases()
             if self.rollouts.has_ready():
@@ -111,7 +127,10 @@ class Worker:
                     self._mark("scoring" if self.rollouts.num_groups else
                                "waiting" if self.session.lease_request_pending else "idle")
                     self.wake.wait(self._wait_s())
-            for group in finished:
+            for i, group in enumerate(finished):
+                if self._reward_failing(group):  # stop: this group and the rest go back unsubmitted
+                    self.session.return_leases([g.group.lease_id for g in finished[i:]], "reward failing")
+                    break
                 # logged before sending: a worker's log is part of a run's ledger, and a kill between the two
                 # must not hide a group the broker may have received
                 log.info("group_submitted", group_id=group.group.group_id, min_version=group.group.min_version,
@@ -122,6 +141,28 @@ class Worker:
         if signals:
             log.info("signal", signal=signals[0])
         self._shutdown()
+        return EXIT_CONFIG_ERROR if self._fatal else 0
+
+    def _reward_failing(self, finished: FinishedGroup) -> bool:
+        """Count groups in a row whose every sample failed; True (and ``stop`` set) at the limit."""
+        group = finished.group
+        if group.num_reward_failures < group.num_samples:
+            self._num_failed_groups = 0
+            return False
+        self._num_failed_groups += 1
+        limit = self.config.worker.max_failed_reward_groups
+        if not limit or self._num_failed_groups < limit:
+            return False
+        worker = self.config.worker
+        code = f"reward function {worker.reward}" if worker.reward else \
+            f"environment {type(self.rollouts.envs.for_task(group.task)).__qualname__} of task {group.task!r}"
+        self._fatal = (f"every sample of {self._num_failed_groups} groups in a row failed its reward: {code}; "
+                       f"last error {self.rollouts.last_failure}")
+        log.error("reward_failing", error=self._fatal, groups=self._num_failed_groups,
+                  fix="fix the reward function or environment (worker.reward / worker.env), or raise "
+                      "worker.max_failed_reward_groups (0 = never stop)")
+        self.stop.set()
+        return True
 
     def _wait_s(self) -> float:
         """How long to wait for the wake event: until the next step deadline or lease request, at most idle."""
@@ -131,32 +172,25 @@ class Worker:
             wake_at.append(self._next_request_at)
         return max(0.0, min(wake_at) - now)
 
-    def _load_adapters(self) -> None:
-        """Load every adapter that arrived; the newest becomes current; old ones beyond retention go."""
-        loaded = False
-        while True:
-            try:
-                adapter = self.session.adapters.get_nowait()
-            except queue.Empty:
-                break
-            started = time.monotonic()
-            try:
-                self.backend.add_adapter(adapter)
-            except ValueError as exc:
-                self.metrics.inc("adapters_rejected", reason="load")
-                log.error("adapter_load_failed", version=adapter.version, error=str(exc))
-                continue
-            loaded = True
-            log.info("adapter_loaded", version=adapter.version, load_ms=round((time.monotonic() - started) * 1000, 1),
-                     num_bytes=adapter.num_bytes)
-        if not loaded:
+    def _load_adapter(self) -> None:
+        """Load the newest adapter received, if one is waiting; unload and delete what nothing needs any more."""
+        adapter = self.session.take_adapter()
+        if adapter is None:
             return
+        started = time.monotonic()
+        try:
+            self.backend.add_adapter(adapter)
+        except ValueError as exc:
+            self.metrics.inc("adapters_rejected", reason="load")
+            log.error("adapter_load_failed", version=adapter.version, error=str(exc))
+            self.session.discard_adapter(adapter)
+            return
+        log.info("adapter_loaded", version=adapter.version, load_ms=round((time.monotonic() - started) * 1000, 1),
+                 num_bytes=adapter.num_bytes)
         newest = self.backend.newest_version
-        if newest > self.rollouts.current_version:
-            self.rollouts.current_version = newest
-            self.session.set_adapter_version(newest)
-            bind(version=newest)
-        keep = set(sorted(self.backend.adapters)[-self.num_resident:]) | self.rollouts.versions_in_use()
+        self.session.set_adapter_version(newest)
+        bind(version=newest)
+        keep = {newest} | self.rollouts.versions_in_use()  # older versions: only samples pinned to them
         self.backend.retain(keep)
         self.store.prune(keep, upto_version=newest)
 
@@ -183,7 +217,7 @@ class Worker:
         free = self.config.worker.capacity - self.rollouts.num_groups
         if free <= 0 or self.session.lease_request_pending or time.monotonic() < self._next_request_at:
             return
-        self.session.request_leases(free, self.rollouts.current_version, wait_ms=LEASE_WAIT_MS)
+        self.session.request_leases(free, self.backend.newest_version, wait_ms=LEASE_WAIT_MS)
 
     def _mark(self, state: str) -> None:
         if state != self._state:
@@ -271,9 +305,9 @@ def _join_and_generate(config: Config, worker_id: str, *, stop: threading.Event,
         backend = make_backend(config, worker_id=worker_id, max_staleness=welcome.max_staleness)
         log.info("backend_ready", load_s=round(time.monotonic() - started, 2), **backend.describe())
         worker = Worker(config, worker_id=worker_id, session=session, backend=backend, store=store, metrics=metrics,
-                        wake=wake, stop=stop, timeline=timeline, max_staleness=welcome.max_staleness)
+                        wake=wake, stop=stop, timeline=timeline)
         looping.set()
-        worker.run(received)
+        code = worker.run(received)
     except BrokerUnavailable as exc:
         log.error("broker_unavailable", error=str(exc))
         return 1
@@ -285,4 +319,4 @@ def _join_and_generate(config: Config, worker_id: str, *, stop: threading.Event,
         if backend is not None:
             backend.close()
     timeline.mark("idle")
-    return 0
+    return code

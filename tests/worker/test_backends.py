@@ -112,8 +112,7 @@ def test_token_versions_across_a_mid_generation_swap(backend: Backend, store: Ad
     rollouts = Rollouts(backend, EnvResolver(), config, worker_id="w", max_seq_len=256, greedy=True)
     rollouts.add(lease("3:5", prompt=PROMPTS[0], group_size=2))
     assert rollouts.step() == []
-    backend.add_adapter(receive(store, adapters[0]))
-    rollouts.current_version = 1
+    backend.add_adapter(receive(store, adapters[0]))  # v1: the rollouts follow the backend's newest
     finished = []
     while not finished:
         finished = rollouts.step() or rollouts.poll()

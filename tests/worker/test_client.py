@@ -113,16 +113,35 @@ def test_adapter_notice_fetch_and_verified_update(broker: ScriptedBroker, sessio
     corrupt[-1] = bytes(len(corrupt[-1]))
     broker.send(None, corrupt)
     wait_for(lambda: session.metrics.counter("adapters_rejected", reason="sha256") == 1, 5, "the rejection")
-    assert session.adapters.empty() and session.adapter_version == 0
+    assert session.take_adapter() is None
     broker.send(None, [bytes(f) for f in adapter.frames])
-    received = session.adapters.get(timeout=5)
+    received = wait_for(session.take_adapter, 5, "the verified adapter in the slot")
     assert received.version == 2 and (received.path / "adapter_model.safetensors").is_file()
     broker.send(None, [bytes(f) for f in adapters[0].frames])  # an older version arriving late is ignored
     broker.send(protocol.AdapterNotice(version=2, num_bytes=1, sha256=""))  # a version already held: no fetch
     grant = LeaseGrant(leases=[lease("0:7")], reason="", latest_version=2)
     broker.send(grant)
     assert session.grants.get(timeout=5).leases[0].group_id == "0:7"
-    assert session.adapters.empty() and session.adapter_version == 2
+    assert session.take_adapter() is None and session.metrics.counter("adapters_superseded") == 1
+    assert session.metrics.counter("adapter_fetches") == 1
+
+
+def test_a_backlog_of_notices_costs_one_fetch_and_only_the_newest_is_written(
+        broker: ScriptedBroker, session: BrokerSession, adapters: list[Adapter]) -> None:
+    """At most one adapter ahead of the backend: one fetch in flight or one adapter in the slot, never both."""
+    for version in (1, 2, 3):  # published faster than one round trip
+        broker.send(protocol.AdapterNotice(version=version, num_bytes=1, sha256=""))
+    broker.recv(Kind.ADAPTER_FETCH)
+    broker.send(None, [bytes(f) for f in adapters[2].frames])  # the broker's newest: v3
+    wait_for(lambda: session.metrics.counter("adapters_received") == 1, 5, "v3 to be verified")
+    broker.send(protocol.AdapterNotice(version=4, num_bytes=1, sha256=""))  # the slot is full: no fetch yet
+    broker.send(LeaseGrant(leases=[lease("0:1")], latest_version=4))
+    session.grants.get(timeout=5)
+    assert session.metrics.counter("adapter_fetches") == 1
+    assert [p.name for p in session.store.directory.iterdir()] == ["v000003"]
+    assert session.take_adapter().version == 3  # taking it asks for the next one while v3 loads
+    broker.recv(Kind.ADAPTER_FETCH)
+    assert session.metrics.counter("adapter_fetches") == 2
 
 
 def test_lease_requests_and_stale_adapter_grants(broker: ScriptedBroker, session: BrokerSession) -> None:

@@ -220,8 +220,7 @@ def swap_mid_generation(policy: str) -> tuple[Rollouts, FinishedGroup, FinishedG
     rollouts = make_rollouts(backend, partial_policy=policy)
     rollouts.add(lease("0:0", group_size=2))
     assert rollouts.step() == []
-    serve_version(backend, 1)
-    rollouts.current_version = 1
+    serve_version(backend, 1)  # the rollouts follow the backend's newest version
     rollouts.add(lease("0:1", group_size=1))
     if policy == "finish":
         assert rollouts.versions_in_use() == {0}
@@ -255,7 +254,6 @@ def test_abort_gives_up_after_max_aborts_so_a_sample_always_finishes() -> None:
         if finished:
             break
         serve_version(backend, version)
-        rollouts.current_version = version
     (done,) = finished
     assert done.group.metrics["num_aborts"] == 2 and rollouts.metrics.counter("samples_aborted") == 2
     assert rollouts.metrics.counter("abort_limit_reached") >= 1
