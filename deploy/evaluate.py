@@ -4,9 +4,10 @@ One definition of "accuracy" serves the demo base check (``deploy/demo_base.py``
 ``base accuracy`` / ``final accuracy`` lines and its periodic measurements, and the time-to-accuracy benchmark:
 
 - prompts are the task's ``eval`` split, indices ``0 .. num_prompts-1`` (disjoint from training prompts);
-- a prompt is encoded exactly as the rollout workers encode it, ``tokenizer(prompt).input_ids`` (the built-in
-  byte tokenizer adds no special tokens);
-- decoding is greedy, at most ``max_new_tokens`` tokens, stopping at end-of-sequence;
+- a prompt is encoded exactly as the rollout workers encode it (:class:`common.chat.ChatFormat`: a string with
+  the tokenizer, messages through the chat template with ``model.chat_template_kwargs``);
+- decoding is greedy, at most ``max_new_tokens`` tokens, stopping at any end-of-turn id
+  (:func:`common.chat.end_of_turn_ids`: the tokenizer's eos and every ``generation_config.eos_token_id``);
 - the completion is scored by the task's own check (``Task.score``: the exact answer followed by EOS).
 
 Prompts of equal token length are batched together, so no padding (and no position-id subtlety) enters the
@@ -19,10 +20,12 @@ from __future__ import annotations
 import os
 import time
 from collections import defaultdict
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from common.chat import ChatFormat, Prompt, end_of_turn_ids, pad_token_id, token_ids
 from common.tasks import Task, load_task
 
 
@@ -63,13 +66,17 @@ def load_model(model_dir: str | os.PathLike, adapter_dir: str | os.PathLike | No
     return model, tokenizer
 
 
-def greedy_completions(model: Any, tokenizer: Any, prompts: list[str], max_new_tokens: int,
-                       batch_size: int = 256) -> list[tuple[str, bool]]:
-    """(completion text, ended with EOS) for each prompt, greedy; same-length prompts share a batch."""
+def greedy_completions(model: Any, tokenizer: Any, prompts: list[Prompt], max_new_tokens: int,
+                       batch_size: int = 256, *, chat_template_kwargs: Mapping[str, Any] | None = None,
+                       stop_token_ids: Sequence[int] = ()) -> list[tuple[str, bool]]:
+    """(completion text, ended its turn) for each prompt, greedy; same-length prompts share a batch."""
     import torch
 
-    eos_id = tokenizer.eos_token_id
-    encoded = [tokenizer(p).input_ids for p in prompts]
+    chat = ChatFormat(tokenizer, template_kwargs=chat_template_kwargs)
+    generation_eos = getattr(getattr(model, "generation_config", None), "eos_token_id", None)
+    eos_ids = end_of_turn_ids(tokenizer, extra=[*token_ids(generation_eos), *stop_token_ids])
+    pad_id = pad_token_id(tokenizer, eos_ids)
+    encoded = [chat.encode_prompt(p) for p in prompts]
     by_length: dict[int, list[int]] = defaultdict(list)
     for i, ids in enumerate(encoded):
         by_length[len(ids)].append(i)
@@ -81,23 +88,23 @@ def greedy_completions(model: Any, tokenizer: Any, prompts: list[str], max_new_t
                 input_ids = torch.tensor([encoded[i] for i in chunk], dtype=torch.long, device=model.device)
                 generated = model.generate(
                     input_ids=input_ids, attention_mask=torch.ones_like(input_ids), do_sample=False,
-                    max_new_tokens=max_new_tokens, eos_token_id=eos_id, pad_token_id=tokenizer.pad_token_id,
+                    max_new_tokens=max_new_tokens, eos_token_id=list(eos_ids), pad_token_id=pad_id,
                 )[:, input_ids.shape[1]:]
                 for row, i in zip(generated.tolist(), chunk, strict=True):
-                    finished = eos_id in row
-                    tokens = row[:row.index(eos_id)] if finished else row
-                    out[i] = (tokenizer.decode(tokens, skip_special_tokens=True), finished)
+                    end = next((k for k, t in enumerate(row) if t in eos_ids), None)
+                    out[i] = (chat.decode(row if end is None else row[:end]), end is not None)
     return out
 
 
 def evaluate(model: Any, tokenizer: Any, task: Task, *, num_prompts: int, max_new_tokens: int,
-             split: str = "eval") -> EvalResult:
+             split: str = "eval", chat_template_kwargs: Mapping[str, Any] | None = None) -> EvalResult:
     """Greedy accuracy of a loaded model on ``task``'s first ``num_prompts`` prompts of ``split``."""
     if num_prompts < 1:
         raise ValueError(f"num_prompts must be >= 1, got {num_prompts} (eval.num_prompts)")
     start = time.perf_counter()
     items = [task.item(i, split) for i in range(num_prompts)]
-    results = greedy_completions(model, tokenizer, [item.prompt for item in items], max_new_tokens)
+    results = greedy_completions(model, tokenizer, [item.prompt for item in items], max_new_tokens,
+                                 chat_template_kwargs=chat_template_kwargs)
     correct = [task.score(text, item.answer, finished=finished) >= 1.0
                for item, (text, finished) in zip(items, results, strict=True)]
     return EvalResult(accuracy=sum(correct) / len(correct), num_prompts=len(correct), num_correct=sum(correct),
@@ -106,7 +113,9 @@ def evaluate(model: Any, tokenizer: Any, task: Task, *, num_prompts: int, max_ne
 
 
 def evaluate_dir(model_dir: str | os.PathLike, adapter_dir: str | os.PathLike | None = None, *,
-                 task: str = "arith", seed: int = 0, num_prompts: int = 200, max_new_tokens: int = 6) -> EvalResult:
+                 task: str = "arith", seed: int = 0, num_prompts: int = 200, max_new_tokens: int = 6,
+                 chat_template_kwargs: Mapping[str, Any] | None = None) -> EvalResult:
     """Load the model (plus adapter) from disk and measure its greedy held-out accuracy."""
     model, tokenizer = load_model(model_dir, adapter_dir)
-    return evaluate(model, tokenizer, load_task(task, seed), num_prompts=num_prompts, max_new_tokens=max_new_tokens)
+    return evaluate(model, tokenizer, load_task(task, seed), num_prompts=num_prompts, max_new_tokens=max_new_tokens,
+                    chat_template_kwargs=chat_template_kwargs)

@@ -76,6 +76,8 @@ class Summary:
 
     ``wall_s`` is the whole ``loraflow run``; ``base_build_s`` the demo base build in it (0 when cached);
     ``rl_s`` and ``target_reached_s`` count from starting the processes (the clock of the progress line).
+    ``steps`` is the last committed learner step (not one a restart withdrew); ``busy_share`` each process's
+    busy share over the time it was alive (its timeline lane, :mod:`deploy.rundir`).
     """
 
     run_dir: str
@@ -92,6 +94,7 @@ class Summary:
     rl_s: float = 0.0
     target_reached_s: float | None = None
     restarts: dict[str, int] = field(default_factory=dict)
+    busy_share: dict[str, float] = field(default_factory=dict)  # process -> busy share of its time alive
 
 
 class Launch:
@@ -270,7 +273,8 @@ class Launch:
 
         config = self.config
         result = evaluate_dir(config.model.path, adapter, task=config.run.task, seed=config.run.seed,
-                              num_prompts=config.eval.num_prompts, max_new_tokens=config.worker.max_new_tokens)
+                              num_prompts=config.eval.num_prompts, max_new_tokens=config.worker.max_new_tokens,
+                              chat_template_kwargs=config.model.chat_template_kwargs)
         step = version_step(self.run_dir, version)
         measurement = Measurement(version=version, step=step, accuracy=result.accuracy, time_unix=time.time(),
                                   seconds=round(result.seconds, 3), kind=kind)
@@ -295,8 +299,9 @@ class Launch:
     def finish(self) -> None:
         """Final measurement, the final adapter directory, summary.json and plots."""
         summary = self.summary
-        steps = rundir.read_jsonl(rundir.metrics_path(self.run_dir))
-        summary.steps = max((s.get("step", 0) for s in steps), default=0)
+        summary.steps = max((s["step"] for s in rundir.read_learner_history(self.run_dir).committed), default=0)
+        shares = {name: lane.busy_share() for name, lane in rundir.timelines(self.run_dir).items()}
+        summary.busy_share = {name: round(share, 4) for name, share in shares.items() if share is not None}
         summary.rl_s = round(time.monotonic() - self.rl_started_s, 1) if self.rl_started_s else 0.0
         if self.pending_eval is not None:
             self.collect_eval(wait=True)

@@ -35,10 +35,12 @@ def make_backend(config: Config, *, worker_id: str, max_staleness: int) -> Backe
     from common.tiny_model import resolve_model
 
     model_dir = resolve_model(config.model.path, config.model.cache_dir)
+    tokens = {"chat_template_kwargs": config.model.chat_template_kwargs, "stop_token_ids": worker.stop_token_ids}
     if worker.backend == "hf":
         from rollout_worker.backends.hf import HfBackend
 
-        return HfBackend(model_dir, sampling=sampling, device=worker.device, dtype=config.model.dtype, seed=seed)
+        return HfBackend(model_dir, sampling=sampling, device=worker.device, dtype=config.model.dtype, seed=seed,
+                         **tokens)
     from rollout_worker.backends.vllm import VllmBackend
 
     vllm = worker.vllm
@@ -46,4 +48,4 @@ def make_backend(config: Config, *, worker_id: str, max_staleness: int) -> Backe
                        max_lora_rank=config.learner.lora_rank, dtype=config.model.dtype,
                        max_model_len=config.model.max_seq_len, max_num_seqs=vllm.max_num_seqs,
                        kv_cache_gib=vllm.kv_cache_gib, gpu_memory_utilization=vllm.gpu_memory_utilization,
-                       enforce_eager=vllm.enforce_eager, seed=seed)
+                       enforce_eager=vllm.enforce_eager, seed=seed, **tokens)

@@ -9,7 +9,9 @@ from one thread::
 
 :meth:`Backend.generate` samples at most ``request.max_tokens`` new tokens after ``request.token_ids`` (the whole
 sequence so far: prompt, earlier chunks, environment replies) and returns, per request, the new token ids,
-their behaviour log-probs and whether the chunk ended with end-of-sequence (the EOS token is included).
+their behaviour log-probs and whether the chunk ended the turn with one of the model's end-of-turn ids
+(``eos_token_ids``: the tokenizer's eos, every id of ``generation_config.eos_token_id`` and
+``worker.stop_token_ids``; the id is included).
 Because every chunk is a fresh continuation of the sequence, the next chunk of a sample may run under another
 version: that is how partial rollouts swap adapters (see :mod:`rollout_worker.rollout`).
 
@@ -22,10 +24,12 @@ version is resident, so a new version can never be served by the weights of the 
 from __future__ import annotations
 
 import abc
-from collections.abc import Collection, Sequence
+from collections.abc import Collection, Mapping, Sequence
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any, ClassVar
 
+from common.chat import ChatFormat, Prompt, end_of_turn_ids, pad_token_id
 from rollout_worker.adapters import ReceivedAdapter
 
 
@@ -59,8 +63,10 @@ class Backend(abc.ABC):
     """A model that generates under any resident adapter version."""
 
     name: ClassVar[str]
-    eos_token_id: int
-    vocab_size: int
+    eos_token_id: int  # the tokenizer's own eos (the first of eos_token_ids)
+    eos_token_ids: tuple[int, ...]  # every id that ends a turn
+    vocab_size: int  # the model's (may exceed the tokenizer's: a padded vocabulary)
+    chat: ChatFormat | None = None  # prompt rendering; None: the backend has no tokenizer (sim)
 
     def __init__(self, sampling: Sampling) -> None:
         self.sampling = sampling
@@ -69,8 +75,9 @@ class Backend(abc.ABC):
     # -- tokens ------------------------------------------------------------------------------------------------
 
     @abc.abstractmethod
-    def encode(self, text: str) -> list[int]:
-        """Token ids of ``text`` as a prompt (the tokenizer's own special-token handling)."""
+    def encode(self, prompt: Prompt) -> list[int]:
+        """Token ids of a prompt: a string with the tokenizer's own special tokens, messages through the chat
+        template (:mod:`common.chat`)."""
 
     @abc.abstractmethod
     def encode_continuation(self, text: str) -> list[int]:
@@ -142,24 +149,39 @@ class Backend(abc.ABC):
 
 
 class TokenizerMixin:
-    """The token methods of a backend over a Hugging Face tokenizer (``self.tokenizer``): hf and vllm."""
+    """The token methods of a backend over a Hugging Face tokenizer: hf and vllm, both through :mod:`common.chat`."""
 
-    tokenizer: Any
+    chat: ChatFormat
+    eos_token_id: int
+    eos_token_ids: tuple[int, ...]
+    pad_token_id: int
 
-    def encode(self, text: str) -> list[int]:
-        return list(self.tokenizer(text)["input_ids"])
+    def _init_tokens(self, tokenizer: Any, model_dir: str | Path, *, chat_template_kwargs: Mapping[str, Any],
+                     stop_token_ids: Sequence[int], vocab_size: int) -> None:
+        """Prompt rendering, the end-of-turn ids and the pad id for ``tokenizer`` and the model in ``model_dir``."""
+        self.chat = ChatFormat(tokenizer, template_kwargs=chat_template_kwargs, name=f"model {model_dir}")
+        self.eos_token_ids = end_of_turn_ids(tokenizer, model_dir, stop_token_ids)
+        self.eos_token_id = self.eos_token_ids[0]
+        self.pad_token_id = pad_token_id(tokenizer, self.eos_token_ids)
+        bad = [i for i in self.eos_token_ids if not 0 <= i < vocab_size]
+        if bad:
+            raise ValueError(f"end-of-turn ids {bad} are outside the model's vocabulary [0, {vocab_size}) "
+                             "(worker.stop_token_ids, or the model's generation_config.json)")
+
+    def encode(self, prompt: Prompt) -> list[int]:
+        return self.chat.encode_prompt(prompt)
 
     def encode_continuation(self, text: str) -> list[int]:
-        return list(self.tokenizer(text, add_special_tokens=False)["input_ids"])
+        return self.chat.encode_text(text, special=False)
 
     def decode(self, token_ids: Sequence[int]) -> str:
-        return self.tokenizer.decode(list(token_ids), skip_special_tokens=True)
+        return self.chat.decode(token_ids)
 
 
-def cut_at_eos(token_ids: Sequence[int], eos_token_id: int, max_tokens: int) -> tuple[list[int], bool]:
-    """The first ``max_tokens`` ids up to and including the first EOS; and whether an EOS ended them."""
+def cut_at_eos(token_ids: Sequence[int], eos_token_ids: Collection[int], max_tokens: int) -> tuple[list[int], bool]:
+    """The first ``max_tokens`` ids up to and including the first end-of-turn id; and whether one ended them."""
     ids = list(token_ids[:max_tokens])
-    if eos_token_id in ids:
-        end = ids.index(eos_token_id) + 1
-        return ids[:end], True
+    for end, token in enumerate(ids, start=1):
+        if token in eos_token_ids:
+            return ids[:end], True
     return ids, False

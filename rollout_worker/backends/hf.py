@@ -9,7 +9,8 @@ keeps its weights, and a new version never serves the previous one's.
 
 v0 is the base model with the adapter disabled (``PeftModel.disable_adapter``), identical to a zero adapter.
 
-Requests are grouped by version; each group is left-padded into one batch and run through ``generate`` with
+Prompts, end-of-turn ids and the pad id come from :mod:`common.chat` (``TokenizerMixin``): ``generate`` stops a
+row at any of ``eos_token_ids``. Requests are grouped by version; each group is left-padded into one batch and run through ``generate`` with
 ``output_logits=True``, whose logits are the raw next-token logits (before temperature and top-p), so
 :func:`common.logprobs.token_logprobs` gives exactly the behaviour log-probs. A chunk holds at most
 ``worker.chunk_tokens`` tokens, which bounds the memory of those logits (batch x chunk x vocab floats).
@@ -19,7 +20,7 @@ from __future__ import annotations
 
 import contextlib
 import json
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -48,7 +49,8 @@ class HfBackend(TokenizerMixin, Backend):
     name = "hf"
 
     def __init__(self, model_dir: str | Path, *, sampling: Sampling, device: str = "auto", dtype: str = "float32",
-                 seed: int = 0) -> None:
+                 seed: int = 0, chat_template_kwargs: Mapping[str, Any] | None = None,
+                 stop_token_ids: Sequence[int] = ()) -> None:
         super().__init__(sampling)
         self.device = resolve_device(device)
         self.dtype = getattr(torch, dtype)
@@ -58,14 +60,9 @@ class HfBackend(TokenizerMixin, Backend):
         base.to(self.device).eval()
         base.requires_grad_(False)
         self.model: Any = base  # a PeftModel once the first adapter arrives
-        eos = self.tokenizer.eos_token_id
-        if eos is None:  # generation configs may list several; the first ends a sample here
-            eos = base.generation_config.eos_token_id
-            eos = eos[0] if isinstance(eos, list) else eos
-        self.eos_token_id = int(eos)
-        pad = self.tokenizer.pad_token_id
-        self.pad_token_id = int(pad if pad is not None else self.eos_token_id)
         self.vocab_size = int(base.config.vocab_size)
+        self._init_tokens(self.tokenizer, model_dir, chat_template_kwargs=chat_template_kwargs or {},
+                          stop_token_ids=stop_token_ids, vocab_size=self.vocab_size)
         self._slot_of: dict[int, str] = {}  # resident version -> slot
         self._slot_keys: dict[str, str] = {}  # slot -> LoRA shape key
         self._slot_params: dict[str, dict[str, torch.Tensor]] = {}  # slot -> PEFT name -> parameter
@@ -141,7 +138,7 @@ class HfBackend(TokenizerMixin, Backend):
             sampling = {} if greedy else {"temperature": self.sampling.temperature, "top_p": self.sampling.top_p,
                                           "top_k": None}
             self._configs[key] = GenerationConfig(do_sample=not greedy, max_new_tokens=max_new_tokens,
-                                                  pad_token_id=self.pad_token_id, eos_token_id=self.eos_token_id,
+                                                  pad_token_id=self.pad_token_id, eos_token_id=list(self.eos_token_ids),
                                                   output_logits=True, return_dict_in_generate=True, **sampling)
         return self._configs[key]
 
@@ -174,7 +171,7 @@ class HfBackend(TokenizerMixin, Backend):
         logprobs = token_logprobs(torch.stack(out.logits, dim=1), new_tokens, temperature).cpu()
         results = []
         for row, request in enumerate(requests):
-            ids, finished = cut_at_eos(new_tokens[row].tolist(), self.eos_token_id, request.max_tokens)
+            ids, finished = cut_at_eos(new_tokens[row].tolist(), self.eos_token_ids, request.max_tokens)
             results.append(GenOutput(token_ids=ids, logprobs=logprobs[row, :len(ids)].tolist(), finished=finished))
         return results
 

@@ -20,6 +20,7 @@ import random
 import time
 from collections.abc import Sequence
 
+from common.chat import Prompt
 from common.config import SimConfig
 from rollout_worker.adapters import ReceivedAdapter
 from rollout_worker.backends.base import Backend, GenOutput, GenRequest, Sampling
@@ -36,12 +37,14 @@ class SimBackend(Backend):
         self.seed = seed
         self.vocab_size = config.vocab_size
         self.eos_token_id = config.vocab_size - 1
+        self.eos_token_ids = (self.eos_token_id,)
         self._rng = random.Random(seed)
         self._mu = math.log(config.mean_tokens) - config.length_sigma ** 2 / 2  # lognormal with that mean
 
     # -- tokens (bytes, folded into the vocabulary) --------------------------------------------------------------
 
-    def encode(self, text: str) -> list[int]:
+    def encode(self, prompt: Prompt) -> list[int]:
+        text = prompt if isinstance(prompt, str) else "".join(f"{m['role']}: {m['content']}\n" for m in prompt)
         return [b % self.eos_token_id for b in text.encode()]
 
     def encode_continuation(self, text: str) -> list[int]:

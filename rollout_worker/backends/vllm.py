@@ -16,7 +16,8 @@ fixed when the engine starts:
 - temperature != 1 and top_p < 1: ``raw_logprobs`` of the whole vocabulary (``logprobs=-1``), rescored here
   with the temperature (:func:`rescale_logprob`). Exact but slow for large vocabularies.
 
-Each ``generate`` call continues every request from its full token sequence (``prompt_token_ids``), so a later
+Every end-of-turn id (:func:`common.chat.end_of_turn_ids`) is passed as ``stop_token_ids``, and a completion whose
+``finish_reason`` is ``"stop"`` ended its turn (the stop id is its last token). Each ``generate`` call continues every request from its full token sequence (``prompt_token_ids``), so a later
 chunk may run under another adapter; vLLM's prefix cache is keyed by adapter, never mixing versions.
 """
 
@@ -25,7 +26,7 @@ from __future__ import annotations
 import itertools
 import math
 import os
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -69,7 +70,8 @@ class VllmBackend(TokenizerMixin, Backend):
     def __init__(self, model_dir: str | Path, *, sampling: Sampling, max_loras: int, max_lora_rank: int,
                  dtype: str = "float32", max_model_len: int = 512, max_num_seqs: int = 64,
                  kv_cache_gib: float = 1.0, gpu_memory_utilization: float = 0.85, enforce_eager: bool = True,
-                 seed: int = 0) -> None:
+                 seed: int = 0, chat_template_kwargs: Mapping[str, Any] | None = None,
+                 stop_token_ids: Sequence[int] = ()) -> None:
         super().__init__(sampling)
         os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", str(max(1, math.ceil(kv_cache_gib))))
         from vllm import LLM, SamplingParams
@@ -87,7 +89,9 @@ class VllmBackend(TokenizerMixin, Backend):
         self.tokenizer = self.llm.get_tokenizer()
         config = self.llm.llm_engine.model_config.hf_config
         self.vocab_size = int(config.vocab_size)
-        self.eos_token_id = int(self.tokenizer.eos_token_id)
+        self._init_tokens(self.tokenizer, model_dir, chat_template_kwargs=chat_template_kwargs or {},
+                          stop_token_ids=stop_token_ids, vocab_size=self.vocab_size)
+        self._stop_token_ids = list(self.eos_token_ids)
         self._ids = itertools.count(1)  # LoRA int ids: never reused in this process
         self._requests: dict[int, Any] = {}  # resident version -> LoRARequest
         self._params: dict[tuple[int, bool], Any] = {}
@@ -120,11 +124,11 @@ class VllmBackend(TokenizerMixin, Backend):
         if key not in self._params:
             if greedy:
                 params = self._sampling_params_cls(temperature=0.0, max_tokens=max_tokens, logprobs=0,
-                                                   detokenize=False)
+                                                   detokenize=False, stop_token_ids=self._stop_token_ids)
             else:
                 params = self._sampling_params_cls(temperature=self.sampling.temperature, top_p=self.sampling.top_p,
                                                    top_k=0, max_tokens=max_tokens, logprobs=self._num_logprobs,
-                                                   detokenize=False)
+                                                   detokenize=False, stop_token_ids=self._stop_token_ids)
             self._params[key] = params
         return self._params[key]
 
@@ -145,7 +149,7 @@ class VllmBackend(TokenizerMixin, Backend):
                     logprobs.append(rescale_logprob(raw, token, self.sampling.temperature))
                 else:
                     logprobs.append(float(entry[token].logprob))
-            finished = bool(ids) and ids[-1] == self.eos_token_id
+            finished = completion.finish_reason == "stop"  # an end-of-turn id (no stop strings are passed)
             outputs.append(GenOutput(token_ids=ids, logprobs=logprobs, finished=finished))
         return outputs
 
