@@ -57,6 +57,9 @@ class ModelConfig:
 
 @dataclass(slots=True, kw_only=True)
 class BrokerConfig:
+    chat_template_kwargs: dict[str, Any] = rule(default_factory=dict,
+                                                 doc="extra arguments of the tokenizer's chat template for "
+                                                 "conversational prompts, e.g. {enable_thinking = false}")
     endpoint: str = rule("tcp://127.0.0.1:5555", doc="where clients connect")
     bind: str = rule("", doc="where the broker binds (e.g. tcp://0.0.0.0:5555); default = endpoint")
     endpoint_file: str = rule("", doc="the broker writes its bound endpoint here (useful with port 0)")
@@ -128,6 +131,10 @@ class WorkerConfig:
 class LearnerConfig:
     device: str = rule("auto", doc="auto, cpu, cuda")
     num_threads: int = rule(0, ge=0, doc="torch CPU threads per rank; 0 = torch default")
+    stop_token_ids: list[int] = rule(default_factory=list, doc="token ids that also end a model turn, besides "
+                                     "the tokenizer's eos and every generation_config.eos_token_id")
+    stop_strings: list[str] = rule(default_factory=list, doc="strings that end a model turn like an eos (the text "
+                                   "handed to rewards stops before them)")
     lr: float = rule(1e-3, gt=0, le=1)
     weight_decay: float = rule(0.0, ge=0)
     grad_clip: float = rule(1.0, ge=0, doc="max grad norm; 0 = off")
