@@ -53,13 +53,13 @@ class ModelConfig:
     cache_dir: str = rule("", doc="where builtin models are built; default ~/.cache/loraflow")
     dtype: str = rule("float32", choices=("float32", "bfloat16", "float16"), doc="weights dtype for generation")
     max_seq_len: int = rule(512, ge=8, le=1 << 20, unit="tokens", doc="prompt + completion limit")
+    chat_template_kwargs: dict[str, Any] = rule(default_factory=dict,
+                                                 doc="extra arguments of the tokenizer's chat template for "
+                                                 "conversational prompts, e.g. {enable_thinking = false}")
 
 
 @dataclass(slots=True, kw_only=True)
 class BrokerConfig:
-    chat_template_kwargs: dict[str, Any] = rule(default_factory=dict,
-                                                 doc="extra arguments of the tokenizer's chat template for "
-                                                 "conversational prompts, e.g. {enable_thinking = false}")
     endpoint: str = rule("tcp://127.0.0.1:5555", doc="where clients connect")
     bind: str = rule("", doc="where the broker binds (e.g. tcp://0.0.0.0:5555); default = endpoint")
     endpoint_file: str = rule("", doc="the broker writes its bound endpoint here (useful with port 0)")
@@ -121,6 +121,10 @@ class WorkerConfig:
                                          "groups in a row whose every sample's reward or environment failed; "
                                          "0 = never")
     max_turns: int = rule(4, ge=1, doc="multi-turn environments: model turns per episode")
+    stop_token_ids: list[int] = rule(default_factory=list, doc="token ids that also end a model turn, besides "
+                                     "the tokenizer's eos and every generation_config.eos_token_id")
+    stop_strings: list[str] = rule(default_factory=list, doc="strings that end a model turn like an eos (the text "
+                                   "handed to rewards stops before them)")
     adapter_dir: str = rule("", doc="where received adapters are written; default <run_dir>/workers/<id>/adapters")
     metrics_port: int = rule(0, ge=0, le=65535)
     sim: SimConfig = field(default_factory=SimConfig)
@@ -131,10 +135,6 @@ class WorkerConfig:
 class LearnerConfig:
     device: str = rule("auto", doc="auto, cpu, cuda")
     num_threads: int = rule(0, ge=0, doc="torch CPU threads per rank; 0 = torch default")
-    stop_token_ids: list[int] = rule(default_factory=list, doc="token ids that also end a model turn, besides "
-                                     "the tokenizer's eos and every generation_config.eos_token_id")
-    stop_strings: list[str] = rule(default_factory=list, doc="strings that end a model turn like an eos (the text "
-                                   "handed to rewards stops before them)")
     lr: float = rule(1e-3, gt=0, le=1)
     weight_decay: float = rule(0.0, ge=0)
     grad_clip: float = rule(1.0, ge=0, doc="max grad norm; 0 = off")
