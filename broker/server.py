@@ -28,8 +28,11 @@ write, a deadline, or :meth:`BrokerServer.stop` (the signal handler). Sends neve
 ``ROUTER_MANDATORY`` a peer that is gone (EHOSTUNREACH) or whose queue is full (EAGAIN) makes the send fail
 at once, and the core takes back what the message promised (leases re-queued, a batch back to the buffer).
 With CURVE (``security.enabled``) every message carries the role its sender's key is authorised for, and
-the core lets a client act only in that role; handshakes with keys that are not authorised never reach the
-socket and are counted (``auth{refused}``).
+the core lets a client act only in that role. Handshakes that fail never reach the socket; they are counted
+by cause (``auth{...}``): ``refused`` (a key not authorised: the ZAP thread's count, logged with the key's file
+when the keys dir has it), ``wrong_server_key`` (the client's broker public key is not ours: the monitor's
+HANDSHAKE_FAILED_PROTOCOL with ZMTP_CRYPTOGRAPHIC), ``plaintext`` (a client without CURVE) or ``curve_client``
+(a CURVE client when security is off: both MECHANISM_MISMATCH), ``handshake_failed`` (anything else).
 
 Up to ``MAX_DRAIN`` messages are received per wake-up before timers and sends run, which amortises the poll
 and the state-file write over a burst; tensor frames are received with ``copy=False`` and forwarded as the
@@ -58,6 +61,9 @@ log = get_logger("broker")
 MAX_DRAIN = 512
 MAX_POLL_MS = 100
 MONITOR_EVENTS = {zmq.EVENT_ACCEPTED: "accepted", zmq.EVENT_DISCONNECTED: "disconnected"}
+#: handshake failures on the monitor, by cause (HANDSHAKE_FAILED_AUTH is counted by the ZAP thread instead)
+HANDSHAKE_FAILURES = zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL | zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL
+HANDSHAKE_LOG_INTERVAL_S = 10.0  # a client with a wrong broker key retries every ~100 ms: log a cause this often
 
 
 class BrokerServer:
@@ -73,7 +79,9 @@ class BrokerServer:
         self.sock, self.bound_endpoint = sockets.router_socket(
             self.ctx, config.bind_endpoint, max_message_bytes=config.broker.max_message_bytes, security=security)
         self.endpoint = sockets.connect_endpoint(self.bound_endpoint)
-        self.monitor = self.sock.get_monitor_socket(sum(MONITOR_EVENTS))
+        self.monitor = self.sock.get_monitor_socket(sum(MONITOR_EVENTS) | HANDSHAKE_FAILURES)
+        core.stats.encryption = "curve" if security is not None else "off"
+        self._handshake_logged: dict[str, tuple[float, int]] = {}  # cause -> (last logged at, count then)
         self._wake_r, self._wake_w = os.pipe()  # the state writer's "write is durable" signal
         os.set_blocking(self._wake_r, False)
         os.set_blocking(self._wake_w, False)
@@ -169,6 +177,27 @@ class BrokerServer:
             name = MONITOR_EVENTS.get(event["event"])
             if name:
                 self.core.stats.count("connections", name)
+            elif event["event"] & HANDSHAKE_FAILURES:
+                self._handshake_failed(event["event"], event["value"])
+
+    def _handshake_failed(self, event: int, value: int) -> None:
+        """Count a failed handshake by cause; log each cause at most every HANDSHAKE_LOG_INTERVAL_S."""
+        if event == zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL and value == zmq.PROTOCOL_ERROR_ZMTP_CRYPTOGRAPHIC:
+            cause, why = "wrong_server_key", ("a CURVE client whose broker public key is not this broker's "
+                                              "(give it this keys dir's broker.key)")
+        elif event == zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL and value == zmq.PROTOCOL_ERROR_ZMTP_MECHANISM_MISMATCH:
+            cause, why = (("plaintext", "a client without CURVE (security.enabled = false there)")
+                          if self.security is not None else
+                          ("curve_client", "a CURVE client, but security is off here (security.enabled)"))
+        else:
+            cause, why = "handshake_failed", f"zmq handshake error {value:#x}"
+        self.core.stats.count("auth", cause)
+        total = self.core.stats.get("auth", cause)
+        now_s = time.monotonic()
+        last_s, logged = self._handshake_logged.get(cause, (-HANDSHAKE_LOG_INTERVAL_S, 0))
+        if now_s - last_s >= HANDSHAKE_LOG_INTERVAL_S:
+            log.warning("handshake_failed", cause=cause, why=why, num_since_last_log=total - logged)
+            self._handshake_logged[cause] = (now_s, total)
 
     def close(self) -> None:
         self.sock.disable_monitor()

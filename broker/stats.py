@@ -24,8 +24,12 @@ Counter families (Prometheus name ``loraflow_broker_<family>_total{label=...}``)
     state_writes{trigger} sync writes of the state file
     connections{event}    accepted / disconnected TCP connections (zmq drops a peer that sends a frame over
                           broker.max_message_bytes before anything is read: it shows up here)
-    auth{event}           refused: CURVE handshakes with a key not authorised (security.enabled); such a
-                          client never gets a message through, so it appears nowhere else
+    auth{event}           failed handshakes, none of which gets a message through (so they appear nowhere
+                          else): refused (a key not authorised, security.enabled), wrong_server_key (a CURVE
+                          client with another broker public key), plaintext (a client without CURVE),
+                          curve_client (a CURVE client while security is off), handshake_failed (other)
+
+The snapshot's ``encryption`` says whether the broker's socket uses CURVE (``curve``) or not (``off``).
 """
 
 from __future__ import annotations
@@ -57,6 +61,7 @@ class BrokerStats:
         self.bytes_in = 0
         self.bytes_out = 0
         self.tokens_accepted = 0
+        self.encryption = "off"  # "curve" when the broker's socket is a CURVE server (set by the server)
         self._pushed: dict[tuple[str, str], float] = {}
         self._samples: deque[tuple[float, dict[str, float]]] = deque()
 
@@ -125,6 +130,7 @@ class BrokerStats:
             "peers_gone": self.family("peers_gone"),
             "connections": self.family("connections"),
             "auth": self.family("auth"),
+            "encryption": self.encryption,
             "state_writes": sum(self.families["state_writes"][1].values()),
             "tokens_accepted": self.tokens_accepted,
             "rates": self.rates(now_s),

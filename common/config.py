@@ -40,6 +40,9 @@ class RunConfig:
                               doc="versions a sample may lag the learner; 0 = synchronous on-policy")
     num_steps: int = rule(0, ge=0, doc="learner steps before the run stops; 0 = until stopped")
     max_duration_s: float = rule(0.0, ge=0, unit="s", doc="wall-time limit of `loraflow run`; 0 = none")
+    connect_timeout_s: float = rule(120.0, gt=0, le=86_400, unit="s",
+                                    doc="how long a worker or the learner waits for the broker's Welcome at start-up "
+                                    "(any start order within it works); a failed CURVE handshake ends it at once")
     task: str = rule("arith", max_len=512,
                      doc="built-in task name (arith, calculator) or a JSONL file of {prompt, answer}")
     log_format: str = rule("console", choices=("console", "json"), doc="console for people, json for machines")

@@ -22,6 +22,13 @@ another protocol version, a key not authorised for the role) makes :meth:`Broker
 :class:`BrokerRefused`; a message larger than the broker's ``max_message_bytes`` (from its Welcome) is not sent,
 :meth:`BrokerLink.send` raises :class:`MessageTooLarge` (zmq would otherwise drop the connection silently).
 
+The connection's security handshake is watched too (:class:`HandshakeWatch`, a socket monitor in the same
+poll): a key the broker does not authorise, a wrong broker public key, or CURVE on at one side only fail the
+handshake before any message can pass, so waiting for a Welcome would only time out. :meth:`BrokerLink.start`
+and :func:`fetch_stats` raise :class:`HandshakeFailed` at once instead, saying which of these it is. Without
+any answer at all, :meth:`BrokerLink.start` waits ``run.connect_timeout_s``: the broker may start after its
+clients (zmq keeps reconnecting and the Hello waits in the socket's queue).
+
 Heartbeats run independently of the caller, so a long generation or training step never looks like a dead
 client. Heartbeat pongs are consumed here and only update :attr:`BrokerLink.latest_version`.
 """
@@ -29,6 +36,7 @@ client. Heartbeat pongs are consumed here and only update :attr:`BrokerLink.late
 from __future__ import annotations
 
 import collections
+import contextlib
 import itertools
 import os
 import queue
@@ -42,6 +50,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import zmq
+from zmq.utils.monitor import recv_monitor_message
 
 from common import framing, protocol, sockets
 from common.framing import Envelope
@@ -56,9 +65,78 @@ class BrokerUnavailable(TimeoutError):
     """The broker did not answer in time; the message names the setting to raise."""
 
 
+class HandshakeFailed(BrokerUnavailable):
+    """The security handshake with the broker failed (keys that do not match, security on at one side only):
+    the broker is there, but this client cannot talk to it until a setting changes; the message says which."""
+
+
 class BrokerRefused(ConnectionError):
     """The broker answered the Hello with an Error (protocol version, too many workers, a key not authorised
     for the role): waiting will not help; the message is the broker's, saying what to change."""
+
+
+#: What libzmq 4.3.5 reports on a client's monitor (seen on loopback with pyzmq 27): a key the broker's ZAP
+#: handler refuses -> HANDSHAKE_FAILED_AUTH (value: the ZAP status, 400), and zmq does not reconnect; CURVE on
+#: one side only -> HANDSHAKE_FAILED_PROTOCOL with MECHANISM_MISMATCH on both sides, no reconnect; a broker
+#: public key that is not the broker's -> the broker cannot open the client's HELLO and drops the connection
+#: (its monitor: PROTOCOL_ERROR_ZMTP_CRYPTOGRAPHIC), the client sees HANDSHAKE_FAILED_NO_DETAIL and retries
+#: every reconnect interval.
+HANDSHAKE_EVENTS = (zmq.EVENT_HANDSHAKE_SUCCEEDED | zmq.EVENT_HANDSHAKE_FAILED_AUTH
+                    | zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL | zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL)
+#: handshakes dropped without detail, in a row, before a CURVE client blames the broker key (one can be a
+#: broker dying mid-handshake; zmq retries every ~100 ms)
+NUM_DROPPED_HANDSHAKES = 3
+
+
+class HandshakeWatch:
+    """A client socket's monitor, read for handshake failures; :meth:`read` returns what is wrong once sure."""
+
+    def __init__(self, sock: zmq.Socket, *, curve: bool, role: str) -> None:
+        self.monitor = sock.get_monitor_socket(HANDSHAKE_EVENTS)
+        self._sock = sock
+        self._curve = curve
+        self._role = role
+        self._num_dropped = 0
+
+    def read(self) -> str | None:
+        """Drain the monitor; the diagnosis of a handshake that cannot succeed, else None."""
+        problem = None
+        while True:
+            try:
+                event = recv_monitor_message(self.monitor, zmq.NOBLOCK)
+            except zmq.Again:
+                return problem
+            problem = self._diagnose(event["event"], event["value"]) or problem
+
+    def _diagnose(self, event: int, value: int) -> str | None:
+        role = self._role if self._role in ("worker", "learner", "observer") else "worker"
+        if event == zmq.EVENT_HANDSHAKE_SUCCEEDED:
+            self._num_dropped = 0
+            return None
+        if event == zmq.EVENT_HANDSHAKE_FAILED_AUTH:
+            return (f"the broker refused this client's key in the CURVE handshake (ZAP status {value}): the keys "
+                    f"do not match, it is not under the broker's security.keys_dir/authorized/{role}/ (the "
+                    f"broker's log names the key file when it has it); authorise it there with `loraflow keys "
+                    f"DIR --{role} NAME`, or use a pair from the broker's keys dir (security.keys_dir, "
+                    "security.client_key)")
+        if event == zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL and value == zmq.PROTOCOL_ERROR_ZMTP_MECHANISM_MISMATCH:
+            if self._curve:
+                return ("security is on here (security.enabled = true: CURVE) but off at the broker; "
+                        "security.enabled must be the same on every machine of the run")
+            return ("the broker requires CURVE (security.enabled = true there) but security is off here: set "
+                    "security.enabled = true, security.keys_dir and security.client_key in this client's config")
+        self._num_dropped += 1
+        if self._num_dropped < NUM_DROPPED_HANDSHAKES:
+            return None
+        if self._curve:
+            return (f"the broker dropped {self._num_dropped} CURVE handshakes in a row: the broker public key "
+                    "here (security.keys_dir/broker.key) is probably not this broker's (keys from another "
+                    "`loraflow keys` directory?): copy broker.key from the broker's keys dir")
+        return f"{self._num_dropped} handshakes with the broker failed in a row (zmq protocol error {value:#x})"
+
+    def close(self) -> None:
+        self._sock.disable_monitor()
+        self.monitor.close(linger=0)
 
 
 class MessageTooLarge(ValueError):
@@ -112,6 +190,8 @@ class BrokerLink:
         self._welcomed = threading.Event()
         self._answered = threading.Event()  # a Welcome, or an Error refusing the Hello
         self._refusal: Error | None = None
+        self._handshake_problem: str | None = None  # a handshake that cannot succeed (HandshakeWatch)
+        self._closed = False
         self._stop = threading.Event()
         self._send_lock = threading.Lock()
         pipe_name = f"inproc://broker-link-{os.getpid()}-{next(_link_ids)}"
@@ -123,14 +203,21 @@ class BrokerLink:
 
     # -- caller side -----------------------------------------------------------------------------------------
 
-    def start(self, timeout_s: float = 30.0) -> Welcome:
-        """Connect, say hello and wait for the Welcome."""
+    def start(self, timeout_s: float = 120.0) -> Welcome:
+        """Connect, say hello and wait up to ``timeout_s`` (``run.connect_timeout_s``) for the Welcome; raises
+        HandshakeFailed as soon as the security handshake cannot succeed."""
         self._thread.start()
         if not self._answered.wait(timeout_s):
             self.close(send_bye=False)
-            raise BrokerUnavailable(f"no Welcome from the broker at {self.endpoint} within {timeout_s:.0f} s; "
-                                    "is it running and is broker.endpoint right? (raise the connect timeout "
-                                    "if it is just slow to start)")
+            raise BrokerUnavailable(f"no Welcome from the broker at {self.endpoint} within {timeout_s:g} s "
+                                    "(run.connect_timeout_s): is it running and is broker.endpoint right? Nothing "
+                                    "answered at all (keys that do not match, or security.enabled on at one side "
+                                    "only, are reported at once); raise run.connect_timeout_s if it is just slow "
+                                    "to start")
+        if self._handshake_problem is not None:
+            self.close(send_bye=False)
+            raise HandshakeFailed(f"cannot talk to the broker at {self.endpoint} as this {self.hello.role}: "
+                                  f"{self._handshake_problem}")
         if self._refusal is not None:
             self.close(send_bye=False)
             raise BrokerRefused(f"the broker at {self.endpoint} refused this {self.hello.role} "
@@ -189,27 +276,40 @@ class BrokerLink:
             self.heartbeat.counters = {**self.heartbeat.counters, **counters}
 
     def close(self, reason: str = "", send_bye: bool = True) -> None:
-        """Say goodbye (optionally), stop the I/O thread and close the sockets."""
+        """Say goodbye (optionally), stop the I/O thread and close the sockets; a second call does nothing."""
+        if self._closed:
+            return
+        self._closed = True
         if self._thread.is_alive():
             if send_bye:
                 self.send(protocol.Bye(reason=reason))
             with self._send_lock:
                 self._pipe.send_multipart([b""])  # an empty frame tells the I/O thread to stop
             self._thread.join(timeout=5)
+        elif self._thread.ident is None:  # never started: the I/O thread's end of the pipe is ours to close
+            self._pipe_io.close(linger=0)
         self._pipe.close(linger=0)
-        self._pipe_io.close(linger=0)
 
     # -- I/O thread ------------------------------------------------------------------------------------------
 
     def _run(self) -> None:
         dealer = sockets.dealer_socket(self._ctx, self.endpoint, identity=self._identity(), security=self._security)
+        watch = HandshakeWatch(dealer, curve=self._security is not None, role=self.hello.role)
         poller = zmq.Poller()
         poller.register(dealer, zmq.POLLIN)
         poller.register(self._pipe_io, zmq.POLLIN)
+        poller.register(watch.monitor, zmq.POLLIN)
         now = time.monotonic()
         last_heard = last_hello = now
         next_beat = now + self._interval_s
-        dealer.send_multipart(protocol.encode(self.hello))
+
+        def send_own(message: Any) -> None:
+            """A hello or heartbeat: dropped when zmq has no connection to queue it for (after a failed
+            handshake zmq may drop the pipe; a blocking send would hang this thread and close())."""
+            with contextlib.suppress(zmq.Again):
+                dealer.send_multipart(protocol.encode(message), flags=zmq.NOBLOCK)
+
+        send_own(self.hello)
         try:
             while True:
                 timeout_ms = max(0, int((next_beat - time.monotonic()) * 1000))
@@ -219,6 +319,8 @@ class BrokerLink:
                     if len(frames) == 1 and len(frames[0]) == 0:
                         break
                     dealer.send_multipart(frames, copy=False)
+                if watch.monitor in events:
+                    self._on_handshake_problem(watch.read())
                 if dealer in events:
                     last_heard = time.monotonic()
                     while True:
@@ -227,20 +329,33 @@ class BrokerLink:
                         except zmq.Again:
                             break
                         if self._handle(frames):
-                            dealer.send_multipart(protocol.encode(self.hello))
+                            send_own(self.hello)
                             last_hello = time.monotonic()
                 now = time.monotonic()
                 if now >= next_beat:
                     if self._welcomed.is_set():
-                        dealer.send_multipart(protocol.encode(self.heartbeat))
+                        send_own(self.heartbeat)
                     next_beat = now + self._interval_s
                 silent_s = now - last_heard
                 if silent_s > self._timeout_s and now - last_hello > self._timeout_s:
                     log.warning("broker_silent", silent_s=round(silent_s, 1), endpoint=self.endpoint)
-                    dealer.send_multipart(protocol.encode(self.hello))
+                    send_own(self.hello)
                     last_hello = now
         finally:
+            watch.close()
             dealer.close(linger=sockets.LINGER_MS)
+            self._pipe_io.close(linger=0)
+
+    def _on_handshake_problem(self, problem: str | None) -> None:
+        """Before the Welcome, a handshake that cannot succeed ends start(); after it, it is logged (once)."""
+        if problem is None or problem == self._handshake_problem:
+            return
+        if not self._welcomed.is_set():
+            self._handshake_problem = problem
+            self._answered.set()
+        else:
+            self._handshake_problem = problem
+            log.warning("broker_handshake_failed", endpoint=self.endpoint, why=problem)
 
     def _identity(self) -> bytes:
         """``<role>/<client_id>``; with CURVE, plus a random route token: an identity another authorised client
@@ -284,15 +399,26 @@ class BrokerLink:
 
 def fetch_stats(endpoint: str, *, timeout_s: float = 5.0, ctx: zmq.Context | None = None,
                 security: Any = None) -> dict[str, Any]:
-    """One StatsRequest to the broker without registering; returns the snapshot or raises BrokerUnavailable."""
+    """One StatsRequest to the broker without registering; returns the snapshot or raises BrokerUnavailable
+    (HandshakeFailed when the keys or security settings do not match the broker's)."""
     ctx = ctx or zmq.Context.instance()
     sock = sockets.dealer_socket(ctx, endpoint, identity=f"observer/{uuid.uuid4().hex[:8]}".encode(),
                                  security=security)
+    watch = HandshakeWatch(sock, curve=security is not None, role="observer")
     try:
         sock.send_multipart(protocol.encode(protocol.StatsRequest()))
-        if not sock.poll(int(timeout_s * 1000)):
-            raise BrokerUnavailable(f"no stats from the broker at {endpoint} within {timeout_s:.0f} s "
-                                    "(is it running? raise --timeout if it is busy)")
+        poller = zmq.Poller()
+        poller.register(sock, zmq.POLLIN)
+        poller.register(watch.monitor, zmq.POLLIN)
+        deadline = time.monotonic() + timeout_s
+        while sock not in (events := dict(poller.poll(max(0, int((deadline - time.monotonic()) * 1000))))):
+            problem = watch.read() if watch.monitor in events else None
+            if problem is not None:
+                raise HandshakeFailed(f"cannot talk to the broker at {endpoint}: {problem}")
+            if time.monotonic() >= deadline:
+                raise BrokerUnavailable(f"no stats from the broker at {endpoint} within {timeout_s:g} s (is it "
+                                        "running? raise --timeout if it is busy; the keys may not match or "
+                                        "security.enabled may differ from the broker's)")
         record, _ = protocol.decode(sock.recv_multipart(copy=False))
         if isinstance(record, Error):
             raise ProtocolError(f"broker refused the stats request: {record.message}", code=record.code)
@@ -300,4 +426,5 @@ def fetch_stats(endpoint: str, *, timeout_s: float = 5.0, ctx: zmq.Context | Non
             raise ProtocolError(f"expected Stats, got {type(record).__name__}")
         return record.snapshot
     finally:
+        watch.close()
         sock.close(linger=0)

@@ -108,7 +108,8 @@ def render(snap: dict[str, Any]) -> str:
     lines.append(f"dropped   {_pairs(snap.get('dropped', {}))}")
     lines.append(f"rejected  {_pairs(snap.get('rejected', {}))}")
     auth, history = snap.get("auth", {}), snap.get("history") or {}
-    lines.append(f"security  refused handshakes {auth.get('refused', 0)}   "
+    encryption = {"curve": "on (CURVE, authorised keys only)", "off": "off"}.get(snap.get("encryption"), "?")
+    lines.append(f"security  encryption {encryption}  failed handshakes {_pairs(auth)}   "
                  f"recovery  uncommitted groups {history.get('uncommitted_groups', 0)}  "
                  f"withdrawn versions {history.get('withdrawn') or '-'}")
     failed = snap.get("send_failed", {})
@@ -139,9 +140,13 @@ def main(argv: list[str] | None = None) -> int:
     endpoint = resolve_endpoint(config, args.flag_endpoint)
     security = None
     if config.security.enabled:
-        from common.security import client_security
+        from common.security import SecurityError, client_security
 
-        security = client_security(config, role="observer")
+        try:
+            security = client_security(config, role="observer")
+        except SecurityError as exc:  # a key file missing: one line, exit 2 (a config error)
+            print(f"loraflow status: {exc}", file=sys.stderr)
+            return 2
     try:
         while True:
             try:

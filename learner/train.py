@@ -64,7 +64,6 @@ from learner.step import make_optimizer, train_step
 log = get_logger("learner")
 
 POLL_S = 0.2  # how often a waiting learner checks for a stop request
-CONNECT_TIMEOUT_S = 120.0
 DRAIN_TIMEOUT_S = 5.0
 
 
@@ -352,7 +351,7 @@ def _connect(config: Config, state: LearnerState, metrics: Metrics, ledger: Ledg
     on_disk = max(publish.newest_adapter_version(config.run_dir / "learner" / "adapters"),
                   newest_published(ledger.path))
     session = BrokerSession(config, version=state.version, metrics=metrics)
-    welcome = session.start(CONNECT_TIMEOUT_S)
+    welcome = session.start(config.run.connect_timeout_s)
     ahead = max(on_disk, welcome.latest_version)
     if ahead > state.version:
         # versions published after the checkpoint we resumed from: withdrawn, and their numbers never reused

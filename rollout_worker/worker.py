@@ -300,7 +300,7 @@ def _join_and_generate(config: Config, worker_id: str, *, stop: threading.Event,
                             security=client_security(config, role="worker"))
     backend: Backend | None = None
     try:
-        welcome = session.start()
+        welcome = session.start(config.run.connect_timeout_s)
         started = time.monotonic()
         backend = make_backend(config, worker_id=worker_id, max_staleness=welcome.max_staleness)
         log.info("backend_ready", load_s=round(time.monotonic() - started, 2), **backend.describe())

@@ -64,8 +64,9 @@ def test_plain_frames_have_no_role() -> None:
 def test_key_errors_say_what_to_do(tmp_path: Path, keys: Path) -> None:
     with pytest.raises(SecurityError, match="loraflow keys"):
         ClientSecurity.load(tmp_path / "nothing", "w1")
-    with pytest.raises(SecurityError, match="exists already"):
-        generate_keys(keys, {"w1": "worker"})
+    assert generate_keys(keys, {"w1": "worker"}).kept == [("broker", "broker"), ("w1", "worker")]  # kept as is
+    with pytest.raises(SecurityError, match="is authorised as a worker"):
+        generate_keys(keys, {"w1": "learner"})
     with pytest.raises(SecurityError, match="must be one of"):
         generate_keys(keys, {"x": "admin"})
     empty = tmp_path / "empty"
@@ -84,4 +85,5 @@ def test_keys_command_makes_a_usable_layout(tmp_path: Path) -> None:
     assert main(["keys", str(tmp_path / "k"), "--worker", "gpu-3"]) == 0
     assert ServerSecurity.load(tmp_path / "k").lookup(
         ClientSecurity.load(tmp_path / "k", "gpu-3").public) == ("worker", "gpu-3")
-    assert main(["keys", str(tmp_path / "k"), "--worker", "gpu-3"]) == 2
+    assert main(["keys", str(tmp_path / "k"), "--worker", "gpu-3"]) == 0  # again: kept
+    assert main(["keys", str(tmp_path / "k"), "--learner", "gpu-3"]) == 2  # another role: refused
