@@ -36,11 +36,13 @@ from __future__ import annotations
 
 import threading
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
 
+from common.chat import Message, is_conversational
 from common.config import WorkerConfig
 from common.logging import get_logger
 from common.metrics import Metrics
@@ -71,7 +73,9 @@ class Sample:
     version: int | None = None  # version of the episode's first generated token (None: nothing generated yet)
     env_state: Any = None
     call: GuardedCall | None = None  # the environment step in flight
-    turn_end: str = ""  # how the last model turn ended: eos, stop or length
+    turn_end: str = ""  # how the last model turn ended: eos, stop_string (worker.stop_strings), stop or length
+    turn_text: str = ""  # the last model turn's text, as the environment got it
+    messages: list[Message] | None = None  # the conversation so far (conversational prompts through a template)
     finish_reason: str = ""
     reward: float = 0.0
     num_aborts: int = 0
@@ -145,6 +149,7 @@ class Rollouts:
             episode = Episode(prompt=lease.prompt, answer=lease.answer, task=lease.task, meta=lease.meta,
                               group_id=lease.group_id, index=index)
             sample = Sample(index=index, episode=episode)
+            self._start_conversation(sample, lease.prompt)
             group.samples.append(sample)
             self._start_episode(group, sample)
         self.groups[lease.lease_id] = group
@@ -221,7 +226,9 @@ class Rollouts:
             end = ""
             if output.finished:
                 end = "eos"
-            elif group.env.stop_strings and self._cut_at_stop(group.env, sample, chunk_start):
+            elif self.config.stop_strings and self._cut_at_stop(self.config.stop_strings, sample, chunk_start):
+                end = "stop_string"
+            elif group.env.stop_strings and self._cut_at_stop(group.env.stop_strings, sample, chunk_start):
                 end = "stop"
             elif (sample.turn_tokens >= self.config.max_new_tokens
                   or len(group.prompt_ids) + len(sample.completion_ids) >= self.max_seq_len):
@@ -252,23 +259,29 @@ class Rollouts:
             sample.version = None
             sample.num_aborts += 1
             self.metrics.inc("samples_aborted")
+            self._start_conversation(sample, group.lease.prompt)
             self._start_episode(group, sample)
         return newest
 
-    def _cut_at_stop(self, env: Environment, sample: Sample, chunk_start: int) -> bool:
+    def _cut_at_stop(self, stop_strings: Sequence[str], sample: Sample, chunk_start: int) -> bool:
         """End the turn right after a stop string that appeared in this chunk; True if one did."""
         turn_ids = sample.completion_ids[sample.turn_start:]
-        if not any(stop in self.backend.decode(turn_ids) for stop in env.stop_strings):
+        if not any(stop in self.backend.decode(turn_ids) for stop in stop_strings):
             return False
         first = max(1, chunk_start - sample.turn_start)
         for length in range(first, len(turn_ids) + 1):  # the shortest prefix holding a stop string
-            if any(stop in self.backend.decode(turn_ids[:length]) for stop in env.stop_strings):
+            if any(stop in self.backend.decode(turn_ids[:length]) for stop in stop_strings):
                 break
         sample.turn_tokens -= len(turn_ids) - length
         sample.truncate(sample.turn_start + length)
         return True
 
     # -- environment steps -------------------------------------------------------------------------------------
+
+    def _start_conversation(self, sample: Sample, prompt: Any) -> None:
+        """A conversational prompt on a backend with a tokenizer: tool replies join it through the template."""
+        chat = self.backend.chat
+        sample.messages = [dict(m) for m in prompt] if chat is not None and is_conversational(prompt) else None
 
     def _start_episode(self, group: GroupRollout, sample: Sample) -> None:
         sample.status = READY
@@ -285,11 +298,15 @@ class Rollouts:
         turn_ids = sample.completion_ids[sample.turn_start:]
         if end == "eos":
             turn_ids = turn_ids[:-1]
+        text = self.backend.decode(turn_ids)
+        if end == "stop_string":  # the text stops before the first stop string, as vLLM's does
+            text = text[:min(i for i in (text.find(s) for s in self.config.stop_strings) if i >= 0)]
         completion = self.backend.decode(sample.completion_ids) if self.reward_fn is not None else ""
         sample.turn_end = end
+        sample.turn_text = text
         sample.status = IN_ENV
         sample.call = GuardedCall(self._env_step, group.env, sample.env_state, sample.episode,
-                                  self.backend.decode(turn_ids), end == "eos", completion,
+                                  text, end in ("eos", "stop_string"), completion,
                                   timeout_s=self.config.reward_timeout_s, on_done=self.wake.set)
 
     def _env_step(self, env: Environment, state: Any, episode: Episode, turn: str, finished: bool,
@@ -333,11 +350,25 @@ class Rollouts:
             sample.status, sample.reward, sample.finish_reason = DONE, 0.0, "turn_limit"
             return
         room = self.max_seq_len - len(group.prompt_ids) - len(sample.completion_ids)
-        reply = self.backend.encode_continuation(step.reply)[:max(0, room)]
+        reply = self._reply_ids(group, sample, step.reply)[:max(0, room)]
         sample.append(reply, [0.0] * len(reply), self.current_version, trained=False)
         sample.turn_start = len(sample.completion_ids)
         sample.turn_tokens = 0
         sample.status = READY
+
+    def _reply_ids(self, group: GroupRollout, sample: Sample, reply: str) -> list[int]:
+        """Tokens of an environment reply: a tool message through the chat template for a conversation (only
+        the suffix after the held tokens; a re-rendered prefix that differs is counted), else the text as is."""
+        chat = self.backend.chat
+        if sample.messages is None or chat is None:
+            return self.backend.encode_continuation(reply)
+        appended = chat.append_turn(sample.messages, group.prompt_ids + sample.completion_ids, sample.turn_text,
+                                    {"role": "tool", "content": reply})
+        if appended.mismatch:
+            self.metrics.inc("chat_prefix_mismatch", reason=appended.mismatch)
+            log.debug("chat_prefix_mismatch", group_id=group.lease.group_id, sample=sample.index,
+                      reason=appended.mismatch)
+        return appended.token_ids
 
     def _fail(self, group: GroupRollout, sample: Sample, reason: str, error: str) -> None:
         """User code failed: the sample ends with reward 0, counted and logged."""
