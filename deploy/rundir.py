@@ -5,23 +5,30 @@
     <run_dir>/processes.jsonl          every child's starts and exits (the launcher)
     <run_dir>/summary.json             the launcher's final figures (accuracies, steps, wall time, stop reason)
     <run_dir>/logs/<process>.log       each process's output
-    <run_dir>/learner/metrics.jsonl    one line per learner step (learner/train.py)
+    <run_dir>/learner/metrics.jsonl    one line per learner step (learner/metrics_log.py)
     <run_dir>/learner/adapters/vNNNNNN PEFT directories (learner/publish.py)
-    <run_dir>/timeline/<process>.jsonl busy/waiting transitions (common/timeline.py)
+    <run_dir>/timeline/<process>.jsonl state changes, alive and final marks (common/timeline.py)
     <run_dir>/plots/*.png              deploy/plots.py
 
 JSONL files are appended to by running processes, so a reader may meet a torn last line: it is skipped.
+Two readers turn raw lines into what happened: :func:`timelines` (each process's lives: where its lane ends,
+its restarts, its busy share over the time it was alive) and :func:`learner_history` (the committed steps, and
+the ones a learner restart withdrew). Files that exist only under ``loraflow run`` (processes.jsonl,
+evals.jsonl, summary.json) make them more exact but are never required.
 """
 
 from __future__ import annotations
 
+import itertools
 import json
 import os
 import re
+import time
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from common.timeline import read_timeline
+from common.timeline import ALIVE_EVERY_S, Life, read_lives
 
 #: states during which a process does useful work (the rest is waiting, idle, starting, stopping)
 BUSY_STATES = frozenset({"generating", "scoring", "training", "publishing"})
@@ -65,15 +72,6 @@ def processes_path(run_dir: str | os.PathLike) -> Path:
     return Path(run_dir) / "processes.jsonl"
 
 
-def exit_times(run_dir: str | os.PathLike) -> dict[str, list[float]]:
-    """Process name -> unix times at which it exited (from processes.jsonl)."""
-    out: dict[str, list[float]] = {}
-    for item in read_jsonl(processes_path(run_dir)):
-        if item.get("event") == "exit" and isinstance(item.get("t"), int | float):
-            out.setdefault(str(item.get("process")), []).append(float(item["t"]))
-    return out
-
-
 def adapters_root(run_dir: str | os.PathLike) -> Path:
     return Path(run_dir) / "learner" / "adapters"
 
@@ -90,32 +88,133 @@ def newest_adapter(run_dir: str | os.PathLike) -> tuple[int, Path | None]:
     return best
 
 
-def timelines(run_dir: str | os.PathLike) -> dict[str, list[tuple[float, str]]]:
-    """Process name -> its (unix time, state) transitions, learner first, then brokers and workers by name."""
+# -- timelines: one lane per process ---------------------------------------------------------------------------
+
+
+@dataclass(slots=True, kw_only=True)
+class Lane:
+    """One process's lives as its timeline file and the launcher's exit records tell them.
+
+    A life's ``ended`` says how it ended: ``stopped`` (a clean stop), ``exited`` (an exit without one, or an exit
+    record with a code), ``killed`` (an exit record with a signal), ``running`` (its last line is recent: it is
+    still there), ``lost`` (no final mark, no exit record: killed by SIGKILL or the OOM killer, or the machine went).
+    """
+
+    name: str
+    lives: list[Life]
+
+    def spans(self) -> list[tuple[float, float, str]]:
+        return [span for life in self.lives for span in life.spans()]
+
+    def alive_s(self) -> float:
+        return sum(life.end_s - life.start_s for life in self.lives)
+
+    def busy_share(self) -> float | None:
+        """Fraction of the time alive spent in a busy state, start-up and shut-down not counted (None before it
+        was ready): the time between a death and a restart counts for nothing."""
+        spans = [s for s in self.spans() if s[2] not in ("starting", "stopping")]
+        total = sum(end - start for start, end, _ in spans)
+        if total <= 0:
+            return None
+        return sum(end - start for start, end, state in spans if state in BUSY_STATES) / total
+
+    def restarts(self) -> list[float]:
+        """Unix times at which a later life began."""
+        return [life.start_s for life in self.lives[1:]]
+
+    def outages(self) -> list[tuple[float, float]]:
+        """(last sign of life, restart) between consecutive lives."""
+        return [(a.end_s, b.start_s) for a, b in itertools.pairwise(self.lives)]
+
+
+def timelines(run_dir: str | os.PathLike, now_s: float | None = None) -> dict[str, Lane]:
+    """Process name -> its lane, learner first, then brokers and workers by name. A life without a final mark
+    ends at the process's exit record when ``processes.jsonl`` has one (``loraflow run``), else at its last line;
+    its last life counts as ``running`` while that line is less than three alive periods older than ``now_s``."""
+    now_s = time.time() if now_s is None else now_s
     directory = Path(run_dir) / "timeline"
-    found = {p.stem: read_timeline(p) for p in sorted(directory.glob("*.jsonl"))} if directory.is_dir() else {}
-    order = sorted(found, key=lambda name: (name != "learner", name != "broker", name))
-    return {name: found[name] for name in order if found[name]}
+    paths = sorted(directory.glob("*.jsonl")) if directory.is_dir() else []
+    exits = _exit_records(run_dir)
+    lanes = {}
+    for path in paths:
+        lives = read_lives(path)
+        for i, life in enumerate(lives):
+            if life.ended:
+                continue
+            until = lives[i + 1].start_s if i + 1 < len(lives) else float("inf")
+            record = next(((t, code) for t, code in exits.get(path.stem, []) if life.start_s <= t < until), None)
+            if record is not None:
+                life.end_s = max(life.end_s, record[0])
+                life.ended = "killed" if record[1] is not None and record[1] < 0 else "exited"
+            elif i + 1 == len(lives) and now_s - life.end_s < 3 * ALIVE_EVERY_S:
+                life.ended = "running"
+            else:
+                life.ended = "lost"
+        if lives:
+            lanes[path.stem] = Lane(name=path.stem, lives=lives)
+    order = sorted(lanes, key=lambda name: (name != "learner", name != "broker", name))
+    return {name: lanes[name] for name in order}
 
 
-def busy_intervals(transitions: list[tuple[float, str]], end_s: float,
-                   exits: list[float] = ()) -> list[tuple[float, float, str]]:
-    """(start, end, state) spans from a process's transitions. A span ends at the next transition, or at the
-    process's next exit (``exits``: a crash leaves a gap until the restarted process marks a state), or at
-    ``end_s`` for the last one."""
-    spans = []
-    for (t, state), following in zip(transitions, [*transitions[1:], (end_s, "")], strict=True):
-        end = min([following[0], *(x for x in exits if x >= t)])
-        if end > t:
-            spans.append((t, end, state))
-    return spans
+def _exit_records(run_dir: str | os.PathLike) -> dict[str, list[tuple[float, int | None]]]:
+    """Process name -> (unix time, exit code) of each exit the launcher recorded, in order."""
+    out: dict[str, list[tuple[float, int | None]]] = {}
+    for item in read_jsonl(processes_path(run_dir)):
+        if item.get("event") == "exit" and isinstance(item.get("t"), int | float):
+            code = item.get("code")
+            out.setdefault(str(item.get("process")), []).append(
+                (float(item["t"]), code if isinstance(code, int) else None))
+    return out
 
 
-def busy_share(transitions: list[tuple[float, str]], end_s: float, exits: list[float] = ()) -> float | None:
-    """Fraction of a process's time spent in a busy state, start-up and shut-down not counted (None before
-    it was ready)."""
-    spans = [s for s in busy_intervals(transitions, end_s, exits) if s[2] not in ("starting", "stopping")]
-    total = sum(end - start for start, end, _ in spans)
-    if total <= 0:
-        return None
-    return sum(end - start for start, end, state in spans if state in BUSY_STATES) / total
+# -- the learner's step history ----------------------------------------------------------------------------------
+
+
+@dataclass(slots=True, kw_only=True)
+class Resume:
+    """A learner session that resumed from the checkpoint of ``step`` (the steps after it were withdrawn)."""
+
+    session: str
+    step: int
+    time_unix: float | None  # of its first step line
+
+
+@dataclass(slots=True, kw_only=True)
+class LearnerHistory:
+    """metrics.jsonl read as history: ``committed`` is the chain of steps the newest session descends from (each
+    step once, in order), ``withdrawn`` the lines of steps a later session rolled back, in file order."""
+
+    committed: list[dict[str, Any]] = field(default_factory=list)
+    withdrawn: list[dict[str, Any]] = field(default_factory=list)
+    resumes: list[Resume] = field(default_factory=list)
+
+
+def learner_history(lines: list[dict[str, Any]]) -> LearnerHistory:
+    """Cut the step lines back at every resume: a line of a new ``session`` says the step it resumed from
+    (``resumed_step``, see :mod:`learner.metrics_log`); every earlier line with a higher step is withdrawn.
+    Files from before sessions were written are cut where the step number goes back."""
+    history = LearnerHistory()
+    session: str | None = None
+    for line in lines:
+        if not isinstance(line.get("step"), int):
+            continue
+        step, this = line["step"], str(line.get("session", ""))
+        cut = None
+        if session is not None and this != session:
+            cut = int(line.get("resumed_step", step - 1))
+        elif history.committed and step <= history.committed[-1]["step"]:
+            cut = step - 1
+        if cut is not None:
+            history.resumes.append(Resume(session=this, step=cut, time_unix=line.get("time_unix")))
+            keep = len(history.committed)
+            while keep and history.committed[keep - 1]["step"] > cut:
+                keep -= 1
+            history.withdrawn += history.committed[keep:]
+            del history.committed[keep:]
+        history.committed.append(line)
+        session = this
+    return history
+
+
+def read_learner_history(run_dir: str | os.PathLike) -> LearnerHistory:
+    return learner_history(read_jsonl(metrics_path(run_dir)))

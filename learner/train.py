@@ -11,7 +11,7 @@
                                                         ask for the next batch right away
     checkpoint every n steps (DCP, collective)
                                                         BatchAck(batch, step, group ids, checkpoint version);
-                                                        metrics.jsonl line; heartbeat state and counters
+                                                        metrics line (learner.metrics_log); heartbeat state
 
 Consumes: Batch messages (rank 0, through :class:`learner.session.BrokerSession`).
 Produces: AdapterUpdate messages, BatchAcks, ``<run_dir>/learner/{metrics.jsonl, ledger.jsonl, adapters/,
@@ -36,7 +36,7 @@ and withdraws the same versions on its side (:mod:`broker.history`).
 
 from __future__ import annotations
 
-import json
+import collections
 import signal
 import time
 from dataclasses import dataclass, field
@@ -56,6 +56,7 @@ from learner import data, publish
 from learner.checkpoint import Checkpointer, LearnerState
 from learner.ledger import Ledger, newest_published
 from learner.loss import LossConfig
+from learner.metrics_log import MetricsLog
 from learner.model import Policy, build_policy
 from learner.parallel import Parallel, init_parallel
 from learner.session import BrokerSession
@@ -106,6 +107,9 @@ class Learner:
         self.learner_dir = config.run_dir / "learner"
         self.adapter_root = self.learner_dir / "adapters"
         self.timeline = Timeline.for_process(config.run_dir, "learner") if parallel.is_main else Timeline(None)
+        self.metrics_log = MetricsLog(self.learner_dir / "metrics.jsonl" if parallel.is_main else None,
+                                      session=session.link.hello.session if session is not None else "",
+                                      resumed_step=state.step)
         self.timers = Timers()
         self.stop_requested = False
         self.stop_signal = ""  # which signal set stop_requested (logged by the loop, never by the handler)
@@ -222,8 +226,8 @@ class Learner:
             self.timers.wait_s += wait_s
             if received is not None:
                 self._acknowledge(received, trained_version)
-                self._report(stats, received, step_batch, wait_s=wait_s, compute_s=compute_s,
-                             publish_s=publish_s, checkpoint_s=checkpoint_s)
+                self._report(stats, received, step_batch, trained_version=trained_version, wait_s=wait_s,
+                             compute_s=compute_s, publish_s=publish_s, checkpoint_s=checkpoint_s)
         self.finish()
         return 0
 
@@ -245,8 +249,8 @@ class Learner:
                                         group_ids=received.selection.ack_group_ids,
                                         checkpoint_version=self.state.checkpoint_version))
 
-    def _report(self, stats: dict[str, Any], received: Received, step_batch: data.StepBatch, *, wait_s: float,
-                compute_s: float, publish_s: float, checkpoint_s: float) -> None:
+    def _report(self, stats: dict[str, Any], received: Received, step_batch: data.StepBatch, *, trained_version: int,
+                wait_s: float, compute_s: float, publish_s: float, checkpoint_s: float) -> None:
         self.metrics.inc("steps")
         self.metrics.inc("tokens_trained", stats["num_tokens"])
         self.metrics.set("version", self.state.version)
@@ -265,6 +269,7 @@ class Learner:
             "reward_std": float(rewards.std()) if rewards.numel() > 1 else 0.0,
             **stats,
             "staleness": {str(k): v for k, v in sorted(received.selection.staleness.items())},
+            "staleness_zero_variance": _zero_variance_staleness(received, trained_version),
             "skipped": dict(received.selection.skipped),
             "wait_s": round(wait_s, 6),
             "compute_s": round(compute_s, 6),
@@ -275,8 +280,7 @@ class Learner:
             "adapter_ack_s": {str(a.version): round(a.seconds, 6) for a in adapter_acks},
         }
         adapter_acks.clear()
-        with open(self.learner_dir / "metrics.jsonl", "a") as f:
-            f.write(json.dumps(line) + "\n")
+        self.metrics_log.emit(line)
         log.info("step", step=self.state.step, version=self.state.version, loss=round(line["loss"], 5),
                  reward=round(line["reward_mean"], 4), tokens=stats["num_tokens"], wait_s=round(wait_s, 3),
                  compute_s=round(compute_s, 3), publish_s=round(publish_s, 3))
@@ -293,6 +297,19 @@ class Learner:
         if self.session is not None and not self.session.drain(DRAIN_TIMEOUT_S):
             log.warning("unacknowledged_at_exit", pending=self.session.num_unacked)
         log.info("learner_stopped", step=self.state.step, version=self.state.version)
+        self.timeline.close()  # the final mark: a clean stop
+
+
+def _zero_variance_staleness(received: Received, trained_version: int) -> dict[str, int]:
+    """Staleness -> groups acknowledged without a gradient (all rewards equal): trained groups that
+    ``staleness`` (groups with a gradient) leaves out."""
+    ids = set(received.selection.skipped_ids.get("zero_variance", []))
+    counts: collections.Counter[int] = collections.Counter()
+    for entry in received.batch.groups:
+        if entry.group.group_id in ids:
+            ids.discard(entry.group.group_id)  # a group id twice in a batch: the first copy was the one judged
+            counts[versions.staleness(trained_version, entry.group.min_version)] += 1
+    return {str(k): v for k, v in sorted(counts.items())}
 
 
 class SetupError(ValueError):

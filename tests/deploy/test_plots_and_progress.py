@@ -28,8 +28,8 @@ def fake_run(run_dir: Path) -> None:
         {"version": 0, "step": 0, "accuracy": 0.3, "time_unix": t0, "kind": "base"},
         {"version": 8, "step": 8, "accuracy": 0.9, "time_unix": t0 + 9, "kind": "final"}])
     write_jsonl(run_dir / "timeline" / "learner.jsonl", [
-        {"t": t0, "state": "starting"}, {"t": t0 + 1, "state": "waiting"}, {"t": t0 + 2, "state": "training"},
-        {"t": t0 + 4, "state": "waiting"}])
+        {"t": t0, "state": "starting", "pid": 10}, {"t": t0 + 1, "state": "waiting"},
+        {"t": t0 + 2, "state": "training"}, {"t": t0 + 4, "state": "waiting"}, {"t": t0 + 10, "alive": 1}])
     write_jsonl(run_dir / "timeline" / "worker-1.jsonl", [
         {"t": t0, "state": "starting"}, {"t": t0 + 1, "state": "generating"}, {"t": t0 + 3, "state": "waiting"}])
     write_jsonl(rundir.processes_path(run_dir), [
@@ -51,17 +51,18 @@ def test_plots_of_an_empty_run_directory_do_not_fail(tmp_path: Path) -> None:
 
 def test_timelines_busy_spans_and_exits(tmp_path: Path) -> None:
     fake_run(tmp_path)
-    lanes = rundir.timelines(tmp_path)
-    assert list(lanes) == ["learner", "worker-1", "worker-2"]  # torn last line of worker-2 skipped
     t0 = 1_800_000_000.0
+    lanes = rundir.timelines(tmp_path, now_s=t0 + 100)
+    assert list(lanes) == ["learner", "worker-1", "worker-2"]  # torn last line of worker-2 skipped
     learner = lanes["learner"]
-    assert rundir.busy_intervals(learner, t0 + 10) == [
+    assert learner.spans() == [
         (t0, t0 + 1, "starting"), (t0 + 1, t0 + 2, "waiting"), (t0 + 2, t0 + 4, "training"),
-        (t0 + 4, t0 + 10, "waiting")]
-    assert rundir.busy_share(learner, t0 + 10) == 2 / 9  # start-up not counted
-    exits = rundir.exit_times(tmp_path)["worker-1"]
-    assert rundir.busy_intervals(lanes["worker-1"], t0 + 10, exits)[-1] == (t0 + 3, t0 + 5, "waiting")
-    assert rundir.busy_share(lanes["worker-1"], t0 + 10, exits) == 2 / 4
+        (t0 + 4, t0 + 10, "waiting")]  # to its last alive line, not to the end of the run
+    assert learner.busy_share() == 2 / 9  # start-up not counted
+    assert [life.ended for life in learner.lives] == ["lost"]  # no final mark, no exit record, long silent
+    worker = lanes["worker-1"]  # its exit record (processes.jsonl) ends it
+    assert worker.spans()[-1] == (t0 + 3, t0 + 5, "waiting") and worker.lives[0].ended == "exited"
+    assert worker.busy_share() == 2 / 4
 
 
 def test_newest_adapter_ignores_partial_directories(tmp_path: Path) -> None:
