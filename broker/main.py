@@ -8,6 +8,10 @@ On start the broker restores ``<run_dir>/broker/state.json`` (or ``broker.state_
 serves Prometheus ``/metrics`` when ``broker.metrics_port`` > 0, and with ``security.enabled`` accepts only
 CURVE clients whose keys lie under ``<security.keys_dir>/authorized/<role>/``. SIGTERM or SIGINT: parked
 long-polls are answered, the state is written, exit code 0.
+
+Before it binds, the start-up checks run (``model.path``, ``run.run_dir``, ``run.task``, the state and endpoint
+files; :mod:`common.startup`); those and a bind address that is taken or not on this machine are config errors:
+one line naming the setting, exit code 2 (:func:`common.cli.run_main`), which supervisors do not restart.
 """
 
 from __future__ import annotations
@@ -17,11 +21,12 @@ import signal
 import sys
 from pathlib import Path
 
-from common.cli import config_from_args, config_parser
-from common.config import Config, write_resolved
+from common.cli import config_from_args, config_parser, run_main
+from common.config import Config, ConfigError, write_resolved
 from common.logging import get_logger, setup_logging
 from common.metrics import serve_prometheus
-from common.tasks import load_task
+from common.startup import check_run_dir, check_task, check_writable, resolve_model
+from common.tasks import Task
 from common.tiny_model import default_cache_dir, model_vocab_size
 
 log = get_logger("broker")
@@ -47,35 +52,52 @@ def write_endpoint_file(path: str, endpoint: str) -> None:
     os.replace(tmp, target)
 
 
-def run(config: Config) -> int:
+def check(config: Config) -> tuple[Config, Task]:
+    """The broker's start-up checks (a failure: ConfigError, one line, exit 2); returns the config with
+    ``builtin:demo`` pinned to its directory, and the task."""
+    config = resolve_model(config)
+    check_run_dir(config)
+    for setting, path in (("broker.state_path", config.broker.state_path),
+                          ("broker.endpoint_file", config.broker.endpoint_file)):
+        if path:
+            check_writable(setting, Path(path).parent, path)
+    return config, check_task(config)
+
+
+def bind_setting(config: Config) -> str:
+    return "broker.bind" if config.broker.bind else "broker.endpoint"
+
+
+def run(config: Config, task: Task) -> int:
     from broker.core import BrokerCore
     from broker.server import BrokerServer
+    from common.sockets import AddressInUse, CannotBind
 
     security = None
     if config.security.enabled:
-        from common.security import SecurityError, ServerSecurity
+        from common.security import ServerSecurity
 
-        try:
-            security = ServerSecurity.load(config.security.keys_dir)
-        except SecurityError as exc:
-            print(f"broker: {exc}", file=sys.stderr)
-            return 2
-    try:
-        task = load_task(config.run.task, config.run.seed)
-    except ValueError as exc:
-        print(f"broker: {exc}", file=sys.stderr)
-        return 2
+        security = ServerSecurity.load(config.security.keys_dir)
     vocab_size = vocab_size_for(config)
-    if vocab_size == 0:
-        log.warning("token_ids_unchecked", model=config.model.path,
-                    why="no model directory with a config.json to read vocab_size from")
     state_path = Path(config.broker.state_path or config.run_dir / "broker" / "state.json")
     try:
         core = BrokerCore(config, task=task, vocab_size=vocab_size, state_path=state_path)
-    except ValueError as exc:
-        print(f"broker: {exc}", file=sys.stderr)
-        return 2
-    server = BrokerServer(config, core, security=security)
+    except ConfigError:
+        raise
+    except ValueError as exc:  # a state file that does not fit this config (broker.state_path)
+        raise ConfigError(str(exc)) from None
+    try:
+        server = BrokerServer(config, core, security=security)
+    except AddressInUse as exc:
+        raise ConfigError(f"{bind_setting(config)}: {exc}: another broker may be running there (`loraflow status` "
+                          f"asks it), or another program holds the port; stop it, or set {bind_setting(config)} "
+                          "to another port (port 0 picks a free one)") from None
+    except CannotBind as exc:
+        raise ConfigError(f"{bind_setting(config)}: {exc}; bind an address of this machine (tcp://0.0.0.0:PORT "
+                          "for every interface)") from None
+    if vocab_size == 0:
+        log.warning("token_ids_unchecked", model=config.model.path,
+                    why="no model directory with a config.json to read vocab_size from")
     write_resolved(config, config.run_dir / "broker" / "config.toml")
     if config.broker.endpoint_file:
         write_endpoint_file(config.broker.endpoint_file, server.endpoint)
@@ -91,8 +113,11 @@ def run(config: Config) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
+    return run_main("loraflow broker", lambda: _main(sys.argv[1:] if argv is None else argv))
+
+
+def _main(argv: list[str]) -> int:
     parser = config_parser("loraflow broker", "The broker: prompt leases, the rollout buffer, the adapter relay.")
-    args = parser.parse_args(sys.argv[1:] if argv is None else argv)
-    config = config_from_args(args)
+    config, task = check(config_from_args(parser.parse_args(argv)))
     setup_logging("broker", fmt=config.run.log_format, level=config.run.log_level)
-    return run(config)
+    return run(config, task)

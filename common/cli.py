@@ -2,20 +2,31 @@
 
 Each role's ``main(argv)`` builds its parser with :func:`config_parser`, then calls :func:`config_from_args`,
 so ``loraflow worker cfg.toml --endpoint tcp://host:5555 --set worker.temperature=0.7`` and
-``python -m rollout_worker cfg.toml ...`` behave the same. Bad values exit with the config error's message.
+``python -m rollout_worker cfg.toml ...`` behave the same.
+
+:func:`run_main` is the one place where an entry point's config-class failures become what an operator and a
+supervisor need: one line on stderr (``loraflow worker: config error: worker.reward = ...``), no traceback, exit
+code :data:`EXIT_CONFIG_ERROR`. Config-class errors are classes, never recognised by their text:
+:class:`common.config.ConfigError` (a bad file, ``--set``, value, or a setting the start-up checks of
+:mod:`common.startup` and each role refuse) and :class:`common.security.SecurityError` (key files). Every role's
+``main`` and the ``loraflow`` dispatcher run under it; it also ends a command quietly when the reader of its
+output goes away (``loraflow config | head``).
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
+from collections.abc import Callable
 
 from common.config import Config, ConfigError, load_config
 
 #: exit codes the supervisor (deploy/processes.py) and the systemd units act on: restarting will not help
 EXIT_CONFIG_ERROR = 2  # a usage or config error (argparse exits 2 too)
 EXIT_REPLACED = 4  # a learner fenced by the broker: another learner process took over the run
+EXIT_BROKEN_PIPE = 141  # what a shell reports for a command killed by SIGPIPE (128 + 13), like `cat` in `| head`
 
 #: flag -> (config key, type, help)
 COMMON_FLAGS: dict[str, tuple[str, type, str]] = {
@@ -46,14 +57,39 @@ def _dest(flag: str) -> str:
 
 
 def config_from_args(args: argparse.Namespace) -> Config:
-    """Load the config with ``--set`` overrides and flag values applied; exits with a clear message on error."""
+    """Load the config with ``--set`` overrides and flag values applied; raises ConfigError (see run_main)."""
     overrides = list(args.overrides)
     for dest, key in args._flag_keys.items():
         value = getattr(args, dest, None)
         if value is not None:
             overrides.append(f"{key}={json.dumps(value)}")
+    return load_config(args.config, overrides)
+
+
+def is_config_error(exc: BaseException) -> bool:
+    """Whether ``exc`` is a config-class failure: restarting the process cannot help."""
+    if isinstance(exc, ConfigError):
+        return True
+    if "common.security" not in sys.modules:  # not imported, so nothing could have raised its error
+        return False
+    from common.security import SecurityError
+
+    return isinstance(exc, SecurityError)
+
+
+def run_main(prog: str, body: Callable[[], int | None]) -> int:
+    """``body()``'s exit code; a config-class error becomes one line on stderr and EXIT_CONFIG_ERROR."""
     try:
-        return load_config(args.config, overrides)
-    except ConfigError as exc:
-        print(f"config error: {exc}", file=sys.stderr)
-        raise SystemExit(2) from None
+        code = int(body() or 0)
+        sys.stdout.flush()  # a closed pipe surfaces here, not in the interpreter's final flush
+        return code
+    except BrokenPipeError:
+        # the reader left (`| head`): nothing more to say; stdout goes to /dev/null so exit's flush is quiet
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return EXIT_BROKEN_PIPE
+    except Exception as exc:
+        if not is_config_error(exc):
+            raise
+        text = " ".join(str(exc).split())  # one line, whatever the message's own line breaks
+        print(f"{prog}: config error: {text}", file=sys.stderr, flush=True)
+        return EXIT_CONFIG_ERROR

@@ -10,6 +10,7 @@ before it is ever buffered).
 
 from __future__ import annotations
 
+import errno
 from collections.abc import Sequence
 from typing import Any
 
@@ -24,6 +25,14 @@ LINGER_MS = 200
 _send = zmq.backend.Socket.send
 _recv = zmq.backend.Socket.recv
 _SNDMORE = int(zmq.SNDMORE)
+
+
+class CannotBind(OSError):
+    """The broker's bind address cannot be bound on this machine (a setting to change, not a crash)."""
+
+
+class AddressInUse(CannotBind):
+    """Another process is bound to the address."""
 
 
 def make_context(io_threads: int = 1) -> zmq.Context:
@@ -48,7 +57,15 @@ def router_socket(ctx: zmq.Context, bind: str, *, max_message_bytes: int, hwm: i
     sock.setsockopt(zmq.MAXMSGSIZE, max_message_bytes)
     if security is not None:
         security.apply_server(sock)
-    sock.bind(bind.replace(":0", ":*") if bind.startswith("tcp://") and bind.endswith(":0") else bind)
+    try:
+        sock.bind(bind.replace(":0", ":*") if bind.startswith("tcp://") and bind.endswith(":0") else bind)
+    except zmq.ZMQError as exc:
+        sock.close(linger=0)
+        if exc.errno == zmq.EADDRINUSE:
+            raise AddressInUse(f"{bind} is in use") from None
+        if exc.errno in (zmq.EADDRNOTAVAIL, errno.ENODEV):  # an IP or interface name this host does not have
+            raise CannotBind(f"{bind} is not an address of this machine ({exc})") from None
+        raise
     endpoint = sock.getsockopt_string(zmq.LAST_ENDPOINT)
     return sock, endpoint
 

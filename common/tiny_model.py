@@ -85,6 +85,20 @@ def default_cache_dir() -> Path:
     return Path(os.environ.get("LORAFLOW_CACHE", Path.home() / ".cache" / "loraflow"))
 
 
+def demo_base_link(seed: int, cache_dir: str | os.PathLike | None = None) -> Path:
+    """``<cache>/demo-s<seed>``: a symlink to the demo base ``deploy/demo_base.py`` last built or found for
+    ``seed`` (whose directory name carries its recipe's fingerprint, which only deploy/ knows)."""
+    return Path(cache_dir or default_cache_dir()) / f"demo-s{seed}"
+
+
+def find_demo_base(seed: int, cache_dir: str | os.PathLike | None = None) -> Path | None:
+    """The demo base directory for ``seed`` if one was prepared on this machine, else None (never builds)."""
+    link = demo_base_link(seed, cache_dir)
+    if not (link / "loraflow_model.json").is_file():
+        return None
+    return link.resolve()
+
+
 def resolve_model(path: str, cache_dir: str = "") -> Path:
     """A model directory for ``model.path``: ``builtin:tiny`` is built once (atomically) into the cache."""
     if path != "builtin:tiny":

@@ -9,13 +9,16 @@
     loraflow config  [config.toml] [...]   print the resolved config or the configuration reference
 
 A role is imported only for its own subcommand, so ``loraflow status`` starts in a fraction of a second and
-the broker never imports torch.
+the broker never imports torch. Every subcommand runs under :func:`common.cli.run_main`: a config error is one
+line and exit code 2, and output cut off by its reader (``loraflow config | head``) ends quietly.
 """
 
 from __future__ import annotations
 
 import importlib
 import sys
+
+from common.cli import run_main
 
 SUBCOMMANDS = {
     "broker": ("broker.main", "the broker: rollout buffer, prompt leases, adapter relay"),
@@ -52,7 +55,7 @@ def main(argv: list[str] | None = None) -> int:
             print(f"loraflow {name}: not available in this installation ({exc})", file=sys.stderr)
             return 2
         raise
-    return int(module.main(rest) or 0)
+    return run_main(f"loraflow {name}", lambda: module.main(rest))
 
 
 if __name__ == "__main__":

@@ -1,6 +1,8 @@
 """``loraflow config``: the resolved config of a file plus overrides, or the reference of every setting.
 
-    loraflow config [config.toml] [--set section.key=value ...]   the resolved config, as TOML
+    loraflow config [config.toml] [--set section.key=value ...]   the resolved config, as TOML, after every
+                                                                  role's start-up checks (deploy/preflight.py:
+                                                                  a failure is one line and exit code 2)
     loraflow config --reference [--markdown]                      every section and key: type, default, unit,
                                                                   range and meaning, generated from common/config.py
     python -m deploy.config_cmd --update-readme README.md         rewrite the README's copy of the reference
@@ -18,9 +20,12 @@ import typing
 from pathlib import Path
 from typing import Any
 
-from common.cli import config_from_args, config_parser
+from common.cli import config_from_args, config_parser, run_main
 from common.config import Config, to_toml
 from common.schema import Rule, describe
+from common.startup import demo_base_command
+from common.tiny_model import find_demo_base
+from deploy import preflight
 
 
 def sections(cls: type = Config, prefix: str = "") -> list[tuple[str, type]]:
@@ -109,6 +114,10 @@ def update_readme(path: str) -> None:
 
 
 def main(argv: list[str]) -> int:
+    return run_main("loraflow config", lambda: _main(argv))
+
+
+def _main(argv: list[str]) -> int:
     parser = config_parser("loraflow config", "Print the resolved config, or the reference of every setting.")
     parser.add_argument("--reference", action="store_true", help="print every section and key with its meaning")
     parser.add_argument("--markdown", action="store_true", help="with --reference: as Markdown tables")
@@ -120,7 +129,12 @@ def main(argv: list[str]) -> int:
     if args.reference:
         print(reference_markdown() if args.markdown else reference_text())
         return 0
-    print(to_toml(config_from_args(args)))
+    config = config_from_args(args)
+    preflight.check(config)
+    print(to_toml(config))
+    if config.model.path == "builtin:demo" and find_demo_base(config.run.seed, config.model.cache_dir or None) is None:
+        print(f"note: builtin:demo is not built on this machine yet: `loraflow run` builds it; roles started by hand "
+              f"need `{demo_base_command(config)}` first", file=sys.stderr)
     return 0
 
 

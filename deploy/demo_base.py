@@ -20,8 +20,10 @@ Everything is seeded (init, data) and runs on one thread (a fixed float summatio
 threads that spin on a busy 2-core machine made a step 7x slower than one in a measurement here), so a seed
 always gives the same base. The build happens in a temporary directory renamed into
 ``<cache>/demo-s<seed>-<recipe hash>`` (atomic; a racing second builder just discards its copy).
-``loraflow_model.json`` records the recipe, the steps taken and the measured accuracies.
-``python -m deploy.demo_base --seed 0`` builds ahead of time.
+``loraflow_model.json`` records the recipe, the steps taken and the measured accuracies, and
+``<cache>/demo-s<seed>`` is a symlink to the base last built or found for that seed: how the roles started by
+hand (which never import deploy/, nor build this themselves) resolve ``model.path = "builtin:demo"``.
+``python -m deploy.demo_base --seed 0`` builds ahead of time (and points the link).
 """
 
 from __future__ import annotations
@@ -41,7 +43,7 @@ from typing import Any
 
 from common.logging import get_logger
 from common.tasks import ArithTask
-from common.tiny_model import build_tiny_model, default_cache_dir
+from common.tiny_model import build_tiny_model, default_cache_dir, demo_base_link
 
 log = get_logger("demo_base")
 
@@ -106,10 +108,26 @@ def read_metadata(directory: str | os.PathLike) -> dict[str, Any]:
 
 
 def ensure_demo_base(seed: int = 0, cache_dir: str | os.PathLike | None = None, recipe: Recipe = Recipe()) -> Path:
-    """The cached demo base for ``seed``, built first if it is not there yet."""
+    """The cached demo base for ``seed``, built first if it is not there yet; ``<cache>/demo-s<seed>`` then
+    points at it, so every role finds ``builtin:demo`` (:func:`common.tiny_model.find_demo_base`)."""
     target = demo_base_dir(seed, cache_dir, recipe)
-    if (target / METADATA_FILE).is_file():
-        return target
+    if not (target / METADATA_FILE).is_file():
+        _build_into(target, seed, recipe)
+    _point_link(demo_base_link(seed, cache_dir), target)
+    return target
+
+
+def _point_link(link: Path, target: Path) -> None:
+    """Make ``link`` a relative symlink to ``target`` (atomically: a new link renamed over the old one)."""
+    if link.is_symlink() and os.readlink(link) == target.name:
+        return
+    tmp = link.with_name(f".{link.name}.{os.getpid()}.link")
+    tmp.unlink(missing_ok=True)
+    os.symlink(target.name, tmp)
+    os.replace(tmp, link)
+
+
+def _build_into(target: Path, seed: int, recipe: Recipe) -> None:
     target.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{target.name}-", dir=target.parent))
     try:
@@ -121,7 +139,6 @@ def ensure_demo_base(seed: int = 0, cache_dir: str | os.PathLike | None = None, 
         log.info("demo_base_built_elsewhere", path=str(target))  # a concurrent build finished first
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
-    return target
 
 
 def build_demo_base(directory: str | os.PathLike, *, seed: int, recipe: Recipe = Recipe()) -> dict[str, Any]:

@@ -17,8 +17,13 @@ With no config it runs the built-in demo (``deploy/configs/demo.toml``)::
     finish    final accuracy of the newest adapter, <run_dir>/final_adapter (PEFT dir), summary.json, plots,
               and the two lines ``base accuracy: X%`` / ``final accuracy: Y%``
 
+Before ``prepare``, every role's start-up checks run here (:mod:`deploy.preflight`): a setting that cannot work
+(a missing model directory, a ``worker.reward`` that does not import, a run dir that cannot be written) ends
+``loraflow run`` at once with one line and exit code 2, before anything is created or started.
+
 The launcher's own log goes to ``<run_dir>/logs/launcher.log``; the terminal gets the progress and events.
-Exit code: 0 when the run finished, 1 when a child could not be recovered, 130 after ctrl-C.
+Exit code: 0 when the run finished, 2 for a config error (found by those checks, or a child that refused to start
+with exit code 2: never restarted), 1 when a child could not be recovered, 130 after ctrl-C.
 """
 
 from __future__ import annotations
@@ -35,12 +40,19 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, TextIO
 
-from common.cli import config_from_args, config_parser
+from common.cli import EXIT_CONFIG_ERROR, config_from_args, config_parser, run_main
 from common.config import Config, write_resolved
 from common.logging import get_logger, setup_logging
-from deploy import rundir
+from deploy import preflight, rundir
 from deploy.demo_base import DemoBaseError
-from deploy.processes import Managed, RestartPolicy, Supervisor, Unrecoverable
+from deploy.processes import (
+    Managed,
+    RefusedToStart,
+    RestartPolicy,
+    Supervisor,
+    Unrecoverable,
+    refused_to_start,
+)
 from deploy.progress import Display, Progress, render
 
 log = get_logger("launcher")
@@ -177,6 +189,8 @@ class Launch:
         broker = self.supervisor.add(self._child("broker", argv))
         deadline = time.monotonic() + BROKER_START_TIMEOUT_S
         while not (endpoint_file.is_file() and endpoint_file.read_text().strip()):
+            if not broker.alive() and broker.popen.returncode == EXIT_CONFIG_ERROR:
+                raise refused_to_start(broker)  # broker.bind taken, say: exit 2 like the broker
             if not broker.alive():
                 raise Unrecoverable(f"the broker exited with code {broker.popen.returncode} before binding "
                                     f"{bind}; see {broker.log_path}:\n{broker.log_tail()}")
@@ -240,6 +254,8 @@ class Launch:
 
     def maybe_start_eval(self, now_s: float) -> None:
         every_s = self.config.eval.every_s
+        if not self.config.eval.num_prompts:  # eval.num_prompts = 0: no evaluation at all
+            return
         if not every_s or self.pending_eval is not None or now_s - self.last_eval_s < every_s:
             return
         version, path = rundir.newest_adapter(self.run_dir)
@@ -382,6 +398,10 @@ def print_result(summary: Summary, out: TextIO) -> None:
 
 
 def main(argv: list[str]) -> int:
+    return run_main("loraflow run", lambda: _main(argv))
+
+
+def _main(argv: list[str]) -> int:
     started_s = time.monotonic()
     parser = config_parser("loraflow run", "Run the broker, the learner and rollout workers on this machine, "
                            "supervised; with no config, the built-in demo.", EXTRA_FLAGS)
@@ -389,6 +409,7 @@ def main(argv: list[str]) -> int:
     if args.config is None:
         args.config = str(DEMO_CONFIG)
     config = choose_run_dir(config_from_args(args))
+    preflight.check(config)  # every role's start-up checks, before anything is created or started
     run_dir = config.run_dir
     (run_dir / "logs").mkdir(parents=True, exist_ok=True)
     log_file = open(run_dir / "logs" / "launcher.log", "a")  # noqa: SIM115 - open for the whole run
@@ -441,7 +462,7 @@ def run(launch: Launch) -> int:
         launch.summary.error = str(exc).splitlines()[0]
         launch.summary.stop_reason = "error"
         display.event(f"error: {exc}")
-        code = 1
+        code = EXIT_CONFIG_ERROR if isinstance(exc, RefusedToStart) else 1
     finally:
         launch.shutdown()
     launch.finish()

@@ -10,8 +10,9 @@ ctrl-C in the terminal reaches only the launcher, which then stops them in order
 Restart policy, checked by :meth:`Supervisor.check`:
 
 - a child that exits with 0 has finished (the learner after ``run.num_steps``); it is not restarted;
-- exit code 2 is a usage or config error, exit code 4 a learner fenced by the broker because another learner
-  process took over the run (``common.cli``): restarting cannot help, so both are fatal at once;
+- exit code 2 is a usage or config error (:class:`RefusedToStart`: ``loraflow run`` exits 2 as well), exit code
+  4 a learner fenced by the broker because another learner process took over the run (``common.cli``):
+  restarting cannot help, so both are fatal at once;
 - any other exit (a crash, a kill) is restarted after ``restart_backoff_s``, doubling up to ``max_backoff_s``;
   a child that then stays up for ``STABLE_S`` gets its backoff reset;
 - more than ``max_restarts`` consecutive failures is fatal: the run ends with an error naming the process,
@@ -40,6 +41,19 @@ STABLE_S = 60.0
 
 class Unrecoverable(RuntimeError):
     """A child keeps failing (or cannot start at all); the message names it and shows its log."""
+
+
+class RefusedToStart(Unrecoverable):
+    """A child exited with EXIT_CONFIG_ERROR: its config cannot work here, so ``loraflow run`` exits 2 too."""
+
+
+def refused_to_start(child: Managed) -> RefusedToStart:
+    """The error for a child that exited 2: the last line of its log (a role's config error is one line, its
+    last), then where the log is and its tail."""
+    tail = child.log_tail()
+    last = next((line.strip() for line in reversed(tail.splitlines()) if line.strip()), "")
+    return RefusedToStart(f"{child.name} refused to start (exit code {EXIT_CONFIG_ERROR}: a usage or config error)"
+                          f"{': ' + last if last else ''}; see {child.log_path}:\n{tail}")
 
 
 @dataclass(slots=True, kw_only=True)
@@ -176,8 +190,7 @@ class Supervisor:
     def _failed(self, child: Managed, code: int, now_s: float) -> None:
         how = f"signal {signal.Signals(-code).name}" if code < 0 else f"exit code {code}"
         if code == EXIT_CONFIG_ERROR:
-            raise Unrecoverable(f"{child.name} refused to start ({how}: a usage or config error); "
-                                f"see {child.log_path}:\n{child.log_tail()}")
+            raise refused_to_start(child)
         if code == EXIT_REPLACED:
             raise Unrecoverable(f"{child.name} was replaced by another learner process connected to the same "
                                 f"broker ({how}); stop the other one first; see {child.log_path}:\n{child.log_tail()}")

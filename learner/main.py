@@ -11,7 +11,8 @@ R ranks on one machine (rank 0 talks to the broker; every rank trains a shard)::
 ``--resume`` (the default) continues from the newest complete checkpoint in ``<run_dir>/learner/checkpoints``;
 ``--no-resume`` starts from the base model even if checkpoints exist.
 
-Exit codes: 0 stopped cleanly, 2 a configuration error, 4 replaced by another learner (the broker fenced this
+Start-up checks (``model.path``, ``run.run_dir``; :mod:`common.startup`) run before the model is loaded or the
+broker contacted. Exit codes: 0 stopped cleanly, 2 a configuration error (one line on stderr), 4 replaced by another learner (the broker fenced this
 one), 1 anything else. torchrun reports any failed rank as 1, so a rank that stops with 2 or 4 also writes the
 code to ``$LORAFLOW_EXIT_CODE_FILE`` when set; ``deploy/scripts/learner.sh`` exits with it, and the systemd unit
 does not restart either.
@@ -22,8 +23,10 @@ from __future__ import annotations
 import argparse
 import os
 
-from common.cli import EXIT_CONFIG_ERROR, EXIT_REPLACED, config_from_args, config_parser
+from common.cli import EXIT_CONFIG_ERROR, EXIT_REPLACED, config_from_args, config_parser, run_main
+from common.config import Config, ConfigError
 from common.logging import get_logger, setup_logging
+from common.startup import check_run_dir, resolve_model
 
 EXTRA_FLAGS = {
     "--device": ("learner.device", str, "auto, cpu, cuda or cuda:N"),
@@ -33,14 +36,21 @@ EXTRA_FLAGS = {
 
 def main(argv: list[str]) -> int:
     try:
-        code = _main(argv)
-    except SystemExit as exc:  # argparse and config errors
+        code = run_main("loraflow learner", lambda: _main(argv))
+    except SystemExit as exc:  # argparse's usage errors
         if exc.code == EXIT_CONFIG_ERROR:
             _record_exit_code(EXIT_CONFIG_ERROR)
         raise
     if code in (EXIT_CONFIG_ERROR, EXIT_REPLACED):
         _record_exit_code(code)
     return code
+
+
+def check(config: Config) -> Config:
+    """The learner's start-up checks, before it loads a model or connects (a failure: one line, exit 2)."""
+    config = resolve_model(config)
+    check_run_dir(config)
+    return config
 
 
 def _main(argv: list[str]) -> int:
@@ -51,7 +61,7 @@ def _main(argv: list[str]) -> int:
     args = parser.parse_args(argv)
     if args.resume is not None:
         args.overrides.append(f"learner.resume={'true' if args.resume else 'false'}")
-    config = config_from_args(args)
+    config = check(config_from_args(args))
     setup_logging("learner", fmt=config.run.log_format, level=config.run.log_level,
                   rank=int(os.environ.get("RANK", 0)))
     from learner.session import LearnerReplaced
@@ -59,9 +69,8 @@ def _main(argv: list[str]) -> int:
 
     try:
         return run(config)
-    except SetupError as exc:
-        get_logger("learner").error("learner_config_error", error=str(exc))
-        return EXIT_CONFIG_ERROR
+    except SetupError as exc:  # found while building the model (learner.target_modules): a config error too
+        raise ConfigError(str(exc)) from None
     except LearnerReplaced as exc:
         get_logger("learner").error("learner_replaced", error=str(exc))
         return EXIT_REPLACED

@@ -1,14 +1,17 @@
-"""``loraflow worker`` / ``python -m rollout_worker``: parse the config, set up logging, then run the worker.
+"""``loraflow worker`` / ``python -m rollout_worker``: parse the config, check it, set up logging, run the worker.
 
-torch and vLLM are imported only after logging is set up (and not at all by a ``sim`` worker).
+The start-up checks (:mod:`rollout_worker.startup`) run before the broker is contacted or a model loaded; a
+config-class failure is one line and exit code 2 (:func:`common.cli.run_main`). torch and vLLM are imported only
+after logging is set up (and not at all by a ``sim`` worker).
 """
 
 from __future__ import annotations
 
 import sys
 
-from common.cli import config_from_args, config_parser
+from common.cli import config_from_args, config_parser, run_main
 from common.logging import setup_logging
+from rollout_worker.startup import check
 
 EXTRA_FLAGS = {
     "--worker-id": ("worker.id", str, "worker id (default <host>-<pid>)"),
@@ -19,9 +22,13 @@ EXTRA_FLAGS = {
 
 
 def main(argv: list[str] | None = None) -> int:
+    return run_main("loraflow worker", lambda: _main(sys.argv[1:] if argv is None else argv))
+
+
+def _main(argv: list[str]) -> int:
     parser = config_parser("loraflow worker", "One rollout worker: leases prompts from the broker, generates "
                            "scored groups with the newest adapter, submits them.", EXTRA_FLAGS)
-    config = config_from_args(parser.parse_args(sys.argv[1:] if argv is None else argv))
+    config = check(config_from_args(parser.parse_args(argv)))
     setup_logging("worker", fmt=config.run.log_format, level=config.run.log_level)
     from rollout_worker.worker import run
 

@@ -7,22 +7,29 @@ task), else the built-in one for the lease's task (``calculator`` -> :class:`Cal
 
 from __future__ import annotations
 
+from common.config import ConfigError
 from common.tasks import BUILTIN_TASKS, Task
 from rollout_worker.envs.base import Environment, Episode, Step
 from rollout_worker.envs.calculator import CalculatorEnv
 from rollout_worker.envs.single_turn import SingleTurnEnv
 from rollout_worker.plugins import load_object
 
-__all__ = ["CalculatorEnv", "EnvResolver", "Environment", "Episode", "SingleTurnEnv", "Step", "load_env"]
+__all__ = ["CalculatorEnv", "EnvResolver", "Environment", "Episode", "SingleTurnEnv", "Step", "check_env",
+           "load_env"]
+
+
+def check_env(spec: str) -> object:
+    """The class or instance ``worker.env`` names, checked to be an Environment without instantiating it."""
+    obj = load_object(spec, "worker.env")
+    if not (issubclass(obj, Environment) if isinstance(obj, type) else isinstance(obj, Environment)):
+        raise ConfigError(f"worker.env = {spec!r} is not an Environment (subclass rollout_worker.envs.Environment)")
+    return obj
 
 
 def load_env(spec: str) -> Environment:
     """A user environment from ``package.module:Name`` (a class is instantiated without arguments)."""
-    obj = load_object(spec, "worker.env")
-    env = obj() if isinstance(obj, type) else obj
-    if not isinstance(env, Environment):
-        raise ValueError(f"worker.env = {spec!r} is not an Environment (subclass rollout_worker.envs.Environment)")
-    return env
+    obj = check_env(spec)
+    return obj() if isinstance(obj, type) else obj
 
 
 def builtin_env(task: str) -> Environment:

@@ -7,6 +7,7 @@ from pathlib import Path
 
 import pytest
 
+from common.tiny_model import find_demo_base
 from deploy.demo_base import (
     DemoBaseError,
     Recipe,
@@ -55,7 +56,8 @@ def test_build_is_cached_atomic_and_records_its_figures(tmp_path: Path) -> None:
     assert 0.0 <= meta["base_accuracy"] <= 1.0 and meta["num_eval_prompts"] == 12
     assert {"carry_free_accuracy", "carry_accuracy", "build_s", "recipe"} <= set(meta)
     assert (path / "model.safetensors").is_file() and (path / "tokenizer.json").is_file()
-    assert [p.name for p in tmp_path.iterdir()] == [path.name]  # no temporary directory left behind
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["demo-s3", path.name]  # no temporary directory left
+    assert find_demo_base(3, tmp_path) == path  # the link every role resolves builtin:demo by
     before = (path / "model.safetensors").stat().st_mtime_ns
     assert ensure_demo_base(3, tmp_path, TINY) == path
     assert (path / "model.safetensors").stat().st_mtime_ns == before  # not rebuilt

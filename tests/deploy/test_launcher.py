@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import json
 import os
 import subprocess
 import sys
@@ -48,9 +47,9 @@ def run(tmp_path: Path, *args: str) -> subprocess.CompletedProcess:
 
 def test_a_missing_model_is_a_clear_error(tmp_path: Path) -> None:
     result = run(tmp_path, "--model", str(tmp_path / "absent"))
-    assert result.returncode == 1
-    assert f"error: model.path '{tmp_path / 'absent'}' is not a Hugging Face model directory" in result.stdout
-    assert json.loads((tmp_path / "run" / "summary.json").read_text())["stop_reason"] == "error"
+    assert result.returncode == 2  # a config error, found before anything starts (deploy/preflight.py)
+    assert f"config error: model.path = '{tmp_path / 'absent'}' does not exist" in result.stderr
+    assert not (tmp_path / "run").exists()
 
 
 def test_a_bad_config_value_names_the_key(tmp_path: Path) -> None:
@@ -62,7 +61,7 @@ def test_a_learner_that_cannot_start_ends_the_run_with_its_log(tmp_path: Path, t
     # the learner exits 2 (a config error found at start-up): fatal at once, whatever launch.max_restarts says
     result = run(tmp_path, "--model", str(tiny_model_dir), "--workers", "1", "--set", "launch.max_restarts=3",
                  "--set", "learner.target_modules=[\"no_such_module\"]", "--set", "eval.num_prompts=0")
-    assert result.returncode == 1, result.stdout + result.stderr
+    assert result.returncode == 2, result.stdout + result.stderr  # the learner's config error is the run's
     assert "learner refused to start (exit code 2: a usage or config error)" in result.stdout
     assert "no_such_module" in result.stdout  # the tail of its log says why
     events = rundir.read_jsonl(rundir.processes_path(tmp_path / "run"))

@@ -1,0 +1,89 @@
+"""Start-up checks of settings every role shares, run before a process connects to the broker or loads a model.
+
+A config-class failure (a setting that cannot work on this machine: restarting will not help) raises
+:class:`common.config.ConfigError` with one line naming the setting and the fix; :func:`common.cli.run_main`
+turns it into that line on stderr and exit code 2, which ``loraflow run``'s supervisor and the systemd units
+never restart. The checks are cheap (no torch, no network, nothing created) so ``loraflow config`` and
+``loraflow run`` run them too, before starting anything. Each role adds its own (``rollout_worker.startup``
+for the worker's reward and environment; the broker's bind address is checked where it binds).
+
+- :func:`resolve_model`: ``model.path`` is a Hugging Face model directory, ``builtin:tiny`` (built on first use
+  by the roles that load it), or ``builtin:demo``, which is pinned to the demo base prepared on this machine
+  for ``run.seed`` (``python -m deploy.demo_base --seed N`` or ``loraflow run`` prepares it; a role never
+  trains it itself: that is minutes of CPU, which every worker and the learner would race to spend);
+- :func:`check_writable`: a directory setting (``run.run_dir``, ...) can be created and written here;
+- :func:`check_task`: ``run.task`` names a built-in task or a readable JSONL file.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+from pathlib import Path
+
+from common.config import Config, ConfigError
+from common.tasks import Task, load_task
+from common.tiny_model import find_demo_base
+
+BUILTIN_MODELS = ("builtin:tiny", "builtin:demo")
+
+
+def demo_base_command(config: Config) -> str:
+    """The command that prepares ``builtin:demo`` for this config's seed and cache."""
+    cache = f" --cache-dir {config.model.cache_dir}" if config.model.cache_dir else ""
+    return f"python -m deploy.demo_base --seed {config.run.seed}{cache}"
+
+
+def resolve_model(config: Config, *, demo_by_caller: bool = False) -> Config:
+    """The config with ``model.path`` checked, and ``builtin:demo`` replaced by its directory when it is built.
+
+    ``demo_by_caller``: the caller prepares ``builtin:demo`` itself (``loraflow run``) or only describes the config
+    (``loraflow config``): it is left as it is."""
+    path = config.model.path
+    if path == "builtin:tiny" or (path == "builtin:demo" and demo_by_caller):
+        return config
+    if path == "builtin:demo":
+        directory = find_demo_base(config.run.seed, config.model.cache_dir or None)
+        if directory is None:
+            raise ConfigError(f"model.path = \"builtin:demo\": no demo base for run.seed {config.run.seed} is built "
+                              f"on this machine; build it once with `{demo_base_command(config)}` (about 2 min; "
+                              "`loraflow run` builds it too), or set model.path to a model directory")
+        return dataclasses.replace(config, model=dataclasses.replace(config.model, path=str(directory)))
+    if path.startswith("builtin:"):
+        raise ConfigError(f"model.path = {path!r}: unknown built-in model; use one of {', '.join(BUILTIN_MODELS)} "
+                          "or a model directory")
+    if not (Path(path) / "config.json").is_file():
+        what = "does not exist" if not Path(path).exists() else "is not a Hugging Face model directory (no config.json)"
+        raise ConfigError(f"model.path = {path!r} {what}; set model.path (or --model) to a local model directory "
+                          f"with config.json, or to {' / '.join(BUILTIN_MODELS)}")
+    return config
+
+
+def check_writable(setting: str, directory: str | os.PathLike, value: str | os.PathLike | None = None) -> None:
+    """``directory`` exists as a writable directory, or could be created (its nearest existing ancestor is one).
+
+    ``value``: what the setting says, when ``directory`` is derived from it (the parent of a file setting)."""
+    shown = str(directory if value is None else value)
+    existing = Path(directory)
+    while not existing.exists() and existing != existing.parent:
+        existing = existing.parent
+    if not existing.is_dir():
+        raise ConfigError(f"{setting} = {shown!r}: {existing} is not a directory, so nothing can be created under it; "
+                          f"set {setting} to a path in a directory")
+    if not os.access(existing, os.W_OK | os.X_OK):
+        raise ConfigError(f"{setting} = {shown!r}: {existing} is not writable by this user; set {setting} to a path "
+                          "this user may write, or fix the directory's permissions")
+
+
+def check_run_dir(config: Config) -> None:
+    check_writable("run.run_dir", config.run_dir)
+
+
+def check_task(config: Config) -> Task:
+    """The task ``run.task`` names (a JSONL file is read and checked line by line)."""
+    try:
+        return load_task(config.run.task, config.run.seed)
+    except ConfigError:
+        raise
+    except ValueError as exc:  # common.tasks reports a bad task spec or file as ValueError, naming run.task
+        raise ConfigError(str(exc)) from None

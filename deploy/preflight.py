@@ -1,0 +1,44 @@
+"""The start-up checks of every role, run by ``loraflow run`` before it starts anything and by ``loraflow config``.
+
+Each role checks its own settings when it starts (:mod:`common.startup`, :mod:`rollout_worker.startup`, the
+broker's and the learner's ``main``); a failure is a :class:`common.config.ConfigError`, one line and exit code
+2. Running the same checks here means that ``loraflow run`` refuses a config that cannot work at once, before it
+creates a run directory, builds a model or starts a process (a worker's wrong ``worker.reward`` used to be found
+by each worker after the broker connection and the model load, then again after every restart), and that
+``loraflow config`` answers "would this start?" for a file. ``builtin:demo`` is not looked up: ``loraflow run``
+builds it, and ``loraflow config`` describes the config as written.
+
+User code is imported the way the children will import it: ``loraflow run`` starts them with ``python -m``
+in the current directory, which puts that directory first on their module path.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import sys
+from collections.abc import Iterator
+
+from common.config import Config
+from common.startup import check_run_dir, check_task, resolve_model
+from rollout_worker.startup import check_user_code
+
+
+@contextlib.contextmanager
+def children_module_path() -> Iterator[None]:
+    """The current directory first on ``sys.path`` for the duration, as in a ``python -m`` child."""
+    cwd = os.getcwd()
+    sys.path.insert(0, cwd)
+    try:
+        yield
+    finally:
+        sys.path.remove(cwd)  # the first occurrence: the one inserted above
+
+
+def check(config: Config) -> None:
+    """Every role's start-up checks that do not depend on a running process; raises ConfigError."""
+    with children_module_path():
+        check_user_code(config.worker)
+    resolve_model(config, demo_by_caller=True)  # the learner loads the model whatever the workers' backend
+    check_run_dir(config)
+    check_task(config)
