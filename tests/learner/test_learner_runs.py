@@ -25,6 +25,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from deploy import rundir
 from tests.learner.scripted import ScriptedBroker
 from tests.support import Processes, wait_for
 
@@ -172,6 +173,14 @@ def test_sigkill_then_resume_is_bit_identical_and_sigterm_is_clean(reference_run
     assert checkpoints == ["step_00000004", "step_00000005"]  # final checkpoint on SIGTERM; partial cleaned
     assert (run_dir / "learner" / "adapters" / "v000007" / "adapter_model.safetensors").is_file()
     assert [b.reason for b in broker.byes] == ["stopped"]
+    # metrics.jsonl read back as history: steps 1-2 of the first life, 3-5 of the second, each once (step 3 of
+    # the first life, if it got its line before the kill, is withdrawn); the timeline shows the death
+    history = rundir.read_learner_history(run_dir)
+    sessions = [h.session for h in broker.hellos]
+    assert [(m["step"], m["session"]) for m in history.committed] == [
+        (1, sessions[0]), (2, sessions[0]), (3, sessions[1]), (4, sessions[1]), (5, sessions[1])]
+    assert [m["step"] for m in history.withdrawn] in ([], [3]) and [r.step for r in history.resumes] == [2]
+    assert [life.ended for life in rundir.timelines(run_dir)["learner"].lives] == ["lost", "stopped"]
 
 
 def test_a_target_module_that_matches_nothing_exits_2_with_the_setting_named(procs: Processes, tiny_model_dir: Path,
