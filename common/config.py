@@ -47,6 +47,9 @@ class RunConfig:
                      doc="built-in task name (arith, calculator) or a JSONL file of {prompt, answer}")
     log_format: str = rule("console", choices=("console", "json"), doc="console for people, json for machines")
     log_level: str = rule("info", choices=("debug", "info", "warning", "error"))
+    report_to: list[str] = rule(default_factory=list, choices=("wandb", "tensorboard"),
+                                doc="experiment trackers for the learner's step metrics, held-out evals and the "
+                                "config (TRL's names); [] = none; needs pip install 'loraflow[tracking]'")
 
 
 @dataclass(slots=True, kw_only=True)

@@ -327,6 +327,10 @@ class Launch:
                 summary.base_accuracy = self.measure(0, None, "base").accuracy
             summary.final_accuracy = (self.measure(version, path, "final").accuracy if path is not None
                                       else summary.base_accuracy)
+        if self.config.run.report_to:  # the learner has stopped: the trackers get the evals it did not see
+            from learner.tracking import log_new_evals
+
+            log_new_evals(self.config)
         if path is not None:
             final = self.run_dir / "final_adapter"
             shutil.rmtree(final, ignore_errors=True)

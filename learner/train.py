@@ -52,7 +52,7 @@ from common.metrics import Metrics, serve_prometheus
 from common.protocol import Batch, BatchAck
 from common.timeline import Timeline
 from common.tiny_model import resolve_model
-from learner import data, publish
+from learner import data, publish, tracking
 from learner.checkpoint import Checkpointer, LearnerState
 from learner.ledger import Ledger, newest_published
 from learner.loss import LossConfig
@@ -107,9 +107,10 @@ class Learner:
         self.learner_dir = config.run_dir / "learner"
         self.adapter_root = self.learner_dir / "adapters"
         self.timeline = Timeline.for_process(config.run_dir, "learner") if parallel.is_main else Timeline(None)
+        self.tracker = tracking.open_tracker(config, is_main=parallel.is_main)  # run.report_to (rank 0)
         self.metrics_log = MetricsLog(self.learner_dir / "metrics.jsonl" if parallel.is_main else None,
                                       session=session.link.hello.session if session is not None else "",
-                                      resumed_step=state.step)
+                                      resumed_step=state.step, sinks=[self.tracker.log_step])
         self.timers = Timers()
         self.stop_requested = False
         self.stop_signal = ""  # which signal set stop_requested (logged by the loop, never by the handler)
@@ -296,6 +297,7 @@ class Learner:
             publish.write_adapter_dir(self.adapter_root, self.newest)
         if self.session is not None and not self.session.drain(DRAIN_TIMEOUT_S):
             log.warning("unacknowledged_at_exit", pending=self.session.num_unacked)
+        self.tracker.close()
         log.info("learner_stopped", step=self.state.step, version=self.state.version)
         self.timeline.close()  # the final mark: a clean stop
 
@@ -332,9 +334,10 @@ def run(config: Config) -> int:
             resolve_model(config.model.path, config.model.cache_dir)  # builds builtin:tiny once, before the others
         parallel.barrier()
         try:
+            tracking.check_available(config.run.report_to)  # a missing wandb/tensorboard: before the model loads
             model_dir = resolve_model(config.model.path, config.model.cache_dir)
             policy = build_policy(Path(model_dir), config.learner, parallel, seed=config.run.seed)
-        except ValueError as exc:  # a model path or target_modules that cannot work: restarting will not help
+        except ValueError as exc:  # a model path, target_modules or tracker that cannot work: restarting won't help
             raise SetupError(str(exc)) from exc
         optimizer, scheduler = make_optimizer(policy, config.learner)
         checkpointer = Checkpointer(learner_dir / "checkpoints", keep=config.learner.keep_checkpoints,
