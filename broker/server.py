@@ -32,7 +32,9 @@ the core lets a client act only in that role. Handshakes that fail never reach t
 by cause (``auth{...}``): ``refused`` (a key not authorised: the ZAP thread's count, logged with the key's file
 when the keys dir has it), ``wrong_server_key`` (the client's broker public key is not ours: the monitor's
 HANDSHAKE_FAILED_PROTOCOL with ZMTP_CRYPTOGRAPHIC), ``plaintext`` (a client without CURVE) or ``curve_client``
-(a CURVE client when security is off: both MECHANISM_MISMATCH), ``handshake_failed`` (anything else).
+(a CURVE client when security is off: both MECHANISM_MISMATCH), ``dropped`` (the client hung up mid-handshake,
+HANDSHAKE_FAILED_NO_DETAIL: libzmq 4.3.5 reports a plaintext client so when the client notices the mismatch
+first, which happens on a busy machine), ``handshake_failed`` (anything else).
 
 Up to ``MAX_DRAIN`` messages are received per wake-up before timers and sends run, which amortises the poll
 and the state-file write over a burst; tensor frames are received with ``copy=False`` and forwarded as the
@@ -189,6 +191,9 @@ class BrokerServer:
             cause, why = (("plaintext", "a client without CURVE (security.enabled = false there)")
                           if self.security is not None else
                           ("curve_client", "a CURVE client, but security is off here (security.enabled)"))
+        elif event == zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL:
+            cause, why = "dropped", (f"the client hung up during the handshake (errno {value}): most often a client "
+                                     "without CURVE that noticed the mismatch first, as libzmq reports it then")
         else:
             cause, why = "handshake_failed", f"zmq handshake error {value:#x}"
         self.core.stats.count("auth", cause)

@@ -27,7 +27,8 @@ Counter families (Prometheus name ``loraflow_broker_<family>_total{label=...}``)
     auth{event}           failed handshakes, none of which gets a message through (so they appear nowhere
                           else): refused (a key not authorised, security.enabled), wrong_server_key (a CURVE
                           client with another broker public key), plaintext (a client without CURVE),
-                          curve_client (a CURVE client while security is off), handshake_failed (other)
+                          curve_client (a CURVE client while security is off), dropped (the client hung up
+                          mid-handshake: also how a plaintext client may show), handshake_failed (other)
 
 The snapshot's ``encryption`` says whether the broker's socket uses CURVE (``curve``) or not (``off``).
 """
