@@ -286,8 +286,32 @@ def validate(config: Config) -> None:
         lora_targets.check_setting(learner.target_modules)
     except lora_targets.TargetModulesError as exc:
         raise ConfigError(str(exc)) from None
+    check_sampling(config.worker)
     if config.security.enabled and not config.security.keys_dir:
         raise ConfigError("security.enabled needs security.keys_dir (make one with `loraflow keys`)")
+
+
+#: vLLM raises a sampling temperature below this to it (and samples greedily below 1e-5)
+VLLM_MIN_TEMPERATURE = 0.01
+
+
+def check_sampling(worker: WorkerConfig) -> None:
+    """Refuse sampling settings whose behaviour log-probs would not mean what common/logprobs.py promises
+    (``log_softmax(logits / temperature)`` of the sampled token, before top-p) on the configured backend."""
+    if worker.backend != "vllm":
+        return  # hf: computed from generate's raw logits; sim: no model
+    if worker.top_p < 1 and worker.temperature != 1:
+        raise ConfigError(
+            f"worker.top_p = {worker.top_p} with worker.temperature = {worker.temperature} cannot be trained on "
+            'with worker.backend = "vllm": vLLM returns the promised log-probs only at temperature 1 (raw logits) '
+            "or with top_p = 1 (after temperature, nothing truncated); both together would need every token's "
+            "full-vocabulary log-probs, which the engine refuses past max_logprobs (and would cost vocab-size "
+            'floats per token). Set worker.top_p = 1 or worker.temperature = 1, or use worker.backend = "hf"')
+    if worker.temperature < VLLM_MIN_TEMPERATURE:
+        raise ConfigError(
+            f"worker.temperature = {worker.temperature} is below {VLLM_MIN_TEMPERATURE}, which vLLM raises it to "
+            "(and samples greedily below 1e-5), so the tokens would not come from the temperature the learner "
+            f'scores them with: use worker.temperature >= {VLLM_MIN_TEMPERATURE} with worker.backend = "vllm"')
 
 
 def to_toml(config: Config) -> str:
