@@ -322,7 +322,7 @@ class Launch:
         if self.pending_eval is not None:
             self.collect_eval(wait=True)
         version, path = rundir.newest_adapter(self.run_dir)
-        if self.config.eval.num_prompts and self.model_ready:
+        if self.config.eval.num_prompts and self.model_ready and self.rl_started_s:  # not after a failed start
             if summary.base_accuracy is None:
                 summary.base_accuracy = self.measure(0, None, "base").accuracy
             summary.final_accuracy = (self.measure(version, path, "final").accuracy if path is not None
