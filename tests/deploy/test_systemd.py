@@ -41,6 +41,7 @@ def test_unit_structure(name: str) -> None:
     service = unit["Service"]
     assert service["EnvironmentFile"] == "/etc/loraflow/loraflow.env"
     assert service["KillSignal"] == "SIGTERM" and service["Restart"] in ("on-failure", "always")
+    assert "2" in service["RestartPreventExitStatus"].split()  # a config error (common.cli) is never restarted
     command = service["ExecStart"].split()
     script = SCRIPTS / Path(command[0]).name
     assert command[0] == f"/opt/loraflow/deploy/scripts/{script.name}"
