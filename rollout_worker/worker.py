@@ -112,7 +112,8 @@ class Worker:
 
     def run(self, signals: list[str] | None = None) -> int:
         """Generate until ``stop`` is set; ``signals`` are the names of the signals that set it (for the log).
-        Returns the exit code: 0, or EXIT_CONFIG_ERROR when the reward fails on everything."""
+        Returns the exit code: 0, or EXIT_CONFIG_ERROR when the reward fails on everything or the backend
+        refuses an adapter."""
         while not self.stop.is_set():
             self.wake.clear()
             self._load_adapter()
@@ -180,10 +181,13 @@ class Worker:
         started = time.monotonic()
         try:
             self.backend.add_adapter(adapter)
-        except ValueError as exc:
+        except ValueError as exc:  # the engine refused a verified adapter: every fetch would be refused again
             self.metrics.inc("adapters_rejected", reason="load")
-            log.error("adapter_load_failed", version=adapter.version, error=str(exc))
+            self._fatal = f"the {self.backend.name} backend refused adapter v{adapter.version}: {exc}"
+            log.error("adapter_refused", version=adapter.version, error=self._fatal,
+                      fix="run the learner and every worker with the same model.path and learner.lora_rank")
             self.session.discard_adapter(adapter)
+            self.stop.set()  # exit 2: a restart would fetch the same adapter (stale_adapter until then)
             return
         log.info("adapter_loaded", version=adapter.version, load_ms=round((time.monotonic() - started) * 1000, 1),
                  num_bytes=adapter.num_bytes)
