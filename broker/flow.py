@@ -139,8 +139,8 @@ class DataFlow:
             item = self.prompts.item(lease.key)
             leases.append(protocol.PromptLease(
                 lease_id=lease.lease_id, group_id=group_id_of(lease.key), prompt_index=lease.key[1],
-                epoch=lease.key[0], task=self.task_label, prompt=item.prompt, answer=item.answer, meta=item.meta,
-                group_size=self.group_size, deadline_s=self.leases.timeout_s))
+                epoch=lease.key[0], task=self.task_label, group_size=self.group_size,
+                deadline_s=self.leases.timeout_s, **item.lease_fields()))
         peer.num_leases_granted += len(granted)
         self.stats.count("leases", "granted", len(granted))
         self._send(identity, protocol.LeaseGrant(leases=leases, reason=reason, latest_version=self.latest_version),

@@ -44,7 +44,8 @@ class RunConfig:
                                     doc="how long a worker or the learner waits for the broker's Welcome at start-up "
                                     "(any start order within it works); a failed CURVE handshake ends it at once")
     task: str = rule("arith", max_len=512,
-                     doc="built-in task name (arith, calculator) or a JSONL file of {prompt, answer}")
+                     doc="built-in task name (arith, calculator), or a dataset: a JSONL, JSON, Parquet or CSV "
+                     "file, a save_to_disk directory or a directory of data files (options in [data])")
     log_format: str = rule("console", choices=("console", "json"), doc="console for people, json for machines")
     log_level: str = rule("info", choices=("debug", "info", "warning", "error"))
     report_to: list[str] = rule(default_factory=list, choices=("wandb", "tensorboard"),
@@ -121,7 +122,13 @@ class WorkerConfig:
     max_aborts: int = rule(2, ge=0, doc="abort policy: restarts of one sample at most, then it continues under "
                            "the newest adapter (so it finishes even when adapters arrive faster than it takes)")
     env: str = rule("", doc="environment: empty = the run's task, or package.module:Name")
-    reward: str = rule("", doc="reward function override: package.module:function")
+    reward: str = rule("", doc="reward function replacing the environment's score: package.module:function, "
+                       "TRL-style (batched) or loraflow's per-sample signature (see rollout_worker.rewards)")
+    rewards: list[str] = rule(default_factory=list, max_len=64,
+                              doc='several TRL-style reward functions, summed with reward_weights (as TRL\'s '
+                              'GRPOTrainer); "loraflow:exact_match" and "loraflow:format" are built in')
+    reward_weights: list[float] = rule(default_factory=list, max_len=64,
+                                       doc="one weight per worker.rewards entry; empty = 1.0 each")
     reward_timeout_s: float = rule(10.0, gt=0, unit="s")
     max_failed_reward_groups: int = rule(8, ge=0, doc="stop the worker (exit 2, not restarted) after this many "
                                          "groups in a row whose every sample's reward or environment failed; "
@@ -175,6 +182,23 @@ class LearnerConfig:
 
 
 @dataclass(slots=True, kw_only=True)
+class DataConfig:
+    """How a dataset task (``run.task`` = a file or directory) is read; see common/dataset.py."""
+
+    prompt_column: str = rule("prompt", max_len=256, doc="column holding the prompt: a string, or a list of "
+                              "{role, content} messages (TRL's conversational format)")
+    answer_column: str = rule("answer", max_len=256, doc="column holding the reference answer (the built-in "
+                              "exact-match score uses it); empty = the dataset has none")
+    split: str = rule("train", max_len=256, doc="split trained on (a saved DatasetDict, a directory of data files)")
+    eval_split: str = rule("", max_len=256, doc="held-out split of the same dataset (e.g. test)")
+    eval_path: str = rule("", max_len=4096, doc="held-out data in another file or directory (its data.split is used)")
+    eval_fraction: float = rule(0.1, ge=0, le=0.9, doc="without eval_split/eval_path: this share of the rows, "
+                                "taken from the start, is held out (at least one row when there are two)")
+    system_prompt: str = rule("", max_len=1 << 16, doc="put before every prompt as a system message (a conversation "
+                              "that starts with its own keeps that); string prompts then become one user message")
+
+
+@dataclass(slots=True, kw_only=True)
 class EvalConfig:
     num_prompts: int = rule(200, ge=0, doc="held-out prompts for greedy accuracy; 0 = no evaluation")
     every_s: float = rule(30.0, ge=0, unit="s", doc="measure held-out accuracy this often during a run; 0 = ends only")
@@ -204,6 +228,7 @@ class LaunchConfig:
 @dataclass(slots=True, kw_only=True)
 class Config:
     run: RunConfig = field(default_factory=RunConfig)
+    data: DataConfig = field(default_factory=DataConfig)
     model: ModelConfig = field(default_factory=ModelConfig)
     broker: BrokerConfig = field(default_factory=BrokerConfig)
     worker: WorkerConfig = field(default_factory=WorkerConfig)
@@ -287,6 +312,14 @@ def validate(config: Config) -> None:
     except lora_targets.TargetModulesError as exc:
         raise ConfigError(str(exc)) from None
     check_sampling(config.worker)
+    worker = config.worker
+    if worker.reward and worker.rewards:
+        raise ConfigError("set worker.reward (one function) or worker.rewards (a list), not both")
+    if worker.reward_weights and len(worker.reward_weights) != len(worker.rewards):
+        raise ConfigError(f"worker.reward_weights has {len(worker.reward_weights)} entries but worker.rewards has "
+                          f"{len(worker.rewards)}: give one weight per reward function, or none (1.0 each)")
+    if config.data.eval_split and config.data.eval_path:
+        raise ConfigError("set data.eval_split (a split of the dataset) or data.eval_path (another file), not both")
     if config.security.enabled and not config.security.keys_dir:
         raise ConfigError("security.enabled needs security.keys_dir (make one with `loraflow keys`)")
 

@@ -39,6 +39,8 @@ MAX_ID_LEN = 128
 MAX_TEXT_LEN = 1 << 20
 MAX_GROUP_SIZE = 1024
 MAX_BATCH_GROUPS = 4096
+MAX_MESSAGES = 4096
+MAX_REWARD_FUNCTIONS = 64
 
 
 class ProtocolError(ValueError):
@@ -171,6 +173,16 @@ class PromptLease:
     meta: dict[str, Any] = rule(default_factory=dict, max_len=256)
     group_size: int = rule(ge=1, le=MAX_GROUP_SIZE)
     deadline_s: float = rule(gt=0, unit="s", doc="time from grant until the lease is reclaimed")
+    prompt_messages: list[dict[str, Any]] | None = rule(None, max_len=MAX_MESSAGES,
+                                                        doc="a conversational prompt ([{role, content}], TRL's "
+                                                        "format); then ``prompt`` is empty. None: ``prompt`` is it")
+    columns: dict[str, Any] | None = rule(None, max_len=256, doc="the dataset row's other columns: the reward "
+                                          "functions' keyword arguments (see common/dataset.py)")
+
+    @property
+    def prompt_value(self) -> str | list[dict[str, Any]]:
+        """The prompt as the dataset has it: the text, or the list of messages."""
+        return self.prompt_messages if self.prompt_messages is not None else self.prompt
 
 
 @dataclass(slots=True, kw_only=True)
@@ -224,10 +236,22 @@ class RolloutGroup:
     created_unix: float = rule(0.0, ge=0, unit="s")
     num_reward_failures: int = rule(0, ge=0)
     metrics: dict[str, Any] = rule(default_factory=dict, max_len=64)
+    reward_means: dict[str, Any] | None = rule(None, max_len=MAX_REWARD_FUNCTIONS,
+                                               doc="reward function name -> its mean over the samples it applied "
+                                               "to (finite numbers; a function that applied to none is absent)")
 
     @property
     def num_samples(self) -> int:
         return len(self.rewards)
+
+
+def reward_means_of(groups: Sequence[RolloutGroup]) -> dict[str, float]:
+    """Each reward function's mean over these groups (of its per-group means), for the learner's step metrics."""
+    sums: dict[str, list[float]] = {}
+    for group in groups:
+        for name, mean in (group.reward_means or {}).items():
+            sums.setdefault(name, []).append(float(mean))
+    return {name: sum(values) / len(values) for name, values in sums.items()}
 
 
 @dataclass(slots=True, kw_only=True)
@@ -393,6 +417,11 @@ def check_group_layout(group: RolloutGroup, specs: Sequence[TensorSpec]) -> None
     if group.min_version > group.max_version:
         raise ProtocolError(f"RolloutGroup {group.group_id}: min_version {group.min_version} > "
                             f"max_version {group.max_version}")
+    for name, mean in (group.reward_means or {}).items():
+        if len(name) > MAX_ID_LEN or isinstance(mean, bool) or not isinstance(mean, int | float) \
+                or not math.isfinite(mean):
+            raise ProtocolError(f"RolloutGroup {group.group_id}: reward_means[{name[:MAX_ID_LEN]!r}] must be a "
+                                f"finite number under a name of at most {MAX_ID_LEN} characters, got {mean!r:.40}")
     by_name = {s.name: s for s in specs}
     if len(by_name) != len(specs) or set(by_name) != set(GROUP_TENSORS):
         raise ProtocolError(f"RolloutGroup {group.group_id}: tensors must be exactly {sorted(GROUP_TENSORS)}, "

@@ -9,27 +9,45 @@ held-out accuracy. Train and eval problems are disjoint (a hash of the problem p
   followed by end-of-sequence, else 0 (the recipe in FACTS.md).
 - ``calculator``: a multi-turn tool task, ``"a*b+c="``; the model may call ``<calc>expr</calc>`` and the
   environment answers ``=value``; reward 1 for the exact final answer (see rollout_worker/envs).
-- JSONL files: one ``{"prompt": ..., "answer": ..., "meta": {...}}`` object per line; scored by exact match
-  of the stripped completion.
+- datasets (:mod:`common.dataset`): JSONL, JSON, Parquet and CSV files, ``save_to_disk`` directories and
+  directories of data files, read with Hugging Face ``datasets``; scored by exact match of the stripped
+  completion (or by the configured reward functions).
+
+A prompt is TRL's: a string, or a conversation (a list of ``{"role", "content"}`` messages). An item's
+``columns`` are the keyword arguments its reward functions receive (the dataset row without its prompt; the
+built-in tasks send their answer).
 """
 
 from __future__ import annotations
 
-import json
 import random
 import zlib
 from dataclasses import dataclass, field
-from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from common.config import DataConfig
 
 SPLITS = ("train", "eval")
+
+#: a prompt: a string, or chat messages ``[{"role": ..., "content": ...}]`` (TRL's conversational format)
+Prompt = str | list[dict[str, str]]
 
 
 @dataclass(frozen=True, slots=True)
 class TaskItem:
-    prompt: str
+    prompt: Prompt
     answer: str
     meta: dict[str, Any] = field(default_factory=dict)
+    #: keyword arguments of the reward functions: every column of the row but the prompt
+    columns: dict[str, Any] = field(default_factory=dict)
+
+    def lease_fields(self) -> dict[str, Any]:
+        """The PromptLease fields that carry this item (a conversation goes in ``prompt_messages``)."""
+        text = self.prompt if isinstance(self.prompt, str) else ""
+        messages = None if isinstance(self.prompt, str) else self.prompt
+        return {"prompt": text, "answer": self.answer, "meta": self.meta, "prompt_messages": messages,
+                "columns": self.columns or None}
 
 
 class Task:
@@ -72,7 +90,7 @@ class ArithTask(Task):
             return f"{a}+{b}=", str(a + b)
 
         prompt, answer = _draw(rng, split, make)
-        return TaskItem(prompt, answer)
+        return TaskItem(prompt, answer, columns={"answer": answer})
 
 
 class CalculatorTask(Task):
@@ -89,51 +107,24 @@ class CalculatorTask(Task):
             return f"{a}*{b}+{c}=", str(a * b + c)
 
         prompt, answer = _draw(rng, split, make)
-        return TaskItem(prompt, answer, {"tools": ["calc"]})
-
-
-class JsonlTask(Task):
-    """Prompts from a JSONL file; the first 10 % (at least one line, when there are two or more) are held out."""
-
-    def __init__(self, path: str | Path) -> None:
-        self.name = str(path)
-        items = []
-        for number, line in enumerate(Path(path).read_text().splitlines(), 1):
-            if not line.strip():
-                continue
-            try:
-                obj = json.loads(line)
-            except json.JSONDecodeError as exc:
-                raise ValueError(f"{path}:{number}: not valid JSON: {exc}") from None
-            if not isinstance(obj, dict) or not isinstance(obj.get("prompt"), str):
-                raise ValueError(f"{path}:{number}: each line needs a string field 'prompt'")
-            answer = obj.get("answer", "")
-            meta = obj.get("meta", {})
-            if not isinstance(answer, str) or not isinstance(meta, dict):
-                raise ValueError(f"{path}:{number}: 'answer' must be a string and 'meta' an object")
-            items.append(TaskItem(obj["prompt"], answer, meta))
-        if not items:
-            raise ValueError(f"{path}: no prompts")
-        num_eval = max(1, len(items) // 10) if len(items) >= 2 else 0
-        self._splits = {"eval": items[:num_eval], "train": items[num_eval:]}
-        self.size = len(self._splits["train"])
-
-    def item(self, index: int, split: str = "train") -> TaskItem:
-        items = self._splits[split]
-        if not items:
-            raise ValueError(f"{self.name}: the {split} split is empty")
-        return items[index % len(items)]
+        return TaskItem(prompt, answer, {"tools": ["calc"]}, columns={"answer": answer})
 
 
 BUILTIN_TASKS = {"arith": ArithTask, "calculator": CalculatorTask}
 
 
-def load_task(spec: str, seed: int = 0) -> Task:
-    """A built-in task by name, or a JSONL file by path; raises ValueError naming the choices."""
+def load_task(spec: str, seed: int = 0, data: DataConfig | None = None) -> Task:
+    """A built-in task by name, or a dataset by path (read as ``data`` says); raises a ConfigError naming the
+    setting (a :class:`common.dataset.DatasetError` for anything wrong with the data)."""
+    from common.config import ConfigError, DataConfig
+
     if spec in BUILTIN_TASKS:
+        if data is not None and data != DataConfig():
+            raise ConfigError(f"[data] settings apply to dataset tasks; run.task = {spec!r} is built in: remove them")
         return BUILTIN_TASKS[spec](seed)
-    if spec.endswith(".jsonl"):
-        if not Path(spec).is_file():
-            raise ValueError(f"run.task: JSONL file {spec} does not exist")
-        return JsonlTask(spec)
-    raise ValueError(f"run.task: unknown task {spec!r}; built-in: {sorted(BUILTIN_TASKS)}, or a .jsonl file")
+    from common.dataset import DatasetTask, is_dataset_spec
+
+    if is_dataset_spec(spec):
+        return DatasetTask(spec, data)
+    raise ConfigError(f"run.task: unknown task {spec!r}; built-in: {sorted(BUILTIN_TASKS)}, or a dataset (a .jsonl, "
+                      ".json, .parquet or .csv file, a save_to_disk directory, a directory of data files)")
