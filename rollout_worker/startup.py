@@ -4,7 +4,7 @@ Everything here is a config-class failure (:class:`common.config.ConfigError`: o
 restarted, see :func:`common.cli.run_main`) found in a fraction of a second, where it used to surface only after
 the connection and the model load, and then again at every restart:
 
-- ``worker.reward``, ``worker.rewards`` and ``worker.env`` import and are a callable / an Environment;
+- ``worker.reward`` and ``worker.env`` import and are a callable / an Environment;
 - ``model.path`` (:func:`common.startup.resolve_model`; not for the ``sim`` backend, which loads no model);
 - ``run.run_dir`` and ``worker.adapter_dir`` can be written.
 
@@ -16,12 +16,12 @@ from __future__ import annotations
 from common.config import Config, WorkerConfig
 from common.startup import check_run_dir, check_writable, resolve_model
 from rollout_worker.envs import check_env
-from rollout_worker.rewards import load_rewards
+from rollout_worker.rewards import load_reward
 
 
 def check_user_code(worker: WorkerConfig) -> None:
     """``worker.reward`` and ``worker.env`` name code this process can import (nothing is instantiated)."""
-    load_rewards(worker)
+    load_reward(worker.reward)
     if worker.env:
         check_env(worker.env)
 
