@@ -38,22 +38,26 @@ refused group, the prompt re-queued), and the learner republishes under a new, h
 loads like any newer adapter.
 
 SIGTERM (or SIGINT): stop leasing, return the leases of unfinished groups (LeaseReturn; the broker re-queues
-them), wait up to ``STOP_ACK_WAIT_S`` for the acks of submitted groups, say Bye, exit 0. After SIGKILL the broker
+them), wait up to ``STOP_ACK_WAIT_S`` for the acks of submitted groups, say Bye, exit 0. The process then ends
+with ``os._exit`` after the atexit handlers (:func:`end_process`): tearing down an interpreter that holds torch
+and transformers takes 1.5 s on an idle machine and 4 s on a busy one, and there is nothing left to release. After SIGKILL the broker
 reclaims the leases itself (missed heartbeats, or a hello with a new session from the same worker id). A signal
 while still connecting or loading the model (nothing leased yet) exits 0 at once.
 """
 
 from __future__ import annotations
 
+import atexit
 import math
 import os
 import queue
 import signal
 import socket
+import sys
 import threading
 import time
 from pathlib import Path
-from typing import Any
+from typing import Any, NoReturn
 
 from common.cli import EXIT_CONFIG_ERROR
 from common.config import Config
@@ -67,7 +71,7 @@ from rollout_worker.adapters import AdapterStore
 from rollout_worker.backends import Backend, make_backend
 from rollout_worker.client import LEASE_WAIT_MS, BrokerSession
 from rollout_worker.envs import EnvResolver
-from rollout_worker.rewards import load_reward
+from rollout_worker.rewards import load_rewards
 from rollout_worker.rollout import FinishedGroup, Rollouts
 
 log = get_logger("worker")
@@ -102,7 +106,7 @@ class Worker:
         self.timeline = timeline
         self.rollouts = Rollouts(backend, EnvResolver(config.worker.env), config.worker, worker_id=worker_id,
                                  max_seq_len=config.model.max_seq_len, metrics=metrics,
-                                 reward_fn=load_reward(config.worker.reward), wake=wake)
+                                 rewards=load_rewards(config.worker), wake=wake)
         self._next_request_at = 0.0
         self._state = ""
         self._num_failed_groups = 0  # groups in a row whose every sample's reward failed
@@ -136,7 +140,8 @@ class Worker:
                 # must not hide a group the broker may have received
                 log.info("group_submitted", group_id=group.group.group_id, min_version=group.group.min_version,
                          max_version=group.group.max_version, reward=round(sum(group.group.rewards)
-                                                                           / group.group.num_samples, 3))
+                                                                           / group.group.num_samples, 3),
+                         generate_s=round(group.group.generate_s, 3))
                 self.session.submit(group)
             self._report()
         if signals:
@@ -278,8 +283,20 @@ def install_stop_handlers(stop: threading.Event, wake: threading.Event, looping:
     return received
 
 
-def run(config: Config) -> int:
-    """Join the broker, load the backend, generate until SIGTERM; returns the exit code."""
+def run(config: Config) -> NoReturn:
+    """Join the broker, load the backend, generate until SIGTERM; then end the process with the exit code."""
+    end_process(_run(config))
+
+
+def end_process(code: int) -> NoReturn:
+    """Flush, run the atexit handlers and leave without the interpreter's teardown (see the module docstring)."""
+    sys.stdout.flush()
+    sys.stderr.flush()
+    atexit._run_exitfuncs()
+    os._exit(code)
+
+
+def _run(config: Config) -> int:
     worker_id = config.worker.id or default_worker_id()
     bind(worker=worker_id)
     stop, wake, looping = threading.Event(), threading.Event(), threading.Event()
@@ -322,5 +339,6 @@ def _join_and_generate(config: Config, worker_id: str, *, stop: threading.Event,
         session.close(reason="worker stopping")
         if backend is not None:
             backend.close()
-    timeline.mark("idle")
+    if code == 0:
+        timeline.close()  # the final mark of a clean stop; otherwise "exited" at exit (common.timeline)
     return code

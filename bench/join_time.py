@@ -1,0 +1,306 @@
+"""Elastic join under load: process start -> first accepted group of workers joining a fast-publishing run.
+
+    .venv/bin/python bench/join_time.py [--workers 3] [--rate 0] [--warmup-versions 50] [--timeout 180]
+
+A broker (``python -m broker``) and a stand-in learner (this file, ``--role learner``) run first: the learner
+publishes a new LoRA adapter of the tiny model (random weights, real PEFT names and shapes) as soon as the
+broker acknowledged the previous one (``--rate`` caps versions/s; 0 = as fast as it can) and trains nothing:
+it takes every buffered group in a Batch and acknowledges it at once (a learner with tiny steps). Once
+``--warmup-versions`` versions are out, ``--workers`` hf workers on the tiny model start together, and beside them a
+reference process (``--role reference``) that does what joining needs and nothing else: start Python, load
+the model, load one adapter, generate one group of the same size with the same settings, with no broker.
+
+The figure is the median join time of the workers (spawn -> the broker's Ack of their first accepted group,
+from their JSON logs); the reference is the reference process's spawn -> done, measured beside them under
+the same load. Each worker's own pieces (model load, first adapter load, first group's generation) are
+printed too. Before the fix, a joiner loaded every version published while it caught up and never produced
+a group at ~3 versions/s; the ratio says how close a joiner now comes to the ideal.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import signal
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from datetime import datetime
+from pathlib import Path
+from typing import Any
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from bench.broker_proc import REPO, start_broker  # noqa: E402
+
+#: worker settings shared by the joiners and the reference: small groups, one chunk per sample
+WORKER_SETTINGS = {"worker.max_new_tokens": "8", "worker.chunk_tokens": "8", "worker.num_threads": "1"}
+GROUP_SIZE = 2
+LORA_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+
+
+# -- the stand-in learner --------------------------------------------------------------------------------------
+
+
+def lora_layout(model_dir: Path, rank: int = 8) -> tuple[list[tuple[str, tuple[int, ...]]], dict[str, Any]]:
+    """PEFT tensor names and shapes of a rank-``rank`` LoRA on every projection of the model, and its config."""
+    import torch
+    from peft import LoraConfig, get_peft_model, get_peft_model_state_dict
+    from transformers import AutoModelForCausalLM
+
+    base = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32)
+    model = get_peft_model(base, LoraConfig(r=rank, lora_alpha=2 * rank, target_modules=list(LORA_TARGETS)))
+    with tempfile.TemporaryDirectory() as tmp:
+        model.save_pretrained(tmp)
+        config = json.loads((Path(tmp) / "adapter_config.json").read_text())
+    return [(name, tuple(t.shape)) for name, t in get_peft_model_state_dict(model).items()], config
+
+
+def adapter_message(version: int, layout: list[tuple[str, tuple[int, ...]]], config: dict[str, Any]) -> tuple:
+    """An AdapterUpdate of ``version`` with small random weights (a different adapter every version)."""
+    import numpy as np
+
+    from common.framing import frames_sha256
+    from common.protocol import AdapterUpdate, encode
+
+    rng = np.random.default_rng(version)
+    tensors = [(name, (rng.standard_normal(shape) * 0.01).astype(np.float32)) for name, shape in layout]
+    sha = frames_sha256(encode(AdapterUpdate(version=version, sha256="", adapter_config={}), tensors)[2:])
+    return AdapterUpdate(version=version, sha256=sha, adapter_config=config, step=version), tensors
+
+
+def run_learner(endpoint: str, model_dir: Path, rate: float, batch_groups: int) -> None:
+    """Publish versions as fast as the broker acknowledges them (at most ``rate``/s), take and ack batches."""
+    from common.protocol import Ack, Batch, BatchAck, BatchRequest, Error, Hello, Kind
+    from common.transport import BrokerLink, Incoming
+
+    layout, config = lora_layout(model_dir)
+    link = BrokerLink(endpoint, Hello(role="learner", client_id="fast-learner"), heartbeat_interval_s=0.5,
+                      heartbeat_timeout_s=10.0)
+    version = link.start(timeout_s=30).latest_version
+    asked, published_at = False, 0.0
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
+    while True:
+        if not asked:
+            link.send(BatchRequest(num_groups=batch_groups, wait_ms=0, learner_version=version))
+            asked = True
+        if rate:
+            time.sleep(max(0.0, published_at + 1 / rate - time.monotonic()))
+        published_at = time.monotonic()
+        link.send(*adapter_message(version + 1, layout, config))
+        while True:  # until the broker answers the publication; batches are acked on the way
+            item = link.recv(timeout_s=30)
+            if not isinstance(item, Incoming):
+                continue
+            record = item.record
+            if isinstance(record, Batch):
+                asked = False
+                if record.groups:
+                    link.send(BatchAck(batch_id=record.batch_id, step=version, trained_version=version,
+                                       group_ids=[e.group.group_id for e in record.groups]))
+            elif isinstance(record, Ack | Error) and record.ref_kind == Kind.ADAPTER_UPDATE:
+                if isinstance(record, Error):
+                    raise SystemExit(f"publish of v{version + 1} refused: {record.message}")
+                version += 1
+                if version % 100 == 0:
+                    print(json.dumps({"event": "published", "version": version, "unix": time.time()}), flush=True)
+                break
+
+
+# -- the reference: what joining needs, without a broker -----------------------------------------------------
+
+
+def run_reference(model_dir: Path, adapter_dir: Path) -> None:
+    """Load the model, one adapter (written as a worker's store writes it), generate one group; print timings."""
+    started = time.monotonic()
+    from common.config import load_config
+    from common.protocol import PromptLease
+    from common.tasks import ArithTask
+    from rollout_worker.adapters import AdapterStore
+    from rollout_worker.backends import make_backend
+    from rollout_worker.envs import EnvResolver
+    from rollout_worker.rollout import Rollouts
+
+    config = load_config(overrides=[f'model.path="{model_dir}"', 'worker.backend="hf"',
+                                    *(f"{k}={v}" for k, v in WORKER_SETTINGS.items())])
+    layout, peft_config = lora_layout_from_disk(adapter_dir)
+    store = AdapterStore(tempfile.mkdtemp(prefix="join-ref-"))
+    import_s = time.monotonic() - started
+    loading = time.monotonic()
+    backend = make_backend(config, worker_id="reference", max_staleness=0)
+    model_s = time.monotonic() - loading
+    update, tensors = adapter_message(1, layout, peft_config)
+    from common.protocol import decode, encode
+
+    _, envelope = decode([bytes(f) for f in encode(update, tensors)])
+    loading = time.monotonic()
+    backend.add_adapter(store.receive(update, envelope.specs, envelope.frames))
+    adapter_s = time.monotonic() - loading
+    rollouts = Rollouts(backend, EnvResolver(config.worker.env), config.worker, worker_id="reference",
+                        max_seq_len=config.model.max_seq_len)
+    item = ArithTask(seed=0).item(0)
+    rollouts.add(PromptLease(lease_id="l0", group_id="0:0", prompt_index=0, epoch=0, task="arith",
+                             prompt=item.prompt, answer=item.answer, group_size=GROUP_SIZE, deadline_s=600))
+    generating = time.monotonic()
+    while rollouts.num_groups:
+        rollouts.step() or time.sleep(0.001)
+    print(json.dumps({"import_s": import_s, "model_load_s": model_s, "adapter_load_s": adapter_s,
+                      "generate_s": time.monotonic() - generating, "done_unix": time.time()}), flush=True)
+
+
+def lora_layout_from_disk(path: Path) -> tuple[list[tuple[str, tuple[int, ...]]], dict[str, Any]]:
+    data = json.loads((path / "layout.json").read_text())
+    return [(name, tuple(shape)) for name, shape in data["layout"]], data["config"]
+
+
+# -- the measurement -------------------------------------------------------------------------------------------
+
+
+def log_events(path: Path) -> list[dict[str, Any]]:
+    out = []
+    for line in path.read_text(errors="replace").splitlines() if path.is_file() else []:
+        try:
+            item = json.loads(line)
+        except ValueError:
+            continue
+        if isinstance(item, dict) and "event" in item:
+            out.append(item)
+    return out
+
+
+def unix(event: dict[str, Any]) -> float:
+    return datetime.fromisoformat(event["timestamp"]).timestamp()
+
+
+def join_pieces(events: list[dict[str, Any]], spawned_unix: float) -> dict[str, float] | None:
+    """A joiner's timings from its JSON log, once it has an accepted group; None before."""
+    accepted = next((e for e in events if e["event"] == "group_acked" and e.get("status") == "accepted"), None)
+    if accepted is None:
+        return None
+    ready = next(e for e in events if e["event"] == "backend_ready")
+    first_load = next(e for e in events if e["event"] == "adapter_loaded")
+    first_group = next(e for e in events if e["event"] == "group_submitted")
+    loads_before = [e for e in events if e["event"] == "adapter_loaded" and unix(e) <= unix(first_group)]
+    joined = next(e for e in events if e["event"] == "joined")
+    return {"join_s": unix(accepted) - spawned_unix, "start_s": unix(joined) - spawned_unix,
+            "model_load_s": ready["load_s"], "adapter_load_s": first_load["load_ms"] / 1000,
+            "generate_s": first_group.get("generate_s", float("nan")), "loads_before_first_group": len(loads_before),
+            "first_version": first_load["version"]}
+
+
+def worker_argv(endpoint: str, run_dir: Path, worker_id: str, model_dir: Path) -> list[str]:
+    argv = [sys.executable, "-m", "rollout_worker", "--endpoint", endpoint, "--run-dir", str(run_dir),
+            "--worker-id", worker_id, "--backend", "hf", "--log-format", "json",
+            "--set", f'model.path="{model_dir}"']
+    for key, value in WORKER_SETTINGS.items():
+        argv += ["--set", f"{key}={value}"]
+    return argv
+
+
+def child_env() -> dict[str, str]:
+    return {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false",
+            "PYTHONUNBUFFERED": "1"}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--role", choices=("bench", "learner", "reference"), default="bench")
+    parser.add_argument("--endpoint", default="")
+    parser.add_argument("--model-dir", default="")
+    parser.add_argument("--adapter-dir", default="")
+    parser.add_argument("--workers", type=int, default=3)
+    parser.add_argument("--rate", type=float, default=0.0, help="versions/s at most; 0 = as fast as it can")
+    parser.add_argument("--warmup-versions", type=int, default=50)
+    parser.add_argument("--timeout", type=float, default=180.0)
+    args = parser.parse_args()
+    if args.role == "learner":
+        return run_learner(args.endpoint, Path(args.model_dir), args.rate, batch_groups=4)
+    if args.role == "reference":
+        return run_reference(Path(args.model_dir), Path(args.adapter_dir))
+
+    from bench.report import report
+    from common.tiny_model import resolve_model
+    from common.transport import fetch_stats
+
+    model_dir = resolve_model("builtin:tiny")
+    work = Path(tempfile.mkdtemp(prefix="bench-join-"))
+    layout, config = lora_layout(model_dir)
+    (work / "layout.json").write_text(json.dumps({"layout": layout, "config": config}))
+    procs: list[subprocess.Popen] = []
+    broker, endpoint = start_broker(work, f'model.path="{model_dir}"', "run.max_staleness=1000",
+                                    f"run.group_size={GROUP_SIZE}", "run.groups_per_step=4",
+                                    "broker.heartbeat_interval_s=0.5", "broker.heartbeat_misses=20")
+    procs.append(broker)
+    try:
+        with open(work / "learner.log", "wb") as log:
+            procs.append(subprocess.Popen([sys.executable, __file__, "--role", "learner", "--endpoint", endpoint,
+                                           "--model-dir", str(model_dir), "--rate", str(args.rate)],
+                                          stdout=log, stderr=subprocess.STDOUT, env=child_env(), cwd=REPO))
+        deadline = time.monotonic() + 120
+        while fetch_stats(endpoint, timeout_s=5)["latest_version"] < args.warmup_versions:
+            if time.monotonic() > deadline or procs[-1].poll() is not None:
+                raise SystemExit(f"the learner did not publish {args.warmup_versions} versions: "
+                                 f"{(work / 'learner.log').read_text()[-2000:]}")
+            time.sleep(0.2)
+        version_at_join, joined_at = fetch_stats(endpoint)["latest_version"], time.monotonic()
+        spawned = {}
+        for i in range(args.workers):
+            name = f"joiner{i}"
+            with open(work / f"{name}.log", "wb") as log:
+                spawned[name] = time.time()
+                procs.append(subprocess.Popen(worker_argv(endpoint, work / "run", name, model_dir), stdout=log,
+                                              stderr=subprocess.STDOUT, env=child_env(), cwd=REPO))
+        reference_spawned = time.time()
+        reference = subprocess.run([sys.executable, __file__, "--role", "reference", "--model-dir", str(model_dir),
+                                    "--adapter-dir", str(work)], capture_output=True, text=True, env=child_env(),
+                                   cwd=REPO, timeout=args.timeout)
+        if reference.returncode:
+            raise SystemExit(f"the reference failed:\n{reference.stderr[-3000:]}")
+        ref = json.loads(reference.stdout.strip().splitlines()[-1])
+        reference_s = ref["done_unix"] - reference_spawned
+        pieces: dict[str, dict[str, float]] = {}
+        max_dirs = 0
+        deadline = time.monotonic() + args.timeout
+        while len(pieces) < args.workers and time.monotonic() < deadline:
+            for name in spawned:
+                adapters = work / "run" / "workers" / name / "adapters"
+                if adapters.is_dir():
+                    max_dirs = max(max_dirs, sum(1 for p in adapters.iterdir() if p.name.startswith("v")))
+                if name not in pieces and (found := join_pieces(log_events(work / f"{name}.log"), spawned[name])):
+                    pieces[name] = found
+            time.sleep(0.2)
+        stats = fetch_stats(endpoint)
+        rate = (stats["latest_version"] - version_at_join) / (time.monotonic() - joined_at)
+    finally:
+        for proc in reversed(procs):
+            if proc.poll() is None:
+                proc.send_signal(signal.SIGTERM)
+        for proc in reversed(procs):
+            try:
+                proc.wait(timeout=15)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+    print(f"learner published {rate:.0f} versions/s while the workers joined (from v{version_at_join}); "
+          f"max_staleness 1000, group_size {GROUP_SIZE}, {WORKER_SETTINGS['worker.max_new_tokens']} tokens")
+    print(f"reference (start + model {ref['model_load_s']:.2f} s + adapter {ref['adapter_load_s'] * 1000:.0f} ms + "
+          f"one group {ref['generate_s']:.2f} s, no broker): {reference_s:.2f} s")
+    for name, p in sorted(pieces.items()):
+        print(f"{name}: join {p['join_s']:.2f} s  (start+connect {p['start_s']:.2f} s, model {p['model_load_s']:.2f} s,"
+              f" first adapter v{p['first_version']:.0f} {p['adapter_load_s'] * 1000:.0f} ms, first group "
+              f"{p['generate_s']:.2f} s, {p['loads_before_first_group']:.0f} adapters loaded before it)")
+    missing = sorted(set(spawned) - set(pieces))
+    if missing:
+        print(f"no accepted group within {args.timeout:.0f} s from: {', '.join(missing)}")
+    joins = [p["join_s"] for p in pieces.values()] + [float("inf")] * len(missing)
+    median = statistics.median(joins)
+    print(f"median join {median:.2f} s vs reference {reference_s:.2f} s; adapter dirs of a joiner at most {max_dirs}")
+    report("join_time", "median_join_s", median, "s", reference_s, workers=args.workers,
+           versions_per_s=round(rate, 1), max_adapter_dirs=max_dirs,
+           max_join_s=round(max(joins), 3), joined=len(pieces))
+
+
+if __name__ == "__main__":
+    main()
