@@ -223,6 +223,58 @@ def test_learner_trains_on_the_groups_and_peft_serves_the_adapter(taught: Taught
                                    published)
 
 
+class OneToolCall(Environment):
+    """The first turn gets a tool reply, the second ends the episode."""
+
+    max_turns = 2
+
+    def start(self, episode: Any) -> dict:
+        return {"replied": False}
+
+    def step(self, state: dict, turn: str, *, finished: bool, episode: Any) -> Step:
+        if state["replied"]:
+            return Step(done=True, reward=1.0)
+        state["replied"] = True
+        return Step(done=False, reply="=84")
+
+
+def test_a_tool_reply_joins_through_the_template(taught: Taught) -> None:
+    """Greedy turns end with eos_ids[i]: the template's own end of turn re-renders to the held tokens (nothing
+    counted, the sequence is exactly apply_chat_template's); another eos id does not (counted, tokens kept)."""
+    from rollout_worker.backends.hf import HfBackend
+
+    backend = HfBackend(taught.model_dir, sampling=Sampling(), device="cpu")
+    tokenizer = backend.tokenizer
+    template_end = tokenizer.convert_tokens_to_ids({"gemma": "<end_of_turn>", "llama3": "<|eot_id|>"}.get(
+        taught.family, "<|im_end|>"))
+    for i, (messages, answer) in enumerate(PROMPTS):
+        wake = threading.Event()
+        rollouts = Rollouts(backend, EnvResolver(OneToolCall()), WorkerConfig(max_new_tokens=MAX_TOKENS),
+                            worker_id="test", max_seq_len=256, wake=wake, greedy=True)
+        rollouts.add(PromptLease(lease_id="l", group_id=f"0:{i}", prompt_index=i, epoch=0, task="chat",
+                                 prompt=messages, answer=answer, group_size=1, deadline_s=60.0))
+        finished, deadline = [], time.monotonic() + 60
+        while not finished:
+            assert time.monotonic() < deadline
+            finished = rollouts.step() if rollouts.has_ready() else rollouts.poll()
+            wake.wait(0.02)
+        tensors = dict(finished[0].tensors)
+        completion, mask = tensors["completion_ids"].tolist(), tensors["loss_mask"].tolist()
+        first_turn = mask.index(0)
+        assert completion[:first_turn] == taught.targets[i]
+        reply_end = first_turn + mask[first_turn:].index(1) if 1 in mask[first_turn:] else len(mask)
+        sequence = taught.prompt_ids[i] + completion[:reply_end]
+        expected = render(tokenizer, [*messages, {"role": "assistant", "content": answer},
+                                      {"role": "tool", "content": "=84"}])
+        mismatches = rollouts.metrics.total("chat_prefix_mismatch")
+        if taught.targets[i][-1] == template_end:
+            assert (sequence, mismatches) == (expected, 0)
+        else:
+            assert mismatches == 1 and sequence != expected
+            assert tokenizer.decode(sequence[len(taught.prompt_ids[i]) + first_turn:]).endswith(
+                tokenizer.decode(expected[-4:]))  # the reply still ends with the template's generation prompt
+
+
 @pytest.mark.vllm
 def test_vllm_backend_renders_stops_and_serves_the_published_adapter(taught: Taught, published: Published) -> None:
     from rollout_worker.backends.vllm import VllmBackend
