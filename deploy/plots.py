@@ -230,8 +230,8 @@ def timeline_figure(lanes: dict[str, rundir.Lane], start_s: float) -> Any:
                 seen_marks.add(life.ended)
         share = lane.busy_share()
         if share is not None:
-            ax.text(1.0, row, f" {share:.0%} busy of {lane.alive_s():.0f} s alive", va="center", ha="left",
-                    fontsize=8, transform=ax.get_yaxis_transform())
+            ax.text(1.0, row, f" {share:.0%} busy of {lane.ready_s():.0f} s ready\n ({lane.alive_s():.0f} s alive)",
+                    va="center", ha="left", fontsize=8, transform=ax.get_yaxis_transform())
     ax.set_yticks(range(len(lanes)), list(lanes))
     ax.set_ylim(max(len(lanes), 1) - 0.5, -0.5)
     ax.set_xlabel("wall time since start (s)")

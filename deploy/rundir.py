@@ -109,10 +109,17 @@ class Lane:
     def alive_s(self) -> float:
         return sum(life.end_s - life.start_s for life in self.lives)
 
+    def _ready_spans(self) -> list[tuple[float, float, str]]:
+        return [s for s in self.spans() if s[2] not in ("starting", "stopping")]
+
+    def ready_s(self) -> float:
+        """Time alive after start-up and before shut-down."""
+        return sum(end - start for start, end, _ in self._ready_spans())
+
     def busy_share(self) -> float | None:
-        """Fraction of the time alive spent in a busy state, start-up and shut-down not counted (None before it
-        was ready): the time between a death and a restart counts for nothing."""
-        spans = [s for s in self.spans() if s[2] not in ("starting", "stopping")]
+        """Fraction of the ready time (:meth:`ready_s`) spent in a busy state (None before it was ready): the
+        time between a death and a restart counts for nothing."""
+        spans = self._ready_spans()
         total = sum(end - start for start, end, _ in spans)
         if total <= 0:
             return None
@@ -128,41 +135,57 @@ class Lane:
 
 
 def timelines(run_dir: str | os.PathLike, now_s: float | None = None) -> dict[str, Lane]:
-    """Process name -> its lane, learner first, then brokers and workers by name. A life without a final mark
-    ends at the process's exit record when ``processes.jsonl`` has one (``loraflow run``), else at its last line;
-    its last life counts as ``running`` while that line is less than three alive periods older than ``now_s``."""
+    """Process name -> its lane, learner first, then brokers and workers by name.
+
+    Under ``loraflow run`` the launcher's records (``processes.jsonl``) make the lives exact: a life begins at its
+    process's start record (the start-up before its first mark is shown as ``starting``) and, when it wrote no
+    final mark, ends at its exit record. Without them a life is what its timeline says, and its last life counts
+    as ``running`` while its last line is less than three alive periods older than ``now_s``."""
     now_s = time.time() if now_s is None else now_s
     directory = Path(run_dir) / "timeline"
     paths = sorted(directory.glob("*.jsonl")) if directory.is_dir() else []
-    exits = _exit_records(run_dir)
+    records = _launcher_records(run_dir)
     lanes = {}
     for path in paths:
         lives = read_lives(path)
-        for i, life in enumerate(lives):
-            if life.ended:
-                continue
-            until = lives[i + 1].start_s if i + 1 < len(lives) else float("inf")
-            record = next(((t, code) for t, code in exits.get(path.stem, []) if life.start_s <= t < until), None)
-            if record is not None:
-                life.end_s = max(life.end_s, record[0])
-                life.ended = "killed" if record[1] is not None and record[1] < 0 else "exited"
-            elif i + 1 == len(lives) and now_s - life.end_s < 3 * ALIVE_EVERY_S:
-                life.ended = "running"
-            else:
-                life.ended = "lost"
         if lives:
+            _apply_records(lives, records.get((path.stem, "start"), []), records.get((path.stem, "exit"), []),
+                           now_s)
             lanes[path.stem] = Lane(name=path.stem, lives=lives)
     order = sorted(lanes, key=lambda name: (name != "learner", name != "broker", name))
     return {name: lanes[name] for name in order}
 
 
-def _exit_records(run_dir: str | os.PathLike) -> dict[str, list[tuple[float, int | None]]]:
-    """Process name -> (unix time, exit code) of each exit the launcher recorded, in order."""
-    out: dict[str, list[tuple[float, int | None]]] = {}
+def _apply_records(lives: list[Life], starts: list[tuple[float, int | None]], exits: list[tuple[float, int | None]],
+                   now_s: float) -> None:
+    for i, life in enumerate(lives):
+        after = lives[i - 1].end_s if i else float("-inf")
+        started = [t for t, _ in starts if after < t < life.start_s]
+        if started:  # the newest start before its first mark (an earlier one may have crashed before marking)
+            first_t, first_state = life.transitions[0]
+            life.transitions[0:1] = ([(started[-1], first_state)] if first_state == "starting"
+                                     else [(started[-1], "starting"), (first_t, first_state)])
+            life.start_s = started[-1]
+        if life.ended:
+            continue
+        until = lives[i + 1].start_s if i + 1 < len(lives) else float("inf")
+        record = next(((t, code) for t, code in exits if life.start_s <= t < until), None)
+        if record is not None:
+            life.end_s = max(life.end_s, record[0])
+            life.ended = "killed" if record[1] is not None and record[1] < 0 else "exited"
+        elif i + 1 == len(lives) and now_s - life.end_s < 3 * ALIVE_EVERY_S:
+            life.ended = "running"
+        else:
+            life.ended = "lost"
+
+
+def _launcher_records(run_dir: str | os.PathLike) -> dict[tuple[str, str], list[tuple[float, int | None]]]:
+    """(process name, "start" | "exit") -> (unix time, exit code or None) of each record, in order."""
+    out: dict[tuple[str, str], list[tuple[float, int | None]]] = {}
     for item in read_jsonl(processes_path(run_dir)):
-        if item.get("event") == "exit" and isinstance(item.get("t"), int | float):
-            code = item.get("code")
-            out.setdefault(str(item.get("process")), []).append(
+        event, code = item.get("event"), item.get("code")
+        if event in ("start", "exit") and isinstance(item.get("t"), int | float):
+            out.setdefault((str(item.get("process")), event), []).append(
                 (float(item["t"]), code if isinstance(code, int) else None))
     return out
 

@@ -137,6 +137,12 @@ def test_a_restart_ends_the_dead_life_and_busy_share_counts_only_time_alive(tmp_
                                                           "pid": 1, "code": -9})
     first_life = rundir.timelines(tmp_path, now_s=t0 + 200)["learner"].lives[0]
     assert (first_life.end_s, first_life.ended) == (t0 + 3.4, "killed")
+    # and its start record when the restarted process began: its start-up before the first mark is not downtime
+    for t in (t0 + 20, t0 + 90):  # the first restart crashed before marking anything
+        rundir.append_jsonl(rundir.processes_path(tmp_path), {"t": t, "process": "learner", "event": "start"})
+    lane = rundir.timelines(tmp_path, now_s=t0 + 200)["learner"]
+    assert lane.outages() == [(t0 + 3.4, t0 + 90)] and lane.spans()[2] == (t0 + 90, t0 + 101, "starting")
+    assert lane.busy_share() == pytest.approx(4.4 / 5.4) and lane.ready_s() == pytest.approx(5.4)
     assert [life.ended for life in read_lives(path)] == ["", "stopped"]
 
 
@@ -234,7 +240,7 @@ def test_timeline_plot_marks_deaths_restarts_and_time_alive(tmp_path: Path) -> N
     restarted_learner(tmp_path)
     lanes = rundir.timelines(tmp_path, now_s=1_800_000_200.0)
     text = words(plots.timeline_figure(lanes, 1_800_000_000.0))
-    assert "80% busy of 7 s alive" in text and "restart" in text and "ended without a final mark" in text
+    assert "80% busy of 5 s ready\n (7 s alive)" in text and "restart" in text and "ended without a final mark" in text
     assert "stopped cleanly" in text and "down (between a death and its restart)" in text
     write_sessions(rundir.metrics_path(tmp_path))
     assert [p.name for p in plots.plot_run(tmp_path, now_s=1_800_000_200.0)] == [
