@@ -92,7 +92,7 @@ class Learner:
 
     def __init__(self, config: Config, parallel: Parallel, policy: Policy, optimizer: torch.optim.Optimizer,
                  scheduler: Any, checkpointer: Checkpointer, state: LearnerState, session: BrokerSession | None,
-                 metrics: Metrics, ledger: Ledger | None = None) -> None:
+                 metrics: Metrics, ledger: Ledger | None = None, timeline: Timeline | None = None) -> None:
         self.config = config
         self.parallel = parallel
         self.policy = policy
@@ -106,7 +106,7 @@ class Learner:
         self.loss_config = LossConfig.from_learner(config.learner)
         self.learner_dir = config.run_dir / "learner"
         self.adapter_root = self.learner_dir / "adapters"
-        self.timeline = Timeline.for_process(config.run_dir, "learner") if parallel.is_main else Timeline(None)
+        self.timeline = timeline if timeline is not None else Timeline(None)  # rank 0's, marked since start-up
         self.tracker = tracking.open_tracker(config, is_main=parallel.is_main)  # run.report_to (rank 0)
         self.metrics_log = MetricsLog(self.learner_dir / "metrics.jsonl" if parallel.is_main else None,
                                       session=session.link.hello.session if session is not None else "",
@@ -322,6 +322,8 @@ def run(config: Config) -> int:
     """Start (or resume) the learner and run the loop until it stops; returns the exit code."""
     parallel = init_parallel(config.learner.device)
     bind(rank=parallel.rank)
+    timeline = Timeline.for_process(config.run_dir, "learner") if parallel.is_main else Timeline(None)
+    timeline.mark("starting")  # model build, checkpoint load and connecting show as start-up, not as time down
     if config.learner.num_threads:
         torch.set_num_threads(config.learner.num_threads)
     torch.manual_seed(config.run.seed + parallel.rank)
@@ -355,7 +357,7 @@ def run(config: Config) -> int:
             if config.learner.metrics_port:
                 serve_prometheus(metrics, config.learner.metrics_port)
         learner = Learner(config, parallel, policy, optimizer, scheduler, checkpointer, state, session, metrics,
-                          ledger)
+                          ledger, timeline)
         _install_stop_handlers(learner)
         if parallel.broadcast_int(int(state.version > state.checkpoint_version)):
             learner.publish()  # the checkpoint's weights under a new number: replaces the withdrawn versions
