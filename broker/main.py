@@ -10,7 +10,7 @@ CURVE clients whose keys lie under ``<security.keys_dir>/authorized/<role>/``. S
 long-polls are answered, the state is written, exit code 0.
 
 Before it binds, the start-up checks run (``model.path``, ``run.run_dir``, ``run.task``, the state and endpoint
-files; :mod:`common.startup`); those and a bind address that is taken or not on this machine are config errors:
+files, ``broker.metrics_port``; :mod:`common.startup`); those and a bind address that is taken or not on this machine are config errors:
 one line naming the setting, exit code 2 (:func:`common.cli.run_main`), which supervisors do not restart.
 """
 
@@ -25,7 +25,7 @@ from common.cli import config_from_args, config_parser, run_main
 from common.config import Config, ConfigError, write_resolved
 from common.logging import get_logger, setup_logging
 from common.metrics import serve_prometheus
-from common.startup import check_run_dir, check_task, check_writable, resolve_model
+from common.startup import check_port_free, check_run_dir, check_task, check_writable, resolve_model
 from common.tasks import Task
 from common.tiny_model import default_cache_dir, model_vocab_size
 
@@ -61,6 +61,7 @@ def check(config: Config) -> tuple[Config, Task]:
                           ("broker.endpoint_file", config.broker.endpoint_file)):
         if path:
             check_writable(setting, Path(path).parent, path)
+    check_port_free("broker.metrics_port", config.broker.metrics_port)
     return config, check_task(config)
 
 

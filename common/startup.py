@@ -12,13 +12,15 @@ for the worker's reward and environment; the broker's bind address is checked wh
   for ``run.seed`` (``python -m deploy.demo_base --seed N`` or ``loraflow run`` prepares it; a role never
   trains it itself: that is minutes of CPU, which every worker and the learner would race to spend);
 - :func:`check_writable`: a directory setting (``run.run_dir``, ...) can be created and written here;
-- :func:`check_task`: ``run.task`` names a built-in task or a readable JSONL file.
+- :func:`check_task`: ``run.task`` names a built-in task or a dataset that reads;
+- :func:`check_port_free`: a ``*.metrics_port`` is not taken (a Prometheus server binds it after connecting).
 """
 
 from __future__ import annotations
 
 import dataclasses
 import os
+import socket
 from pathlib import Path
 
 from common.config import Config, ConfigError
@@ -80,10 +82,18 @@ def check_run_dir(config: Config) -> None:
 
 
 def check_task(config: Config) -> Task:
-    """The task ``run.task`` names (a JSONL file is read and checked line by line)."""
-    try:
-        return load_task(config.run.task, config.run.seed)
-    except ConfigError:
-        raise
-    except ValueError as exc:  # common.tasks reports a bad task spec or file as ValueError, naming run.task
-        raise ConfigError(str(exc)) from None
+    """The task ``run.task`` names, read as ``[data]`` says (a dataset is read and checked row by row)."""
+    return load_task(config.run.task, config.run.seed, config.data)
+
+
+def check_port_free(setting: str, port: int, host: str = "0.0.0.0") -> None:
+    """Nothing holds ``port`` (0 = off, nothing to check), so a Prometheus server can bind it later."""
+    if not port:
+        return
+    with socket.socket() as probe:
+        probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as http.server binds
+        try:
+            probe.bind((host, port))
+        except OSError as exc:
+            raise ConfigError(f"{setting} = {port}: the port cannot be bound here ({exc.strerror}); another process "
+                              f"may serve metrics there: set {setting} to a free port, or 0 for none") from None

@@ -413,7 +413,7 @@ def _main(argv: list[str]) -> int:
     if args.config is None:
         args.config = str(DEMO_CONFIG)
     config = choose_run_dir(config_from_args(args))
-    preflight.check(config)  # every role's start-up checks, before anything is created or started
+    preflight.check(config, starting=True)  # every role's start-up checks, before anything is created or started
     run_dir = config.run_dir
     (run_dir / "logs").mkdir(parents=True, exist_ok=True)
     log_file = open(run_dir / "logs" / "launcher.log", "a")  # noqa: SIM115 - open for the whole run

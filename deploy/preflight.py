@@ -19,8 +19,8 @@ import os
 import sys
 from collections.abc import Iterator
 
-from common.config import Config
-from common.startup import check_run_dir, check_task, resolve_model
+from common.config import Config, ConfigError
+from common.startup import check_port_free, check_run_dir, check_task, resolve_model
 from rollout_worker.startup import check_user_code
 
 
@@ -35,10 +35,29 @@ def children_module_path() -> Iterator[None]:
         sys.path.remove(cwd)  # the first occurrence: the one inserted above
 
 
-def check(config: Config) -> None:
-    """Every role's start-up checks that do not depend on a running process; raises ConfigError."""
+def check(config: Config, *, starting: bool = False) -> None:
+    """Every role's start-up checks that do not depend on a running process; raises ConfigError.
+
+    ``starting``: ``loraflow run`` is about to start every role on this machine, so the metrics ports must be
+    free here, and one ``worker.metrics_port`` cannot serve several workers."""
     with children_module_path():
         check_user_code(config.worker)
     resolve_model(config, demo_by_caller=True)  # the learner loads the model whatever the workers' backend
     check_run_dir(config)
     check_task(config)
+    if not starting:
+        return
+    if config.worker.metrics_port and config.launch.num_workers > 1:
+        raise ConfigError(f"worker.metrics_port = {config.worker.metrics_port} with launch.num_workers = "
+                          f"{config.launch.num_workers}: every worker would bind that one port; set "
+                          "worker.metrics_port = 0 under `loraflow run` (the broker's metrics cover the run), or "
+                          "launch.num_workers = 1")
+    taken: dict[int, str] = {}
+    for setting, port in (("broker.metrics_port", config.broker.metrics_port),
+                          ("learner.metrics_port", config.learner.metrics_port),
+                          ("worker.metrics_port", config.worker.metrics_port)):
+        if port and port in taken:
+            raise ConfigError(f"{setting} = {port} is {taken[port]} too: processes on one machine need their own "
+                              "ports; change one (0 = no metrics server)")
+        check_port_free(setting, port)
+        taken[port] = setting

@@ -107,6 +107,31 @@ def test_a_taken_port_names_the_setting(tmp_path: Path) -> None:
             assert f"tcp://127.0.0.1:{port} is in use" in line and "another broker may be running" in line
 
 
+@pytest.mark.parametrize(("command", "setting"), [("broker", "broker.metrics_port"), ("worker", "worker.metrics_port"),
+                                                 ("learner", "learner.metrics_port"), ("run", "learner.metrics_port")])
+def test_a_taken_metrics_port_is_refused_before_connecting(tmp_path: Path, command: str, setting: str) -> None:
+    with socket.socket() as taken:
+        taken.bind(("0.0.0.0", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        args = [command, "--run-dir", str(tmp_path / "run"), "--set", f"{setting}={port}"]
+        if command in ("worker", "learner"):
+            args += ["--endpoint", f"tcp://127.0.0.1:{free_port()}"]
+        result, _ = loraflow(tmp_path, *args, "--backend", "sim") if command == "worker" else loraflow(tmp_path, *args)
+    assert f"{setting} = {port}: the port cannot be bound here" in assert_one_line_exit_2(result, command, setting)
+
+
+@pytest.mark.parametrize(("sets", "message"), [
+    (["worker.metrics_port=9401", "launch.num_workers=2"], "every worker would bind that one port"),
+    (["broker.metrics_port=9401", "learner.metrics_port=9401"], "learner.metrics_port = 9401 is broker.metrics_port"),
+])
+def test_loraflow_run_refuses_metrics_ports_its_processes_would_share(tmp_path: Path, sets: list[str],
+                                                                        message: str) -> None:
+    result, _ = loraflow(tmp_path, "run", "--run-dir", str(tmp_path / "run"), *(f"--set={s}" for s in sets))
+    assert message in assert_one_line_exit_2(result, "run", sets[0].split("=")[0])
+    assert not (tmp_path / "run").exists()
+
+
 def test_loraflow_run_exits_2_when_its_broker_cannot_bind(tmp_path: Path, tiny_model_dir: Path) -> None:
     # found by the broker child, not by the checks before it: the run stops at once, the broker started once
     with socket.socket() as taken:
