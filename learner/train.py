@@ -49,7 +49,7 @@ from common import versions
 from common.config import Config, write_resolved
 from common.logging import bind, get_logger
 from common.metrics import Metrics, serve_prometheus
-from common.protocol import Batch, BatchAck
+from common.protocol import Batch, BatchAck, reward_means_of
 from common.timeline import Timeline
 from common.tiny_model import resolve_model
 from learner import data, publish, tracking
@@ -268,6 +268,7 @@ class Learner:
             "num_groups_trained": step_batch.num_groups,
             "reward_mean": float(rewards.mean()) if rewards.numel() else 0.0,
             "reward_std": float(rewards.std()) if rewards.numel() > 1 else 0.0,
+            "reward_components": reward_means_of([entry.group for entry in received.batch.groups]),
             **stats,
             "staleness": {str(k): v for k, v in sorted(received.selection.staleness.items())},
             "staleness_zero_variance": _zero_variance_staleness(received, trained_version),

@@ -8,7 +8,8 @@
          +------- environment step, one guarded thread per sample <----------------------------------------+
                                   | done + reward (failures: reward 0, counted)
                                   v
-                  every sample of a group done -> FinishedGroup (RolloutGroup header + 5 tensors)
+                  every sample of a group done -> TRL-style rewards, if any: one guarded call per function
+                                                  (rewards/group.py) -> FinishedGroup (header + 5 tensors)
 
 One round generates one chunk for every ready sample of every group at once, so samples of different lengths
 and groups leased at different times share batches: a sample that ends leaves at the next chunk boundary, one
@@ -49,7 +50,16 @@ from common.metrics import Metrics
 from common.protocol import PromptLease, RolloutGroup
 from rollout_worker.backends.base import Backend, GenRequest
 from rollout_worker.envs import Environment, EnvResolver, Episode, Step
-from rollout_worker.rewards import GuardedCall, InvalidReward, RewardFn, as_reward, call_guarded
+from rollout_worker.rewards import (
+    Attributed,
+    GuardedCall,
+    InvalidReward,
+    RewardFn,
+    RewardSet,
+    as_reward,
+    call_guarded,
+)
+from rollout_worker.rewards.group import GroupScore, GroupScoring, inputs_for
 
 log = get_logger("rollout")
 
@@ -102,6 +112,8 @@ class GroupRollout:
     generate_s: float = 0.0
     reward_s: float = 0.0
     num_reward_failures: int = 0
+    scoring: GroupScoring | None = None  # TRL-style rewards of the group in flight (all samples done)
+    reward_means: dict[str, float] | None = None
 
     @property
     def done(self) -> bool:
@@ -121,14 +133,17 @@ class Rollouts:
 
     def __init__(self, backend: Backend, envs: EnvResolver, config: WorkerConfig, *, worker_id: str,
                  max_seq_len: int, metrics: Metrics | None = None, reward_fn: RewardFn | None = None,
-                 wake: threading.Event | None = None, greedy: bool = False) -> None:
+                 rewards: RewardSet | None = None, wake: threading.Event | None = None, greedy: bool = False) -> None:
+        """``rewards``: worker.reward(s) resolved (:func:`rollout_worker.rewards.load_rewards`); ``reward_fn``
+        alone is a per-sample reward (loraflow's signature)."""
         self.backend = backend
         self.envs = envs
         self.config = config
         self.worker_id = worker_id
         self.max_seq_len = max_seq_len
         self.metrics = metrics or Metrics()
-        self.reward_fn = reward_fn
+        self.rewards = rewards or RewardSet(per_sample=reward_fn, per_sample_name=getattr(reward_fn, "__name__", ""))
+        self.reward_fn = self.rewards.per_sample
         self.wake = wake or threading.Event()
         self.greedy = greedy
         self.last_failure = ""  # what the newest failure of user code said (the worker's stop message names it)
@@ -143,13 +158,13 @@ class Rollouts:
     def add(self, lease: PromptLease) -> None:
         """Start the group of a granted lease."""
         env = self.envs.for_task(lease.task)
-        group = GroupRollout(lease=lease, env=env, prompt_ids=self.backend.encode(lease.prompt), samples=[],
+        group = GroupRollout(lease=lease, env=env, prompt_ids=self.backend.encode(lease.prompt_value), samples=[],
                              start_version=self.current_version)
         for index in range(lease.group_size):
-            episode = Episode(prompt=lease.prompt, answer=lease.answer, task=lease.task, meta=lease.meta,
-                              group_id=lease.group_id, index=index)
+            episode = Episode(prompt=lease.prompt_value, answer=lease.answer, task=lease.task, meta=lease.meta,
+                              group_id=lease.group_id, index=index, columns=lease.columns or {})
             sample = Sample(index=index, episode=episode)
-            self._start_conversation(sample, lease.prompt)
+            self._start_conversation(sample, lease.prompt_value)
             group.samples.append(sample)
             self._start_episode(group, sample)
         self.groups[lease.lease_id] = group
@@ -166,9 +181,10 @@ class Rollouts:
         return any(s.status == READY for g in self.groups.values() for s in g.samples)
 
     def next_deadline(self) -> float | None:
-        """Monotonic time of the earliest environment-step deadline, if any step is in flight."""
+        """Monotonic time of the earliest environment-step or group-reward deadline, if any is in flight."""
         deadlines = [s.call.deadline for g in self.groups.values() for s in g.samples
                      if s.status == IN_ENV and s.call is not None]
+        deadlines += [g.scoring.deadline for g in self.groups.values() if g.scoring is not None]
         return min(deadlines, default=None)
 
     def versions_in_use(self) -> set[int]:
@@ -259,7 +275,7 @@ class Rollouts:
             sample.version = None
             sample.num_aborts += 1
             self.metrics.inc("samples_aborted")
-            self._start_conversation(sample, group.lease.prompt)
+            self._start_conversation(sample, group.lease.prompt_value)
             self._start_episode(group, sample)
         return newest
 
@@ -318,8 +334,11 @@ class Rollouts:
         if step.done:
             step.reward = as_reward(step.reward)
             if self.reward_fn is not None:
-                step.reward = as_reward(self.reward_fn(completion, episode.answer, prompt=episode.prompt,
-                                                       task=episode.task, meta=episode.meta, finished=finished))
+                try:
+                    step.reward = as_reward(self.reward_fn(completion, episode.answer, prompt=episode.prompt,
+                                                           task=episode.task, meta=episode.meta, finished=finished))
+                except Exception as exc:  # noqa: BLE001 - re-raised, named, for the guard to count
+                    raise Attributed(self.rewards.per_sample_name, exc) from exc
         return step
 
     def _collect(self) -> None:
@@ -334,7 +353,8 @@ class Rollouts:
                 sample.call = None
                 group.reward_s += outcome.duration_s
                 if not outcome.ok:
-                    self._fail(group, sample, outcome.failure, outcome.error)
+                    self._fail(group, sample, outcome.failure, outcome.error,
+                               outcome.function or self._step_owner(group))
                     continue
                 self._apply_step(group, sample, outcome.value)
 
@@ -370,19 +390,62 @@ class Rollouts:
                       reason=appended.mismatch)
         return appended.token_ids
 
-    def _fail(self, group: GroupRollout, sample: Sample, reason: str, error: str) -> None:
+    def _step_owner(self, group: GroupRollout) -> str:
+        """Who a timed-out environment step is charged to: worker.reward when set (it runs in the step's
+        thread after the environment), else the environment."""
+        return self.rewards.per_sample_name if self.reward_fn is not None else type(group.env).__name__
+
+    def _fail(self, group: GroupRollout, sample: Sample, reason: str, error: str, function: str = "") -> None:
         """User code failed: the sample ends with reward 0, counted and logged."""
+        function = function or type(group.env).__name__
         sample.status, sample.reward, sample.finish_reason = DONE, 0.0, "error"
         group.num_reward_failures += 1
-        self.last_failure = f"{reason}: {error}"
+        self.last_failure = f"{function}: {reason}: {error}"
         self.metrics.inc("reward_failures", reason=reason)
-        log.warning("reward_failed", group_id=group.lease.group_id, sample=sample.index, reason=reason, error=error)
+        self.metrics.inc("reward_failures_by_function", function=function, reason=reason)
+        log.warning("reward_failed", group_id=group.lease.group_id, sample=sample.index, reason=reason,
+                    function=function, error=error)
 
     # -- finished groups ---------------------------------------------------------------------------------------
 
     def _pop_finished(self) -> list[FinishedGroup]:
-        finished = [lease_id for lease_id, g in self.groups.items() if g.done]
+        finished = [lease_id for lease_id, g in self.groups.items() if g.done and self._scored(g)]
         return [self._assemble(self.groups.pop(lease_id)) for lease_id in finished]
+
+    def _scored(self, group: GroupRollout) -> bool:
+        """Whether the group's TRL-style rewards are in; their calls start when its last sample is done."""
+        if not self.rewards.batched:
+            return True
+        if group.scoring is None:
+            inputs = inputs_for(group.lease.prompt_value, group.lease.columns or {},
+                                [s.completion_ids for s in group.samples], self.backend.decode)
+            group.scoring = GroupScoring(self.rewards.batched, inputs, timeout_s=self.config.reward_timeout_s,
+                                         on_done=self.wake.set)
+        score = group.scoring.result()
+        if score is not None:
+            self._apply_score(group, score)
+        return score is not None
+
+    def _apply_score(self, group: GroupRollout, score: GroupScore) -> None:
+        """The combined rewards replace the environment's; a failed function zeroes the group (counted)."""
+        group.reward_s += score.duration_s
+        group.reward_means = score.means or None
+        scored = [s for s in group.samples if s.finish_reason != "error"]  # failed steps keep their 0
+        for sample in scored:
+            sample.reward = score.rewards[sample.index]
+            if score.failures:
+                sample.finish_reason = "error"
+        if score.failures:
+            group.num_reward_failures += len(scored)
+            self.metrics.inc("reward_failures", len(scored), reason=score.failures[0].reason)
+        for failure in score.failures:
+            self.last_failure = f"{failure.function}: {failure.reason}: {failure.error}"
+            self.metrics.inc("reward_failures_by_function", len(scored), function=failure.function,
+                             reason=failure.reason)
+            log.warning("reward_failed", group_id=group.lease.group_id, function=failure.function,
+                        reason=failure.reason, error=failure.error, num_samples=len(scored))
+        if score.num_all_none:
+            self.metrics.inc("rewards_all_none", score.num_all_none)
 
     def _assemble(self, group: GroupRollout) -> FinishedGroup:
         samples = group.samples
@@ -395,7 +458,7 @@ class Rollouts:
             min_version=min(versions, default=group.start_version),
             max_version=max(versions, default=group.start_version),
             generate_s=group.generate_s, reward_s=group.reward_s, created_unix=time.time(),
-            num_reward_failures=group.num_reward_failures,
+            num_reward_failures=group.num_reward_failures, reward_means=group.reward_means,
             metrics={"num_turns": sum(s.turn + 1 for s in samples), "num_aborts": sum(s.num_aborts for s in samples),
                      "num_generated_tokens": sum(sum(s.loss_mask) for s in samples)})
         tensors = [

@@ -22,6 +22,8 @@ import abc
 from dataclasses import dataclass, field
 from typing import Any
 
+from common.tasks import Prompt
+
 
 @dataclass(slots=True, kw_only=True)
 class Step:
@@ -36,12 +38,13 @@ class Step:
 class Episode:
     """What an environment knows about the sample it serves (from the lease)."""
 
-    prompt: str
+    prompt: Prompt  # a string, or chat messages (TRL's conversational format)
     answer: str
     task: str
     meta: dict[str, Any] = field(default_factory=dict)
     group_id: str = ""
     index: int = 0  # sample index in the group
+    columns: dict[str, Any] = field(default_factory=dict)  # the dataset row's other columns (common/dataset.py)
 
 
 class Environment(abc.ABC):

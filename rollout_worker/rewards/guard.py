@@ -9,7 +9,10 @@ reason:
   thread; being a daemon it never blocks the worker's exit) and a late result is ignored;
 - ``nan`` / ``type``: the reward is not a finite number (:func:`as_reward`).
 
-The caller turns any failure into reward 0, a counter ``reward_failures{reason}`` and a log line.
+The caller turns any failure into reward 0, the counters ``reward_failures{reason}`` (samples) and
+``reward_failures_by_function{function, reason}``, and a log line.
+Code that runs several user functions in one guarded call (an environment step, then a per-sample reward)
+raises :class:`Attributed` to say which of them failed; the outcome's ``function`` then names it.
 """
 
 from __future__ import annotations
@@ -43,12 +46,22 @@ def as_reward(value: Any) -> float:
     return reward
 
 
+class Attributed(Exception):
+    """A failure of the user function named ``function`` (the original exception is ``error``)."""
+
+    def __init__(self, function: str, error: BaseException) -> None:
+        super().__init__(str(error))
+        self.function = function
+        self.error = error
+
+
 @dataclass(slots=True)
 class Outcome:
     value: Any = None
     failure: str = ""  # "" on success, else one of FAILURE_REASONS
     error: str = ""
     duration_s: float = 0.0
+    function: str = ""  # which user function failed, when the call said so (Attributed)
 
     @property
     def ok(self) -> bool:
@@ -75,10 +88,11 @@ class GuardedCall:
     def _run(self, fn: Callable[..., Any], args: tuple, kwargs: dict) -> None:
         try:
             outcome = Outcome(value=fn(*args, **kwargs))
-        except InvalidReward as exc:
-            outcome = Outcome(failure=exc.reason, error=str(exc))
+        except Attributed as exc:
+            outcome = _failed(exc.error)
+            outcome.function = exc.function
         except BaseException as exc:  # noqa: BLE001 - user code fails closed, whatever it raises
-            outcome = Outcome(failure="exception", error=f"{type(exc).__name__}: {exc}"[:500])
+            outcome = _failed(exc)
         outcome.duration_s = time.monotonic() - self.started
         with self._lock:
             if self.abandoned:
@@ -106,6 +120,12 @@ class GuardedCall:
         outcome = self.poll(max(time.monotonic(), self.deadline))
         assert outcome is not None
         return outcome
+
+
+def _failed(exc: BaseException) -> Outcome:
+    if isinstance(exc, InvalidReward):
+        return Outcome(failure=exc.reason, error=str(exc))
+    return Outcome(failure="exception", error=f"{type(exc).__name__}: {exc}"[:500])
 
 
 def call_guarded(fn: Callable[..., Any], *args: Any, timeout_s: float, **kwargs: Any) -> Outcome:
