@@ -61,7 +61,7 @@ def time_to_target(run_dir: Path, args: argparse.Namespace, max_staleness: int) 
     from deploy.evaluate import evaluate, load_model
 
     config = load_config(run_dir / "config.toml")
-    task = load_task(config.run.task, config.run.seed)
+    task = load_task(config.run.task, config.run.seed, config.data)
     starts = [e["t"] for e in rundir.read_jsonl(rundir.processes_path(run_dir)) if e["event"] == "start"]
     steps = rundir.read_jsonl(rundir.metrics_path(run_dir))
     made_at = {s["version"]: s["time_unix"] for s in steps}

@@ -26,6 +26,7 @@ from pathlib import Path
 from typing import Any
 
 from common.chat import ChatFormat, Prompt, end_of_turn_ids, pad_token_id, token_ids
+from common.config import DataConfig
 from common.tasks import Task, load_task
 
 
@@ -80,6 +81,8 @@ def greedy_completions(model: Any, tokenizer: Any, prompts: list[Prompt], max_ne
     by_length: dict[int, list[int]] = defaultdict(list)
     for i, ids in enumerate(encoded):
         by_length[len(ids)].append(i)
+    neutralise(model)  # greedy means greedy: no repetition penalty or min length from the model's directory
+    config = generation_config(greedy=True, max_new_tokens=max_new_tokens, eos_token_ids=eos_ids, pad_token_id=pad_id)
     out: list[tuple[str, bool]] = [("", False)] * len(prompts)
     with torch.inference_mode():
         for indices in by_length.values():
@@ -87,8 +90,7 @@ def greedy_completions(model: Any, tokenizer: Any, prompts: list[Prompt], max_ne
                 chunk = indices[start:start + batch_size]
                 input_ids = torch.tensor([encoded[i] for i in chunk], dtype=torch.long, device=model.device)
                 generated = model.generate(
-                    input_ids=input_ids, attention_mask=torch.ones_like(input_ids), do_sample=False,
-                    max_new_tokens=max_new_tokens, eos_token_id=list(eos_ids), pad_token_id=pad_id,
+                    input_ids=input_ids, attention_mask=torch.ones_like(input_ids), generation_config=config,
                 )[:, input_ids.shape[1]:]
                 for row, i in zip(generated.tolist(), chunk, strict=True):
                     end = next((k for k, t in enumerate(row) if t in eos_ids), None)
@@ -114,8 +116,9 @@ def evaluate(model: Any, tokenizer: Any, task: Task, *, num_prompts: int, max_ne
 
 def evaluate_dir(model_dir: str | os.PathLike, adapter_dir: str | os.PathLike | None = None, *,
                  task: str = "arith", seed: int = 0, num_prompts: int = 200, max_new_tokens: int = 6,
-                 chat_template_kwargs: Mapping[str, Any] | None = None) -> EvalResult:
-    """Load the model (plus adapter) from disk and measure its greedy held-out accuracy."""
+                 chat_template_kwargs: Mapping[str, Any] | None = None, data: DataConfig | None = None) -> EvalResult:
+    """Load the model (plus adapter) from disk and measure its greedy held-out accuracy (``data``: how a dataset
+    task is read, ``[data]``)."""
     model, tokenizer = load_model(model_dir, adapter_dir)
-    return evaluate(model, tokenizer, load_task(task, seed), num_prompts=num_prompts, max_new_tokens=max_new_tokens,
-                    chat_template_kwargs=chat_template_kwargs)
+    return evaluate(model, tokenizer, load_task(task, seed, data), num_prompts=num_prompts,
+                    max_new_tokens=max_new_tokens, chat_template_kwargs=chat_template_kwargs)

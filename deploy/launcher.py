@@ -290,7 +290,7 @@ class Launch:
         config = self.config
         result = evaluate_dir(config.model.path, adapter, task=config.run.task, seed=config.run.seed,
                               num_prompts=config.eval.num_prompts, max_new_tokens=config.worker.max_new_tokens,
-                              chat_template_kwargs=config.model.chat_template_kwargs)
+                              chat_template_kwargs=config.model.chat_template_kwargs, data=config.data)
         step = version_step(self.run_dir, version)
         measurement = Measurement(version=version, step=step, accuracy=result.accuracy, time_unix=time.time(),
                                   seconds=round(result.seconds, 3), kind=kind)
