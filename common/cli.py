@@ -18,6 +18,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import select
 import sys
 from collections.abc import Callable
 
@@ -77,6 +78,16 @@ def is_config_error(exc: BaseException) -> bool:
     return isinstance(exc, SecurityError)
 
 
+def stdout_reader_gone() -> bool:
+    """Whether stdout is a pipe whose reading end was closed (poll reports POLLERR on its writing end)."""
+    try:
+        poller = select.poll()
+        poller.register(sys.stdout.fileno(), select.POLLOUT)
+        return any(events & select.POLLERR for _, events in poller.poll(0))
+    except (OSError, ValueError):  # no file descriptor (a test's captured stdout), or it is closed
+        return False
+
+
 def run_main(prog: str, body: Callable[[], int | None]) -> int:
     """``body()``'s exit code; a config-class error becomes one line on stderr and EXIT_CONFIG_ERROR."""
     try:
@@ -84,6 +95,8 @@ def run_main(prog: str, body: Callable[[], int | None]) -> int:
         sys.stdout.flush()  # a closed pipe surfaces here, not in the interpreter's final flush
         return code
     except BrokenPipeError:
+        if not stdout_reader_gone():  # a socket's, say: a real failure, not a reader that has read enough
+            raise
         # the reader left (`| head`): nothing more to say; stdout goes to /dev/null so exit's flush is quiet
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
         return EXIT_BROKEN_PIPE

@@ -200,3 +200,22 @@ def test_the_launcher_checks_user_code_as_its_children_import_it(tmp_path: Path)
     result, _ = loraflow(tmp_path, "config", "--set", 'worker.reward="my_reward:score"')
     assert result.returncode == 0, result.stderr
     assert 'reward = "my_reward:score"' in result.stdout
+
+
+def test_run_main_maps_config_error_classes_only(capsys: pytest.CaptureFixture[str]) -> None:
+    from common.cli import run_main
+    from common.config import ConfigError
+    from common.security import SecurityError
+
+    def raising(exc: BaseException):
+        def body() -> int:
+            raise exc
+        return body
+
+    assert run_main("loraflow x", raising(ConfigError("a.b = 1: must be\n  >= 2"))) == 2
+    assert capsys.readouterr().err == "loraflow x: config error: a.b = 1: must be >= 2\n"  # one line
+    assert run_main("loraflow x", raising(SecurityError("keys/observer.key_secret is missing"))) == 2
+    with pytest.raises(ValueError, match="config error"):  # a ValueError is not a config error, whatever it says
+        run_main("loraflow x", raising(ValueError("config error: looks like one")))
+    with pytest.raises(BrokenPipeError):  # not stdout's: a real failure, not a reader that went away
+        run_main("loraflow x", raising(BrokenPipeError("a socket")))
