@@ -1,11 +1,12 @@
 """The live progress line of a run, from the broker's stats and the learner's metrics file.
 
     [  48s] step 41  v41  reward 0.63  acc 72.0% (v40)  1.9k tok/s  buffer 9/32  staleness 0:12 1:4
-            learner busy 58%  workers 2
+            learner busy 58%  workers 2  [reward failed 12]
 
 Sources: one ``StatsRequest`` to the broker (:func:`common.transport.fetch_stats`; versions, buffer depth,
-token rate, learner busy share, workers) and the new lines of ``<run_dir>/learner/metrics.jsonl`` (step, mean
-reward, staleness of what was trained), read incrementally. Held-out accuracy is fed in by whoever measures it
+token rate, learner busy share, workers, and the samples whose reward or environment failed, summed over the
+connected workers' heartbeat counters, shown only when there are any) and the new lines of
+``<run_dir>/learner/metrics.jsonl`` (step, mean reward, staleness of what was trained), read incrementally. Held-out accuracy is fed in by whoever measures it
 (the launcher). A source that is not there yet (broker still starting, no step yet) shows as ``-``.
 
 On a terminal the line is redrawn in place and events (a restarted worker, a measurement) are printed above
@@ -42,6 +43,7 @@ class Snapshot:
     staleness: dict[str, int] = field(default_factory=dict)
     learner_busy_share: float | None = None
     num_workers: int | None = None
+    reward_failures: int = 0  # samples scored 0 because the reward or environment failed (connected workers)
 
 
 class MetricsTail:
@@ -112,6 +114,8 @@ class Progress:
         snap.tokens_per_s = (stats.get("rates") or {}).get("tokens_per_s")
         snap.learner_busy_share = stats.get("learner_busy_share")
         snap.num_workers = len(stats.get("workers") or [])
+        snap.reward_failures = sum(int((w.get("counters") or {}).get("reward_failures") or 0)
+                                   for w in stats.get("workers") or [])
         learner = stats.get("learner") or {}
         if isinstance(learner.get("step"), int) and learner["step"] > (snap.step or 0):
             snap.step = learner["step"]
@@ -137,7 +141,8 @@ def render(snap: Snapshot) -> str:
     busy = "-" if snap.learner_busy_share is None else f"{snap.learner_busy_share:.0%}"
     return (f"[{snap.elapsed_s:5.0f}s] step {_num(snap.step, 'd')}  v{_num(snap.version, 'd')}  "
             f"reward {_num(snap.reward_mean, '.2f')}  acc {accuracy}  {_rate(snap.tokens_per_s)} tok/s  "
-            f"buffer {buffer}  staleness {staleness}  learner busy {busy}  workers {_num(snap.num_workers, 'd')}")
+            f"buffer {buffer}  staleness {staleness}  learner busy {busy}  workers {_num(snap.num_workers, 'd')}"
+            + (f"  reward failed {snap.reward_failures}" if snap.reward_failures else ""))
 
 
 class Display:

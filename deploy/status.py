@@ -58,6 +58,12 @@ def _table(headers: list[str], rows: list[list[str]]) -> list[str]:
     return lines
 
 
+def reward_failures(worker: dict[str, Any]) -> str:
+    """Samples whose reward or environment failed (scored 0), from the worker's heartbeat counters."""
+    value = (worker.get("counters") or {}).get("reward_failures")
+    return str(value) if isinstance(value, int) else "-"
+
+
 def render(snap: dict[str, Any]) -> str:
     """The snapshot of a Stats reply as a few lines and tables."""
     settings, prompts, buffer = snap.get("settings", {}), snap.get("prompts", {}), snap.get("buffer", {})
@@ -97,11 +103,12 @@ def render(snap: dict[str, Any]) -> str:
     lines.append(f"workers   {len(workers)}")
     if workers:
         rows = [[w.get("id", "?"), w.get("state", "?"), str(w.get("adapter_version", 0)), str(w.get("leases", 0)),
-                 str(w.get("groups_accepted", 0)), str(w.get("groups_rejected", 0)), _share(w.get("busy_share")),
-                 f"{w.get('last_seen_s', 0):.1f}s", w.get("backend", ""), f"{w.get('host', '')}:{w.get('pid', '')}"]
+                 str(w.get("groups_accepted", 0)), str(w.get("groups_rejected", 0)), reward_failures(w),
+                 _share(w.get("busy_share")), f"{w.get('last_seen_s', 0):.1f}s", w.get("backend", ""),
+                 f"{w.get('host', '')}:{w.get('pid', '')}"]
                 for w in sorted(workers, key=lambda w: w.get("id", ""))]
-        lines += _table(["ID", "STATE", "VERSION", "LEASES", "ACCEPTED", "REJECTED", "BUSY", "SEEN", "BACKEND",
-                         "HOST:PID"], rows)
+        lines += _table(["ID", "STATE", "VERSION", "LEASES", "ACCEPTED", "REJECTED", "REWARD-FAILED", "BUSY", "SEEN",
+                         "BACKEND", "HOST:PID"], rows)
     adapters = snap.get("adapters", [])
     lines.append("adapters  " + (", ".join(f"v{a['version']} ({_bytes(a.get('num_bytes', 0))})" for a in adapters)
                                  if adapters else "none published"))

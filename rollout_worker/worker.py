@@ -110,7 +110,7 @@ class Worker:
         self._next_request_at = 0.0
         self._state = ""
         self._num_failed_groups = 0  # groups in a row whose every sample's reward failed
-        self._fatal = ""  # why the worker stops with EXIT_CONFIG_ERROR
+        self._fatal: tuple[str, dict[str, Any]] | None = None  # why it stops with EXIT_CONFIG_ERROR: event, fields
 
     # -- the loop ----------------------------------------------------------------------------------------------
 
@@ -147,7 +147,11 @@ class Worker:
         if signals:
             log.info("signal", signal=signals[0])
         self._shutdown()
-        return EXIT_CONFIG_ERROR if self._fatal else 0
+        if self._fatal is not None:  # the last line of the log: what `loraflow run` shows of a child that exited 2
+            event, fields = self._fatal
+            log.error(event, **fields)
+            return EXIT_CONFIG_ERROR
+        return 0
 
     def _reward_failing(self, finished: FinishedGroup) -> bool:
         """Count groups in a row whose every sample failed; True (and ``stop`` set) at the limit."""
@@ -162,12 +166,12 @@ class Worker:
         worker = self.config.worker
         code = f"reward function {worker.reward}" if worker.reward else \
             f"environment {type(self.rollouts.envs.for_task(group.task)).__qualname__} of task {group.task!r}"
-        self._fatal = (f"every sample of {self._num_failed_groups} groups in a row failed its reward: {code}; "
-                       f"last error {self.rollouts.last_failure}")
-        log.error("reward_failing", error=self._fatal, groups=self._num_failed_groups,
-                  fix="fix the reward function or environment (worker.reward / worker.env), or raise "
-                      "worker.max_failed_reward_groups (0 = never stop)")
-        self.stop.set()
+        error = (f"every sample of {self._num_failed_groups} groups in a row failed its reward "
+                 f"(worker.max_failed_reward_groups = {limit}): {code}; last error {self.rollouts.last_failure}")
+        self._fatal = ("reward_failing", {"error": error, "fix": "fix the reward function or environment "
+                                          "(worker.reward / worker.env), or raise worker.max_failed_reward_groups "
+                                          "(0 = never stop)"})
+        self.stop.set()  # the loop ends, the leases go back, then run() logs why and returns EXIT_CONFIG_ERROR
         return True
 
     def _wait_s(self) -> float:
@@ -189,9 +193,10 @@ class Worker:
         except Exception as exc:  # a verified adapter the engine refuses would be refused again after a restart
             # (hf and our own checks raise ValueError; vLLM's engine core a bare Exception, "Call to add_lora failed")
             self.metrics.inc("adapters_rejected", reason="load")
-            self._fatal = f"the {self.backend.name} backend refused adapter v{adapter.version}: {exc}"
-            log.error("adapter_refused", version=adapter.version, error=self._fatal,
-                      fix="run the learner and every worker with the same model.path and learner.lora_rank")
+            self._fatal = ("adapter_refused", {
+                "version": adapter.version, "error": f"the {self.backend.name} backend refused adapter "
+                f"v{adapter.version}: {exc}", "fix": "run the learner and every worker with the same model.path "
+                "and learner.lora_rank"})
             self.session.discard_adapter(adapter)
             self.stop.set()  # exit 2: a restart would fetch the same adapter (stale_adapter until then)
             return

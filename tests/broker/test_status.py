@@ -17,7 +17,7 @@ def busy_snapshot() -> dict:
     h.hello(W1)
     h.hello(W2)
     h.hello(LEARNER)
-    h.send(W1, Heartbeat(state="generating", adapter_version=0))
+    h.send(W1, Heartbeat(state="generating", adapter_version=0, counters={"reward_failures": 5}))
     for lease in h.lease(W1, 3):
         h.submit(W1, lease)
     h.send(LEARNER, BatchRequest(num_groups=2))
@@ -35,10 +35,12 @@ def test_render_shows_the_live_picture() -> None:
     assert "learner   learner  training  v1" in text and "busy 75%" in text
     assert "workers   2" in text
     header = next(line for line in lines if line.strip().startswith("ID"))
-    assert header.split() == ["ID", "STATE", "VERSION", "LEASES", "ACCEPTED", "REJECTED", "BUSY", "SEEN", "BACKEND",
-                              "HOST:PID"]
+    assert header.split() == ["ID", "STATE", "VERSION", "LEASES", "ACCEPTED", "REJECTED", "REWARD-FAILED", "BUSY",
+                              "SEEN", "BACKEND", "HOST:PID"]
     w1 = next(line for line in lines if line.strip().startswith("w1 "))
-    assert w1.split()[:6] == ["w1", "generating", "0", "0", "3", "0"]
+    assert w1.split()[:7] == ["w1", "generating", "0", "0", "3", "0", "5"]
+    w2 = next(line for line in lines if line.strip().startswith("w2 "))
+    assert w2.split()[6] == "-"  # no counters reported yet
     assert "adapters  v1 (4.0 KB)" in text
 
 
