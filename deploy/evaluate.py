@@ -27,6 +27,7 @@ from typing import Any
 
 from common.chat import ChatFormat, Prompt, end_of_turn_ids, pad_token_id, token_ids
 from common.config import DataConfig
+from common.hf_generation import generation_config, neutralise
 from common.tasks import Task, load_task
 
 
@@ -81,6 +82,8 @@ def greedy_completions(model: Any, tokenizer: Any, prompts: list[Prompt], max_ne
     by_length: dict[int, list[int]] = defaultdict(list)
     for i, ids in enumerate(encoded):
         by_length[len(ids)].append(i)
+    neutralise(model)  # greedy means greedy: no repetition penalty or min length from the model's directory
+    config = generation_config(greedy=True, max_new_tokens=max_new_tokens, eos_token_ids=eos_ids, pad_token_id=pad_id)
     out: list[tuple[str, bool]] = [("", False)] * len(prompts)
     with torch.inference_mode():
         for indices in by_length.values():
@@ -88,8 +91,7 @@ def greedy_completions(model: Any, tokenizer: Any, prompts: list[Prompt], max_ne
                 chunk = indices[start:start + batch_size]
                 input_ids = torch.tensor([encoded[i] for i in chunk], dtype=torch.long, device=model.device)
                 generated = model.generate(
-                    input_ids=input_ids, attention_mask=torch.ones_like(input_ids), do_sample=False,
-                    max_new_tokens=max_new_tokens, eos_token_id=list(eos_ids), pad_token_id=pad_id,
+                    input_ids=input_ids, attention_mask=torch.ones_like(input_ids), generation_config=config,
                 )[:, input_ids.shape[1]:]
                 for row, i in zip(generated.tolist(), chunk, strict=True):
                     end = next((k for k, t in enumerate(row) if t in eos_ids), None)

@@ -28,6 +28,7 @@ import torch
 from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM, AutoTokenizer, GenerationConfig
 
+from common.hf_generation import generation_config, neutralise
 from common.logging import get_logger
 from common.logprobs import token_logprobs
 from rollout_worker.adapters import WEIGHTS_FILE, ReceivedAdapter
@@ -59,6 +60,7 @@ class HfBackend(TokenizerMixin, Backend):
         base = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=self.dtype)
         base.to(self.device).eval()
         base.requires_grad_(False)
+        neutralise(base)  # the directory's sampling defaults would change the tokens, not the log-probs
         self.model: Any = base  # a PeftModel once the first adapter arrives
         self.vocab_size = int(base.config.vocab_size)
         self._init_tokens(self.tokenizer, model_dir, chat_template_kwargs=chat_template_kwargs or {},
@@ -135,11 +137,10 @@ class HfBackend(TokenizerMixin, Backend):
     def _generation_config(self, greedy: bool, max_new_tokens: int) -> GenerationConfig:
         key = (greedy, max_new_tokens)
         if key not in self._configs:
-            sampling = {} if greedy else {"temperature": self.sampling.temperature, "top_p": self.sampling.top_p,
-                                          "top_k": None}
-            self._configs[key] = GenerationConfig(do_sample=not greedy, max_new_tokens=max_new_tokens,
-                                                  pad_token_id=self.pad_token_id, eos_token_id=list(self.eos_token_ids),
-                                                  output_logits=True, return_dict_in_generate=True, **sampling)
+            self._configs[key] = generation_config(
+                greedy=greedy, max_new_tokens=max_new_tokens, eos_token_ids=self.eos_token_ids,
+                pad_token_id=self.pad_token_id, temperature=self.sampling.temperature, top_p=self.sampling.top_p,
+                output_logits=True, return_dict_in_generate=True)
         return self._configs[key]
 
     @torch.inference_mode()

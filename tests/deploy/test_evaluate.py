@@ -37,7 +37,8 @@ class ScriptedModel:
     def __init__(self, tokenizer, replies: dict[str, list[int]]) -> None:
         self.tokenizer, self.replies, self.device = tokenizer, replies, torch.device("cpu")
 
-    def generate(self, input_ids, max_new_tokens, eos_token_id, pad_token_id, **_):
+    def generate(self, input_ids, generation_config, **_):
+        max_new_tokens, pad_token_id = generation_config.max_new_tokens, generation_config.pad_token_id
         rows = []
         for row in input_ids.tolist():
             reply = self.replies[self.tokenizer.decode(row)][:max_new_tokens]
@@ -94,3 +95,26 @@ def test_adapter_directories_are_applied(tiny_model_dir: Path, tmp_path: Path) -
     assert moved.completions != base.completions
     with pytest.raises(ValueError, match="not a PEFT adapter directory"):
         load_model(tiny_model_dir, tmp_path)
+
+
+def test_the_model_directory_sampling_defaults_do_not_apply(tiny_model_dir: Path, tmp_path: Path) -> None:
+    """A generation_config.json with a repetition penalty and top-k changes neither greedy evaluation nor the hf
+    backend's sampling: loraflow samples from log_softmax(logits / T) and nothing else."""
+    from transformers import GenerationConfig
+
+    from common.hf_generation import generation_config, neutralise
+
+    model, tokenizer = load_model(tiny_model_dir)
+    expected = greedy_completions(model, tokenizer, ["12+34=", "7*8+100="], max_new_tokens=5)
+    model.generation_config = GenerationConfig(repetition_penalty=50.0, top_k=1, no_repeat_ngram_size=1,
+                                               min_new_tokens=5, eos_token_id=model.generation_config.eos_token_id)
+    assert greedy_completions(model, tokenizer, ["12+34=", "7*8+100="], max_new_tokens=5) == expected
+    assert model.generation_config.eos_token_id is not None  # the special ids survive
+    config = generation_config(greedy=False, max_new_tokens=4, eos_token_ids=[1], pad_token_id=0, temperature=0.7)
+    neutralise(model)
+    merged, _ = model._prepare_generation_config(config)
+    assert merged.top_k == 0 and merged.repetition_penalty in (None, 1.0)
+    processors = model._get_logits_processor(generation_config=merged, input_ids_seq_length=3,
+                                             encoder_input_ids=None, prefix_allowed_tokens_fn=None,
+                                             logits_processor=None, device="cpu")
+    assert [type(p).__name__ for p in processors] == ["TemperatureLogitsWarper"]
