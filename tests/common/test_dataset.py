@@ -179,3 +179,21 @@ def test_data_settings_with_a_builtin_task_are_refused() -> None:
     assert load_task("arith", data=DataConfig()).item(0).columns["answer"] == load_task("arith").item(0).answer
     with pytest.raises(ConfigError, match=r"\[data\] settings apply to dataset tasks"):
         load_task("arith", data=DataConfig(prompt_column="question"))
+
+
+def test_the_gsm8k_example_is_what_its_generator_writes_and_loads_as_its_config_says() -> None:
+    from common.config import load_config
+    from deploy.data import make_gsm8k_mini
+    from rollout_worker.rewards.builtin import exact_match, format_reward
+
+    assert make_gsm8k_mini.PATH.read_text() == make_gsm8k_mini.text()  # regenerate after changing the generator
+    config = load_config(Path(__file__).resolve().parents[2] / "deploy" / "configs" / "gsm8k.toml")
+    task = load_task(str(make_gsm8k_mini.PATH), data=config.data)
+    assert (task.size, task.split_size("eval")) == (108, 12)
+    item = task.item(0)
+    assert [m["role"] for m in item.prompt] == ["system", "user"] and "####" in item.prompt[0]["content"]
+    assert set(item.columns) == {"answer", "topic", "num_steps"}
+    solution = [{"role": "assistant", "content": item.answer}]  # the reference solution, as a completion
+    assert exact_match([item.prompt], [solution], answer=[item.answer]) == [1.0]
+    assert format_reward([item.prompt], [solution]) == [1.0]
+    assert config.worker.rewards == ["loraflow:exact_match", "loraflow:format"]
