@@ -13,6 +13,7 @@ for the worker's reward and environment; the broker's bind address is checked wh
   trains it itself: that is minutes of CPU, which every worker and the learner would race to spend);
 - :func:`check_writable`: a directory setting (``run.run_dir``, ...) can be created and written here;
 - :func:`check_task`: ``run.task`` names a built-in task or a dataset that reads;
+- :func:`check_device`: ``*.device`` is auto, cpu, cuda or cuda:N (and, for the learner, there);
 - :func:`check_port_free`: a ``*.metrics_port`` is not taken (a Prometheus server binds it after connecting).
 """
 
@@ -20,6 +21,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import re
 import socket
 from pathlib import Path
 
@@ -28,6 +30,7 @@ from common.tasks import Task, load_task
 from common.tiny_model import find_demo_base
 
 BUILTIN_MODELS = ("builtin:tiny", "builtin:demo")
+DEVICE = re.compile(r"auto|cpu|cuda(:\d+)?")
 
 
 def demo_base_command(config: Config) -> str:
@@ -84,6 +87,26 @@ def check_run_dir(config: Config) -> None:
 def check_task(config: Config) -> Task:
     """The task ``run.task`` names, read as ``[data]`` says (a dataset is read and checked row by row)."""
     return load_task(config.run.task, config.run.seed, config.data)
+
+
+def check_device(setting: str, device: str, *, probe_cuda: bool = False) -> None:
+    """``device`` is auto, cpu, cuda or cuda:N; with ``probe_cuda``, a cuda device must be visible here.
+
+    Only the learner probes (it uses torch in this process anyway); a worker's vLLM engine may start processes
+    that must not inherit an initialised CUDA driver, so the worker leaves that to its backend."""
+    if not DEVICE.fullmatch(device):
+        raise ConfigError(f"{setting} = {device!r}: must be auto, cpu, cuda or cuda:N")
+    if not (probe_cuda and device.startswith("cuda")):
+        return
+    import torch
+
+    visible = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    index = int(device.partition(":")[2] or 0)
+    if index >= visible:
+        where = f"CUDA_VISIBLE_DEVICES={os.environ['CUDA_VISIBLE_DEVICES']!r}" if "CUDA_VISIBLE_DEVICES" in os.environ \
+            else "this machine"
+        raise ConfigError(f"{setting} = {device!r}: {visible} CUDA device(s) visible ({where}); use auto or cpu, "
+                          "or a device that is there")
 
 
 def check_port_free(setting: str, port: int, host: str = "0.0.0.0") -> None:

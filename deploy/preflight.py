@@ -20,7 +20,7 @@ import sys
 from collections.abc import Iterator
 
 from common.config import Config, ConfigError
-from common.startup import check_port_free, check_run_dir, check_task, resolve_model
+from common.startup import check_device, check_port_free, check_run_dir, check_task, resolve_model
 from rollout_worker.startup import check_user_code
 
 
@@ -43,6 +43,9 @@ def check(config: Config, *, starting: bool = False) -> None:
     with children_module_path():
         check_user_code(config.worker)
     resolve_model(config, demo_by_caller=True)  # the learner loads the model whatever the workers' backend
+    check_device("learner.device", config.learner.device, probe_cuda=starting)  # the launcher imports torch anyway
+    if config.worker.backend != "sim":
+        check_device("worker.device", config.worker.device)
     check_run_dir(config)
     check_task(config)
     if not starting:

@@ -26,7 +26,7 @@ import os
 from common.cli import EXIT_CONFIG_ERROR, EXIT_REPLACED, config_from_args, config_parser, run_main
 from common.config import Config, ConfigError
 from common.logging import get_logger, setup_logging
-from common.startup import check_port_free, check_run_dir, resolve_model
+from common.startup import check_device, check_port_free, check_run_dir, resolve_model
 
 EXTRA_FLAGS = {
     "--device": ("learner.device", str, "auto, cpu, cuda or cuda:N"),
@@ -50,6 +50,7 @@ def check(config: Config) -> Config:
     """The learner's start-up checks, before it loads a model or connects (a failure: one line, exit 2)."""
     config = resolve_model(config)
     check_run_dir(config)
+    check_device("learner.device", config.learner.device, probe_cuda=True)
     if int(os.environ.get("RANK", 0)) == 0:  # rank 0 serves the metrics
         check_port_free("learner.metrics_port", config.learner.metrics_port)
     return config

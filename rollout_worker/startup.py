@@ -5,7 +5,8 @@ restarted, see :func:`common.cli.run_main`) found in a fraction of a second, whe
 the connection and the model load, and then again at every restart:
 
 - ``worker.reward``, ``worker.rewards`` and ``worker.env`` import and are a callable / an Environment;
-- ``model.path`` (:func:`common.startup.resolve_model`; not for the ``sim`` backend, which loads no model);
+- ``model.path`` (:func:`common.startup.resolve_model`) and the form of ``worker.device`` (not for the
+  ``sim`` backend, which loads no model);
 - ``run.run_dir`` and ``worker.adapter_dir`` can be written, ``worker.metrics_port`` is free.
 
 ``loraflow config`` and ``loraflow run`` call :func:`check_user_code` too, before they start anything.
@@ -14,7 +15,7 @@ the connection and the model load, and then again at every restart:
 from __future__ import annotations
 
 from common.config import Config, WorkerConfig
-from common.startup import check_port_free, check_run_dir, check_writable, resolve_model
+from common.startup import check_device, check_port_free, check_run_dir, check_writable, resolve_model
 from rollout_worker.envs import check_env
 from rollout_worker.rewards import load_rewards
 
@@ -31,6 +32,7 @@ def check(config: Config) -> Config:
     check_user_code(config.worker)
     if config.worker.backend != "sim":
         config = resolve_model(config)
+        check_device("worker.device", config.worker.device)
     check_run_dir(config)
     check_port_free("worker.metrics_port", config.worker.metrics_port)
     if config.worker.adapter_dir:

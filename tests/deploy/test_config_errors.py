@@ -72,6 +72,11 @@ CASES = [
     ("broker", ["--set", 'run.task="{tmp}/absent.jsonl"'], "run.task"),
     ("worker", ["--set", "worker.no_such_key=1"], "no_such_key"),
     ("learner", ["--set", "learner.lr"], "learner.lr"),  # no '='
+    ("learner", ["--device", "cuda:99"], "learner.device"),  # no machine here has 100 GPUs
+    ("learner", ["--device", "gpu"], "learner.device"),
+    ("worker", ["--device", "gpu"], "worker.device"),
+    ("run", ["--set", 'learner.device="cuda:99"'], "learner.device"),
+    ("config", ["--set", 'worker.device="cuda:x"'], "worker.device"),
     ("config", ["--set", 'worker.reward="no_such_module:score"'], "worker.reward"),
     ("config", ["--model", "{tmp}/absent"], "model.path"),
     ("run", ["--set", 'worker.reward="no_such_module:score"'], "worker.reward"),
