@@ -24,7 +24,8 @@ def test_reference_lists_every_setting() -> None:
             if not dataclasses.is_dataclass(field.type) and not isinstance(field.default_factory, type):
                 assert f"| `{field.name}` |" in markdown, f"{section}.{field.name} missing"
     assert [name for name, _ in config_cmd.sections()] == [
-        "run", "model", "broker", "worker", "worker.sim", "worker.vllm", "learner", "eval", "security", "launch"]
+        "run", "data", "model", "broker", "worker", "worker.sim", "worker.vllm", "learner", "eval", "security",
+        "launch"]
     assert "| `max_staleness` | int | `1` |  | >= 0, <= 1000 |" in markdown
 
 
