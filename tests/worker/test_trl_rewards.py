@@ -230,3 +230,54 @@ def test_extra_columns_reach_a_trl_reward_in_a_real_worker(procs: Processes, tin
     assert worker.stop() == 0
     assert not os.environ.get("REWARD_LOG")
     assert Kind.BATCH  # the learner's view above went through the real protocol
+
+
+@pytest.mark.slow
+def test_a_conversational_dataset_row_reaches_a_trl_reward_through_the_chat_template(zoo_model: Any,
+                                                                                    tmp_path: Path) -> None:
+    """A JSONL row with a message-list prompt, a system prompt and an extra column: the lease crosses the wire,
+    the hf backend renders it with the model's template, and the reward gets TRL's conversational inputs."""
+    from transformers import AutoTokenizer
+
+    from common import protocol
+    from common.config import DataConfig
+    from common.protocol import LeaseGrant, PromptLease
+    from common.tasks import load_task
+    from rollout_worker.backends.base import Sampling
+    from rollout_worker.backends.hf import HfBackend
+    from rollout_worker.rewards import RewardSet
+
+    model_dir = zoo_model("qwen2")
+    path = tmp_path / "chat.jsonl"
+    path.write_text("".join(json.dumps({"prompt": [{"role": "user", "content": f"What is {i} + {i}?"}],
+                                        "answer": str(2 * i), "difficulty": "easy"}) + "\n" for i in range(3)))
+    item = load_task(str(path), data=DataConfig(system_prompt="Be brief.", eval_fraction=0)).item(1)
+    sent = PromptLease(lease_id="l1", group_id="0:1", prompt_index=1, epoch=0, task=str(path), group_size=3,
+                       deadline_s=60.0, **item.lease_fields())
+    grant, _ = protocol.decode([bytes(f) for f in protocol.encode(LeaseGrant(leases=[sent]))])
+    (received,) = grant.leases
+    assert received.prompt_value == item.prompt and received.columns == item.columns
+
+    calls: list[dict[str, Any]] = []
+
+    def recorder(prompts: list[Any], completions: list[Any], completion_ids: list[list[int]],
+                 **kwargs: Any) -> list[float]:
+        calls.append({"prompts": prompts, "completions": completions, "ids": completion_ids, **kwargs})
+        return [0.5] * len(completions)
+
+    backend = HfBackend(model_dir, sampling=Sampling(), device="cpu", seed=0)
+    config = WorkerConfig(chunk_tokens=8, max_new_tokens=8, reward_timeout_s=30.0)
+    rollouts = Rollouts(backend, EnvResolver(""), config, worker_id="w1", max_seq_len=256, metrics=Metrics(),
+                        rewards=RewardSet(batched=(RewardFunction(name="recorder", fn=recorder),)))
+    rollouts.add(received)
+    (finished,) = run_to_end(rollouts, timeout_s=60)
+    tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    expected = tokenizer.apply_chat_template(item.prompt, add_generation_prompt=True, tokenize=True,
+                                             return_dict=False)
+    assert finished.group.prompt_lens == [len(expected)] * 3 and finished.group.rewards == [0.5] * 3
+    (call,) = calls
+    assert call["prompts"] == [item.prompt] * 3 and call["prompts"][0][0] == {"role": "system", "content": "Be brief."}
+    assert call["difficulty"] == ["easy"] * 3 and call["answer"] == ["2"] * 3
+    assert all(c[0]["role"] == "assistant" and isinstance(c[0]["content"], str) for c in call["completions"])
+    assert [len(ids) for ids in call["ids"]] == finished.group.completion_lens
+    assert finished.group.reward_means == {"recorder": 0.5}
