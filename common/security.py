@@ -82,8 +82,13 @@ def authorized_keys(keys_dir: str | os.PathLike) -> dict[str, list[str]]:
 def generate_keys(keys_dir: str | os.PathLike, clients: dict[str, str], *, observer: bool = False) -> KeyReport:
     """Make the broker pair and one pair per client name -> role where missing; keep the pairs that exist (an
     existing pair not authorised for its role is authorised; one authorised for another role is an error). With
-    ``observer``, an ``observer`` pair is added unless the directory already authorises some observer key."""
+    ``observer``, the ``observer`` pair is one of them, unless the directory has only observer keys of other
+    names. A directory with broker.key but no broker.key_secret (a client's copy) is refused."""
     keys_dir = Path(keys_dir)
+    if (keys_dir / f"{BROKER_KEY}.key").is_file() and not (keys_dir / f"{BROKER_KEY}.key_secret").is_file():
+        raise SecurityError(f"{keys_dir} holds broker.key but not broker.key_secret: it is a client's copy (a new "
+                            "broker pair here would not be the broker's); make keys in the broker's keys dir and "
+                            "copy them here")
     keys_dir.mkdir(parents=True, exist_ok=True)
     report = KeyReport()
     if (keys_dir / f"{BROKER_KEY}.key_secret").is_file():
@@ -92,9 +97,10 @@ def generate_keys(keys_dir: str | os.PathLike, clients: dict[str, str], *, obser
         report.files += [Path(p) for p in zmq.auth.create_certificates(keys_dir, BROKER_KEY)]
         report.made.append((BROKER_KEY, "broker"))
     clients = dict(clients)
-    has_observer = "observer" in clients.values() or any((keys_dir / "authorized" / "observer").glob("*.key"))
-    if observer and not has_observer and OBSERVER_KEY not in clients:
-        clients[OBSERVER_KEY] = "observer"
+    other_observers = any(p.stem != OBSERVER_KEY for p in (keys_dir / "authorized" / "observer").glob("*.key"))
+    if observer and "observer" not in clients.values() and OBSERVER_KEY not in clients and (
+            (keys_dir / f"{OBSERVER_KEY}.key_secret").is_file() or not other_observers):
+        clients[OBSERVER_KEY] = "observer"  # made, kept or authorised again, as any other pair
     for name, role in clients.items():
         _check_name(name, role)
     for name, role in clients.items():

@@ -75,12 +75,13 @@ class BrokerRefused(ConnectionError):
     for the role): waiting will not help; the message is the broker's, saying what to change."""
 
 
-#: What libzmq 4.3.5 reports on a client's monitor (seen on loopback with pyzmq 27): a key the broker's ZAP
-#: handler refuses -> HANDSHAKE_FAILED_AUTH (value: the ZAP status, 400), and zmq does not reconnect; CURVE on
-#: one side only -> HANDSHAKE_FAILED_PROTOCOL with MECHANISM_MISMATCH on both sides, no reconnect; a broker
-#: public key that is not the broker's -> the broker cannot open the client's HELLO and drops the connection
-#: (its monitor: PROTOCOL_ERROR_ZMTP_CRYPTOGRAPHIC), the client sees HANDSHAKE_FAILED_NO_DETAIL and retries
-#: every reconnect interval.
+#: What libzmq 4.3.5 reports on a client's monitor (seen on loopback with pyzmq 27, against the real broker): a
+#: key the broker's ZAP handler refuses -> HANDSHAKE_FAILED_AUTH (value: the ZAP status, 400), and zmq does not
+#: reconnect; a broker public key that is not the broker's -> the broker cannot open the client's HELLO and
+#: drops the connection (its monitor: PROTOCOL_ERROR_ZMTP_CRYPTOGRAPHIC), the client sees
+#: HANDSHAKE_FAILED_NO_DETAIL (EPIPE) and retries every reconnect interval; CURVE on one side only ->
+#: HANDSHAKE_FAILED_PROTOCOL with MECHANISM_MISMATCH (no reconnect) in about 2 of 3 attempts, and in the others
+#: the same NO_DETAIL as a wrong key (whichever side notices first hangs up), so a run of those names both.
 HANDSHAKE_EVENTS = (zmq.EVENT_HANDSHAKE_SUCCEEDED | zmq.EVENT_HANDSHAKE_FAILED_AUTH
                     | zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL | zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL)
 #: handshakes dropped without detail, in a row, before a CURVE client blames the broker key (one can be a
@@ -115,9 +116,9 @@ class HandshakeWatch:
             return None
         if event == zmq.EVENT_HANDSHAKE_FAILED_AUTH:
             return (f"the broker refused this client's key in the CURVE handshake (ZAP status {value}): the keys "
-                    f"do not match, it is not under the broker's security.keys_dir/authorized/{role}/ (the "
-                    f"broker's log names the key file when it has it); authorise it there with `loraflow keys "
-                    f"DIR --{role} NAME`, or use a pair from the broker's keys dir (security.keys_dir, "
+                    f"do not match, this public key is not under the broker's security.keys_dir/authorized/{role}/ "
+                    f"(the broker's log names the key file when it has it); authorise it there with `loraflow "
+                    f"keys DIR --{role} NAME`, or use a pair from the broker's keys dir here (security.keys_dir, "
                     "security.client_key)")
         if event == zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL and value == zmq.PROTOCOL_ERROR_ZMTP_MECHANISM_MISMATCH:
             if self._curve:
@@ -129,10 +130,13 @@ class HandshakeWatch:
         if self._num_dropped < NUM_DROPPED_HANDSHAKES:
             return None
         if self._curve:
-            return (f"the broker dropped {self._num_dropped} CURVE handshakes in a row: the broker public key "
-                    "here (security.keys_dir/broker.key) is probably not this broker's (keys from another "
-                    "`loraflow keys` directory?): copy broker.key from the broker's keys dir")
-        return f"{self._num_dropped} handshakes with the broker failed in a row (zmq protocol error {value:#x})"
+            return (f"the broker dropped {self._num_dropped} CURVE handshakes in a row: the broker public key here "
+                    "(security.keys_dir/broker.key) is not this broker's (keys from another `loraflow keys` "
+                    "directory? copy broker.key from the broker's keys dir), or security is off at the broker "
+                    "(security.enabled must be the same on every machine of the run)")
+        return (f"the broker dropped {self._num_dropped} handshakes in a row: it probably requires CURVE "
+                "(security.enabled = true there) while security is off here: set security.enabled = true, "
+                "security.keys_dir and security.client_key in this client's config")
 
     def close(self) -> None:
         self._sock.disable_monitor()

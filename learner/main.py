@@ -11,7 +11,7 @@ R ranks on one machine (rank 0 talks to the broker; every rank trains a shard)::
 ``--resume`` (the default) continues from the newest complete checkpoint in ``<run_dir>/learner/checkpoints``;
 ``--no-resume`` starts from the base model even if checkpoints exist.
 
-Start-up checks (``model.path``, ``run.run_dir``; :mod:`common.startup`) run before the model is loaded or the
+Start-up checks (``model.path``, ``run.run_dir``; :mod:`common.startup`; rank 0: the key files) run before the model is loaded or the
 broker contacted. Exit codes: 0 stopped cleanly, 2 a configuration error (one line on stderr), 4 replaced by another learner (the broker fenced this
 one), 1 anything else. torchrun reports any failed rank as 1, so a rank that stops with 2 or 4 also writes the
 code to ``$LORAFLOW_EXIT_CODE_FILE`` when set; ``deploy/scripts/learner.sh`` exits with it, and the systemd unit
@@ -26,7 +26,9 @@ import os
 from common.cli import EXIT_CONFIG_ERROR, EXIT_REPLACED, config_from_args, config_parser, run_main
 from common.config import Config, ConfigError
 from common.logging import get_logger, setup_logging
+from common.security import check_keys
 from common.startup import check_device, check_port_free, check_run_dir, resolve_model
+from common.transport import BrokerRefused, BrokerUnavailable
 
 EXTRA_FLAGS = {
     "--device": ("learner.device", str, "auto, cpu, cuda or cuda:N"),
@@ -51,8 +53,9 @@ def check(config: Config) -> Config:
     config = resolve_model(config)
     check_run_dir(config)
     check_device("learner.device", config.learner.device, probe_cuda=True)
-    if int(os.environ.get("RANK", 0)) == 0:  # rank 0 serves the metrics
-        check_port_free("learner.metrics_port", config.learner.metrics_port)
+    if int(os.environ.get("RANK", 0)) == 0:  # only rank 0 talks to the broker
+        check_keys(config, "learner")
+        check_port_free("learner.metrics_port", config.learner.metrics_port)  # rank 0 serves the metrics
     return config
 
 
@@ -77,6 +80,9 @@ def _main(argv: list[str]) -> int:
     except LearnerReplaced as exc:
         get_logger("learner").error("learner_replaced", error=str(exc))
         return EXIT_REPLACED
+    except (BrokerUnavailable, BrokerRefused) as exc:  # no broker, or keys / security settings that do not match
+        get_logger("learner").error("broker_unavailable", error=str(exc))
+        return 1
     except Exception:
         get_logger("learner").exception("learner_failed")
         return 1

@@ -7,7 +7,8 @@ the connection and the model load, and then again at every restart:
 - ``worker.reward``, ``worker.rewards`` and ``worker.env`` import and are a callable / an Environment;
 - ``model.path`` (:func:`common.startup.resolve_model`) and the form of ``worker.device`` (not for the
   ``sim`` backend, which loads no model);
-- ``run.run_dir`` and ``worker.adapter_dir`` can be written, ``worker.metrics_port`` is free.
+- ``run.run_dir`` and ``worker.adapter_dir`` can be written, ``worker.metrics_port`` is free;
+- the key files of ``security.client_key`` (:func:`common.security.check_keys`).
 
 ``loraflow config`` and ``loraflow run`` call :func:`check_user_code` too, before they start anything.
 """
@@ -15,6 +16,7 @@ the connection and the model load, and then again at every restart:
 from __future__ import annotations
 
 from common.config import Config, WorkerConfig
+from common.security import check_keys
 from common.startup import check_device, check_port_free, check_run_dir, check_writable, resolve_model
 from rollout_worker.envs import check_env
 from rollout_worker.rewards import load_rewards
@@ -34,6 +36,7 @@ def check(config: Config) -> Config:
         config = resolve_model(config)
         check_device("worker.device", config.worker.device)
     check_run_dir(config)
+    check_keys(config, "worker")
     check_port_free("worker.metrics_port", config.worker.metrics_port)
     if config.worker.adapter_dir:
         check_writable("worker.adapter_dir", config.worker.adapter_dir)
