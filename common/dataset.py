@@ -14,7 +14,8 @@ same data), ``data.eval_path`` (another file or directory), or else the first ``
 A row is TRL's: the prompt column holds a string or a conversation (a list of ``{"role", "content"}``
 messages); ``data.system_prompt`` is put in front of every conversation as a system message (a string prompt
 then becomes one user message). The answer column (``data.answer_column``; "" = none) is the reference answer
-of the built-in exact-match score. Every column but the prompt reaches the reward functions as a keyword
+the held-out evaluation scores with (:meth:`DatasetTask.score`: exact match of the whole completion or of its
+extracted final answer, as the built-in ``exact_match`` reward extracts it). Every column but the prompt reaches the reward functions as a keyword
 argument (``solution``, ``ground_truth``, test cases, ...), and so does the answer, also under the name
 ``answer`` (see :mod:`rollout_worker.rewards`).
 
@@ -43,6 +44,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+from common.answers import is_correct
 from common.config import ConfigError, DataConfig
 from common.tasks import Prompt, Task, TaskItem
 
@@ -395,6 +397,11 @@ class DatasetTask(Task):
 
     def split_size(self, split: str) -> int:
         return self._splits[split][2]
+
+    def score(self, completion: str, answer: str, *, finished: bool) -> float:
+        """1.0 for a completion that ends its turn stating the reference answer, as a whole or as its final
+        answer (``\\boxed{}``, ``####``, the last number: :func:`common.answers.is_correct`), else 0.0."""
+        return 1.0 if finished and is_correct(completion, answer) else 0.0
 
     def item(self, index: int, split: str = "train") -> TaskItem:
         rows, offset, size = self._splits[split]

@@ -10,8 +10,8 @@ held-out accuracy. Train and eval problems are disjoint (a hash of the problem p
 - ``calculator``: a multi-turn tool task, ``"a*b+c="``; the model may call ``<calc>expr</calc>`` and the
   environment answers ``=value``; reward 1 for the exact final answer (see rollout_worker/envs).
 - datasets (:mod:`common.dataset`): JSONL, JSON, Parquet and CSV files, ``save_to_disk`` directories and
-  directories of data files, read with Hugging Face ``datasets``; scored by exact match of the stripped
-  completion (or by the configured reward functions).
+  directories of data files, read with Hugging Face ``datasets``; held-out completions scored by the
+  answer they state (:mod:`common.answers`), training samples by the configured reward functions.
 
 A prompt is TRL's: a string, or a conversation (a list of ``{"role", "content"}`` messages). An item's
 ``columns`` are the keyword arguments its reward functions receive (the dataset row without its prompt; the

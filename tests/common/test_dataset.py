@@ -197,3 +197,19 @@ def test_the_gsm8k_example_is_what_its_generator_writes_and_loads_as_its_config_
     assert exact_match([item.prompt], [solution], answer=[item.answer]) == [1.0]
     assert format_reward([item.prompt], [solution]) == [1.0]
     assert config.worker.rewards == ["loraflow:exact_match", "loraflow:format"]
+
+
+@pytest.mark.parametrize(("completion", "answer", "finished", "score"), [
+    ("Out: 4 * 3 = 12.\n#### 12", "Out: 4 * 3 = 12 km.\n#### 12", True, 1.0),  # worked solutions
+    ("so the total is \\boxed{72}", "72", True, 1.0),
+    ("the answer is 71", "72", True, 0.0),
+    ("#### 12", "#### 12", False, 0.0),  # cut off before its end of turn
+    ("Paris", "paris", True, 1.0),  # a text answer as a whole
+    ("no number here", "7", True, 0.0),
+])
+def test_held_out_scoring_of_a_dataset_task(tmp_path: Path, completion: str, answer: str, finished: bool,
+                                            score: float) -> None:
+    path = tmp_path / "d.jsonl"
+    path.write_text("".join(json.dumps({"prompt": f"q{i}", "answer": "1"}) + "\n" for i in range(4)))
+    task = DatasetTask(str(path))
+    assert task.score(completion, answer, finished=finished) == score
