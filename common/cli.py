@@ -6,11 +6,11 @@ so ``loraflow worker cfg.toml --endpoint tcp://host:5555 --set worker.temperatur
 
 :func:`run_main` is the one place where an entry point's config-class failures become what an operator and a
 supervisor need: one line on stderr (``loraflow worker: config error: worker.reward = ...``), no traceback, exit
-code :data:`EXIT_CONFIG_ERROR`. Config-class errors are classes, never recognised by their text:
+code :data:`EXIT_CONFIG_ERROR`. Config-class errors are one class, never recognised by their text:
 :class:`common.config.ConfigError` (a bad file, ``--set``, value, or a setting the start-up checks of
-:mod:`common.startup` and each role refuse) and :class:`common.security.SecurityError` (key files). Every role's
-``main`` and the ``loraflow`` dispatcher run under it; it also ends a command quietly when the reader of its
-output goes away (``loraflow config | head``).
+:mod:`common.startup` and each role refuse) and its subclasses (``SecurityError``: key files; ``DatasetError``:
+a dataset that cannot be used). Every role's ``main`` and the ``loraflow`` dispatcher run under it; it also
+ends a command quietly when the reader of its output goes away (``loraflow config | head``).
 """
 
 from __future__ import annotations
@@ -67,17 +67,6 @@ def config_from_args(args: argparse.Namespace) -> Config:
     return load_config(args.config, overrides)
 
 
-def is_config_error(exc: BaseException) -> bool:
-    """Whether ``exc`` is a config-class failure: restarting the process cannot help."""
-    if isinstance(exc, ConfigError):
-        return True
-    if "common.security" not in sys.modules:  # not imported, so nothing could have raised its error
-        return False
-    from common.security import SecurityError
-
-    return isinstance(exc, SecurityError)
-
-
 def stdout_reader_gone() -> bool:
     """Whether stdout is a pipe whose reading end was closed (poll reports POLLERR on its writing end)."""
     try:
@@ -100,9 +89,7 @@ def run_main(prog: str, body: Callable[[], int | None]) -> int:
         # the reader left (`| head`): nothing more to say; stdout goes to /dev/null so exit's flush is quiet
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
         return EXIT_BROKEN_PIPE
-    except Exception as exc:
-        if not is_config_error(exc):
-            raise
+    except ConfigError as exc:  # restarting cannot help
         text = " ".join(str(exc).split())  # one line, whatever the message's own line breaks
         print(f"{prog}: config error: {text}", file=sys.stderr, flush=True)
         return EXIT_CONFIG_ERROR
