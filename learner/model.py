@@ -1,35 +1,66 @@
 """The trainable policy: a frozen Hugging Face causal LM with a peft LoRA adapter, sharded with FSDP2.
 
-- The base is loaded in float32 and frozen. It is the master copy; the LoRA tensors are trained, checkpointed
-  and published in float32 too.
-- The adapter is ``peft.LoraConfig(r, lora_alpha, lora_dropout, target_modules)``: ``lora_A`` is drawn from a
-  seeded generator (identical on every rank before sharding), ``lora_B`` starts at zero, so the untrained
-  policy is exactly the base model: version 0. ``target_modules`` is checked against the model (built on the
-  meta device) before its weights load, and ``"all-linear"`` expanded (:mod:`common.lora_targets`): a name
-  that selects nothing, an embedding or the output head is a config error (exit 2).
-- FSDP2: ``fully_shard`` on each decoder layer (the classes the model lists in ``_no_split_modules``), then on
-  the root, over the 1-D mesh of :mod:`learner.parallel`. Frozen and trainable parameters share a group.
-- Mixed precision: ``auto`` computes in bf16 (fp32 gradient reduction) on GPUs that support it, fp32 elsewhere;
-  ``bf16`` forces it (it works on CPU too, slowly); ``fp32`` turns it off.
-- The reference policy for the KL penalty is the same model with the adapter disabled (:meth:`Policy.reference`),
-  so no second copy of the base is held.
+Built so that no rank ever holds the whole base model (the torchtitan recipe):
+
+1. the model and its adapter are built on the meta device from ``config.json`` (parameters only: buffers such
+   as the rotary frequencies are computed for real), ``target_modules`` checked against it and
+   ``"all-linear"`` expanded (:mod:`common.lora_targets`: a name that selects nothing, an embedding or the
+   output head is a config error, exit 2); the adapter's size is checked against ``broker.max_message_bytes``
+   here too, before any weight is read;
+2. ``fully_shard`` on each decoder layer (the classes the model lists in ``_no_split_modules``), then on the
+   root, over the 1-D mesh of :mod:`learner.parallel`; ``to_empty`` gives each rank storage for its shards
+   only;
+3. rank 0 reads the safetensors files one decoder layer at a time and broadcasts them
+   (``set_model_state_dict(full_state_dict=True, broadcast_from_rank0=True)``): every rank keeps only its
+   rows of each tensor, and rank 0's host memory holds one layer of full tensors beyond its shards;
+4. the LoRA tensors are drawn on every rank from one seeded generator (``lora_A`` ~ U(+-1/sqrt(in)), peft's
+   kaiming-uniform; ``lora_B`` = 0), so the untrained policy is exactly the base model: version 0.
+
+Dtypes: the frozen base is stored in the compute dtype (``learner.mixed_precision``: ``auto`` is bf16 on GPUs
+that support it, fp32 elsewhere; ``bf16`` forces it, also on CPU; ``fp32`` turns it off), so a bf16 run never
+holds an fp32 copy of the base. The LoRA parameters, their gradients and the AdamW state are fp32; FSDP2's
+``MixedPrecisionPolicy`` casts them to the compute dtype for the forward pass and reduces gradients in fp32.
+
+Activation checkpointing (``learner.activation_checkpointing``): each decoder layer's forward runs under
+non-reentrant ``torch.utils.checkpoint``, inside FSDP2's hooks (as torchtitan wraps its blocks), so a layer
+keeps only its input for backward and recomputes the rest. Module names do not change, so checkpoints and
+published adapters are the same either way.
+
+Logits only where they are trained: :meth:`Policy.trained_logprobs` runs the decoder once and applies the output
+head to the selected positions only, chunk by chunk (:mod:`learner.head`), inside the root module's FSDP2
+forward (``register_fsdp_forward_method``), where the root's parameters (embeddings, final norm, head) are
+gathered. The reference policy for the KL penalty is the same model with the adapter disabled
+(:meth:`Policy.reference`), so no second copy of the base is held.
 """
 
 from __future__ import annotations
 
 import contextlib
+import functools
+import json
+import math
+import re
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import torch
 from peft import LoraConfig, PeftModel, get_peft_model
 from torch import nn
-from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
+from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard, register_fsdp_forward_method
+from torch.utils.checkpoint import checkpoint
 
-from common.config import LearnerConfig
-from common.lora_targets import check_model_dir
+from common.config import ConfigError, LearnerConfig
+from common.lora_targets import resolve_target_modules
+from learner import head
 from learner.parallel import Parallel
+
+#: the bytes a message needs besides the tensors (header with every tensor's name and spec, adapter config)
+MESSAGE_OVERHEAD_BYTES = 64 << 10
+HEADER_BYTES_PER_TENSOR = 256
+_LAYER_INDEX = re.compile(r"\.layers\.(\d+)\.")
 
 
 @dataclass(slots=True)
@@ -41,13 +72,21 @@ class Policy:
     model_dir: Path
     compute_dtype: torch.dtype
     vocab_size: int
+    adapter_dtype: torch.dtype = torch.float32  # what publishing sends (learner.adapter_dtype)
+    activation_checkpointing: bool = False
 
     def trainable_parameters(self) -> list[nn.Parameter]:
         return [p for p in self.model.parameters() if p.requires_grad]
 
     def logits(self, input_ids: torch.Tensor) -> torch.Tensor:
-        """input_ids [B, L] int64 -> logits [B, L, V] (compute dtype)."""
+        """input_ids [B, L] int64 -> logits [B, L, V] (compute dtype): every position; for tests and tools."""
         return self.model(input_ids=input_ids, use_cache=False).logits
+
+    def trained_logprobs(self, input_ids: torch.Tensor, select: torch.Tensor, targets: torch.Tensor,
+                         temperature: float = 1.0, *, with_entropy: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
+        """input_ids [B, L], select [B, L] bool, targets [T] (the selected positions' next tokens) ->
+        (log p(target) [T] fp32 with gradient, entropy [T] fp32 detached) under softmax(logits / temperature)."""
+        return self.model.trained_logprobs(input_ids, select, targets, float(temperature), with_entropy)
 
     @contextlib.contextmanager
     def reference(self) -> Iterator[None]:
@@ -57,8 +96,17 @@ class Policy:
             yield
 
 
+def _trained_logprobs(peft_model: PeftModel, input_ids: torch.Tensor, select: torch.Tensor, targets: torch.Tensor,
+                      temperature: float, with_entropy: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """The body of :meth:`Policy.trained_logprobs`, run as a forward method of the FSDP2 root."""
+    causal_lm = peft_model.get_base_model()
+    hidden = causal_lm.get_decoder()(input_ids=input_ids, use_cache=False).last_hidden_state  # [B, L, H]
+    weight = causal_lm.get_output_embeddings().weight                                          # [V, H]
+    return head.trained_logprobs(hidden[select], weight, targets, temperature, with_entropy=with_entropy)
+
+
 def resolve_compute_dtype(setting: str, device: torch.device) -> torch.dtype:
-    """learner.mixed_precision -> the dtype forward/backward run in."""
+    """learner.mixed_precision -> the dtype forward/backward run in (and the frozen base is stored in)."""
     if setting == "bf16":
         return torch.bfloat16
     if setting == "auto" and device.type == "cuda" and torch.cuda.is_bf16_supported():
@@ -66,8 +114,19 @@ def resolve_compute_dtype(setting: str, device: torch.device) -> torch.dtype:
     return torch.float32
 
 
+def resolve_adapter_dtype(setting: str, compute_dtype: torch.dtype) -> torch.dtype:
+    """learner.adapter_dtype -> the dtype adapters are published in (auto = the compute dtype)."""
+    return {"float32": torch.float32, "bfloat16": torch.bfloat16}.get(setting, compute_dtype)
+
+
+def resolve_activation_checkpointing(setting: str, device: torch.device) -> bool:
+    """learner.activation_checkpointing: auto = on for GPUs (memory is what limits there; on this CPU it only
+    costs time, see BENCHMARKS.md "Learner memory"), off on CPU."""
+    return setting == "on" or (setting == "auto" and device.type == "cuda")
+
+
 def lora_config_for(learner: LearnerConfig, model_dir: Path, target_modules: list[str]) -> LoraConfig:
-    """The adapter's peft config; ``target_modules`` as :func:`common.lora_targets.check_model_dir` resolved them."""
+    """The adapter's peft config; ``target_modules`` as :func:`common.lora_targets.resolve_target_modules` gave."""
     return LoraConfig(r=learner.lora_rank, lora_alpha=learner.lora_alpha, lora_dropout=learner.lora_dropout,
                       target_modules=target_modules, task_type="CAUSAL_LM", bias="none",
                       base_model_name_or_path=str(model_dir))
@@ -83,26 +142,154 @@ def decoder_layers(model: nn.Module) -> list[nn.Module]:
     return layers
 
 
-def build_policy(model_dir: Path, learner: LearnerConfig, parallel: Parallel, *, seed: int) -> Policy:
-    """Load the base, add the LoRA adapter (seeded), shard with FSDP2; identical on every rank."""
-    from transformers import AutoModelForCausalLM
+def check_output_head(hf_config: Any) -> None:
+    """Refuse models whose logits are not ``lm_head(hidden)``: the chunked head (learner.head) computes only that."""
+    for key in ("final_logit_softcapping", "logit_scale"):
+        if getattr(hf_config, key, None):
+            raise ValueError(f"model.path: {hf_config.model_type} models transform their logits ({key} = "
+                             f"{getattr(hf_config, key)}), which loraflow's learner does not reproduce yet; "
+                             "use a model whose logits are lm_head(hidden) (Llama, Qwen2/3, Gemma 1, Mistral)")
 
-    target_modules = check_model_dir(learner.target_modules, model_dir)  # before any weight is read
-    base = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32)
-    base.config.use_cache = False
-    base.requires_grad_(False)
-    layers = decoder_layers(base)
-    lora_config = lora_config_for(learner, model_dir, target_modules)
-    with torch.random.fork_rng(devices=[]):
-        torch.manual_seed(seed)
-        model = get_peft_model(base, lora_config)
-    model.to(parallel.device)
+
+def lora_parameters(model: nn.Module) -> list[tuple[str, nn.Parameter]]:
+    return [(name, p) for name, p in model.named_parameters() if p.requires_grad]
+
+
+def adapter_message_bytes(model: nn.Module, dtype: torch.dtype) -> int:
+    """Bytes of an AdapterUpdate carrying the model's LoRA tensors in ``dtype`` (works on the meta device)."""
+    params = lora_parameters(model)
+    size = torch.empty((), dtype=dtype).element_size()
+    return sum(p.numel() for _, p in params) * size + HEADER_BYTES_PER_TENSOR * len(params) + MESSAGE_OVERHEAD_BYTES
+
+
+def check_adapter_fits(model: nn.Module, dtype: torch.dtype, learner: LearnerConfig, max_message_bytes: int) -> None:
+    """ConfigError (exit 2) when an adapter version would not fit one broker message."""
+    need = adapter_message_bytes(model, dtype)
+    if max_message_bytes and need > max_message_bytes:
+        dtype_name = str(dtype).removeprefix("torch.")
+        raise ConfigError(
+            f"the adapter at learner.lora_rank = {learner.lora_rank} ({len(lora_parameters(model))} tensors in "
+            f"{dtype_name}) needs a {need / 2**20:.1f} MiB message, above broker.max_message_bytes = "
+            f"{max_message_bytes} ({max_message_bytes / 2**20:.1f} MiB): raise broker.max_message_bytes to at "
+            f"least {need}, lower learner.lora_rank, narrow learner.target_modules, or publish in bf16 "
+            '(learner.adapter_dtype = "bfloat16")')
+
+
+def _checkpointed(forward: Any, *args: Any, **kwargs: Any) -> Any:
+    if torch.is_grad_enabled():
+        return checkpoint(forward, *args, use_reentrant=False, **kwargs)
+    return forward(*args, **kwargs)
+
+
+def build_policy(model_dir: Path, learner: LearnerConfig, parallel: Parallel, *, seed: int,
+                 max_message_bytes: int = 0) -> Policy:
+    """The sharded policy, built as the module docstring says; identical on every rank (collective)."""
+    from accelerate import init_empty_weights
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    hf_config = AutoConfig.from_pretrained(str(model_dir))
+    check_output_head(hf_config)
     compute_dtype = resolve_compute_dtype(learner.mixed_precision, parallel.device)
-    options: dict = {"mesh": parallel.mesh}
+    with init_empty_weights(include_buffers=False):  # parameters on meta; buffers (rotary frequencies) for real
+        base = AutoModelForCausalLM.from_config(hf_config, dtype=compute_dtype)
+        target_modules = resolve_target_modules(learner.target_modules, base)
+        base.eval()  # as from_pretrained leaves it: no dropout in the base; LoRA dropout follows lora_dropout
+        base.config.use_cache = False
+        base.requires_grad_(False)
+        lora_config = lora_config_for(learner, model_dir, target_modules)
+        model = get_peft_model(base, lora_config)  # LoRA parameters in fp32 (peft's autocast_adapter_dtype)
+    adapter_dtype = resolve_adapter_dtype(learner.adapter_dtype, compute_dtype)
+    check_adapter_fits(model, adapter_dtype, learner, max_message_bytes)
+    layers = decoder_layers(base)
+    use_checkpointing = resolve_activation_checkpointing(learner.activation_checkpointing, parallel.device)
+    if use_checkpointing:
+        for layer in layers:
+            layer.forward = functools.partial(_checkpointed, layer.forward)
+    options: dict[str, Any] = {"mesh": parallel.mesh}
     if compute_dtype != torch.float32:
         options["mp_policy"] = MixedPrecisionPolicy(param_dtype=compute_dtype, reduce_dtype=torch.float32)
     for layer in layers:
         fully_shard(layer, **options)
     fully_shard(model, **options)
+    model.trained_logprobs = functools.partial(_trained_logprobs, model)
+    register_fsdp_forward_method(model, "trained_logprobs")
+    _materialize(model, parallel.device)
+    load_base_weights(model, model_dir, compute_dtype, is_main=parallel.is_main)
+    init_lora(model, seed=seed)
     return Policy(model=model, lora_config=lora_config, model_dir=model_dir, compute_dtype=compute_dtype,
-                  vocab_size=int(base.config.vocab_size))
+                  vocab_size=int(hf_config.vocab_size), adapter_dtype=adapter_dtype,
+                  activation_checkpointing=use_checkpointing)
+
+
+def _materialize(model: nn.Module, device: torch.device) -> None:
+    """Storage for this rank's shards (``to_empty``); the buffers computed at build time are kept."""
+    buffers = [(module, name, buf) for module in model.modules() for name, buf in module._buffers.items()
+               if buf is not None]
+    model.to_empty(device=device)
+    for module, name, buf in buffers:
+        module._buffers[name] = buf.to(device)
+
+
+def _base_key(name: str) -> str:
+    """PeftModel parameter name -> the name in the model's safetensors files."""
+    return name.removeprefix("base_model.model.").replace(".base_layer.", ".")
+
+
+def _weight_files(model_dir: Path) -> dict[str, Path]:
+    """Tensor name -> the safetensors file that holds it (a single file, or the index of a sharded model)."""
+    index = model_dir / "model.safetensors.index.json"
+    if index.is_file():
+        weight_map = json.loads(index.read_text())["weight_map"]
+        return {name: model_dir / file for name, file in weight_map.items()}
+    single = model_dir / "model.safetensors"
+    if not single.is_file():
+        raise ValueError(f"model.path {model_dir}: no model.safetensors (or its index); the learner reads "
+                         "safetensors weights only (re-save the model with save_pretrained)")
+    from safetensors import safe_open
+
+    with safe_open(str(single), framework="pt") as f:
+        return {name: single for name in f.keys()}  # noqa: SIM118 (safe_open has no __iter__)
+
+
+def load_base_weights(model: nn.Module, model_dir: Path, dtype: torch.dtype, *, is_main: bool) -> None:
+    """Collective: the frozen base's weights from ``model_dir`` into every rank's shards, one decoder layer at a
+    time read by rank 0 and broadcast (the others receive one tensor at a time and keep their rows)."""
+    from safetensors import safe_open
+
+    files = _weight_files(model_dir)  # every rank reads the headers: a missing tensor fails on all of them
+    frozen = [name for name, p in model.named_parameters() if not p.requires_grad]
+    missing = [_base_key(n) for n in frozen if _base_key(n) not in files]
+    if missing:
+        raise ValueError(f"model.path {model_dir}: the weights files lack {len(missing)} tensors of the model "
+                         f"(first: {missing[:3]}); the directory does not match its config.json")
+    groups: dict[int, list[str]] = {}
+    for name in frozen:
+        match = _LAYER_INDEX.search(name)
+        groups.setdefault(int(match.group(1)) if match else -1, []).append(name)
+    options = StateDictOptions(full_state_dict=True, broadcast_from_rank0=True, strict=False)
+    for _, names in sorted(groups.items()):
+        full: dict[str, torch.Tensor] = {}
+        if is_main:
+            by_file: dict[Path, list[str]] = {}
+            for name in names:
+                by_file.setdefault(files[_base_key(name)], []).append(name)
+            for path, in_file in by_file.items():
+                with safe_open(str(path), framework="pt") as f:
+                    for name in in_file:
+                        full[name] = f.get_tensor(_base_key(name)).to(dtype)
+        set_model_state_dict(model, full, options=options)
+        del full
+
+
+def init_lora(model: nn.Module, *, seed: int) -> None:
+    """The adapter's initial values on every rank from one seeded generator: ``lora_A`` ~ U(-1/sqrt(in),
+    1/sqrt(in)) (peft's kaiming-uniform with a = sqrt(5)), ``lora_B`` = 0, so the policy starts as the base."""
+    generator = torch.Generator().manual_seed(seed)
+    full: dict[str, torch.Tensor] = {}
+    for name, param in lora_parameters(model):
+        if ".lora_A." in name:
+            bound = 1.0 / math.sqrt(param.shape[1])
+            full[name] = torch.empty(param.shape, dtype=torch.float32).uniform_(-bound, bound, generator=generator)
+        else:
+            full[name] = torch.zeros(param.shape, dtype=torch.float32)
+    set_model_state_dict(model, full, options=StateDictOptions(full_state_dict=True, strict=False))

@@ -1,7 +1,9 @@
 """One optimizer step on a step batch: this rank's micro-batches through the loss, backward, clip, AdamW.
 
 Every rank calls :func:`train_step` with the same :class:`learner.data.StepBatch`; each trains its share of the
-samples (``data.rank_micro_batches``) and FSDP2 reduce-scatters the LoRA gradients. Each trained token of the
+samples (``data.rank_micro_batches``), and FSDP2 reduce-scatters the LoRA gradients once, in the last
+micro-batch's backward (:func:`sync_gradients`). Log-probs come from the trained positions only
+(:meth:`learner.model.Policy.trained_logprobs`: no ``[B, L, V]`` logits). Each trained token of the
 batch weighs ``1 / N`` (N = trained tokens of the whole batch, known to every rank), and FSDP2 averages over
 the R ranks, so each rank scales its loss by ``R / N``: the gradient is that of one process on the whole batch.
 Statistics are summed over micro-batches and ranks, so every rank returns the same numbers.
@@ -9,11 +11,12 @@ Statistics are summed over micro-batches and ranks, so every rank returns the sa
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Iterator
 from typing import Any
 
 import torch
 
-from common import logprobs
 from common.config import Config, LearnerConfig
 from learner import data
 from learner.loss import SUM_STATS, LossConfig, group_advantages, token_loss, token_stats
@@ -34,20 +37,18 @@ def train_step(policy: Policy, optimizer: torch.optim.Optimizer, scheduler: Any,
     sums = torch.zeros(len(SUM_STATS), dtype=torch.float64)
     ratio_max = torch.zeros(1, dtype=torch.float64)
     num_positions = torch.zeros(1, dtype=torch.float64)
-    for micro in micro_batches:
+    for index, micro in enumerate(micro_batches):
         mb = micro.to(parallel.device)
         targets = mb.targets[mb.select]                                                      # [T]
         ref_logp = None
         if loss_config.kl_beta > 0:
             with torch.no_grad(), policy.reference():
-                ref_logits = policy.logits(mb.input_ids)[mb.select]                          # [T, V]
-                ref_logp = logprobs.token_logprobs(ref_logits, targets, temperature)         # [T]
-        logits = policy.logits(mb.input_ids)[mb.select]                                      # [T, V]
-        logp = logprobs.token_logprobs(logits, targets, temperature)                        # [T]
+                ref_logp, _ = policy.trained_logprobs(mb.input_ids, mb.select, targets, temperature,
+                                                      with_entropy=False)                    # [T]
+        logp, entropy = policy.trained_logprobs(mb.input_ids, mb.select, targets, temperature)  # [T], [T]
         terms = token_loss(logp, mb.behaviour_logp, mb.advantages, loss_config, ref_logp)
-        (terms.loss.sum() * scale).backward()
-        with torch.no_grad():
-            entropy = logprobs.token_entropy(logits.detach(), temperature)                   # [T]
+        with sync_gradients(policy.model, index == len(micro_batches) - 1):
+            (terms.loss.sum() * scale).backward()
         micro_sums, micro_max = token_stats(terms, entropy)
         sums += micro_sums.cpu()
         ratio_max = torch.maximum(ratio_max, micro_max.cpu())
@@ -84,6 +85,18 @@ def train_step(policy: Policy, optimizer: torch.optim.Optimizer, scheduler: Any,
         "adv_abs_max": float(trained.abs().max()) if trained.numel() else 0.0,
         "num_samples": len(step.samples),
     }
+
+
+@contextlib.contextmanager
+def sync_gradients(model: torch.nn.Module, last: bool) -> Iterator[None]:
+    """FSDP2 reduce-scatters gradients only in the last micro-batch's backward: the earlier ones accumulate
+    unsharded gradients locally (``set_requires_gradient_sync(False)``), so a step runs one reduction per
+    parameter group instead of one per micro-batch. Every rank has the same number of micro-batches."""
+    model.set_requires_gradient_sync(last)
+    try:
+        yield
+    finally:
+        model.set_requires_gradient_sync(True)
 
 
 def make_optimizer(policy: Policy, learner: LearnerConfig) -> tuple[torch.optim.AdamW, torch.optim.lr_scheduler.LambdaLR]:
