@@ -170,7 +170,12 @@ class LearnerConfig:
     kl_beta: float = rule(0.0, ge=0, doc="KL penalty to the base model (adapter disabled); 0 = off")
     scale_by_std: bool = rule(True, doc="divide group advantages by the group std")
     micro_batch_tokens: int = rule(8192, ge=16, unit="tokens", doc="token budget of one micro-batch")
-    mixed_precision: str = rule("auto", choices=("auto", "fp32", "bf16"))
+    mixed_precision: str = rule("auto", choices=("auto", "fp32", "bf16"),
+                                doc="compute dtype, also the frozen base's storage: auto = bf16 on GPUs, fp32 on CPU")
+    adapter_dtype: str = rule("auto", choices=("auto", "float32", "bfloat16"),
+                              doc="dtype adapters are published in; auto = the compute dtype (bf16 on GPUs)")
+    activation_checkpointing: str = rule("auto", choices=("auto", "on", "off"),
+                                         doc="recompute each decoder layer in backward; auto = on GPUs only")
     publish_every: int = rule(1, ge=1, unit="steps", doc="publish an adapter version every k steps")
     save_adapter_every: int = rule(10, ge=0, unit="versions", doc="write a PEFT dir every N versions; 0 = only at the end")
     checkpoint_every: int = rule(20, ge=0, unit="steps", doc="DCP checkpoint interval; 0 = off")
