@@ -55,8 +55,9 @@ class RunConfig:
 
 @dataclass(slots=True, kw_only=True)
 class ModelConfig:
-    path: str = rule("builtin:tiny", doc="local HF model directory, or builtin:tiny (built offline, cached); "
-                     "`loraflow run` also takes builtin:demo (the tiny model warmed up for the demo)")
+    path: str = rule("builtin:tiny", doc="local HF model directory, or builtin:tiny (built offline, cached), or "
+                     "builtin:demo (the tiny model warmed up for the demo: built by `loraflow run` or `python -m "
+                     "deploy.demo_base --seed N`, then found in the cache by every role)")
     cache_dir: str = rule("", doc="where builtin models are built; default ~/.cache/loraflow")
     dtype: str = rule("float32", choices=("float32", "bfloat16", "float16"), doc="weights dtype for generation")
     max_seq_len: int = rule(512, ge=8, le=1 << 20, unit="tokens", doc="prompt + completion limit")
