@@ -5,9 +5,9 @@ every way of getting the keys wrong fails fast with the cause, is named in the b
   ``loraflow keys DIR`` on a directory without one (an older release's) adds it and keeps the rest, so the
   documented ``loraflow status run.toml --endpoint ...`` works and shows that encryption is on;
 - a key the broker does not authorise (one made in its keys dir whose authorisation was removed, one from
-  another directory), a wrong broker public key, and a client without CURVE: the worker exits 1 well within
-  ``run.connect_timeout_s`` with the cause in one log line (no traceback, no double-close error); the broker logs
-  the refused key by its file when it has it and counts each cause in ``auth{...}``;
+  another directory), a wrong broker public key, and a client without CURVE: a worker (and a learner) exits 1
+  well within ``run.connect_timeout_s`` with the cause in one log line (no traceback, no double-close error); the
+  broker logs the refused key by its file when it has it and counts each cause in ``auth{...}``;
 - start order: a worker started before the broker joins once the broker comes up within the wait, and with no
   broker at all it gives up after ``run.connect_timeout_s`` naming that setting.
 """
@@ -129,18 +129,19 @@ def test_wrong_keys_fail_fast_with_the_cause_and_are_counted(curve_run, procs: P
                              "is not this broker's"),
         "plaintext": (["security.enabled=false"], "requires CURVE (security.enabled = true there)"),
     }
+    cases["learner"] = (['security.client_key="gpu-2"'], "the broker refused this client's key")  # the learner too
     started = time.monotonic()
-    workers = {}
+    clients = {}
     for name, (overrides, _) in cases.items():
-        args = [str(config), "--endpoint", broker.endpoint, "--worker-id", name,
-                "--set", f"run.connect_timeout_s={CONNECT_TIMEOUT_S}"]
+        args = [str(config), "--endpoint", broker.endpoint, "--set", f"run.connect_timeout_s={CONNECT_TIMEOUT_S}"]
         for override in overrides:
             args += ["--set", override]
-        workers[name] = procs.python(name, "rollout_worker", *args)
+        clients[name] = (procs.python(name, "learner", *args) if name == "learner" else
+                         procs.python(name, "rollout_worker", *args, "--worker-id", name))
     for name, (_, cause) in cases.items():
-        worker = workers[name]
-        code = worker.popen.wait(timeout=CONNECT_TIMEOUT_S + 30)
-        log = worker.log()
+        client = clients[name]
+        code = client.popen.wait(timeout=CONNECT_TIMEOUT_S + 30)
+        log = client.log()
         assert code == 1, (name, code, log)
         assert cause in log and "broker_unavailable" in log, (name, log)
         assert "Traceback" not in log and "non-socket" not in log, (name, log)
@@ -148,14 +149,14 @@ def test_wrong_keys_fail_fast_with_the_cause_and_are_counted(curve_run, procs: P
 
     observer = ClientSecurity.load(keys, "observer")
     # a plaintext client shows as a mechanism mismatch, or as a dropped handshake when it noticed first
-    auth = wait_for(lambda: (a := fetch_stats(broker.endpoint, security=observer)["auth"]).get("refused", 0) >= 2
+    auth = wait_for(lambda: (a := fetch_stats(broker.endpoint, security=observer)["auth"]).get("refused", 0) >= 3
                     and a.get("wrong_server_key", 0) >= 1 and a.get("plaintext", 0) + a.get("dropped", 0) >= 1 and a,
                     10, "every failed handshake to be counted", procs)
-    assert auth["refused"] == 2 and set(auth) <= {"refused", "wrong_server_key", "plaintext", "dropped"}, auth
+    assert auth["refused"] == 3 and set(auth) <= {"refused", "wrong_server_key", "plaintext", "dropped"}, auth
     events = [json.loads(line) for line in broker.proc.log().splitlines() if line.startswith("{")]
     refused = [e for e in events if e["event"] == "auth_refused"]
-    assert [e.get("key_file") for e in refused].count(str(keys / "gpu-2.key")) == 1, refused  # named by its file
-    assert len(refused) == 2 and any("another `loraflow keys` directory" in e["why"] for e in refused), refused
+    assert [e.get("key_file") for e in refused].count(str(keys / "gpu-2.key")) == 2, refused  # named by its file
+    assert len(refused) == 3 and any("another `loraflow keys` directory" in e["why"] for e in refused), refused
     causes = {e["cause"] for e in events if e["event"] == "handshake_failed"}
     assert "wrong_server_key" in causes and causes & {"plaintext", "dropped"}, causes
 
