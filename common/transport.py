@@ -11,8 +11,8 @@ Workers, the learner's rank 0, benchmarks and test clients all talk to the broke
                                     broker silent past the timeout -> hello again
                                     Welcome with a new broker_id -> Reconnected event
 
-What the I/O thread waits for: the DEALER socket, the inproc pipe from callers, and the next heartbeat
-deadline, in one ``zmq.Poller``. zmq reconnects TCP by itself; the thread only has to notice that the broker
+What the I/O thread waits for: the DEALER socket, the inproc pipe from callers, the DEALER's monitor
+(handshake failures) and the next heartbeat deadline, in one ``zmq.Poller``. zmq reconnects TCP by itself; the thread only has to notice that the broker
 process is a new one (a different ``broker_id`` in its Welcome, or a ``not_registered`` Error) and say hello
 again. The caller then gets a :class:`Reconnected` item from :meth:`BrokerLink.recv` and re-sends whatever the
 old broker had not acknowledged (the broker deduplicates).
