@@ -175,6 +175,15 @@ def check_adapter_fits(model: nn.Module, dtype: torch.dtype, learner: LearnerCon
             '(learner.adapter_dtype = "bfloat16")')
 
 
+def tie_output_embeddings(model: nn.Module, hf_config: Any) -> None:
+    """Share the input embedding with the output head where the config ties them (Qwen2 small models, Gemma):
+    the weights files then hold the embedding only. Done outside ``init_empty_weights``, whose patched
+    ``register_parameter`` makes a new meta parameter of every assignment (``tie_weights`` inside it ties
+    nothing)."""
+    if getattr(hf_config, "tie_word_embeddings", False):
+        model.get_output_embeddings().weight = model.get_input_embeddings().weight
+
+
 def _checkpointed(forward: Any, *args: Any, **kwargs: Any) -> Any:
     if torch.is_grad_enabled():
         return checkpoint(forward, *args, use_reentrant=False, **kwargs)
@@ -198,6 +207,7 @@ def build_policy(model_dir: Path, learner: LearnerConfig, parallel: Parallel, *,
         base.requires_grad_(False)
         lora_config = lora_config_for(learner, model_dir, target_modules)
         model = get_peft_model(base, lora_config)  # LoRA parameters in fp32 (peft's autocast_adapter_dtype)
+    tie_output_embeddings(base, hf_config)
     adapter_dtype = resolve_adapter_dtype(learner.adapter_dtype, compute_dtype)
     check_adapter_fits(model, adapter_dtype, learner, max_message_bytes)
     layers = decoder_layers(base)
