@@ -141,6 +141,20 @@ class WorkerConfig:
                                    "handed to rewards stops before them)")
     adapter_dir: str = rule("", doc="where received adapters are written; default <run_dir>/workers/<id>/adapters")
     metrics_port: int = rule(0, ge=0, le=65535)
+    agent: str = rule("", doc='agent harness: package.module:run_episode, async (client, row) -> float | dict, '
+                      'driving the worker\'s OpenAI-compatible gateway (rollout_worker/gateway); "external" = '
+                      'harnesses in other processes claim episodes over HTTP; empty = worker.env')
+    agent_timeout_s: float = rule(300.0, gt=0, unit="s", doc="one agent episode at most; past it the episode "
+                                  "scores 0 (counted agent_failures{reason=timeout})")
+    gateway_bind: str = rule("127.0.0.1:0", max_len=256, doc="HOST:PORT the gateway listens on (0 = any free "
+                             "port; written to <run_dir>/workers/<id>/gateway.json); beyond loopback only "
+                             "with security.enabled, which also requires its token")
+    gateway_max_request_bytes: int = rule(4 << 20, ge=1024, unit="bytes", doc="larger requests get 413")
+    tool_parser: str = rule("hermes", choices=("hermes", "none"),
+                            doc="how tool calls are read from the model's text: hermes = <tool_call>{json}</tool_call>")
+    tito_divergence: str = rule("count", choices=("count", "refuse"),
+                                doc="a call whose template re-renders held tokens differently: count "
+                                "(keep the held tokens, count tito_divergence{reason}) or refuse the call")
     sim: SimConfig = field(default_factory=SimConfig)
     vllm: VllmConfig = field(default_factory=VllmConfig)
 
@@ -308,6 +322,10 @@ def validate(config: Config) -> None:
                           f"({run.groups_per_step}), or the learner could never get a full batch")
     if learner.mask_low >= learner.mask_high:
         raise ConfigError(f"learner.mask_low ({learner.mask_low}) must be < learner.mask_high ({learner.mask_high})")
+    if config.launch.learner_ranks > 1 and learner.device.startswith("cuda:"):
+        raise ConfigError(f"learner.device = {learner.device!r} with launch.learner_ranks = "
+                          f"{config.launch.learner_ranks} puts every rank on one GPU: use \"cuda\" (each rank takes "
+                          "the GPU of its LOCAL_RANK)")
     if learner.tis_cap < 1:
         raise ConfigError(f"learner.tis_cap ({learner.tis_cap}) must be >= 1 (a cap below 1 shrinks fresh samples)")
     for name, endpoint in (("broker.endpoint", config.broker.endpoint), ("broker.bind", config.broker.bind)):
@@ -324,6 +342,13 @@ def validate(config: Config) -> None:
     if worker.reward_weights and len(worker.reward_weights) != len(worker.rewards):
         raise ConfigError(f"worker.reward_weights has {len(worker.reward_weights)} entries but worker.rewards has "
                           f"{len(worker.rewards)}: give one weight per reward function, or none (1.0 each)")
+    if worker.agent and (worker.reward or worker.rewards or worker.backend == "sim"):
+        raise ConfigError("worker.agent returns each episode's reward and needs a tokenizer: leave worker.reward "
+                          "and worker.rewards empty and use worker.backend = \"hf\" or \"vllm\"")
+    gateway_host = worker.gateway_bind.rpartition(":")[0].strip("[]")
+    if worker.agent and gateway_host not in ("127.0.0.1", "localhost", "::1") and not config.security.enabled:
+        raise ConfigError(f"worker.gateway_bind = {worker.gateway_bind!r} is beyond loopback: set "
+                          "security.enabled (the gateway then requires its token) or bind 127.0.0.1")
     if config.data.eval_split and config.data.eval_path:
         raise ConfigError("set data.eval_split (a split of the dataset) or data.eval_path (another file), not both")
     if config.security.enabled and not config.security.keys_dir:

@@ -96,16 +96,26 @@ class Parallel:
             dist.destroy_process_group()
 
 
-def resolve_device(setting: str, local_rank: int) -> torch.device:
-    """learner.device: auto (CUDA if present), cpu, cuda or cuda:N."""
+def resolve_device(setting: str, local_rank: int, world_size: int = 1) -> torch.device:
+    """learner.device: auto (CUDA if present), cpu, cuda or cuda:N. Under torchrun each rank takes the GPU of its
+    LOCAL_RANK (``cuda`` / ``auto``); ``cuda:N`` names one GPU, so it is refused for several ranks (they would
+    all land on it, which NCCL refuses)."""
     if setting == "auto":
         setting = "cuda" if torch.cuda.is_available() else "cpu"
     if setting == "cpu":
         return torch.device("cpu")
     if setting.startswith("cuda"):
+        explicit = setting.partition(":")[2]
+        if explicit and world_size > 1:
+            raise ValueError(f"learner.device = {setting!r} puts all {world_size} learner ranks on one GPU: use "
+                             '"cuda" (or "auto"), and each rank takes the GPU of its LOCAL_RANK (restrict which GPUs '
+                             "with CUDA_VISIBLE_DEVICES)")
         if not torch.cuda.is_available():
             raise ValueError(f"learner.device={setting!r} but no CUDA device is visible; use auto or cpu")
-        index = int(setting.partition(":")[2] or local_rank)
+        index = int(explicit or local_rank)
+        if index >= torch.cuda.device_count():
+            raise ValueError(f"learner.device={setting!r}: GPU {index} (LOCAL_RANK {local_rank}) does not exist, "
+                             f"{torch.cuda.device_count()} are visible; run at most that many ranks per machine")
         return torch.device("cuda", index)
     raise ValueError(f"learner.device must be auto, cpu, cuda or cuda:N, got {setting!r}")
 
@@ -116,7 +126,7 @@ def init_parallel(device_setting: str) -> Parallel:
     rank = int(os.environ.get("RANK", 0))
     world_size = int(os.environ.get("WORLD_SIZE", 1))
     local_rank = int(os.environ.get("LOCAL_RANK", 0))
-    device = resolve_device(device_setting, local_rank)
+    device = resolve_device(device_setting, local_rank, world_size)
     backend = "cpu:gloo,cuda:nccl" if device.type == "cuda" else "gloo"
     if device.type == "cuda":
         torch.cuda.set_device(device)

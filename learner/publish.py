@@ -10,7 +10,8 @@ Publishing version v+1 (every ``learner.publish_every`` steps):
    gather per tensor). The base model never moves.
 2. rank 0: ``peft.get_peft_model_state_dict`` maps them to PEFT names
    (``base_model.model.model.layers.0.self_attn.q_proj.lora_A.weight``), the names
-   ``PeftModel.from_pretrained``, ``set_peft_model_state_dict`` and vLLM's LoRA loader expect.
+   ``PeftModel.from_pretrained``, ``set_peft_model_state_dict`` and vLLM's LoRA loader expect; cast to the
+   publishing dtype (``learner.adapter_dtype``, auto = the compute dtype: half the bytes in bf16 on GPUs).
 3. :class:`AdapterSnapshot` -> ``AdapterUpdate`` (PEFT names, ``adapter_config.json`` contents, sha256 over the
    tensor bytes in order) sent through the broker to every worker.
 4. every ``learner.save_adapter_every`` versions (and at the end), :func:`write_adapter_dir` writes
@@ -83,7 +84,8 @@ def adapter_config_dict(lora_config: LoraConfig) -> dict[str, Any]:
 
 
 def gather_adapter(policy: Policy, *, is_main: bool) -> list[tuple[str, torch.Tensor]] | None:
-    """Collective: the LoRA tensors with PEFT names on rank 0 (fp32, CPU); None on other ranks."""
+    """Collective: the LoRA tensors with PEFT names on rank 0 (CPU, in ``policy.adapter_dtype``: the fp32 master
+    weights rounded to bf16 on GPUs, ``learner.adapter_dtype``); None on other ranks."""
     state = gather_trainable(policy.model, is_main=is_main)
     if state is None:
         options = StateDictOptions(full_state_dict=True, cpu_offload=True, ignore_frozen_params=True)
@@ -91,7 +93,7 @@ def gather_adapter(policy: Policy, *, is_main: bool) -> list[tuple[str, torch.Te
     if not is_main:
         return None
     peft_state = get_peft_model_state_dict(policy.model, state_dict=state)
-    return [(name, tensor.detach().contiguous()) for name, tensor in peft_state.items()]
+    return [(name, tensor.detach().to(policy.adapter_dtype).contiguous()) for name, tensor in peft_state.items()]
 
 
 def gather_trainable(model: torch.nn.Module, *, is_main: bool) -> dict[str, torch.Tensor] | None:

@@ -321,7 +321,10 @@ class SetupError(ValueError):
 
 def run(config: Config) -> int:
     """Start (or resume) the learner and run the loop until it stops; returns the exit code."""
-    parallel = init_parallel(config.learner.device)
+    try:
+        parallel = init_parallel(config.learner.device)
+    except ValueError as exc:  # learner.device that cannot work for this job (cuda:N on several ranks)
+        raise SetupError(str(exc)) from exc
     bind(rank=parallel.rank)
     timeline = Timeline.for_process(config.run_dir, "learner") if parallel.is_main else Timeline(None)
     timeline.mark("starting")  # model build, checkpoint load and connecting show as start-up, not as time down
@@ -339,7 +342,8 @@ def run(config: Config) -> int:
         try:
             tracking.check_available(config.run.report_to)  # a missing wandb/tensorboard: before the model loads
             model_dir = resolve_model(config.model.path, config.model.cache_dir)
-            policy = build_policy(Path(model_dir), config.learner, parallel, seed=config.run.seed)
+            policy = build_policy(Path(model_dir), config.learner, parallel, seed=config.run.seed,
+                                  max_message_bytes=config.broker.max_message_bytes)
         except ValueError as exc:  # a model path, target_modules or tracker that cannot work: restarting won't help
             raise SetupError(str(exc)) from exc
         optimizer, scheduler = make_optimizer(policy, config.learner)

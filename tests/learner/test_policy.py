@@ -164,7 +164,7 @@ def test_partial_checkpoints_are_ignored_and_old_ones_pruned(tiny_model_dir: Pat
     assert checkpointer.load(checkpointer.latest(), *trainer).step == 3
 
 
-def test_bf16_mixed_precision_computes_in_bf16_and_keeps_an_fp32_adapter(tiny_model_dir: Path, parallel) -> None:
+def test_bf16_mixed_precision_computes_in_bf16_with_fp32_master_weights_and_publishes_bf16(tiny_model_dir: Path, parallel) -> None:
     config = make_config(mixed_precision="bf16")
     trainer = make_trainer(tiny_model_dir, parallel, config)
     policy = trainer[0]
@@ -173,21 +173,28 @@ def test_bf16_mixed_precision_computes_in_bf16_and_keeps_an_fp32_adapter(tiny_mo
     assert stats["num_tokens"] > 0 and stats["grad_norm"] > 0 and torch.isfinite(torch.tensor(stats["loss"]))
     with torch.no_grad():
         assert policy.logits(torch.tensor([[1, 2, 3]])).dtype == torch.bfloat16
+    assert {p.dtype for p in policy.trainable_parameters()} == {torch.float32}  # fp32 master weights
+    assert {p.dtype for n, p in policy.model.named_parameters() if not p.requires_grad} == {torch.bfloat16}
     tensors = publish.gather_adapter(policy, is_main=True)
-    assert {t.dtype for _, t in tensors} == {torch.float32}  # master weights and the published adapter
+    assert {t.dtype for _, t in tensors} == {torch.bfloat16}  # published in the compute dtype (adapter_dtype=auto)
     assert any(t.abs().max() > 0 for n, t in tensors if "lora_B" in n)
+    forced = make_trainer(tiny_model_dir, parallel, make_config(mixed_precision="bf16", adapter_dtype="float32"))[0]
+    assert {t.dtype for _, t in publish.gather_adapter(forced, is_main=True)} == {torch.float32}
 
 
 @pytest.mark.vllm
 @pytest.mark.slow
-def test_adapter_dir_loads_unchanged_in_vllm(tiny_model_dir: Path, parallel, tmp_path: Path) -> None:
-    """vLLM's LoRARequest serves the learner's PEFT directory as peft does: same greedy tokens and log-probs."""
-    config = make_config(lr=0.05)  # a few large steps, so the adapter changes what the model says
+@pytest.mark.parametrize("adapter_dtype", ["float32", "bfloat16"])
+def test_adapter_dir_loads_unchanged_in_vllm(tiny_model_dir: Path, parallel, tmp_path: Path, adapter_dtype: str) -> None:
+    """vLLM's LoRARequest serves the learner's PEFT directory as peft does: same greedy tokens and log-probs,
+    in fp32 and as the bf16 adapter a GPU learner publishes (learner.adapter_dtype)."""
+    config = make_config(lr=0.05, adapter_dtype=adapter_dtype)  # a few large steps: the adapter changes the output
     trainer = make_trainer(tiny_model_dir, parallel, config)
     for index in range(3):
         step_on(trainer, parallel, config, index)
     path = publish.write_adapter_dir(tmp_path / "adapters", publish.snapshot(trainer[0], version=3, step=3,
                                                                              is_main=True))
+    assert {str(t.dtype) for t in load_file(str(path / publish.ADAPTER_WEIGHTS)).values()} == {f"torch.{adapter_dtype}"}
     prompts = [[1, 20, 30, 40], [1, 50, 60]]
     script = Path(__file__).with_name("vllm_generate.py")
     done = subprocess.run([sys.executable, str(script), str(tiny_model_dir), str(path), json.dumps(prompts)],
