@@ -170,7 +170,8 @@ def unpack(frames: Sequence[Any], *, version: int, known_kinds: frozenset[int], 
     try:
         header = msgpack.unpackb(header_bytes, raw=False, strict_map_key=True, use_list=True)
     except Exception as exc:  # msgpack raises several unrelated types for corrupt input
-        raise FramingError(f"header is not valid msgpack: {exc}") from None
+        raise FramingError(f"header is not valid msgpack: {type(exc).__name__}{': ' if str(exc) else ''}{exc}"
+                           ) from None
     if not isinstance(header, dict):
         raise FramingError(f"header must be a msgpack map, got {type(header).__name__}")
     specs = _parse_specs(header.pop("tensors", []), frames[2:], sizes[2:])
@@ -196,13 +197,15 @@ def _parse_specs(raw_specs: Any, tensor_frames: Sequence[Any], frame_sizes: Sequ
         name, dtype, shape, frame = raw["name"], raw["dtype"], raw["shape"], raw["frame"]
         if not isinstance(name, str) or not name or len(name) > 256:
             raise FramingError(f"tensors[{i}].name must be a non-empty string of at most 256 characters")
-        if dtype not in DTYPE_SIZES:
-            raise FramingError(f"tensors[{i}] ({name}): dtype {dtype!r} is not one of {sorted(DTYPE_SIZES)}")
+        if not isinstance(dtype, str) or dtype not in DTYPE_SIZES:
+            shown = repr(dtype[:40]) if isinstance(dtype, str) else f"of type {type(dtype).__name__}"
+            raise FramingError(f"tensors[{i}] ({name}): dtype {shown} is not one of {sorted(DTYPE_SIZES)}")
         if (not isinstance(shape, list) or len(shape) > MAX_TENSOR_DIMS
                 or not all(isinstance(d, int) and not isinstance(d, bool) and 0 <= d < 2**40 for d in shape)):
             raise FramingError(f"tensors[{i}] ({name}): shape must be a list of at most {MAX_TENSOR_DIMS} non-negative ints")
         if not isinstance(frame, int) or isinstance(frame, bool) or not 0 <= frame < len(tensor_frames) or frame in seen_frames:
-            raise FramingError(f"tensors[{i}] ({name}): frame index {frame!r} is out of range or used twice")
+            shown = frame if isinstance(frame, int) else f"of type {type(frame).__name__}"
+            raise FramingError(f"tensors[{i}] ({name}): frame index {shown} is out of range or used twice")
         seen_frames.add(frame)
         spec = TensorSpec(name, dtype, tuple(shape), frame)
         actual = frame_sizes[frame]

@@ -41,6 +41,9 @@ MAX_GROUP_SIZE = 1024
 MAX_BATCH_GROUPS = 4096
 MAX_MESSAGES = 4096
 MAX_REWARD_FUNCTIONS = 64
+MAX_COUNTERS = 64  # entries of Heartbeat.counters and RolloutGroup.metrics
+#: policy versions travel as int32 in the token ``versions`` tensor: no version may exceed this
+MAX_VERSION = (1 << 31) - 1
 
 
 class ProtocolError(ValueError):
@@ -104,7 +107,7 @@ class Hello:
     client_id: str = rule(max_len=MAX_ID_LEN, doc="stable name of the client (worker id, 'learner')")
     backend: str = rule("", max_len=64, doc="generation backend of a worker")
     capacity: int = rule(1, ge=1, le=1024, doc="leases a worker can hold at once")
-    adapter_version: int = rule(0, ge=0, doc="policy version the client holds")
+    adapter_version: int = rule(0, ge=0, le=MAX_VERSION, doc="policy version the client holds")
     host: str = rule("", max_len=256)
     pid: int = rule(0, ge=0)
     session: str = rule("", max_len=MAX_ID_LEN, doc="random per process start: a new session of a known id "
@@ -117,7 +120,7 @@ class Hello:
 class Welcome:
     KIND: ClassVar[Kind] = Kind.WELCOME
     broker_id: str = rule(max_len=MAX_ID_LEN, doc="random per broker start: a new id means the broker restarted")
-    latest_version: int = rule(ge=0)
+    latest_version: int = rule(ge=0, le=MAX_VERSION)
     group_size: int = rule(ge=1, le=MAX_GROUP_SIZE)
     groups_per_step: int = rule(ge=1, le=MAX_BATCH_GROUPS)
     max_staleness: int = rule(ge=0)
@@ -131,11 +134,13 @@ class Welcome:
 @dataclass(slots=True, kw_only=True)
 class Heartbeat:
     KIND: ClassVar[Kind] = Kind.HEARTBEAT
-    adapter_version: int = rule(0, ge=0)
-    latest_version: int = rule(0, ge=0, doc="set by the broker in its pong")
+    adapter_version: int = rule(0, ge=0, le=MAX_VERSION)
+    latest_version: int = rule(0, ge=0, le=MAX_VERSION, doc="set by the broker in its pong")
     state: str = rule("idle", choices=CLIENT_STATES)
     num_leases: int = rule(0, ge=0)
-    counters: dict[str, Any] = rule(default_factory=dict, max_len=64, doc="cumulative client counters for stats")
+    counters: dict[str, int | float] = rule(default_factory=dict, max_len=MAX_COUNTERS,
+                                            doc="cumulative client counters for stats: numbers under names of at "
+                                            "most 64 characters (common.schema.MAX_KEY_LEN)")
 
 
 @dataclass(slots=True, kw_only=True)
@@ -157,7 +162,7 @@ class Bye:
 class LeaseRequest:
     KIND: ClassVar[Kind] = Kind.LEASE_REQUEST
     max_leases: int = rule(1, ge=1, le=1024)
-    adapter_version: int = rule(0, ge=0)
+    adapter_version: int = rule(0, ge=0, le=MAX_VERSION)
     wait_ms: int = rule(1000, ge=0, le=600_000, doc="long-poll: answer within this time even if nothing is granted")
 
 
@@ -190,7 +195,7 @@ class LeaseGrant:
     KIND: ClassVar[Kind] = Kind.LEASE_GRANT
     leases: list[PromptLease] = rule(default_factory=list, max_len=1024)
     reason: str = rule("", choices=GRANT_REASONS, doc="why nothing (or less) was granted")
-    latest_version: int = rule(0, ge=0)
+    latest_version: int = rule(0, ge=0, le=MAX_VERSION)
 
 
 @dataclass(slots=True, kw_only=True)
@@ -229,13 +234,14 @@ class RolloutGroup:
     completion_lens: list[int] = rule(max_len=MAX_GROUP_SIZE)
     rewards: list[float] = rule(max_len=MAX_GROUP_SIZE)
     finish_reasons: list[str] = rule(max_len=MAX_GROUP_SIZE, choices=FINISH_REASONS)
-    min_version: int = rule(ge=0, doc="oldest policy version of any generated token")
-    max_version: int = rule(ge=0)
+    min_version: int = rule(ge=0, le=MAX_VERSION, doc="oldest policy version of any generated token")
+    max_version: int = rule(ge=0, le=MAX_VERSION)
     generate_s: float = rule(0.0, ge=0, unit="s")
     reward_s: float = rule(0.0, ge=0, unit="s")
     created_unix: float = rule(0.0, ge=0, unit="s")
     num_reward_failures: int = rule(0, ge=0)
-    metrics: dict[str, Any] = rule(default_factory=dict, max_len=64)
+    metrics: dict[str, int | float] = rule(default_factory=dict, max_len=MAX_COUNTERS,
+                                           doc="finite numbers under names of at most 64 characters")
     reward_means: dict[str, Any] | None = rule(None, max_len=MAX_REWARD_FUNCTIONS,
                                                doc="reward function name -> its mean over the samples it applied "
                                                "to (finite numbers; a function that applied to none is absent)")
@@ -275,7 +281,7 @@ class AdapterUpdate:
     """A LoRA adapter version; tensors carry PEFT state-dict names. sha256 covers the tensor bytes in order."""
 
     KIND: ClassVar[Kind] = Kind.ADAPTER_UPDATE
-    version: int = rule(ge=1)
+    version: int = rule(ge=1, le=MAX_VERSION)
     step: int = rule(0, ge=0)
     sha256: str = rule(max_len=64)
     adapter_config: dict[str, Any] = rule(max_len=256, doc="PEFT adapter_config.json contents")
@@ -286,7 +292,7 @@ class AdapterUpdate:
 @dataclass(slots=True, kw_only=True)
 class AdapterNotice:
     KIND: ClassVar[Kind] = Kind.ADAPTER_NOTICE
-    version: int = rule(ge=1)
+    version: int = rule(ge=1, le=MAX_VERSION)
     num_bytes: int = rule(ge=0)
     sha256: str = rule(max_len=64)
 
@@ -294,7 +300,7 @@ class AdapterNotice:
 @dataclass(slots=True, kw_only=True)
 class AdapterFetch:
     KIND: ClassVar[Kind] = Kind.ADAPTER_FETCH
-    version: int = rule(0, ge=0, doc="0 = the newest")
+    version: int = rule(0, ge=0, le=MAX_VERSION, doc="0 = the newest")
 
 
 @dataclass(slots=True, kw_only=True)
@@ -302,7 +308,7 @@ class BatchRequest:
     KIND: ClassVar[Kind] = Kind.BATCH_REQUEST
     num_groups: int = rule(ge=1, le=MAX_BATCH_GROUPS)
     wait_ms: int = rule(1000, ge=0, le=600_000)
-    learner_version: int = rule(0, ge=0)
+    learner_version: int = rule(0, ge=0, le=MAX_VERSION)
 
 
 @dataclass(slots=True, kw_only=True)
@@ -318,7 +324,7 @@ class Batch:
     KIND: ClassVar[Kind] = Kind.BATCH
     batch_id: str = rule("", max_len=MAX_ID_LEN)
     groups: list[BatchEntry] = rule(default_factory=list, max_len=MAX_BATCH_GROUPS)
-    latest_version: int = rule(0, ge=0)
+    latest_version: int = rule(0, ge=0, le=MAX_VERSION)
 
 
 @dataclass(slots=True, kw_only=True)
@@ -326,11 +332,12 @@ class BatchAck:
     KIND: ClassVar[Kind] = Kind.BATCH_ACK
     batch_id: str = rule(max_len=MAX_ID_LEN)
     step: int = rule(ge=0)
-    trained_version: int = rule(ge=0, doc="policy version of the parameters the step updated")
+    trained_version: int = rule(ge=0, le=MAX_VERSION, doc="policy version of the parameters the step updated")
     group_ids: list[str] = rule(default_factory=list, max_len=MAX_BATCH_GROUPS,
                                 doc="exactly the groups done with (trained, or already trained): served groups not "
                                 "listed are re-queued; lets a restarted broker recognise a batch it never served")
-    checkpoint_version: int = rule(0, ge=0, doc="newest version covered by a durable learner checkpoint")
+    checkpoint_version: int = rule(0, ge=0, le=MAX_VERSION,
+                                   doc="newest version covered by a durable learner checkpoint")
 
 
 @dataclass(slots=True, kw_only=True)
@@ -479,7 +486,8 @@ def check_group_values(group: RolloutGroup, specs: Sequence[TensorSpec], frames:
     """Tensor contents in range, read through numpy views (no copies): raises ProtocolError('invalid_group').
 
     - token ids in [0, vocab_size) (when vocab_size > 0)
-    - log-probs finite and <= 1e-3 (a log-probability; slack for float rounding) where loss_mask is 1
+    - log-probs finite and <= 1e-3 (a log-probability; slack for float rounding) at every position, also where
+      loss_mask is 0 (environment tokens carry log-prob 0)
     - loss_mask only 0 or 1; versions within [min_version, max_version] and max_version <= latest_version
     - rewards finite (checked by the record already)
 

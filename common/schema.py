@@ -15,7 +15,10 @@ friendly values.
 
 Supported annotations: ``int``, ``float``, ``str``, ``bool``, ``bytes``, ``list[T]``, ``dict[str, Any]``,
 ``T | None``, unions of those (``str | list[str]``: the first that fits) and nested record classes. ``bool`` is never accepted for ``int``; ``int`` is accepted for
-``float``.
+``float``. ``dict[str, V]`` (``V`` not ``Any``) checks every key (at most :data:`MAX_KEY_LEN` characters) and
+value; a free-form value (``Any``, ``dict[str, Any]``) is walked without recursion and may nest at most
+``max_depth`` levels (default :data:`MAX_DEPTH`): decoded wire headers are re-encoded and rendered later, and a
+value nested near msgpack's own limit would otherwise fail there, far from the peer that sent it.
 """
 
 from __future__ import annotations
@@ -29,6 +32,9 @@ from functools import cache
 from typing import Any, TypeVar
 
 T = TypeVar("T")
+
+MAX_DEPTH = 32  # levels a free-form value may nest (a map inside a list inside a map is 3)
+MAX_KEY_LEN = 64  # characters of each key of a typed map (dict[str, int | float] counters, metrics)
 
 
 class SchemaError(ValueError):
@@ -47,6 +53,7 @@ class Rule:
     max_len: int | None = None
     choices: tuple[Any, ...] | None = None
     finite: bool = True
+    max_depth: int | None = None  # free-form values: levels of nesting allowed (None: MAX_DEPTH)
 
 
 def rule(
@@ -61,9 +68,10 @@ def rule(
     max_len: int | None = None,
     choices: tuple[Any, ...] | None = None,
     finite: bool = True,
+    max_depth: int | None = None,
 ) -> Any:
     """A dataclass field carrying a :class:`Rule`; without a default the field is required."""
-    meta = {"rule": Rule(doc, unit, ge, le, gt, max_len, choices, finite)}
+    meta = {"rule": Rule(doc, unit, ge, le, gt, max_len, choices, finite, max_depth)}
     if default_factory is not MISSING:
         return dataclasses.field(default_factory=default_factory, metadata=meta)
     return dataclasses.field(default=default, metadata=meta)
@@ -207,13 +215,16 @@ def check_value(value: Any, annotation: Any, rule_: Rule, path: str) -> Any:
         inner = [a for a in options if a is not type(None)]
         if len(inner) == 1:
             return check_value(value, inner[0], rule_, path)
+        errors = []
         for option in inner:  # ``str | list[str]``: the first option the value fits
             try:
                 return check_value(value, option, rule_, path)
-            except SchemaError:
-                pass
-        raise SchemaError(f"{path}: expected {' or '.join(map(_type_text, inner))}, got {type(value).__name__} "
-                          f"{value!r:.40}")
+            except SchemaError as exc:
+                errors.append(exc)
+        fitting = [e for e in errors if not str(e).startswith(f"{path}: expected ")]
+        if fitting:  # the value has the right type for an option but breaks its rule (a NaN float): say that
+            raise fitting[0]
+        raise SchemaError(f"{path}: expected {' or '.join(map(_type_text, inner))}, got {_preview(value)}")
     if dataclasses.is_dataclass(annotation):
         return build(annotation, value, path)
     if origin is list:
@@ -227,28 +238,67 @@ def check_value(value: Any, annotation: Any, rule_: Rule, path: str) -> Any:
         if not isinstance(value, dict) or not all(isinstance(k, str) for k in value):
             raise SchemaError(f"{path}: expected a map with string keys, got {type(value).__name__}")
         _check_len(value, rule_, path)
-        return value
+        value_type = typing.get_args(annotation)[1] if typing.get_args(annotation) else Any
+        if value_type is Any:
+            _check_depth(value, rule_, path)
+            return value
+        item_rule = dataclasses.replace(rule_, max_len=None)
+        out = {}
+        for key, item in value.items():
+            if len(key) > MAX_KEY_LEN:
+                raise SchemaError(f"{path}: key {key[:MAX_KEY_LEN]!r}... is longer than {MAX_KEY_LEN} characters")
+            out[key] = check_value(item, value_type, item_rule, f"{path}[{key!r}]")
+        return out
     if annotation is Any:
+        _check_depth(value, rule_, path)
         return value
     return _check_scalar(value, annotation, rule_, path)
+
+
+def _check_depth(value: Any, rule_: Rule, path: str) -> None:
+    """A free-form value nests at most ``rule_.max_depth`` (default MAX_DEPTH) levels; walked with a stack, so a
+    value nested deeper than Python's recursion limit is refused here instead of failing wherever it is used."""
+    max_depth = MAX_DEPTH if rule_.max_depth is None else rule_.max_depth
+    stack = [(value, 1)]
+    while stack:
+        item, depth = stack.pop()
+        if isinstance(item, dict):
+            children = item.values()
+        elif isinstance(item, list | tuple):
+            children = item
+        else:
+            continue
+        if depth > max_depth:
+            raise SchemaError(f"{path}: nested more than {max_depth} levels deep (maps and lists in one another); "
+                              "flatten it")
+        stack.extend((child, depth + 1) for child in children if isinstance(child, dict | list | tuple))
+
+
+def _preview(value: Any) -> str:
+    """``type value`` for an error message, short and safe for any decoded value (never a deep repr)."""
+    if isinstance(value, str | bytes | int | float | bool) or value is None:
+        return f"{type(value).__name__} {value!r:.40}"
+    if isinstance(value, dict | list | tuple):
+        return f"{type(value).__name__} of {len(value)} items"
+    return type(value).__name__
 
 
 def _check_scalar(value: Any, annotation: type, rule_: Rule, path: str) -> Any:
     if annotation is float:
         if isinstance(value, bool) or not isinstance(value, int | float):
-            raise SchemaError(f"{path}: expected a number, got {type(value).__name__} {value!r:.40}")
+            raise SchemaError(f"{path}: expected a number, got {_preview(value)}")
         value = float(value)
         if rule_.finite and not math.isfinite(value):
             raise SchemaError(f"{path}: must be a finite number, got {value}")
     elif annotation is int:
         if isinstance(value, bool) or not isinstance(value, int):
-            raise SchemaError(f"{path}: expected an integer, got {type(value).__name__} {value!r:.40}")
+            raise SchemaError(f"{path}: expected an integer, got {_preview(value)}")
     elif annotation is bool:
         if not isinstance(value, bool):
-            raise SchemaError(f"{path}: expected true/false, got {type(value).__name__} {value!r:.40}")
+            raise SchemaError(f"{path}: expected true/false, got {_preview(value)}")
     elif annotation is str:
         if not isinstance(value, str):
-            raise SchemaError(f"{path}: expected a string, got {type(value).__name__} {value!r:.40}")
+            raise SchemaError(f"{path}: expected a string, got {_preview(value)}")
         _check_len(value, rule_, path)
     elif annotation is bytes:
         if not isinstance(value, bytes | bytearray):
@@ -258,7 +308,7 @@ def _check_scalar(value: Any, annotation: type, rule_: Rule, path: str) -> Any:
     else:  # pragma: no cover - a record declared an annotation this module does not support
         raise TypeError(f"{path}: unsupported annotation {annotation!r}")
     if rule_.choices is not None and value not in rule_.choices:
-        raise SchemaError(f"{path}: must be one of {list(rule_.choices)}, got {value!r:.60}")
+        raise SchemaError(f"{path}: must be one of {list(rule_.choices)}, got {_preview(value)}")
     if isinstance(value, int | float) and not isinstance(value, bool):
         if rule_.ge is not None and value < rule_.ge:
             raise SchemaError(f"{path}: must be >= {rule_.ge}, got {value}")
