@@ -156,15 +156,18 @@ class ChatFormat:
     def has_template(self) -> bool:
         return bool(getattr(self.tokenizer, "chat_template", None))
 
-    def render(self, messages: Sequence[Mapping[str, str]], *, add_generation_prompt: bool = True) -> str:
-        """The conversation as the template writes it (text, special tokens included)."""
+    def render(self, messages: Sequence[Mapping[str, Any]], *, add_generation_prompt: bool = True,
+               tools: Sequence[Mapping[str, Any]] | None = None) -> str:
+        """The conversation as the template writes it (text, special tokens included); ``tools``: OpenAI-style
+        tool schemas, passed to the template (which renders them or not)."""
         if not self.has_template:
             raise ChatTemplateMissing(
                 f"{self.name} has no chat template, but the prompts are chat messages: use a model whose "
                 "tokenizer_config.json (or chat_template.jinja) has one, or give string prompts")
+        extra = {"tools": list(tools)} if tools else {}
         return self.tokenizer.apply_chat_template(list(messages), tokenize=False,
                                                   add_generation_prompt=add_generation_prompt,
-                                                  **self.template_kwargs)
+                                                  **extra, **self.template_kwargs)
 
     def encode_text(self, text: str, *, special: bool = True) -> list[int]:
         """Token ids of ``text``; ``special``: with the tokenizer's own added tokens (a BOS for a string prompt)."""
@@ -191,12 +194,16 @@ class ChatFormat:
         model speaks next."""
         before = self.render(conversation)
         conversation += [*assistant_message(turn_text), reply]
-        after = self.render(conversation)
+        return self.join(held_ids, before + turn_text, self.render(conversation))
+
+    def join(self, held_ids: Sequence[int], held_text: str, after: str) -> Appended:
+        """The ids that follow ``held_ids`` (whose text is about ``held_text``) in the rendering ``after``: the
+        rest of ``after``'s ids when they start with ``held_ids``, else (counted by the caller) the ids of the
+        text after ``held_text``, or after the longest common text prefix (see the module docstring)."""
         after_ids = self.encode_text(after, special=False)
         held = list(held_ids)
         if after_ids[:len(held)] == held:
             return Appended(token_ids=after_ids[len(held):])
-        held_text = before + turn_text
         if after.startswith(held_text):
             suffix = self.encode_text(after[len(held_text):], special=False)
             if held and suffix and suffix[0] == held[-1]:

@@ -104,9 +104,14 @@ class Worker:
         self.wake = wake
         self.stop = stop
         self.timeline = timeline
-        self.rollouts = Rollouts(backend, EnvResolver(config.worker.env), config.worker, worker_id=worker_id,
-                                 max_seq_len=config.model.max_seq_len, metrics=metrics,
-                                 rewards=load_rewards(config.worker), wake=wake)
+        if config.worker.agent:  # an agent harness through the OpenAI-compatible gateway (rollout_worker/gateway)
+            from rollout_worker.gateway.episodes import AgentRollouts
+            self.rollouts = AgentRollouts(config, backend, worker_id=worker_id, metrics=metrics, wake=wake,
+                                          info_path=config.run_dir / "workers" / worker_id / "gateway.json")
+        else:
+            self.rollouts = Rollouts(backend, EnvResolver(config.worker.env), config.worker, worker_id=worker_id,
+                                     max_seq_len=config.model.max_seq_len, metrics=metrics,
+                                     rewards=load_rewards(config.worker), wake=wake)
         self._next_request_at = 0.0
         self._state = ""
         self._num_failed_groups = 0  # groups in a row whose every sample's reward failed
@@ -164,7 +169,7 @@ class Worker:
         if not limit or self._num_failed_groups < limit:
             return False
         worker = self.config.worker
-        code = f"reward function {worker.reward}" if worker.reward else \
+        code = f"reward function {worker.reward}" if worker.reward else f"agent {worker.agent}" if worker.agent else \
             f"environment {type(self.rollouts.envs.for_task(group.task)).__qualname__} of task {group.task!r}"
         error = (f"every sample of {self._num_failed_groups} groups in a row failed its reward "
                  f"(worker.max_failed_reward_groups = {limit}): {code}; last error {self.rollouts.last_failure}")

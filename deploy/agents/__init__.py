@@ -1,0 +1,1 @@
+"""Example agent harnesses for worker.agent (see rollout_worker/gateway)."""

@@ -1,0 +1,317 @@
+"""The gateway's engine side: HTTP requests queued to the worker's thread, batched into the backend chunk by chunk.
+
+    HTTP handlers (server thread)  --Job-->  inbox (thread-safe queue) ---- wake event ----+
+                                                                                           v
+    worker thread: pump()  checks the session, renders the messages (session.py), admits a Call
+                   round() one backend.generate for every admitted Call at once (<= worker.chunk_tokens each);
+                           a Call ends at an end-of-turn id, a stop string or its max_tokens; then its tokens
+                           join the session and the reply (or the last SSE event) goes back to the server loop
+
+The engine owns the sessions and every tokenizer use, so nothing but the worker's thread touches the backend,
+a tokenizer or a trajectory; handlers only parse JSON and wait for their reply. Calls of concurrent episodes
+(and of several groups) share one generate call per round, as Rollouts' samples do, and a call that ends
+leaves at the next chunk boundary. Each call runs under the newest adapter version when it was admitted, for all
+its chunks (those versions are pinned: :meth:`GatewayEngine.versions_in_use`); the next call of the same
+episode may run under a newer one, so a trajectory's per-token versions can change between turns.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import queue
+import threading
+from collections import OrderedDict
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+from common.config import WorkerConfig
+from common.logging import get_logger
+from common.metrics import Metrics
+from rollout_worker.backends.base import Backend, GenRequest
+from rollout_worker.gateway import openai_api as api
+from rollout_worker.gateway.session import ACTIVE, FINISHED, PrefixDivergence, Session
+from rollout_worker.gateway.tools import PARSERS, template_messages
+
+log = get_logger("gateway")
+
+MAX_FINISHED_REMEMBERED = 4096  # finished session ids kept to tell "finished" from "unknown"
+
+
+@dataclass(slots=True, kw_only=True)
+class Job:
+    """One HTTP request handed to the worker's thread; the reply goes back through ``loop``."""
+
+    kind: str  # chat, completion, finish, trajectory, claim
+    session_id: str | None
+    params: api.Params | None = None
+    body: dict[str, Any] = field(default_factory=dict)
+    loop: asyncio.AbstractEventLoop
+    future: asyncio.Future
+    events: asyncio.Queue | None = None  # streaming: text deltas, then the final reply
+
+    def reply(self, status: int, body: dict[str, Any]) -> None:
+        def deliver() -> None:
+            if self.events is not None:
+                self.events.put_nowait(("done", status, body))
+            elif not self.future.done():
+                self.future.set_result((status, body))
+        self.loop.call_soon_threadsafe(deliver)
+
+    def fail(self, error: api.ApiError) -> None:
+        self.reply(error.status, error.body())
+
+    def delta(self, text: str) -> None:
+        if self.events is not None and text:
+            self.loop.call_soon_threadsafe(self.events.put_nowait, ("delta", text))
+
+
+@dataclass(slots=True, kw_only=True)
+class Call:
+    """A chat or completion call being generated."""
+
+    job: Job
+    session: Session
+    prompt_ids: list[int]
+    version: int
+    max_tokens: int
+    token_ids: list[int] = field(default_factory=list)
+    logprobs: list[float] = field(default_factory=list)
+    sent: int = 0  # characters already streamed
+    key: str = ""
+
+
+class GatewayEngine:
+    """Sessions, queued requests and the calls being generated (see the module docstring)."""
+
+    def __init__(self, backend: Backend, config: WorkerConfig, *, max_seq_len: int, models: list[str],
+                 metrics: Metrics, wake: threading.Event) -> None:
+        if backend.chat is None:
+            raise ValueError(f"worker.agent needs a backend with a tokenizer (hf or vllm), not {backend.name}")
+        self.backend = backend
+        self.chat = backend.chat
+        self.config = config
+        self.max_seq_len = max_seq_len
+        self.models = models
+        self.metrics = metrics
+        self.wake = wake
+        self.parse_tools = PARSERS[config.tool_parser]
+        self.inbox: queue.SimpleQueue[Job] = queue.SimpleQueue()
+        self.sessions: dict[str, Session] = {}
+        self.finished: OrderedDict[str, None] = OrderedDict()
+        self.calls: list[Call] = []
+        self.on_finish: Callable[[Session, dict[str, Any]], str | None] | None = None  # external finish
+        self.on_claim: Callable[[], dict[str, Any] | None] | None = None  # an external harness asks for work
+        self._num_calls = 0
+
+    # -- any thread --------------------------------------------------------------------------------------------
+
+    def submit(self, job: Job) -> None:
+        self.inbox.put(job)
+        self.wake.set()
+
+    # -- the worker's thread -----------------------------------------------------------------------------------
+
+    def has_work(self) -> bool:
+        return bool(self.calls) or not self.inbox.empty()
+
+    def open(self, session: Session) -> None:
+        self.sessions[session.id] = session
+
+    def close(self, session_id: str) -> Session | None:
+        """End a session: its calls in flight get an error, later calls ``session_finished``."""
+        session = self.sessions.pop(session_id, None)
+        if session is None:
+            return None
+        session.state = FINISHED
+        self.finished[session_id] = None
+        while len(self.finished) > MAX_FINISHED_REMEMBERED:
+            self.finished.popitem(last=False)
+        for call in [c for c in self.calls if c.session is session]:
+            self.calls.remove(call)
+            call.job.fail(_finished(session_id))
+        return session
+
+    def versions_in_use(self) -> set[int]:
+        return {c.version for c in self.calls}
+
+    def pump(self) -> None:
+        """Answer or admit every queued request."""
+        while True:
+            try:
+                job = self.inbox.get_nowait()
+            except queue.Empty:
+                return
+            try:
+                self._handle(job)
+            except api.ApiError as exc:
+                self.metrics.inc("gateway_errors", code=exc.code or str(exc.status))
+                job.fail(exc)
+            except Exception as exc:  # noqa: BLE001 - a request never takes the worker down
+                log.warning("gateway_request_failed", kind=job.kind, error=f"{type(exc).__name__}: {exc}"[:300])
+                self.metrics.inc("gateway_errors", code="internal")
+                job.fail(api.ApiError(500, f"{type(exc).__name__}: {exc}"[:500], type="server_error"))
+
+    def _session(self, session_id: str | None) -> Session | None:
+        if session_id is None:
+            return None
+        session = self.sessions.get(session_id)
+        if session is not None:
+            return session
+        if session_id in self.finished:
+            raise _finished(session_id)
+        raise api.ApiError(404, f"no session '{session_id[:80]}' on this worker (sessions exist while their "
+                           "episode runs)", code="session_not_found")
+
+    def _handle(self, job: Job) -> None:
+        if job.kind == "claim":
+            claimed = self.on_claim() if self.on_claim is not None else None
+            job.reply(200 if claimed else 204, claimed or {})
+            return
+        session = self._session(job.session_id)
+        if job.kind == "trajectory":
+            assert session is not None
+            job.reply(200, session.trajectory())
+            return
+        if job.kind == "finish":
+            assert session is not None
+            error = self.on_finish(session, job.body) if self.on_finish is not None else "no episodes here"
+            if error:
+                raise api.ApiError(400, error, param="reward")
+            job.reply(200, {"session_id": session.id, "state": FINISHED})
+            return
+        self._admit(job, session)
+
+    def _admit(self, job: Job, session: Session | None) -> None:
+        params = job.params
+        assert params is not None
+        for name in params.ignored:
+            self.metrics.inc("gateway_sampling_ignored", param=name)
+        version = self.backend.newest_version
+        recorded = session is not None
+        session = session or Session(id="")  # an unrecorded call: a throwaway trajectory
+        try:
+            messages = template_messages(params.messages) if params.messages is not None else None
+            ids, reason = session.context(self.chat, messages=messages, prompt=params.prompt, tools=params.tools,
+                                          version=version, refuse=self.config.tito_divergence == "refuse")
+        except PrefixDivergence as exc:
+            self.metrics.inc("tito_divergence", reason=exc.reason)
+            self.metrics.inc("tito_refused")
+            raise api.ApiError(400, str(exc), param="messages", code="prefix_divergence") from exc
+        except (ValueError, TypeError, KeyError) as exc:  # the template refused the messages (jinja errors too)
+            raise api.ApiError(400, f"the chat template could not render these messages: {exc}"[:500],
+                               param="messages") from exc
+        except Exception as exc:  # jinja2's TemplateError is not a ValueError
+            raise api.ApiError(400, f"the chat template could not render these messages: {exc}"[:500],
+                               param="messages") from exc
+        if reason:
+            self.metrics.inc("tito_divergence", reason=reason)
+            log.debug("tito_divergence", session=session.id, reason=reason)
+        room = self.max_seq_len - len(ids)
+        if room < 1:
+            raise api.ApiError(400, f"the prompt holds {len(ids)} tokens; model.max_seq_len = {self.max_seq_len} "
+                               "leaves no room to generate", code="context_length_exceeded")
+        self._num_calls += 1
+        session.in_flight += 1
+        self.calls.append(Call(job=job, session=session, prompt_ids=list(ids), version=version,
+                               max_tokens=min(params.max_tokens, room), key=f"gw/{session.id}/{self._num_calls}"))
+        self.metrics.inc("gateway_calls", kind=job.kind, recorded=str(recorded).lower())
+
+    def round(self) -> None:
+        """One chunk for every call being generated; finished calls are recorded and answered."""
+        if not self.calls:
+            return
+        chunk = self.config.chunk_tokens
+        calls = list(self.calls)
+        requests = [GenRequest(token_ids=c.prompt_ids + c.token_ids, version=c.version, key=c.key,
+                               max_tokens=min(chunk, c.max_tokens - len(c.token_ids)), num_generated=len(c.token_ids))
+                    for c in calls]
+        outputs = self.backend.generate(requests)
+        num_tokens = 0
+        for call, output in zip(calls, outputs, strict=True):
+            start = len(call.token_ids)
+            call.token_ids += output.token_ids
+            call.logprobs += output.logprobs
+            end = "stop" if output.finished else ""
+            params = call.job.params
+            assert params is not None
+            if not end and params.stop and self._cut_at_stop(call, params.stop, start):
+                end = "stop_string"
+            if not end and len(call.token_ids) >= call.max_tokens:
+                end = "length"
+            num_tokens += len(call.token_ids) - start
+            if end:
+                self.calls.remove(call)
+                self._finish(call, end)
+            elif call.job.events is not None and not params.parse_tools:
+                text = self.backend.decode(call.token_ids)
+                if not text.endswith("\ufffd"):  # a character split across tokens waits for its rest
+                    call.job.delta(text[call.sent:])
+                    call.sent = len(text)
+        self.metrics.inc("gateway_tokens_generated", num_tokens)
+
+    def _cut_at_stop(self, call: Call, stops: list[str], start: int) -> bool:
+        """Keep the tokens up to the first stop string (the tokens after it are not part of the turn)."""
+        if not any(s in self.backend.decode(call.token_ids) for s in stops):
+            return False
+        for length in range(max(1, start), len(call.token_ids) + 1):
+            if any(s in self.backend.decode(call.token_ids[:length]) for s in stops):
+                del call.token_ids[length:], call.logprobs[length:]
+                return True
+        return True
+
+    def _finish(self, call: Call, end: str) -> None:
+        params, session, ids = call.job.params, call.session, call.token_ids
+        assert params is not None
+        text = self.backend.decode(ids[:-1] if end == "stop" else ids)
+        if end == "stop_string":
+            text = text[:min(i for i in (text.find(s) for s in params.stop) if i >= 0)]
+        finish_reason = "length" if end == "length" else "stop"
+        session.in_flight -= 1
+        session.record(self.chat, prompt_ids=call.prompt_ids, token_ids=ids, logprobs=call.logprobs,
+                       version=call.version, finish_reason=finish_reason, turn_text=text)
+        tokens = [self.backend.decode([t]) for t in ids] if params.logprobs else []
+        rid = api.new_id(params.kind)
+        if params.kind == "completion":
+            body = api.completion_response(
+                id=rid, model=params.model, text=text, finish_reason=finish_reason,
+                logprobs=api.completion_logprobs(tokens, call.logprobs) if params.logprobs else None,
+                prompt_tokens=len(call.prompt_ids), completion_tokens=len(ids))
+        else:
+            content: str | None = text
+            tool_calls: list[dict[str, Any]] = []
+            if params.parse_tools:
+                parsed = self.parse_tools(text)
+                if parsed.malformed:
+                    self.metrics.inc("tool_call_parse_failures", parser=self.config.tool_parser)
+                elif parsed.tool_calls:
+                    content, tool_calls = parsed.content or None, parsed.tool_calls
+                    finish_reason = "tool_calls" if finish_reason == "stop" else finish_reason
+                    self.metrics.inc("tool_calls_parsed", len(tool_calls))
+            body = api.chat_response(
+                id=rid, model=params.model, content=content, tool_calls=tool_calls, finish_reason=finish_reason,
+                logprobs=api.chat_logprobs(tokens, call.logprobs) if params.logprobs else None,
+                prompt_tokens=len(call.prompt_ids), completion_tokens=len(ids))
+        if call.job.events is not None and not params.parse_tools:
+            call.job.delta(text[call.sent:])
+        call.job.reply(200, body)
+
+    def fail_all(self, message: str) -> None:
+        """Answer every queued and admitted request with an error (the worker is stopping)."""
+        error = api.ApiError(503, message, type="server_error", code="worker_stopping")
+        for call in self.calls:
+            call.job.fail(error)
+        self.calls.clear()
+        while True:
+            try:
+                self.inbox.get_nowait().fail(error)
+            except queue.Empty:
+                return
+
+
+def _finished(session_id: str) -> api.ApiError:
+    return api.ApiError(409, f"session '{session_id[:80]}' has finished its episode; a new episode has a new "
+                        "session", code="session_finished")
+
+
+__all__ = ["ACTIVE", "Call", "GatewayEngine", "Job"]

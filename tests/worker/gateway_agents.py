@@ -1,0 +1,39 @@
+"""Agent harnesses the gateway tests load through ``worker.agent`` (each an ``async run_episode(client, row)``)."""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import time
+from typing import Any
+
+from deploy.agents.calculator_agent import run_episode as calculator  # noqa: F401 - loaded by name
+from deploy.agents.calculator_agent import run_text_episode as calculator_text  # noqa: F401
+
+_episodes = itertools.count()
+
+
+async def sometimes_failing(client: Any, row: dict[str, Any]) -> float:
+    """The n-th episode started plays row["kinds"][n % len]: raise, hang, block its loop, never call the model
+    (idle), or call it once (play)."""
+    kind = row["kinds"][next(_episodes) % len(row["kinds"])]
+    model = (await client.models.list()).data[0].id
+    if kind == "raise":
+        raise RuntimeError("the harness broke")
+    if kind == "hang":
+        await asyncio.sleep(3600)
+    if kind == "block":
+        time.sleep(3600)  # a harness that blocks its own event loop
+    if kind == "idle":
+        return 1.0
+    await client.completions.create(model=model, prompt=str(row["prompt"]), max_tokens=4)
+    return 0.5
+
+
+async def finish_over_http(client: Any, row: dict[str, Any]) -> None:
+    """Calls the model, then ends its episode with POST .../finish and returns nothing."""
+    model = (await client.models.list()).data[0].id
+    await client.completions.create(model=model, prompt=str(row["prompt"]), max_tokens=4)
+    base = str(client.base_url).rstrip("/").removesuffix("/v1")
+    response = await client._client.post(f"{base}/finish", json={"reward": 0.25, "metrics": {"steps": 2}})
+    assert response.status_code == 200, response.text
