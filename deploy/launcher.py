@@ -22,8 +22,9 @@ Before ``prepare``, every role's start-up checks run here (:mod:`deploy.prefligh
 ``loraflow run`` at once with one line and exit code 2, before anything is created or started.
 
 The launcher's own log goes to ``<run_dir>/logs/launcher.log``; the terminal gets the progress and events.
-Exit code: 0 when the run finished, 2 for a config error (found by those checks, or a child that refused to start
-with exit code 2: never restarted), 1 when a child could not be recovered, 130 after ctrl-C.
+Exit code: 0 when the run finished, 2 for a config error (found by those checks, or a child that exited with code
+2: it refused to start, or stopped mid-run with a config-class error; never restarted), 1 when a child could not
+be recovered, 130 after ctrl-C.
 """
 
 from __future__ import annotations
@@ -46,12 +47,12 @@ from common.logging import get_logger, setup_logging
 from deploy import preflight, rundir
 from deploy.demo_base import DemoBaseError
 from deploy.processes import (
+    ConfigClassExit,
     Managed,
-    RefusedToStart,
     RestartPolicy,
     Supervisor,
     Unrecoverable,
-    refused_to_start,
+    config_class_exit,
 )
 from deploy.progress import Display, Progress, render
 
@@ -190,7 +191,7 @@ class Launch:
         deadline = time.monotonic() + BROKER_START_TIMEOUT_S
         while not (endpoint_file.is_file() and endpoint_file.read_text().strip()):
             if not broker.alive() and broker.popen.returncode == EXIT_CONFIG_ERROR:
-                raise refused_to_start(broker)  # broker.bind taken, say: exit 2 like the broker
+                raise config_class_exit(broker)  # broker.bind taken, say: exit 2 like the broker
             if not broker.alive():
                 raise Unrecoverable(f"the broker exited with code {broker.popen.returncode} before binding "
                                     f"{bind}; see {broker.log_path}:\n{broker.log_tail()}")
@@ -219,7 +220,8 @@ class Launch:
     def _child(self, name: str, argv: list[str]) -> Managed:
         env = dict(os.environ, PYTHONUNBUFFERED="1", TOKENIZERS_PARALLELISM="false")
         env.update(device_env(name, self.config))
-        return Managed(name=name, argv=argv, log_path=self.run_dir / "logs" / f"{name}.log", env=env)
+        return Managed(name=name, argv=argv, log_path=self.run_dir / "logs" / f"{name}.log", env=env,
+                       timeline_path=self.run_dir / "timeline" / f"{name}.jsonl")
 
     def _client_security(self) -> Any:
         """The progress display's key (the ``observer`` pair unless security.client_key names one)."""
@@ -466,7 +468,7 @@ def run(launch: Launch) -> int:
         launch.summary.error = str(exc).splitlines()[0]
         launch.summary.stop_reason = "error"
         display.event(f"error: {exc}")
-        code = EXIT_CONFIG_ERROR if isinstance(exc, RefusedToStart) else 1
+        code = EXIT_CONFIG_ERROR if isinstance(exc, ConfigClassExit) else 1
     finally:
         launch.shutdown()
     launch.finish()

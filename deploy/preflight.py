@@ -8,6 +8,11 @@ by each worker after the broker connection and the model load, then again after 
 ``loraflow config`` answers "would this start?" for a file. ``builtin:demo`` is not looked up: ``loraflow run``
 builds it, and ``loraflow config`` describes the config as written.
 
+Key files (``security.enabled``) are checked for the roles that will run here: under ``loraflow run`` every one
+(the broker's pair and authorised keys, the learner's and the workers' pairs, and the observer pair its progress
+line uses). ``loraflow config`` does not know which roles a machine runs (a worker machine holds no broker
+secret), so it checks none; each role checks its own when it starts.
+
 User code is imported the way the children will import it: ``loraflow run`` starts them with ``python -m``
 in the current directory, which puts that directory first on their module path.
 """
@@ -20,8 +25,12 @@ import sys
 from collections.abc import Iterator
 
 from common.config import Config, ConfigError
+from common.security import check_keys
 from common.startup import check_device, check_port_free, check_run_dir, check_task, resolve_model
 from rollout_worker.startup import check_user_code
+
+#: the roles ``loraflow run`` starts on this machine, by the key pair each uses (the observer: its progress line)
+RUN_ROLES = ("broker", "learner", "worker", "observer")
 
 
 @contextlib.contextmanager
@@ -38,8 +47,8 @@ def children_module_path() -> Iterator[None]:
 def check(config: Config, *, starting: bool = False) -> None:
     """Every role's start-up checks that do not depend on a running process; raises ConfigError.
 
-    ``starting``: ``loraflow run`` is about to start every role on this machine, so the metrics ports must be
-    free here, and one ``worker.metrics_port`` cannot serve several workers."""
+    ``starting``: ``loraflow run`` is about to start every role on this machine, so every role's key files must
+    be here, the metrics ports must be free, and one ``worker.metrics_port`` cannot serve several workers."""
     with children_module_path():
         check_user_code(config.worker)
     resolve_model(config, demo_by_caller=True)  # the learner loads the model whatever the workers' backend
@@ -50,6 +59,8 @@ def check(config: Config, *, starting: bool = False) -> None:
     check_task(config)
     if not starting:
         return
+    for role in RUN_ROLES:
+        check_keys(config, role)
     if config.worker.metrics_port and config.launch.num_workers > 1:
         raise ConfigError(f"worker.metrics_port = {config.worker.metrics_port} with launch.num_workers = "
                           f"{config.launch.num_workers}: every worker would bind that one port; set "

@@ -10,9 +10,12 @@ ctrl-C in the terminal reaches only the launcher, which then stops them in order
 Restart policy, checked by :meth:`Supervisor.check`:
 
 - a child that exits with 0 has finished (the learner after ``run.num_steps``); it is not restarted;
-- exit code 2 is a usage or config error (:class:`RefusedToStart`: ``loraflow run`` exits 2 as well), exit code
-  4 a learner fenced by the broker because another learner process took over the run (``common.cli``):
-  restarting cannot help, so both are fatal at once;
+- exit code 2 is a config-class error (:class:`ConfigClassExit`: ``loraflow run`` exits 2 as well): a setting
+  that cannot work, found at start-up ("refused to start"), or a stop in the middle of the run that a restart
+  would repeat (an adapter the engine refuses, a reward failing on every sample: "stopped with a config-class
+  error"); which of the two is told by the child's timeline (``<run_dir>/timeline/<name>.jsonl``: a state past
+  ``starting`` in this incarnation's life). Exit code 4 is a learner fenced by the broker because another
+  learner process took over the run (``common.cli``). Restarting cannot help, so both are fatal at once;
 - any other exit (a crash, a kill) is restarted after ``restart_backoff_s``, doubling up to ``max_backoff_s``;
   a child that then stays up for ``STABLE_S`` gets its backoff reset;
 - more than ``max_restarts`` consecutive failures is fatal: the run ends with an error naming the process,
@@ -32,6 +35,7 @@ from pathlib import Path
 
 from common.cli import EXIT_CONFIG_ERROR, EXIT_REPLACED
 from common.logging import get_logger
+from common.timeline import read_lives
 from deploy.rundir import append_jsonl
 
 log = get_logger("launcher")
@@ -43,17 +47,22 @@ class Unrecoverable(RuntimeError):
     """A child keeps failing (or cannot start at all); the message names it and shows its log."""
 
 
-class RefusedToStart(Unrecoverable):
+class ConfigClassExit(Unrecoverable):
     """A child exited with EXIT_CONFIG_ERROR: its config cannot work here, so ``loraflow run`` exits 2 too."""
 
 
-def refused_to_start(child: Managed) -> RefusedToStart:
-    """The error for a child that exited 2: the last line of its log (a role's config error is one line, its
-    last), then where the log is and its tail."""
+def config_class_exit(child: Managed) -> ConfigClassExit:
+    """The error for a child that exited 2: whether it had started, the last line of its log (a role's config
+    error is one line, its last: a start-up check's, or a worker's ``reward_failing`` / ``adapter_refused``),
+    then where the log is and its tail."""
     tail = child.log_tail()
     last = next((line.strip() for line in reversed(tail.splitlines()) if line.strip()), "")
-    return RefusedToStart(f"{child.name} refused to start (exit code {EXIT_CONFIG_ERROR}: a usage or config error)"
-                          f"{': ' + last if last else ''}; see {child.log_path}:\n{tail}")
+    if child.had_started():
+        what = (f"stopped with a config-class error (exit code {EXIT_CONFIG_ERROR}, after "
+                f"{time.monotonic() - child.started_s:.0f} s running; a restart would repeat it)")
+    else:
+        what = f"refused to start (exit code {EXIT_CONFIG_ERROR}: a usage or config error)"
+    return ConfigClassExit(f"{child.name} {what}{': ' + last if last else ''}; see {child.log_path}:\n{tail}")
 
 
 @dataclass(slots=True, kw_only=True)
@@ -72,8 +81,10 @@ class Managed:
     log_path: Path
     env: dict[str, str]
     cwd: Path | None = None
+    timeline_path: Path | None = None  # the child's timeline file (common.timeline), when it writes one
     popen: subprocess.Popen | None = None
     started_s: float = 0.0
+    started_unix: float = 0.0
     failures: int = 0  # consecutive failed runs (reset after STABLE_S of uptime)
     num_restarts: int = 0
     restart_at_s: float | None = None  # a restart is scheduled for this monotonic time
@@ -96,7 +107,7 @@ class Managed:
             log_file.flush()
             self.popen = subprocess.Popen(self.argv, stdout=log_file, stderr=subprocess.STDOUT, env=self.env,
                                           cwd=self.cwd, start_new_session=True)
-        self.started_s = time.monotonic()
+        self.started_s, self.started_unix = time.monotonic(), time.time()
         self.restart_at_s = None
         self.terminating = False
         log.info("process_started", process=self.name, pid=self.popen.pid)
@@ -120,6 +131,14 @@ class Managed:
             return self.popen.wait(timeout=max(0.0, timeout_s))
         except subprocess.TimeoutExpired:
             return None
+
+    def had_started(self) -> bool:
+        """This incarnation got past its start-up: its timeline holds a life begun since it was started with a
+        state other than ``starting`` (connected, model loaded). False without a timeline (the broker)."""
+        if self.timeline_path is None or not self.timeline_path.is_file():
+            return False
+        return any(life.start_s >= self.started_unix and any(s != "starting" for _, s in life.transitions)
+                   for life in read_lives(self.timeline_path))
 
     def log_tail(self, num_chars: int = 3000) -> str:
         try:
@@ -190,7 +209,7 @@ class Supervisor:
     def _failed(self, child: Managed, code: int, now_s: float) -> None:
         how = f"signal {signal.Signals(-code).name}" if code < 0 else f"exit code {code}"
         if code == EXIT_CONFIG_ERROR:
-            raise refused_to_start(child)
+            raise config_class_exit(child)
         if code == EXIT_REPLACED:
             raise Unrecoverable(f"{child.name} was replaced by another learner process connected to the same "
                                 f"broker ({how}); stop the other one first; see {child.log_path}:\n{child.log_tail()}")

@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -70,3 +72,22 @@ def test_a_learner_that_cannot_start_ends_the_run_with_its_log(tmp_path: Path, t
     assert started == exited == {"broker", "learner", "worker-1"}  # nothing left running
     assert not any(p.is_file() for p in [tmp_path / "run" / "final_adapter" / "adapter_config.json"])
     assert os.path.isfile(tmp_path / "run" / "summary.json")
+
+
+@pytest.mark.parametrize("missing", ["learner.key_secret", "observer.key_secret", "broker.key_secret"])
+def test_a_missing_key_file_stops_the_run_at_once(tmp_path: Path, tiny_model_dir: Path, missing: str) -> None:
+    """Every role of `loraflow run` runs here, so every role's key files are checked before anything starts: the
+    learner's, the workers', the broker's and the observer pair of the progress line."""
+    keys = tmp_path / "keys"
+    made = subprocess.run([sys.executable, "-m", "deploy.cli", "keys", str(keys)], env=child_env(),
+                          capture_output=True, text=True, timeout=60)
+    assert made.returncode == 0, made.stderr
+    (keys / missing).unlink()
+    began = time.monotonic()
+    result = run(tmp_path, "--model", str(tiny_model_dir), "--set", "security.enabled=true",
+                 "--set", f"security.keys_dir={json.dumps(str(keys))}")
+    assert result.returncode == 2, result.stdout + result.stderr
+    assert time.monotonic() - began < 60  # at once: no process started, no connect wait
+    (line,) = result.stderr.strip().splitlines()  # one line, no traceback
+    assert line.startswith("loraflow run: ") and str(keys / missing) in line and "loraflow keys" in line
+    assert not (tmp_path / "run").exists()

@@ -11,9 +11,10 @@ from pathlib import Path
 
 import pytest
 
+from common.timeline import Timeline
 from deploy import rundir
-from deploy.processes import Managed, RestartPolicy, Supervisor, Unrecoverable
-from tests.support import wait_for
+from deploy.processes import ConfigClassExit, Managed, RestartPolicy, Supervisor, Unrecoverable
+from tests.support import child_env, wait_for
 
 # a child that counts its starts in a file and exits with the code given for that start (default: runs on)
 SCRIPT = """
@@ -137,3 +138,41 @@ def test_a_pending_restart_is_cancelled_by_stop(tmp_path: Path) -> None:
     supervisor.stop(["worker-4"], timeout_s=1)
     supervisor.check(now_s=time.monotonic() + 60)
     assert starts(tmp_path, "worker-4") == 1
+
+
+# a child that marks its timeline as a role does (common.timeline), says one last line and exits 2
+CONFIG_CLASS = """
+import sys
+from common.timeline import Timeline
+timeline = Timeline(sys.argv[1])
+for state in sys.argv[2].split(","):
+    timeline.mark(state)
+print("worker_started", flush=True)
+print(sys.argv[3], flush=True)
+sys.exit(2)
+"""
+
+
+@pytest.mark.parametrize("states, wording", [
+    ("starting", "worker-1 refused to start (exit code 2: a usage or config error): "),  # a start-up check
+    ("starting,idle,generating", "worker-1 stopped with a config-class error (exit code 2, after "),  # mid-run
+])
+def test_exit_2_is_worded_by_whether_the_child_had_started(tmp_path: Path, states: str, wording: str) -> None:
+    """A worker whose reward fails on every sample (or whose adapter the engine refuses) exits 2 mid-run: not
+    restarted like a start-up error, but not worded as one; the last log line (the reason) is in the message."""
+    script = tmp_path / "config_class.py"
+    script.write_text(CONFIG_CLASS)
+    timeline = tmp_path / "timeline" / "worker-1.jsonl"
+    earlier = Timeline(timeline)  # an earlier incarnation that had started: not this one's
+    earlier.mark("generating")
+    earlier.close()
+    last = "reward_failing error='every sample of 8 groups in a row failed its reward'"
+    supervisor = Supervisor(RestartPolicy(backoff_s=0.05))
+    worker = supervisor.add(Managed(name="worker-1", argv=[sys.executable, str(script), str(timeline), states, last],
+                                    log_path=tmp_path / "logs" / "worker-1.log", env=child_env(),
+                                    timeline_path=timeline))
+    with pytest.raises(ConfigClassExit) as stopped:
+        run_until(supervisor, lambda: False)
+    message = str(stopped.value)
+    assert message.startswith(wording) and message.splitlines()[0].endswith(f": {last}; see {worker.log_path}:")
+    assert worker.exit_codes == [2] and worker.num_restarts == 0
