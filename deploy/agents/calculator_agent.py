@@ -3,7 +3,8 @@
 ``worker.agent = "deploy.agents.calculator_agent:run_episode"`` (chat models with a template), or
 ``...:run_text_episode`` for a model without one (plain completions). Each episode asks the row's problem, runs
 every ``calculator`` tool call the model makes and hands back the result, nudges a model that answered without
-the tool, and stops after ``MAX_TURNS`` model turns. Reward 1 when the last reply holds the row's ``answer``.
+the tool, and stops after ``MAX_TURNS`` model turns. Reward 1 when the last reply's last number is the row's
+``answer`` (for a GSM8K-style worked solution, its number after ``####``).
 
 Nothing here knows about tokens: the gateway records what the model generated, whatever this harness does.
 """
@@ -13,6 +14,7 @@ from __future__ import annotations
 import ast
 import json
 import operator
+import re
 from typing import Any
 
 MAX_TURNS = 3
@@ -43,6 +45,13 @@ def calculate(expression: str) -> str:
     return str(int(result)) if float(result).is_integer() else f"{result:.6g}"
 
 
+def score(reply: str, row: dict[str, Any]) -> float:
+    """1.0 when the reply's last number is the row's answer (a GSM8K-style answer's number after '####')."""
+    expected = str(row.get("answer", "")).split("####")[-1].strip().replace(",", "")
+    numbers = re.findall(r"-?\d+(?:\.\d+)?", reply.replace(",", ""))
+    return float(bool(expected) and bool(numbers) and numbers[-1] == expected)
+
+
 def _question(row: dict[str, Any]) -> list[dict[str, Any]]:
     prompt = row["prompt"]
     return [dict(m) for m in prompt] if isinstance(prompt, list) else [{"role": "user", "content": str(prompt)}]
@@ -70,8 +79,7 @@ async def run_episode(client: Any, row: dict[str, Any]) -> dict[str, float]:
                 messages.append({"role": "tool", "tool_call_id": call.id, "content": calculate(str(expression))})
         else:
             messages.append({"role": "user", "content": "Check it with the calculator tool."})
-    answer = str(row.get("answer", "")).strip()
-    return {"reward": float(bool(answer) and answer in reply), "tool_calls": float(num_tool_calls)}
+    return {"reward": score(reply, row), "tool_calls": float(num_tool_calls)}
 
 
 async def run_text_episode(client: Any, row: dict[str, Any]) -> float:
@@ -82,5 +90,4 @@ async def run_text_episode(client: Any, row: dict[str, Any]) -> float:
         response = await client.completions.create(model=model, prompt=text, max_tokens=MAX_TOKENS, stop=["\n"])
         reply = response.choices[0].text
         text += reply + f"\ncalculator: {calculate(reply.strip() or '0')}\n"
-    answer = str(row.get("answer", "")).strip()
-    return float(bool(answer) and answer in reply)
+    return score(reply, row)

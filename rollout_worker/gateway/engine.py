@@ -13,6 +13,8 @@ a tokenizer or a trajectory; handlers only parse JSON and wait for their reply. 
 leaves at the next chunk boundary. Each call runs under the newest adapter version when it was admitted, for all
 its chunks (those versions are pinned: :meth:`GatewayEngine.versions_in_use`); the next call of the same
 episode may run under a newer one, so a trajectory's per-token versions can change between turns.
+A call's ``max_tokens`` defaults to ``worker.max_new_tokens`` and is capped by it (``gateway_max_tokens_capped``)
+and by the room left under ``model.max_seq_len``.
 """
 
 from __future__ import annotations
@@ -211,10 +213,13 @@ class GatewayEngine:
         if room < 1:
             raise api.ApiError(400, f"the prompt holds {len(ids)} tokens; model.max_seq_len = {self.max_seq_len} "
                                "leaves no room to generate", code="context_length_exceeded")
+        if params.max_tokens > self.config.max_new_tokens:
+            self.metrics.inc("gateway_max_tokens_capped")
         self._num_calls += 1
         session.in_flight += 1
         self.calls.append(Call(job=job, session=session, prompt_ids=list(ids), version=version,
-                               max_tokens=min(params.max_tokens, room), key=f"gw/{session.id}/{self._num_calls}"))
+                               max_tokens=min(params.max_tokens, self.config.max_new_tokens, room),
+                               key=f"gw/{session.id}/{self._num_calls}"))
         self.metrics.inc("gateway_calls", kind=job.kind, recorded=str(recorded).lower())
 
     def round(self) -> None:

@@ -42,7 +42,7 @@ class Spy:
 
 def gateway_config(model_dir: Path, run_dir: Path, agent: str, *overrides: str) -> Config:
     return load_config(None, [f'model.path="{model_dir}"', f'run.run_dir="{run_dir}"', f'worker.agent="{agent}"',
-                              "worker.chunk_tokens=8", "worker.max_new_tokens=24", "model.max_seq_len=512",
+                              "worker.chunk_tokens=8", "worker.max_new_tokens=64", "model.max_seq_len=512",
                               *overrides])
 
 
