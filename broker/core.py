@@ -17,9 +17,11 @@ Semantics (the contract between roles, see the team plan):
 
 - LeaseRequest / BatchRequest are long-polls: answered at once when something can be given, else parked as a
   *waiter* and answered when state changes (``_dirty``) or with an empty reply at its deadline.
-- RolloutGroup: dedup by group id (buffered/training/trained -> Ack duplicate); a group for a prompt whose
-  lease expired is still accepted (and any newer lease on it cancelled); invalid, too stale or over the byte
-  bound -> Error and the prompt is re-queued.
+- RolloutGroup: only for a lease granted to the sender for that prompt (lease ids carry a MAC binding them to
+  their holder, :mod:`broker.leases`; else ``unknown_lease`` and nobody's lease is touched); dedup by group id
+  (buffered/training/trained -> Ack duplicate); a group for a prompt whose lease expired is still accepted
+  (and any newer lease on it cancelled); malformed, invalid, too stale or over the byte bound -> Error and the
+  sender's lease on the prompt is returned at once (the prompt re-queued).
 - BatchAck: the listed groups are trained (none listed = the whole batch); a batch's unlisted groups are
   re-queued; an unknown batch id (a restarted broker) marks the listed ids trained. The Ack is sent only
   after the state file is written (one write for all acks handled in one loop pass: group commit).
@@ -37,6 +39,7 @@ Semantics (the contract between roles, see the team plan):
 
 from __future__ import annotations
 
+import secrets
 import time
 import uuid
 from collections import deque
@@ -47,14 +50,15 @@ from typing import Any
 
 from broker.adapters import AdapterCache
 from broker.buffer import RolloutBuffer
-from broker.flow import DataFlow, Waiter
+from broker.flow import DataFlow
 from broker.history import TrainingHistory
 from broker.leases import LeaseTable
-from broker.peers import Peer, PeerRegistry, RegistryFull, display_name
+from broker.peers import ClientIdTaken, Peer, PeerRegistry, RegistryFull, display_name
 from broker.prompts import PromptSource, group_id_of
 from broker.snapshot import build_snapshot
 from broker.state import BrokerState, StateWriter, check_matches, load_adapter, load_state, make_state
 from broker.stats import BrokerStats
+from broker.waiters import WaiterQueue
 from common import framing, protocol
 from common.config import Config
 from common.logging import get_logger
@@ -125,8 +129,6 @@ class BrokerCore(DataFlow):
         self.stats = BrokerStats()
         self.peers = PeerRegistry(heartbeat_interval_s=broker.heartbeat_interval_s,
                                   heartbeat_misses=broker.heartbeat_misses, max_workers=broker.max_workers)
-        self.leases = LeaseTable(timeout_s=broker.lease_timeout_s, max_per_worker=broker.max_leases_per_worker,
-                                 id_prefix=f"{self.broker_id[:6]}.")
         self.buffer = RolloutBuffer(max_groups=self.capacity_groups, max_bytes=broker.max_buffer_bytes)
         self.adapters = AdapterCache(broker.num_adapters_kept)
         self.latest_version = 0
@@ -143,13 +145,16 @@ class BrokerCore(DataFlow):
         self.writer = (StateWriter(self.state_path, min_interval_s=config.broker.state_write_interval_ms / 1000)
                        if self.state_path else None)
         self._unsaved_adapter: tuple[int, list[Any]] | None = None
+        self.lease_secret = secrets.token_hex(32)  # the persisted one, if any, replaces it in _restore
         self.prompts = self._restore(task)
+        self.leases = LeaseTable(timeout_s=broker.lease_timeout_s, max_per_worker=broker.max_leases_per_worker,
+                                 id_prefix=f"{self.broker_id[:6]}.", secret=bytes.fromhex(self.lease_secret))
         self.base_version = self.latest_version
         self.prompts.on_reserve = lambda _end: self.persist()
 
-        self._handlers = {kind: getattr(self, f"_on_{KIND_NAMES[kind]}") for kind in SENDERS}
-        self.lease_waiters: deque[Waiter] = deque()
-        self.batch_waiters: deque[Waiter] = deque()
+        self._handlers = {kind: getattr(self, f"_on_{KIND_NAMES[kind]}") for kind in SENDERS if kind != Kind.HELLO}
+        self.lease_waiters = WaiterQueue()
+        self.batch_waiters = WaiterQueue()
         self.outbox: list[Outgoing] = []
         self._group_acks: dict[tuple[bytes, str], list[str]] = {}  # (client, status) -> group ids to acknowledge
         self._unsubmitted: list[Outgoing] = []  # replies that need the next state write
@@ -157,6 +162,8 @@ class BrokerCore(DataFlow):
         self._persist_due = False
         self._dirty = False
         self._batch_seq = 0
+        self._num_changes = 0  # messages (other than StatsRequest) and ticks handled: what a Stats reply is of
+        self._stats_reply: tuple[int, list[Any]] | None = None  # (_num_changes, encoded Stats) of the last one
         self._stale_checked_version = -1
         self._next_peer_check_s = now_s
         self._next_stats_s = now_s
@@ -176,6 +183,7 @@ class BrokerCore(DataFlow):
                           path=str(self.state_path))
             self.latest_version, self.latest_sha256 = persisted.latest_version, persisted.latest_sha256
             self.num_trained_total = persisted.num_trained_groups
+            self.lease_secret = persisted.lease_secret or self.lease_secret
             self.history = TrainingHistory(max_records=self.history.max_records,
                                            learner_session=persisted.learner_session,
                                            uncommitted=persisted.uncommitted_records(),
@@ -215,7 +223,7 @@ class BrokerCore(DataFlow):
             pending=self.prompts.pending_keys(), latest_version=self.latest_version,
             num_trained_groups=self.num_trained_total, latest_sha256=self.latest_sha256,
             learner_session=self.history.learner_session, uncommitted=self.history.uncommitted.items(),
-            withdrawn=self.history.withdrawn)
+            withdrawn=self.history.withdrawn, lease_secret=self.lease_secret)
 
     def persist(self) -> None:
         """Write the state file now, in this thread (start, reserved block, shutdown)."""
@@ -289,17 +297,23 @@ class BrokerCore(DataFlow):
 
     # -- receiving -------------------------------------------------------------------------------------------
 
-    def handle(self, identity: bytes, frames: list[Any], now_s: float, authenticated_role: str | None = None) -> None:
+    def handle(self, identity: bytes, frames: list[Any], now_s: float, authenticated_role: str | None = None,
+               authenticated_key: str | None = None) -> None:
         """One received message (the frames after the identity). ``authenticated_role`` is the role CURVE
-        authentication bound to the sender's key (None without security): a client may act only in that role."""
+        authentication bound to the sender's key (None without security): a client may act only in that role;
+        ``authenticated_key`` names that key (``<role>:<name>``): a client id belongs to the key that registered
+        it (:meth:`broker.peers.PeerRegistry.hello`)."""
         try:
             envelope = protocol.decode_envelope(frames, self.config.broker.max_message_bytes)
         except ProtocolError as exc:
             self.stats.bytes_in += _nbytes(frames)
             self.stats.count("messages_in", "undecodable")
+            self._num_changes += 1
             self._reject(identity, exc.code, str(exc), ref_kind=_peek_kind(frames))
             return
         kind = envelope.kind
+        if kind != Kind.STATS_REQUEST:
+            self._num_changes += 1
         self.stats.bytes_in += envelope.num_bytes
         self.stats.count("messages_in", KIND_NAMES[kind])
         if self.peers.fenced_by(identity) is not None:
@@ -329,19 +343,27 @@ class BrokerCore(DataFlow):
         try:
             record = protocol.decode_record(envelope)
         except ProtocolError as exc:
+            if kind == Kind.ROLLOUT_GROUP:
+                self._return_malformed_lease(identity, envelope.header)
             ref_id = envelope.header.get("group_id", "")
             self._reject(identity, exc.code, str(exc), ref_kind=kind, ref_id=ref_id if isinstance(ref_id, str) else "")
+            return
+        if kind == Kind.HELLO:
+            self._on_hello(identity, peer, record, now_s, key=authenticated_key)
             return
         self._handlers[kind](identity, peer, record, envelope, frames, now_s)
 
     # -- registration and liveness ---------------------------------------------------------------------------
 
-    def _on_hello(self, identity: bytes, _peer: Peer | None, hello: protocol.Hello, _env: Any, _frames: Any,
-                  now_s: float) -> None:
+    def _on_hello(self, identity: bytes, _peer: Peer | None, hello: protocol.Hello, now_s: float,
+                  key: str | None = None) -> None:
         try:
-            peer, replaced = self.peers.hello(identity, hello, now_s)
+            peer, replaced = self.peers.hello(identity, hello, now_s, key=key)
         except RegistryFull as exc:
             self._reject(identity, "limit", str(exc), ref_kind=Kind.HELLO)
+            return
+        except ClientIdTaken as exc:
+            self._reject(identity, "forbidden", str(exc), ref_kind=Kind.HELLO, reason="client_id_taken")
             return
         if replaced is not None:
             log.info("peer_restarted", peer=peer.name, old_session=replaced.session, session=peer.session)
@@ -407,9 +429,8 @@ class BrokerCore(DataFlow):
                     self.prompts.set_state(group.key, "buffered")
                     self.stats.count("groups", "restored")
                     self._stale_checked_version = -1  # they may have aged while in training: check again
-        for waiters in (self.lease_waiters, self.batch_waiters):
-            for waiter in [w for w in waiters if w.identity == identity]:
-                waiters.remove(waiter)
+        self.lease_waiters.remove(identity)
+        self.batch_waiters.remove(identity)
         self.stats.count("peers_gone", why)
         self._dirty = True
 
@@ -492,12 +513,19 @@ class BrokerCore(DataFlow):
 
     def _on_stats_request(self, identity: bytes, _peer: Peer | None, _request: Any, _env: Any, _frames: Any,
                           now_s: float) -> None:
-        self._send(identity, protocol.Stats(snapshot=build_snapshot(self, now_s)))
+        """The snapshot, built and encoded once per state change: StatsRequests in between (a burst of them, from
+        anyone: no Hello needed) share one encoded reply, so neither their CPU nor their unread replies grow with
+        their number."""
+        if self._stats_reply is None or self._stats_reply[0] != self._num_changes:
+            frames = protocol.encode(protocol.Stats(snapshot=build_snapshot(self, now_s)))
+            self._stats_reply = (self._num_changes, frames)
+        self._send_frames(identity, Kind.STATS, self._stats_reply[1])
 
     # -- timers and flushing ---------------------------------------------------------------------------------
 
     def tick(self, now_s: float) -> None:
         """Deadlines: expired leases, dead peers, long-polls due, stats samples."""
+        self._num_changes += 1
         for lease in self.leases.expired(now_s):
             self.prompts.requeue(lease.key)
             self.stats.count("leases", "expired")
@@ -511,10 +539,8 @@ class BrokerCore(DataFlow):
                 self._peer_gone(peer, "dead")
         for waiters, answer in ((self.lease_waiters, self._answer_lease_waiter),
                                 (self.batch_waiters, self._answer_batch_waiter)):
-            if waiters and min(w.deadline_s for w in waiters) <= now_s:
-                for waiter in [w for w in waiters if w.deadline_s <= now_s]:
-                    waiters.remove(waiter)
-                    answer(waiter, now_s, final=True)
+            for waiter in waiters.expired(now_s):
+                answer(waiter, now_s, final=True)
         if now_s >= self._next_stats_s:
             self._next_stats_s = now_s + STATS_TICK_S
             self.stats.tick(now_s)
@@ -529,8 +555,8 @@ class BrokerCore(DataFlow):
             self._dirty = False
             if self.batch_waiters:
                 self._drop_stale()
-            while self.batch_waiters and self._answer_batch_waiter(self.batch_waiters[0], now_s, final=False):
-                self.batch_waiters.popleft()
+            while self.batch_waiters and self._answer_batch_waiter(self.batch_waiters.first(), now_s, final=False):
+                self.batch_waiters.remove(self.batch_waiters.first().identity)
             self._serve_lease_waiters(now_s)
         if self._group_acks:
             self._send_group_acks()
@@ -543,16 +569,18 @@ class BrokerCore(DataFlow):
         lease_deadline = self.leases.next_deadline_s()
         if lease_deadline is not None:
             candidates.append(lease_deadline)
-        candidates.extend(w.deadline_s for w in self.lease_waiters)
-        candidates.extend(w.deadline_s for w in self.batch_waiters)
+        for waiters in (self.lease_waiters, self.batch_waiters):
+            deadline = waiters.next_deadline_s()
+            if deadline is not None:
+                candidates.append(deadline)
         return min(candidates)
 
     def drain(self, now_s: float) -> list[Outgoing]:
         """Shutting down: answer every parked long-poll (empty, reason draining) and write the state."""
         self.draining = True
-        for waiter in list(self.lease_waiters):
+        for waiter in self.lease_waiters:
             self._answer_lease_waiter(waiter, now_s, final=True)
-        for waiter in list(self.batch_waiters):
+        for waiter in self.batch_waiters:
             self._answer_batch_waiter(waiter, now_s, final=True)
         self.lease_waiters.clear()
         self.batch_waiters.clear()

@@ -6,7 +6,7 @@
 Keeping them here keeps the core to dispatch, registration, persistence and timers.
 
     LeaseRequest  -> admission.decide -> PromptSource.next -> LeaseTable.grant -> LeaseGrant (or park/wait)
-    RolloutGroup  -> dedup by group id -> value checks -> staleness -> withdrawn tokens -> byte bound -> buffer
+    RolloutGroup  -> lease issued to this client for this prompt? -> dedup by group id -> value checks -> staleness -> withdrawn tokens -> byte bound -> buffer
                      -> Ack (or Error, prompt re-queued); to a client that reads Ack.ref_ids, one Ack per loop
                      pass for all its groups (of one status)
     BatchRequest  -> drop stale buffered groups (re-queued) -> serve oldest whole groups -> Batch (or park/wait;
@@ -18,8 +18,6 @@ Keeping them here keeps the core to dispatch, registration, persistence and time
 
 from __future__ import annotations
 
-from collections import deque
-from dataclasses import dataclass
 from typing import Any
 
 import msgpack
@@ -30,6 +28,7 @@ from broker.buffer import StoredGroup
 from broker.leases import Lease
 from broker.peers import Peer
 from broker.prompts import PromptKey, group_id_of, parse_group_id
+from broker.waiters import Waiter
 from common import framing, protocol, versions
 from common.framing import TensorSpec
 from common.logging import get_logger
@@ -47,15 +46,6 @@ def token_versions(specs: list[Any], frames: list[Any]) -> np.ndarray:
             return framing.as_numpy(TensorSpec(wire["name"], wire["dtype"], tuple(wire["shape"]), wire["frame"]),
                                     frames[wire["frame"]])
     raise AssertionError("a validated group always has a versions tensor")
-
-
-@dataclass(slots=True, kw_only=True)
-class Waiter:
-    """A parked long-poll: answered when state changes, or empty at its deadline."""
-
-    identity: bytes
-    request: Any  # LeaseRequest or BatchRequest
-    deadline_s: float
 
 
 class DataFlow:
@@ -90,34 +80,28 @@ class DataFlow:
         """Grant parked lease requests in arrival order while there is credit and something to lease."""
         if not self.lease_waiters or self.draining:
             return
-        remaining: deque[Waiter] = deque()
-        open_ = self.credit() > 0 and self.prompts.available(1) > 0
         for waiter in self.lease_waiters:
-            if open_ and self._answer_lease_waiter(waiter, now_s, final=False):
-                open_ = self.credit() > 0 and self.prompts.available(1) > 0
-                continue
-            remaining.append(waiter)
-        self.lease_waiters = remaining
+            if not (self.credit() > 0 and self.prompts.available(1) > 0):
+                return
+            if self._answer_lease_waiter(waiter, now_s, final=False):
+                self.lease_waiters.remove(waiter.identity)
 
     def _answer_stale_lease_waiters(self, now_s: float) -> None:
         """After a new or withdrawn version: parked requests of workers now too far behind, or holding a withdrawn
         version, get "stale_adapter" at once."""
-        remaining: deque[Waiter] = deque()
         for waiter in self.lease_waiters:
             peer = self.peers.get(waiter.identity)
             if peer is not None and (self.history.is_withdrawn(peer.adapter_version) or not versions.worker_may_generate(
                     peer.adapter_version, self.latest_version, self.max_staleness)):
+                self.lease_waiters.remove(waiter.identity)
                 self._try_grant(waiter.identity, peer, waiter.request, now_s, final=True)
-                continue
-            remaining.append(waiter)
-        self.lease_waiters = remaining
 
     def _on_lease_request(self, identity: bytes, peer: Peer, request: protocol.LeaseRequest, _env: Any,
                           _frames: Any, now_s: float) -> None:
         peer.adapter_version = request.adapter_version
+        self.lease_waiters.remove(identity)  # a newer request replaces a parked one (broker.waiters)
         if not self._try_grant(identity, peer, request, now_s, final=request.wait_ms == 0):
-            self.lease_waiters.append(Waiter(identity=identity, request=request,
-                                             deadline_s=now_s + request.wait_ms / 1000))
+            self.lease_waiters.park(Waiter(identity=identity, request=request, deadline_s=now_s + request.wait_ms / 1000))
 
     def _try_grant(self, identity: bytes, peer: Peer, request: protocol.LeaseRequest, now_s: float,
                    final: bool) -> bool:
@@ -146,6 +130,14 @@ class DataFlow:
         self._send(identity, protocol.LeaseGrant(leases=leases, reason=reason, latest_version=self.latest_version),
                    on_fail=lambda: self._return_leases(granted, "undeliverable"))
         return True
+
+    def _return_malformed_lease(self, identity: bytes, header: dict[str, Any]) -> None:
+        """A RolloutGroup that failed its decode: the lease it names, if the sender holds it, goes back at once
+        (the worker drops a group the broker refused; waiting for lease_timeout_s would only idle the prompt)."""
+        lease = self.leases.get(header.get("lease_id")) if isinstance(header.get("lease_id"), str) else None
+        if lease is not None and lease.worker == identity:
+            self._return_leases([lease], "refused")
+            self._dirty = True
 
     def _return_leases(self, leases: list[Lease], event: str) -> None:
         for lease in leases:
@@ -177,6 +169,11 @@ class DataFlow:
         if key is None or state == "new":
             self._reject(identity, "unknown_lease", f"group {group.group_id!r} (lease {group.lease_id!r}) was never "
                          "leased by this broker", ref_kind=Kind.ROLLOUT_GROUP, ref_id=group.group_id)
+            return
+        if not self.leases.issued_to(group.lease_id, key, identity):
+            self._reject(identity, "unknown_lease", f"group {group.group_id!r}: lease {group.lease_id!r} was not "
+                         "granted to this client for this prompt (a lease binds the client it was granted to)",
+                         ref_kind=Kind.ROLLOUT_GROUP, ref_id=group.group_id, reason="lease_not_yours")
             return
         if state in ("buffered", "training", "trained"):
             self.stats.count("groups", "duplicate")
@@ -254,7 +251,7 @@ class DataFlow:
                       reason: str | None = None) -> None:
         """Error for a group that will not be buffered; its prompt goes back to the queue."""
         lease = self.leases.get(group.lease_id)
-        if lease is not None and lease.key == key:
+        if lease is not None and lease.key == key and lease.worker == identity:
             self._return_leases([lease], "refused")
         # otherwise the prompt is queued already, or leased again to another worker (theirs to deliver)
         log.info("group_refused", group_id=group.group_id, worker=group.worker_id, code=code, reason=reason or code,
@@ -286,9 +283,9 @@ class DataFlow:
                          ref_kind=Kind.BATCH_REQUEST)
             return
         self._drop_stale()
+        self.batch_waiters.remove(identity)  # a newer request replaces a parked one (broker.waiters)
         if not self._try_serve(identity, request, final=request.wait_ms == 0):
-            self.batch_waiters.append(Waiter(identity=identity, request=request,
-                                             deadline_s=now_s + request.wait_ms / 1000))
+            self.batch_waiters.park(Waiter(identity=identity, request=request, deadline_s=now_s + request.wait_ms / 1000))
 
     def _try_serve(self, identity: bytes, request: protocol.BatchRequest, final: bool) -> bool:
         batch_id = f"{self.broker_id}.{self._batch_seq + 1}"

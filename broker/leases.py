@@ -11,11 +11,17 @@ from the grant). It ends in one of four ways, each handled by the server:
 
 At most one lease exists per prompt, and a worker holds at most ``max_per_worker`` at once. Pure logic: no
 sockets, no clock of its own (callers pass ``now_s``, a ``time.monotonic()`` reading).
+
+A lease is bound to its holder: its id ends in a MAC (HMAC-SHA256 under the run's ``secret``, kept in the
+broker's state file) over the id, the prompt and the holder's identity, so :meth:`LeaseTable.issued_to` can
+tell, also after the lease ended and after a broker restart, whether a lease id was really granted to this
+client for this prompt: a client cannot submit for another client's lease or for a made-up lease id.
 """
 
 from __future__ import annotations
 
 import heapq
+import hmac
 import itertools
 from dataclasses import dataclass
 
@@ -35,12 +41,13 @@ class Lease:
 class LeaseTable:
     """Leases by id, by prompt and by worker, with deadlines kept in a heap."""
 
-    def __init__(self, *, timeout_s: float, max_per_worker: int, id_prefix: str = "L") -> None:
+    def __init__(self, *, timeout_s: float, max_per_worker: int, id_prefix: str = "L", secret: bytes = b"") -> None:
         if timeout_s <= 0 or max_per_worker < 1:
             raise ValueError(f"lease timeout_s must be > 0 and max_per_worker >= 1, got {timeout_s}, {max_per_worker}")
         self.timeout_s = timeout_s
         self.max_per_worker = max_per_worker
         self._prefix = id_prefix
+        self._secret = secret
         self._ids = itertools.count(1)
         self._by_id: dict[str, Lease] = {}
         self._by_key: dict[PromptKey, str] = {}
@@ -74,14 +81,24 @@ class LeaseTable:
     def grant(self, key: PromptKey, worker: bytes, now_s: float) -> Lease:
         assert key not in self._by_key, f"prompt {key} is already leased"
         assert self.room(worker) > 0, "per-worker lease limit"
-        lease = Lease(lease_id=f"{self._prefix}{next(self._ids)}", key=key, worker=worker, granted_s=now_s,
-                      deadline_s=now_s + self.timeout_s)
+        serial = f"{self._prefix}{next(self._ids)}"
+        lease = Lease(lease_id=f"{serial}.{self._mac(serial, key, worker)}", key=key, worker=worker,
+                      granted_s=now_s, deadline_s=now_s + self.timeout_s)
         self._by_id[lease.lease_id] = lease
         self._by_key[key] = lease.lease_id
         self._by_worker.setdefault(worker, set()).add(lease.lease_id)
         heapq.heappush(self._deadlines, (lease.deadline_s, lease.lease_id))
         self.num_granted += 1
         return lease
+
+    def _mac(self, serial: str, key: PromptKey, worker: bytes) -> str:
+        message = b"%s|%d:%d|%s" % (serial.encode(), key[0], key[1], worker)
+        return hmac.new(self._secret, message, "sha256").hexdigest()[:24]
+
+    def issued_to(self, lease_id: str, key: PromptKey, worker: bytes) -> bool:
+        """Whether ``lease_id`` was granted to ``worker`` for ``key`` (live or ended, by this run's secret)."""
+        serial, _, mac = lease_id.rpartition(".")
+        return bool(serial) and hmac.compare_digest(mac.encode(), self._mac(serial, key, worker).encode())
 
     def pop(self, lease_id: str) -> Lease | None:
         """Remove a lease (submitted, returned, undeliverable); None if unknown."""

@@ -44,7 +44,11 @@ def display_name(identity: bytes) -> str:
 
 
 class RegistryFull(ValueError):
-    """broker.max_workers workers are registered already."""
+    """broker.max_workers workers (or broker.max_observers observers) are registered already."""
+
+
+class ClientIdTaken(ValueError):
+    """A Hello claims a (role, client_id) that another CURVE key registered and still holds."""
 
 
 @dataclass(slots=True, kw_only=True)
@@ -53,6 +57,7 @@ class Peer:
     role: str
     client_id: str
     session: str
+    key: str | None = None  # the CURVE key that registered it ("<role>:<name>"), None without security
     backend: str = ""
     capacity: int = 1
     host: str = ""
@@ -113,8 +118,10 @@ class PeerRegistry:
     def num_workers(self) -> int:
         return sum(1 for p in self._peers.values() if p.role == "worker")
 
-    def hello(self, identity: bytes, hello: Hello, now_s: float) -> tuple[Peer, Peer | None]:
-        """Register (or refresh) a client; returns (peer, the replaced entry of a previous session or None)."""
+    def hello(self, identity: bytes, hello: Hello, now_s: float, key: str | None = None) -> tuple[Peer, Peer | None]:
+        """Register (or refresh) a client; returns (peer, the replaced entry of a previous session or None).
+        A client id registered by one CURVE ``key`` cannot be taken over by another while it is registered
+        (:class:`ClientIdTaken`): a worker's restart comes with its own key, an impostor's with another."""
         old = self._peers.get(identity)
         if old is not None and old.session == hello.session and old.role == hello.role:
             old.last_seen_s = now_s
@@ -124,11 +131,14 @@ class PeerRegistry:
         if old is None:  # a previous process of the same client under another identity (CURVE route tokens)
             old = next((p for p in self._peers.values() if (p.role, p.client_id) == (hello.role, hello.client_id)),
                        None)
+            if old is not None and old.key != key and hello.role != "learner":  # (learners: the newest wins)
+                raise ClientIdTaken(f"{hello.role} id {hello.client_id!r} is registered by another key; choose "
+                                    "another client id (a restarted client uses its own key)")
             if old is not None:
                 del self._peers[old.identity]
         if old is None and hello.role == "worker" and self.num_workers() >= self.max_workers:
             raise RegistryFull(f"{self.max_workers} workers are registered (broker.max_workers)")
-        peer = Peer(identity=identity, role=hello.role, client_id=hello.client_id, session=hello.session,
+        peer = Peer(identity=identity, role=hello.role, client_id=hello.client_id, session=hello.session, key=key,
                     backend=hello.backend, capacity=hello.capacity, host=hello.host, pid=hello.pid,
                     adapter_version=hello.adapter_version, batched_acks=hello.batched_acks,
                     registered_s=now_s, registered_unix=time.time(),

@@ -68,6 +68,14 @@ HANDSHAKE_FAILURES = zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL | zmq.EVENT_HANDSHAKE_F
 HANDSHAKE_LOG_INTERVAL_S = 10.0  # a client with a wrong broker key retries every ~100 ms: log a cause this often
 
 
+def _user_id(frame: Any) -> str | None:
+    """The ZAP User-Id (``<role>:<key name>``) CURVE attached to a received frame, None without one."""
+    try:
+        return frame.get("User-Id") or None
+    except (zmq.ZMQError, AttributeError):
+        return None
+
+
 class BrokerServer:
     """Binds the ROUTER and runs the loop until :meth:`stop`."""
 
@@ -143,9 +151,10 @@ class BrokerServer:
                 return
             identity = frames[0].bytes
             now_s = time.monotonic()
-            role = role_of(frames[1]) if self.security is not None and len(frames) > 1 else None
+            user_id = _user_id(frames[1]) if self.security is not None and len(frames) > 1 else None
+            role = role_of(frames[1]) if user_id else None
             try:
-                core.handle(identity, frames[1:], now_s, authenticated_role=role)
+                core.handle(identity, frames[1:], now_s, authenticated_role=role, authenticated_key=user_id)
             except Exception:  # a bug must cost one message, not the broker
                 log.exception("handler_failed", peer=display_name(identity)[:64])
                 core.internal_error(identity, frames[1:])

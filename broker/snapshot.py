@@ -9,6 +9,7 @@
     credit                 groups that may still be leased now (capacity, admission limit, byte bound)
     leases{outstanding, list[...]}, waiting{lease_requests, batch_requests}
     workers[{id, state, adapter_version, leases, last_seen_s, groups_accepted, busy_share, counters, ...}]
+                           at most MAX_WORKERS_LISTED rows (the longest registered); num_workers counts them all
     learner{id, state, ..., step, trained_version, checkpoint_version, busy_share} | None
     learner_busy_share     from the learner's counters (busy_s / (busy_s + idle_s)) when it reports them,
                            else from the states its heartbeats reported
@@ -18,7 +19,10 @@
     group_events, lease_events, served_staleness, adapter_events, peers_gone, connections, auth, state_writes,
     rates{...}
 
-Every dict key is a string (msgpack maps decode with string keys only).
+Every dict key is a string (msgpack maps decode with string keys only). The reply is bounded whatever the
+fleet sends: at most MAX_WORKERS_LISTED worker rows and MAX_LEASES_LISTED leases, and each row's counters are
+at most 64 numbers (``Heartbeat.counters``, checked at decode), so a Stats reply stays under ~2 MB for anyone
+who asks (a StatsRequest needs no Hello).
 """
 
 from __future__ import annotations
@@ -30,6 +34,7 @@ if TYPE_CHECKING:
     from broker.peers import Peer
 
 MAX_LEASES_LISTED = 200
+MAX_WORKERS_LISTED = 256
 
 
 def _busy_share_from_counters(counters: dict[str, Any]) -> float | None:
@@ -55,7 +60,8 @@ def _peer_row(core: BrokerCore, peer: Peer, now_s: float) -> dict[str, Any]:
 
 def build_snapshot(core: BrokerCore, now_s: float) -> dict[str, Any]:
     buffered = core.buffer.buffered()
-    workers = [_peer_row(core, p, now_s) for p in core.peers.of_role("worker")]
+    all_workers = core.peers.of_role("worker")
+    workers = [_peer_row(core, p, now_s) for p in all_workers[:MAX_WORKERS_LISTED]]
     learners = core.peers.of_role("learner")
     learner = None
     learner_share = None
@@ -95,6 +101,7 @@ def build_snapshot(core: BrokerCore, now_s: float) -> dict[str, Any]:
                    "list": core.leases.snapshot(now_s)[:MAX_LEASES_LISTED]},
         "waiting": {"lease_requests": len(core.lease_waiters), "batch_requests": len(core.batch_waiters)},
         "workers": workers,
+        "num_workers": len(all_workers),
         "learner": learner,
         "learner_busy_share": learner_share,
         "adapters": core.adapters.snapshot(),

@@ -54,6 +54,7 @@ from pathlib import Path
 from typing import Any
 
 from broker.prompts import PromptKey
+from common.protocol import MAX_VERSION
 from common.schema import SchemaError, build, rule
 
 STATE_FORMAT = 1
@@ -68,7 +69,8 @@ class BrokerState:
     cursor: list[int] = rule(max_len=2, doc="[epoch, index] of the next never-issued prompt at write time")
     reserved_until: list[int] = rule(max_len=2, doc="[epoch, index]: keys below may have been issued")
     pending: list[list[int]] = rule(default_factory=list, doc="[epoch, index] of issued, untrained prompts")
-    latest_version: int = rule(0, ge=0)
+    latest_version: int = rule(0, ge=0, le=MAX_VERSION, doc="a larger one cannot travel in a token's int32 "
+                               "version: such a file was written before versions were bounded; move it away")
     num_trained_groups: int = rule(0, ge=0)
     written_unix: float = rule(0.0, ge=0)
     latest_sha256: str = rule("", max_len=64, doc="checksum of latest_version's adapter tensors")
@@ -76,6 +78,8 @@ class BrokerState:
     uncommitted: list[list[int]] = rule(default_factory=list,
                                         doc="[epoch, index, trained_version] trained after the learner's checkpoint")
     withdrawn: list[list[int]] = rule(default_factory=list, doc="[lo, hi] version ranges rolled back")
+    lease_secret: str = rule("", max_len=64, doc="hex key of the MACs that bind lease ids to their holder "
+                             "(broker.leases); kept so that groups re-sent after a restart still verify")
 
     @property
     def cursor_key(self) -> PromptKey:
@@ -112,13 +116,13 @@ def _key(value: list[int], name: str) -> PromptKey:
 def make_state(*, task: str, seed: int, epoch_size: int | None, cursor: PromptKey, reserved_until: PromptKey,
                pending: list[PromptKey], latest_version: int, num_trained_groups: int, latest_sha256: str = "",
                learner_session: str = "", uncommitted: Iterable[tuple[PromptKey, int]] = (),
-               withdrawn: Iterable[tuple[int, int]] = ()) -> BrokerState:
+               withdrawn: Iterable[tuple[int, int]] = (), lease_secret: str = "") -> BrokerState:
     return BrokerState(task=task, seed=seed, epoch_size=epoch_size or 0, cursor=list(cursor),
                        reserved_until=list(reserved_until), pending=[list(k) for k in pending],
                        latest_version=latest_version, num_trained_groups=num_trained_groups,
                        written_unix=round(time.time(), 3), latest_sha256=latest_sha256,
                        learner_session=learner_session, uncommitted=[[*k, v] for k, v in uncommitted],
-                       withdrawn=[list(r) for r in withdrawn])
+                       withdrawn=[list(r) for r in withdrawn], lease_secret=lease_secret)
 
 
 def save_state(path: str | os.PathLike, state: BrokerState) -> None:

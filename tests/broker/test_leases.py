@@ -15,16 +15,38 @@ def table(timeout_s: float = 10.0, max_per_worker: int = 3) -> LeaseTable:
     return LeaseTable(timeout_s=timeout_s, max_per_worker=max_per_worker, id_prefix="t.")
 
 
+def serial(lease_id: str) -> str:
+    """A lease id without the MAC that binds it to its holder."""
+    return lease_id.rpartition(".")[0]
+
+
 def test_grant_and_lookup() -> None:
     leases = table()
     lease = leases.grant((0, 1), A, now_s=100.0)
-    assert lease.lease_id == "t.1" and lease.deadline_s == 110.0
-    assert leases.get("t.1") is lease and leases.of_key((0, 1)) is lease and "t.1" in leases
+    lease_id = lease.lease_id
+    assert serial(lease_id) == "t.1" and lease.deadline_s == 110.0
+    assert leases.get(lease_id) is lease and leases.of_key((0, 1)) is lease and lease_id in leases
     assert leases.count(A) == 1 and leases.room(A) == 2 and leases.room(B) == 3
     assert leases.of_worker(A) == [lease] and leases.of_worker(B) == []
-    assert leases.pop("t.1") is lease
-    assert leases.pop("t.1") is None and leases.get("t.1") is None and len(leases) == 0
+    assert leases.pop(lease_id) is lease
+    assert leases.pop(lease_id) is None and leases.get(lease_id) is None and len(leases) == 0
     assert leases.of_key((0, 1)) is None and leases.count(A) == 0
+
+
+def test_lease_ids_bind_their_holder_and_prompt_also_after_they_end() -> None:
+    leases = LeaseTable(timeout_s=10.0, max_per_worker=3, id_prefix="t.", secret=b"k" * 32)
+    lease = leases.grant((0, 1), A, 0.0)
+    assert leases.issued_to(lease.lease_id, (0, 1), A)
+    assert not leases.issued_to(lease.lease_id, (0, 1), B)  # another worker naming it
+    assert not leases.issued_to(lease.lease_id, (0, 2), A)  # another prompt
+    assert not leases.issued_to("t.1", (0, 1), A) and not leases.issued_to(f"{serial(lease.lease_id)}.00", (0, 1), A)
+    assert not leases.issued_to("", (0, 1), A) and not leases.issued_to("made.up", (0, 1), A)
+    leases.expired(1e9)
+    assert lease.lease_id not in leases and leases.issued_to(lease.lease_id, (0, 1), A)  # ended: still verifies
+    again = LeaseTable(timeout_s=10.0, max_per_worker=3, id_prefix="u.", secret=b"k" * 32)  # a restarted broker
+    assert again.issued_to(lease.lease_id, (0, 1), A)
+    other_run = LeaseTable(timeout_s=10.0, max_per_worker=3, id_prefix="t.", secret=b"z" * 32)
+    assert not other_run.issued_to(lease.lease_id, (0, 1), A)
 
 
 def test_per_worker_limit() -> None:
@@ -42,7 +64,7 @@ def test_expiry(now_s: float, expired: list[str]) -> None:
     leases = table(timeout_s=10.0)
     leases.grant((0, 0), A, 0.0)
     leases.grant((0, 1), B, 2.0)
-    assert [lease.lease_id for lease in leases.expired(now_s)] == expired
+    assert [serial(lease.lease_id) for lease in leases.expired(now_s)] == expired
     assert len(leases) == 2 - len(expired)
     assert leases.next_deadline_s() == (None if len(expired) == 2 else (12.0 if expired else 10.0))
 
