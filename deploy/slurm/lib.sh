@@ -1,0 +1,102 @@
+# Sourced by the sbatch templates in deploy/slurm: where the checkout is, where a run's files go, and how a
+# role becomes a named job step (started with srun, stopped with `scancel --signal=TERM <job>.<step>`).
+#
+# sbatch runs a copy of the template from its spool directory, so the checkout is LORAFLOW_HOME (default: the
+# directory sbatch was called from, SLURM_SUBMIT_DIR). LORAFLOW_DRY_RUN=1 prints each srun command instead of
+# running it (and the role scripts print theirs); the templates then stop after the layout.
+
+: "${LORAFLOW_HOME:=${SLURM_SUBMIT_DIR:-$PWD}}"
+[ -x "$LORAFLOW_HOME/deploy/scripts/broker.sh" ] || {
+    echo "loraflow slurm: no deploy/scripts/broker.sh under LORAFLOW_HOME=$LORAFLOW_HOME (submit from the checkout," \
+         "or export LORAFLOW_HOME=/path/to/loraflow before sbatch)" >&2
+    exit 2
+}
+: "${LORAFLOW_RUN_DIR:=$LORAFLOW_HOME/runs/slurm-${SLURM_JOB_ID:?not inside a Slurm job}}"
+: "${LORAFLOW_SLURM_CPUS_PER_WORKER:=1}"
+: "${LORAFLOW_SLURM_GPUS_PER_WORKER:=0}"
+export LORAFLOW_HOME LORAFLOW_RUN_DIR
+LORAFLOW_STEP="$LORAFLOW_HOME/deploy/slurm/step.sh"
+LORAFLOW_SLURM_DIR="$LORAFLOW_RUN_DIR/slurm"  # endpoint, worker-jobs/, logs/ (one file per role)
+LORAFLOW_LOGS="$LORAFLOW_SLURM_DIR/logs"
+mkdir -p "$LORAFLOW_LOGS" "$LORAFLOW_SLURM_DIR/worker-jobs"
+STEP_PIDS=()
+
+slurm_log() {
+    echo "[$(date -u +%H:%M:%S)] loraflow slurm job $SLURM_JOB_ID: $*" >&2
+}
+
+# slurm_step NAME SRUN_OPTION... -- COMMAND...: one job step named NAME in the background, its output in
+# logs/NAME.log (appended: a requeued job continues the same files); its srun pid is appended to STEP_PIDS
+slurm_step() {
+    local name="$1" opts=()
+    shift
+    while [ "$1" != "--" ]; do opts+=("$1"); shift; done
+    shift
+    local cmd=(srun --job-name="$name" --output="$LORAFLOW_LOGS/$name.log" --open-mode=append --kill-on-bad-exit=0
+               "${opts[@]}" "$@")
+    if [ "${LORAFLOW_DRY_RUN:-0}" = 1 ]; then
+        printf '%q ' "${cmd[@]}"
+        echo
+        return 0
+    fi
+    "${cmd[@]}" &
+    STEP_PIDS+=("$!")
+}
+
+# slurm_worker NODE INDEX: one rollout worker step on NODE; its worker id is <host>-<job id><index, 2 digits>,
+# unique across jobs and stable when Slurm requeues the job (the broker then reclaims its leases at once)
+slurm_worker() {
+    local node="$1" instance
+    instance="${SLURM_JOB_ID}$(printf '%02d' "$2")"
+    local gres=()
+    [ "$LORAFLOW_SLURM_GPUS_PER_WORKER" != 0 ] && gres=(--gres="gpu:$LORAFLOW_SLURM_GPUS_PER_WORKER")
+    slurm_step "worker-$node-$instance" --exact --nodes=1 --ntasks=1 --cpus-per-task="$LORAFLOW_SLURM_CPUS_PER_WORKER" \
+        "${gres[@]}" --nodelist="$node" -- "$LORAFLOW_STEP" worker "$instance"
+}
+
+# slurm_signal_steps PATTERN: SIGTERM to every running step of this job whose name matches the shell PATTERN
+slurm_signal_steps() {
+    local id name
+    while read -r id name; do
+        # shellcheck disable=SC2053 # PATTERN is a glob on purpose
+        [[ "$name" == $1 ]] && scancel --signal=TERM "$id" 2>/dev/null  # it may have ended meanwhile
+    done < <(squeue --noheader --steps --jobs="$SLURM_JOB_ID" --format='%i %j')
+    return 0
+}
+
+# slurm_wait PID [ON_STOP...]: wait until that step's srun ended and return its exit code; once the script was
+# asked to stop (stopping=1, set by its SIGTERM trap), run ON_STOP first (polls each second: a trap does not
+# interrupt a foreground command)
+slurm_wait() {
+    local pid="$1"
+    shift
+    while kill -0 "$pid" 2>/dev/null; do
+        if [ $# -gt 0 ] && [ "${stopping:-0}" = 1 ]; then
+            "$@"
+            set --
+        fi
+        sleep 1
+    done
+    wait "$pid"
+}
+
+slurm_wait_all() {
+    local pid
+    for pid in "${STEP_PIDS[@]}"; do slurm_wait "$pid" || true; done
+    return 0
+}
+
+# slurm_endpoint: the broker's address as the steps see it, from $LORAFLOW_SLURM_DIR/endpoint (written by the
+# run job once its broker is bound) unless LORAFLOW_ENDPOINT is set
+slurm_endpoint() {
+    if [ -n "${LORAFLOW_ENDPOINT:-}" ]; then
+        echo "$LORAFLOW_ENDPOINT"
+        return 0
+    fi
+    [ -s "$LORAFLOW_SLURM_DIR/endpoint" ] || {
+        echo "loraflow slurm: no $LORAFLOW_SLURM_DIR/endpoint: set LORAFLOW_RUN_DIR to the run job's run directory" \
+             "(or LORAFLOW_ENDPOINT=tcp://host:port)" >&2
+        return 2
+    }
+    cat "$LORAFLOW_SLURM_DIR/endpoint"
+}

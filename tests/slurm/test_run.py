@@ -1,0 +1,126 @@
+"""The Slurm templates for real: ``sbatch`` of deploy/slurm/loraflow-run.sbatch trains the demo (CURVE on, keys
+from one shared directory) on a one-node cluster, a second job of deploy/slurm/loraflow-workers.sbatch joins
+the running run, one worker step of the run is ``scancel``-ed mid-run, and the job is stopped the way the time
+limit's ``--signal=B:TERM`` stops it. Then the ledger audit of tests/fault: every prompt trained exactly once,
+no withdrawn version trained, and the learner's final checkpoint (written on SIGTERM) holds the whole epoch."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from learner.ledger import read as read_ledger
+from tests.fault.ledger import audit_run, committed_chain, read_json_lines
+from tests.slurm.cluster import SlurmCluster, free_port
+from tests.support import REPO, wait_for
+
+pytestmark = pytest.mark.slurm
+
+SLURM = REPO / "deploy" / "slurm"
+VENV = Path(sys.executable).parent.parent
+NUM_PROMPTS = 96  # 24 steps: training lasts long enough for the scancel and the elastic job to land mid-run
+
+
+def run_env(run_dir: Path, base_dir: Path, keys_dir: Path) -> dict[str, str]:
+    overrides = {
+        "model.path": f'"{base_dir}"', "broker.prompt_limit": NUM_PROMPTS, "broker.num_epochs": 1,
+        "broker.heartbeat_interval_s": 0.2, "broker.lease_timeout_s": 20, "run.group_size": 4,
+        "run.groups_per_step": 4, "run.max_staleness": 1, "worker.capacity": 2, "learner.checkpoint_every": 4,
+        "learner.batch_wait_ms": 200, "learner.lora_rank": 4,
+    }
+    extra = " ".join(f"--set {key}={value}" for key, value in overrides.items()) + " --log-format json"
+    return {"LORAFLOW_HOME": str(REPO), "LORAFLOW_VENV": str(VENV), "LORAFLOW_RUN_DIR": str(run_dir),
+            "LORAFLOW_CONFIG": str(REPO / "deploy" / "configs" / "demo.toml"), "LORAFLOW_KEYS_DIR": str(keys_dir),
+            "LORAFLOW_BIND": "tcp://127.0.0.1:0", "LORAFLOW_SLURM_WORKERS_PER_NODE": "2",
+            "LORAFLOW_EXTRA_ARGS": extra, "MASTER_PORT": str(free_port()), "OMP_NUM_THREADS": "1",
+            "HF_HUB_OFFLINE": "1"}
+
+
+def trained_ids(run_dir: Path) -> set[str]:
+    path = run_dir / "learner" / "ledger.jsonl"
+    if not path.is_file():
+        return set()
+    chain, _ = committed_chain(read_ledger(path))
+    return {g for step in chain for g in step["trained"] + step["zero_variance"]}
+
+
+def log_events(path: Path, event: str) -> list[dict]:
+    return [line for line in read_json_lines(path) if line.get("event") == event] if path.is_file() else []
+
+
+def test_sbatch_run_with_elastic_workers_scancel_and_preemption(slurm_cluster: SlurmCluster, quick_base_dir: Path,
+                                                                 tmp_path: Path) -> None:
+    cluster = slurm_cluster
+    run_dir, keys_dir = tmp_path / "run", tmp_path / "keys"
+    subprocess.run([str(VENV / "bin" / "loraflow"), "keys", str(keys_dir)], check=True, capture_output=True,
+                   timeout=60)
+    env = run_env(run_dir, quick_base_dir, keys_dir)
+    logs = run_dir / "slurm" / "logs"
+
+    def job_logs() -> str:
+        files = [tmp_path / "run.out", tmp_path / "workers.out", *sorted(logs.glob("*.log"))]
+        return "\n".join(f"----- {p.name} -----\n{p.read_text(errors='replace')[-3000:]}" for p in files if p.is_file())
+
+    def wait(condition, timeout_s: float, what: str):  # noqa: ANN001, ANN202
+        try:
+            return wait_for(condition, timeout_s, what, interval_s=0.2)
+        except AssertionError as exc:
+            raise AssertionError(f"{exc}\n{job_logs()}\n{cluster.daemon_logs()}") from None
+
+    started = time.monotonic()
+    job = cluster.sbatch(SLURM / "loraflow-run.sbatch", "--time=10", f"--output={tmp_path / 'run.out'}", env=env,
+                         cwd=REPO)
+    wait(lambda: cluster.job_state(job) == "RUNNING", 60, "the run job to start")
+    shown = cluster.show_job(job)
+    assert shown["JobState"] == "RUNNING" and shown["NodeList"] == cluster.node, shown
+    assert shown["Requeue"] == "1", shown  # preempted or failed nodes: Slurm requeues it and it resumes
+    workers = {f"worker-{cluster.node}-{job}01", f"worker-{cluster.node}-{job}02"}
+    wait(lambda: {"broker", "learner"} | workers <= set(cluster.steps(job)), 60, "the run's steps")
+
+    # an elastic job of one more worker, pointed at the run by its run directory
+    extra_job = cluster.sbatch(SLURM / "loraflow-workers.sbatch", "--ntasks-per-node=1", "--time=10",
+                               f"--output={tmp_path / 'workers.out'}", env=env, cwd=REPO)
+    extra_log = logs / f"worker-{cluster.node}-{extra_job}01.log"
+
+    # mid-run, while it holds leases: `scancel <job>.<step>` of one worker step (Slurm SIGKILLs a cancelled step:
+    # the broker reclaims its leases), then `scancel --signal=TERM` of the other (it returns its leases and exits)
+    killed, stopped = (f"worker-{cluster.node}-{job}0{i}" for i in (1, 2))
+    killed_log, stopped_log = logs / f"{killed}.log", logs / f"{stopped}.log"
+    wait(lambda: trained_ids(run_dir) and len(log_events(killed_log, "lease_granted"))
+         > len(log_events(killed_log, "group_submitted")), 180, "a trained step and a lease on the first worker")
+    assert len(trained_ids(run_dir)) < NUM_PROMPTS, "the run ended before the scancel: give it more prompts"
+    cluster.run("scancel", cluster.steps(job)[killed])
+    wait(lambda: killed not in cluster.steps(job), 60, "the cancelled worker step to end")
+    assert not log_events(killed_log, "stopped"), "a cancelled step was expected to be killed, not stopped"
+    wait(lambda: any(line.get("peer") == f"worker/{killed.removeprefix('worker-')}"
+                     for line in log_events(logs / "broker.log", "peer_dead")), 60, "the broker to reclaim its leases")
+    wait(lambda: len(log_events(stopped_log, "lease_granted")) > len(log_events(stopped_log, "group_submitted")), 60,
+         "a lease on the second worker")
+    cluster.run("scancel", "--signal=TERM", cluster.steps(job)[stopped])
+    wait(lambda: stopped not in cluster.steps(job), 60, "the signalled worker step to end")
+    assert log_events(stopped_log, "stopped"), f"no clean stop on SIGTERM\n{stopped_log.read_text()[-3000:]}"
+    print(f"scancel --signal=TERM of {stopped}: returned {log_events(stopped_log, 'stopped')[-1]['returned']} lease(s)")
+
+    # the elastic job's worker carries the rest of the run
+    wait(lambda: log_events(extra_log, "lease_granted"), 180, "the elastic job's worker to lease")
+    assert len(trained_ids(run_dir)) < NUM_PROMPTS, "the run ended before the elastic worker joined: more prompts"
+    wait(lambda: len(trained_ids(run_dir)) == NUM_PROMPTS, 240, f"all {NUM_PROMPTS} prompts trained")
+
+    # what the time limit does with --signal=B:TERM@120: SIGTERM to the batch script, which stops the steps in order
+    cluster.run("scancel", "--batch", "--signal=TERM", job)
+    wait(lambda: not cluster.job_state(job) and not cluster.job_state(extra_job), 180, "both jobs to end")
+    done = cluster.completed()
+    assert done[job]["JobState"] == "COMPLETED" and done[job]["ExitCode"] == "0:0", (done[job], job_logs())
+    assert done[extra_job]["JobState"] == "COMPLETED", (done[extra_job], job_logs())
+    for name in ("broker", "learner"):
+        assert (logs / f"{name}.log").is_file()
+    assert log_events(extra_log, "stopped"), extra_log.read_text()[-3000:]
+
+    audit = audit_run(run_dir, sorted(logs.glob("worker-*.log")), NUM_PROMPTS)
+    assert audit.worker_events["accepted"] & {line["group_id"] for line in log_events(extra_log, "group_submitted")}, \
+        "the elastic job's worker contributed no accepted group"
+    print(f"slurm run in {time.monotonic() - started:.0f} s: {audit.summary()}")
