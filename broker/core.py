@@ -27,8 +27,8 @@ Semantics (the contract between roles, see the team plan):
   after the state file is written (one write for all acks handled in one loop pass: group commit).
 - AdapterUpdate: version must exceed the latest (or equal it, with the same sha256, when this broker lost the
   frames in a restart; a withdrawn version never comes back); Ack after the state write, then an
-  AdapterNotice to every worker. Workers saying Hello with an older version get the newest AdapterUpdate
-  right after their Welcome.
+  AdapterNotice to every worker. Workers saying Hello with an older version get an AdapterNotice of the
+  newest right after their Welcome and fetch it (AdapterFetch) when they want it.
 - Hello from a learner of another session than the one the training history belongs to (it restarted, and
   resumed from a checkpoint of version v = ``Hello.adapter_version``): groups trained on parameters of version
   >= v are re-queued, versions v+1..latest are withdrawn (dropped from the adapter cache; buffered groups
@@ -388,7 +388,7 @@ class BrokerCore(DataFlow):
             vocab_size=self.vocab_size), after_persist=restarted)
         newest = self.adapters.newest
         if peer.role == "worker" and newest is not None and hello.adapter_version < newest.version:
-            self._send_frames(identity, Kind.ADAPTER_UPDATE, newest.message)
+            self._send(identity, newest.notice())  # it fetches when it wants it (a reconnect storm moves no tensors)
         if replaced is not None or _peer is None:
             log.info("peer_joined", peer=peer.name, role=peer.role, session=peer.session, host=peer.host,
                      pid=peer.pid, adapter_version=peer.adapter_version)

@@ -23,8 +23,8 @@ newer than one already received (an answer to an older fetch, a broker's push af
 before any check or write; one that is newer than the adapter in the slot replaces it (the older directory is
 deleted). Both count as ``adapters_superseded``. The answer to a fetch is used even when a newer notice
 overtook it in flight: it is the broker's newest of one round trip ago, and skipping it would starve a worker
-whose learner publishes more often than one round trip. The Welcome counts as a fetch in flight when the
-broker is ahead: it pushes its newest adapter right after the Welcome.
+whose learner publishes more often than one round trip. The Welcome counts as a notice: a broker ahead of the
+hello's version also sends an AdapterNotice after it, and the tensors come only with a fetch.
 
 Delivery: :meth:`submit` keeps each group's encoded frames until the broker acknowledges its group id, and
 re-sends them all after a broker restart; the broker deduplicates by group id, so at-least-once is safe. A group
@@ -113,7 +113,7 @@ class BrokerSession:
 
     def start(self, timeout_s: float = 30.0) -> Welcome:
         self.welcome = self.link.start(timeout_s)
-        self._expect_push(self.welcome)
+        self._welcomed(self.welcome)
         self._thread = threading.Thread(target=self._dispatch, args=(structlog.contextvars.get_contextvars(),),
                                         name="broker-session", daemon=True)
         self._thread.start()
@@ -208,12 +208,13 @@ class BrokerSession:
         self.metrics.inc("adapter_fetches")
         self.link.send(AdapterFetch(version=0))
 
-    def _expect_push(self, welcome: Welcome) -> None:
-        """A broker ahead of the version in our hello sends its newest adapter right after the Welcome."""
+    def _welcomed(self, welcome: Welcome) -> None:
+        """The Welcome says which version is the newest: fetch it when ahead of ours (the broker sends only a
+        notice after the Welcome, never the tensors unasked)."""
         with self._lock:
             self._newest_published = max(self._newest_published, welcome.latest_version)
-            if welcome.latest_version > max(self.link.hello.adapter_version, self._newest_received):
-                self._fetch = (welcome.latest_version, time.monotonic())
+        if welcome.latest_version > self.link.hello.adapter_version:
+            self._fetch_if_wanted()
 
     # -- dispatcher thread -------------------------------------------------------------------------------------
 
@@ -311,7 +312,7 @@ class BrokerSession:
         with self._lock:
             self._lease_request_deadline = None
             self._fetch = None
-        self._expect_push(event.welcome)
+        self._welcomed(event.welcome)
         with self._lock:
             pending = list(self._unacked.values())
             for group in pending:

@@ -107,7 +107,8 @@ def test_adapter_relay_to_several_workers_and_a_late_joiner(procs: Processes) ->
             got = b"".join(bytes(f.buffer) for f in update.envelope.frames)
             assert update.record.sha256 == digest and hashlib.sha256(got).hexdigest() == digest
         late = Worker(broker.endpoint, "late")
-        update = late.expect(Kind.ADAPTER_UPDATE)  # right after its Welcome, unasked
+        assert late.expect(Kind.ADAPTER_NOTICE).record.version == 1  # right after its Welcome: a notice
+        update = late.fetch()  # ... and the tensors when it asks
         assert update.record.version == 1
         assert np.array_equal(np.frombuffer(update.envelope.frames[0].buffer, dtype=np.float32), tensors[0][1])
         assert broker.stats()["bytes_out"] > 4 * (1 << 20)
@@ -158,7 +159,8 @@ def test_restart_continues_the_cursor_nothing_lost_nothing_twice(procs: Processe
             confirmed += [e.group.group_id for e in batch.groups]
         assert sorted(confirmed) == [f"0:{i}" for i in range(8)]
         late = Worker(broker.endpoint, "late")
-        assert late.expect(Kind.ADAPTER_UPDATE).record.version == 1  # the adapter survived the crash too
+        assert late.expect(Kind.ADAPTER_NOTICE).record.version == 1
+        assert late.fetch().record.version == 1  # the adapter survived the crash too
         late.close()
         stats = broker.stats()
         assert stats["prompts"]["exhausted"] and stats["prompts"]["trained_total"] == 8  # persisted across

@@ -395,7 +395,9 @@ def test_publish_notice_fetch_and_late_joiner(h: Harness) -> None:
     assert update.version == 1
     assert np.array_equal(np.frombuffer(envelope.frames[0], dtype=np.float32), tensors[0][1])
     replies = h.hello(b"worker/late", adapter_version=0)
-    assert kinds(replies) == ["WELCOME", "ADAPTER_UPDATE"]
+    assert kinds(replies) == ["WELCOME", "ADAPTER_NOTICE"] and replies[1][1].version == 1  # a notice, no tensors
+    (_, update, _), = h.send(b"worker/late", AdapterFetch(version=0))
+    assert update.version == 1
     assert kinds(h.hello(b"worker/current", adapter_version=1)) == ["WELCOME"]
 
 
@@ -442,7 +444,7 @@ def test_restart_restores_cursor_pending_and_adapter(tmp_path) -> None:
     assert h.core.latest_version == 1 and h.core.prompts.state((0, 0)) == "trained"
     assert h.core.prompts.snapshot()["queued"] >= 2  # 0:1 (not trained) and 0:2 (leased), plus the reserved block
     replies = h.hello(W2, adapter_version=0)
-    assert kinds(replies) == ["WELCOME", "ADAPTER_UPDATE"] and replies[1][1].version == 1
+    assert kinds(replies) == ["WELCOME", "ADAPTER_NOTICE"] and replies[1][1].version == 1
     h.hello(W1, session="s2")
     assert [lease.group_id for lease in h.lease(W1, 3, adapter_version=1)] == ["0:1", "0:2", "0:3"]
     assert h.submit(W1, leases[0], version=1).status == "duplicate"
