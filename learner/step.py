@@ -84,7 +84,17 @@ def train_step(policy: Policy, optimizer: torch.optim.Optimizer, scheduler: Any,
         "adv_std": float(trained.std()) if trained.numel() > 1 else 0.0,
         "adv_abs_max": float(trained.abs().max()) if trained.numel() else 0.0,
         "num_samples": len(step.samples),
+        "peak_memory_mb": round(float(parallel.max(torch.tensor([peak_memory_mb(parallel.device)]))), 1),  # max of ranks
     }
+
+
+def peak_memory_mb(device: torch.device) -> float:
+    """This rank's peak so far: CUDA memory allocated on a GPU, the process's peak RSS on the CPU."""
+    if device.type == "cuda":
+        return torch.cuda.max_memory_allocated(device) / 2**20
+    import resource
+
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
 
 
 @contextlib.contextmanager
