@@ -165,7 +165,7 @@ def test_learner_refuses_a_module_vllm_cannot_serve_with_exit_2(procs: Processes
                                                    f'learner.target_modules=["q_proj", "{target}"]'))
     assert proc.popen.wait(timeout=120) == 2, proc.log()[-3000:]
     log = proc.log()
-    assert "learner_config_error" in log and f"{target!r} selects" in log and "q_proj" in log
+    assert "config error: learner.target_modules" in log and f"{target!r} selects" in log and "q_proj" in log
     assert "Traceback" not in log
 
 
