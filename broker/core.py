@@ -128,7 +128,8 @@ class BrokerCore(DataFlow):
 
         self.stats = BrokerStats()
         self.peers = PeerRegistry(heartbeat_interval_s=broker.heartbeat_interval_s,
-                                  heartbeat_misses=broker.heartbeat_misses, max_workers=broker.max_workers)
+                                  heartbeat_misses=broker.heartbeat_misses, max_workers=broker.max_workers,
+                                  max_observers=broker.max_observers)
         self.buffer = RolloutBuffer(max_groups=self.capacity_groups, max_bytes=broker.max_buffer_bytes)
         self.adapters = AdapterCache(broker.num_adapters_kept)
         self.latest_version = 0

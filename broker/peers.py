@@ -97,9 +97,11 @@ class Peer:
 class PeerRegistry:
     """Registered clients by identity, with liveness from the last time each was heard."""
 
-    def __init__(self, *, heartbeat_interval_s: float, heartbeat_misses: int, max_workers: int) -> None:
+    def __init__(self, *, heartbeat_interval_s: float, heartbeat_misses: int, max_workers: int,
+                 max_observers: int = 64) -> None:
         self.timeout_s = heartbeat_interval_s * heartbeat_misses
         self.max_workers = max_workers
+        self.max_observers = max_observers
         self._peers: dict[bytes, Peer] = {}
         self._fenced: OrderedDict[bytes, str] = OrderedDict()  # identity of a replaced learner -> its successor
 
@@ -138,6 +140,9 @@ class PeerRegistry:
                 del self._peers[old.identity]
         if old is None and hello.role == "worker" and self.num_workers() >= self.max_workers:
             raise RegistryFull(f"{self.max_workers} workers are registered (broker.max_workers)")
+        if old is None and hello.role == "observer" and len(self.of_role("observer")) >= self.max_observers:
+            raise RegistryFull(f"{self.max_observers} observers are registered (broker.max_observers); a "
+                               "StatsRequest needs no Hello")
         peer = Peer(identity=identity, role=hello.role, client_id=hello.client_id, session=hello.session, key=key,
                     backend=hello.backend, capacity=hello.capacity, host=hello.host, pid=hello.pid,
                     adapter_version=hello.adapter_version, batched_acks=hello.batched_acks,
