@@ -1,4 +1,4 @@
-"""`loraflow run` pieces that need no training: run directories, GPU assignment, and clear errors."""
+"""`loraflow run` pieces that need no training: run directories and clear errors (GPU assignment: test_devices.py)."""
 
 from __future__ import annotations
 
@@ -13,8 +13,8 @@ import pytest
 
 from common.config import load_config
 from deploy import rundir
-from deploy.launcher import DEMO_CONFIG, choose_run_dir, device_env, version_step
-from tests.support import REPO, child_env
+from deploy.launcher import DEMO_CONFIG, choose_run_dir, version_step
+from tests.support import child_env
 
 
 def test_a_fresh_run_dir_unless_one_is_named(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
@@ -25,16 +25,6 @@ def test_a_fresh_run_dir_unless_one_is_named(tmp_path: Path, monkeypatch: pytest
     assert choose_run_dir(load_config(DEMO_CONFIG)).run_dir != fresh.run_dir  # never reuses an existing one
     named = load_config(DEMO_CONFIG, ["run.run_dir=\"runs/exp1\""])
     assert choose_run_dir(named).run_dir == Path("runs/exp1")  # a named one is resumed
-
-
-def test_gpus_are_split_between_workers_and_learner_ranks(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
-    gpu = load_config(REPO / "deploy/configs/gpu-example.toml")  # 2 workers, 2 learner ranks, all on cuda
-    assert [device_env(n, gpu) for n in ("worker-1", "worker-2", "learner", "broker")] == [
-        {"CUDA_VISIBLE_DEVICES": "0"}, {"CUDA_VISIBLE_DEVICES": "1"}, {"CUDA_VISIBLE_DEVICES": "2,3"}, {}]
-    assert device_env("learner", load_config(DEMO_CONFIG)) == {}  # CPU roles get nothing
-    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "5")
-    assert device_env("worker-1", gpu) == {}  # an operator's choice wins
 
 
 def test_version_step_reads_the_learner_metrics(tmp_path: Path) -> None:
@@ -91,3 +81,19 @@ def test_a_missing_key_file_stops_the_run_at_once(tmp_path: Path, tiny_model_dir
     (line,) = result.stderr.strip().splitlines()  # one line, no traceback
     assert line.startswith("loraflow run: ") and str(keys / missing) in line and "loraflow keys" in line
     assert not (tmp_path / "run").exists()
+
+
+def test_a_worker_that_stops_mid_run_with_exit_2_is_not_said_to_have_refused_to_start(tmp_path: Path,
+                                                                                       tiny_model_dir: Path) -> None:
+    """A reward that fails on every sample stops its worker with exit code 2 after it had been generating: the run
+    ends with exit code 2 (nothing restarted) and a message that says so, with the worker's last line."""
+    result = run(tmp_path, "--model", str(tiny_model_dir), "--workers", "1", "--set", 'worker.backend="sim"',
+                 "--set", 'worker.reward="tests.worker.test_reward_failures:always_raises"',
+                 "--set", "worker.max_failed_reward_groups=2", "--set", "eval.num_prompts=0",
+                 "--set", "launch.max_restarts=3")
+    assert result.returncode == 2, result.stdout + result.stderr
+    (error,) = [line for line in result.stdout.splitlines() if line.startswith("error: ")]
+    assert error.startswith("error: worker-1 stopped with a config-class error (exit code 2, after "), error
+    assert "reward_failing" in error and "RuntimeError: reward service unavailable" in error  # its last line
+    events = rundir.read_jsonl(rundir.processes_path(tmp_path / "run"))
+    assert [e["code"] for e in events if e["process"] == "worker-1" and e["event"] == "exit"] == [2]  # once
