@@ -257,3 +257,59 @@ def test_fast_list_checks_agree_with_the_generic_path(field: str, value: list) -
         generic = None
     if fast(value):
         assert generic == value and [type(x) for x in generic] == [type(x) for x in value]
+
+
+def _nested(levels: int, leaf: object = 1, as_list: bool = False) -> object:
+    value = leaf
+    for _ in range(levels):
+        value = [value] if as_list else {"a": value}
+    return value
+
+
+def _lease_fields(**overrides: object) -> dict:
+    return {"lease_id": "L", "group_id": "0:1", "prompt_index": 1, "epoch": 0, "task": "t", "prompt": "p",
+            "group_size": 1, "deadline_s": 1.0, **overrides}
+
+
+@pytest.mark.parametrize("kind, header, needle", [
+    # nested near msgpack's own limit: refused without recursion, naming the field
+    (Kind.HEARTBEAT, {"counters": {"a": _nested(1020)}}, "Heartbeat.counters['a']: expected int or float"),
+    (Kind.HEARTBEAT, {"counters": {"a": float("inf")}}, "Heartbeat.counters['a']: must be a finite number"),
+    (Kind.HEARTBEAT, {"counters": {"a": True}}, "Heartbeat.counters['a']: expected int or float"),
+    (Kind.HEARTBEAT, {"counters": {"k" * 65: 1}}, "longer than 64 characters"),
+    (Kind.HEARTBEAT, {"counters": {f"k{i}": 1 for i in range(65)}}, "Heartbeat.counters: at most 64"),
+    (Kind.LEASE_GRANT, {"leases": [_lease_fields(meta=_nested(1020))]}, "LeaseGrant.leases[0].meta: nested more"),
+    (Kind.LEASE_GRANT, {"leases": [_lease_fields(columns={"c": _nested(40, as_list=True)})]},
+     "LeaseGrant.leases[0].columns: nested more than 32"),
+    (Kind.LEASE_GRANT, {"leases": [_lease_fields(prompt_messages=[{"role": "user", "content": _nested(40)}])]},
+     "LeaseGrant.leases[0].prompt_messages[0]: nested more than 32"),
+    (Kind.ADAPTER_UPDATE, {"version": 1 << 31, "sha256": "", "adapter_config": {}}, "must be <= 2147483647"),
+    (Kind.HELLO, {"role": "worker", "client_id": _nested(900, as_list=True)}, "Hello.client_id: expected a string, "
+     "got list of 1 items"),
+    (Kind.HELLO, {"role": _nested(900), "client_id": "x"}, "Hello.role: expected a string, got dict of 1 items"),
+])
+def test_free_form_and_version_fields_are_bounded_at_decode(kind: int, header: dict, needle: str) -> None:
+    frames = [framing.PREAMBLE.pack(framing.MAGIC, PROTOCOL_VERSION, kind), msgpack.packb(header)]
+    with pytest.raises(ProtocolError) as caught:
+        protocol.decode(frames)
+    assert caught.value.code == "malformed" and needle in str(caught.value), str(caught.value)
+
+
+def test_bounded_free_form_values_still_pass() -> None:
+    lease = _lease_fields(meta=_nested(31), columns={"rows": [[{"x": 1}]]},
+                          prompt_messages=[{"role": "user", "content": "hi"}])
+    frames = [framing.PREAMBLE.pack(framing.MAGIC, PROTOCOL_VERSION, Kind.LEASE_GRANT),
+              msgpack.packb({"leases": [lease]})]
+    grant, _ = protocol.decode(frames)
+    assert grant.leases[0].meta == _nested(31) and grant.leases[0].columns == {"rows": [[{"x": 1}]]}
+    beat, _ = protocol.decode(protocol.encode(protocol.Heartbeat(counters={"n": 3, "s": 1.5})))
+    assert beat.counters == {"n": 3, "s": 1.5} and type(beat.counters["n"]) is int
+
+
+@pytest.mark.parametrize("dtype", [["int32"], {"a": 1}, 7, None])
+def test_a_tensor_spec_with_a_non_string_dtype_is_malformed(dtype: object) -> None:
+    header = {"tensors": [{"name": "x", "dtype": dtype, "shape": [1], "frame": 0}]}
+    frames = [framing.PREAMBLE.pack(framing.MAGIC, PROTOCOL_VERSION, Kind.HEARTBEAT), msgpack.packb(header), b"1234"]
+    with pytest.raises(ProtocolError) as caught:
+        protocol.decode(frames)
+    assert caught.value.code == "malformed" and "is not one of" in str(caught.value)
