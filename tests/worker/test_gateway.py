@@ -311,3 +311,24 @@ def test_security_requires_the_token(tiny_model_dir: Path, hf_session_backend, t
             openai.OpenAI(base_url=f"{driver.url}/v1", api_key="wrong", max_retries=0).models.list()
     finally:
         driver.close()
+
+
+@pytest.mark.vllm
+def test_text_agent_on_vllm_trains_exactly_the_generated_tokens(tiny_model_dir: Path, vllm_session_backend,
+                                                                tmp_path: Path) -> None:
+    """The same harness on the vLLM backend (the session's shared engine): two groups batch together."""
+    backend = vllm_session_backend
+    backend.retain(set())
+    spy = Spy(backend)
+    config = gateway_config(tiny_model_dir, tmp_path, "tests.worker.gateway_agents:calculator_text",
+                            "model.max_seq_len=256", "worker.max_new_tokens=24")
+    driver = Driver(config, backend)
+    try:
+        driver.add(lease("v0", "3+4=", answer="7"))
+        driver.add(lease("v1", "5+6=", answer="11"))
+        groups = driver.wait_groups(2, timeout_s=300)
+    finally:
+        driver.close()
+        spy.close()
+    assert sum(check_exact(g, spy) for g in groups) == 2 * 3 * 3
+    assert max(len(ids) for ids, _ in spy.seen) <= 256
