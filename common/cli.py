@@ -11,6 +11,12 @@ code :data:`EXIT_CONFIG_ERROR`. Config-class errors are one class, never recogni
 :mod:`common.startup` and each role refuse) and its subclasses (``SecurityError``: key files; ``DatasetError``:
 a dataset that cannot be used). Every role's ``main`` and the ``loraflow`` dispatcher run under it; it also
 ends a command quietly when the reader of its output goes away (``loraflow config | head``).
+
+A ``torch.OutOfMemoryError`` (a GPU's memory, anywhere in the process, also as the cause of another error)
+becomes one line naming the settings that size that role's memory (:data:`OUT_OF_MEMORY_SETTINGS`) with torch's
+own account of the GPU, and exit code :data:`EXIT_OUT_OF_MEMORY`: distinct, so a supervisor or a job script can
+tell it from a crash, yet restarted by ``loraflow run`` like one (the memory may have been held by a process
+that was exiting); after ``launch.max_restarts`` the run's error ends with that line.
 """
 
 from __future__ import annotations
@@ -26,8 +32,21 @@ from common.config import Config, ConfigError, load_config
 
 #: exit codes the supervisor (deploy/processes.py) and the systemd units act on: restarting will not help
 EXIT_CONFIG_ERROR = 2  # a usage or config error (argparse exits 2 too)
+EXIT_OUT_OF_MEMORY = 3  # torch.OutOfMemoryError: a GPU ran out of memory (restarted like a crash)
 EXIT_REPLACED = 4  # a learner fenced by the broker: another learner process took over the run
 EXIT_BROKEN_PIPE = 141  # what a shell reports for a command killed by SIGPIPE (128 + 13), like `cat` in `| head`
+
+#: command -> what to change when its GPU runs out of memory
+OUT_OF_MEMORY_SETTINGS = {
+    "loraflow worker": "lower worker.vllm.gpu_memory_utilization (vLLM: the share of the GPU its engine reserves; "
+                       "lower it when another process uses that GPU), worker.vllm.max_num_seqs or model.max_seq_len; "
+                       "hf backend: worker.capacity or worker.max_new_tokens",
+    "loraflow learner": "lower learner.micro_batch_tokens (tokens per micro-batch), set "
+                        "learner.activation_checkpointing = \"on\" and learner.mixed_precision = \"bf16\", or use "
+                        "more launch.learner_ranks (each holds a smaller shard)",
+    "loraflow run": "the held-out evaluation: set eval.device to \"cpu\" or a GPU no worker uses, or "
+                    "eval.num_prompts = 0",
+}
 
 #: flag -> (config key, type, help)
 COMMON_FLAGS: dict[str, tuple[str, type, str]] = {
@@ -77,8 +96,31 @@ def stdout_reader_gone() -> bool:
         return False
 
 
+def out_of_memory(exc: BaseException) -> BaseException | None:
+    """``exc``, or the error it was raised from, that is torch's OutOfMemoryError; None when there is none (torch
+    is not imported here: a process that never imported it cannot have raised it)."""
+    error_class = getattr(sys.modules.get("torch"), "OutOfMemoryError", None)
+    seen: set[int] = set()
+    current: BaseException | None = exc
+    while error_class is not None and current is not None and id(current) not in seen:
+        if isinstance(current, error_class):
+            return current
+        seen.add(id(current))
+        current = current.__cause__ or current.__context__
+    return None
+
+
+def out_of_memory_line(prog: str, exc: BaseException) -> str:
+    """One line: which command ran out of GPU memory, torch's account of the GPU, and the settings to change."""
+    text = " ".join(str(out_of_memory(exc) or exc).split())
+    account = text.split(" Of the allocated memory")[0].split(" If reserved but unallocated")[0]
+    fix = OUT_OF_MEMORY_SETTINGS.get(prog, "lower the settings that size this process's memory")
+    return f"{prog}: out of GPU memory ({account}); {fix}"
+
+
 def run_main(prog: str, body: Callable[[], int | None]) -> int:
-    """``body()``'s exit code; a config-class error becomes one line on stderr and EXIT_CONFIG_ERROR."""
+    """``body()``'s exit code; a config-class error becomes one line on stderr and EXIT_CONFIG_ERROR, running out
+    of GPU memory one line and EXIT_OUT_OF_MEMORY."""
     try:
         code = int(body() or 0)
         sys.stdout.flush()  # a closed pipe surfaces here, not in the interpreter's final flush
@@ -93,3 +135,8 @@ def run_main(prog: str, body: Callable[[], int | None]) -> int:
         text = " ".join(str(exc).split())  # one line, whatever the message's own line breaks
         print(f"{prog}: config error: {text}", file=sys.stderr, flush=True)
         return EXIT_CONFIG_ERROR
+    except Exception as exc:
+        if not out_of_memory(exc):
+            raise
+        print(out_of_memory_line(prog, exc), file=sys.stderr, flush=True)
+        return EXIT_OUT_OF_MEMORY

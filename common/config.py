@@ -225,6 +225,9 @@ class EvalConfig:
     num_prompts: int = rule(200, ge=0, doc="held-out prompts for greedy accuracy; 0 = no evaluation")
     every_s: float = rule(30.0, ge=0, unit="s", doc="measure held-out accuracy this often during a run; 0 = ends only")
     target_accuracy: float = rule(0.8, ge=0, le=1)
+    device: str = rule("auto", max_len=128, doc="where loraflow run evaluates: auto = a GPU no process of the run "
+                       "holds, else one no vLLM worker uses, else cpu (deploy/devices.py); cpu; or a GPU id "
+                       "from CUDA_VISIBLE_DEVICES. bf16 on a GPU")
 
 
 @dataclass(slots=True, kw_only=True)
@@ -233,6 +236,11 @@ class SecurityConfig:
     keys_dir: str = rule("", doc="directory made by `loraflow keys`")
     client_key: str = rule("", doc="name of this client's key pair in keys_dir (e.g. gpu-3); default: the "
                            "client's role (worker, learner, observer)")
+    run_token: str = rule("", max_len=128, doc="with security off, a learner's Hello must carry the run token: "
+                          "this value (the same on broker and learner), or empty: the broker writes a random one "
+                          "to run_token_file on its first start and the learner reads it there (common/run_token.py)")
+    run_token_file: str = rule("", doc="where the run token is kept; default <run_dir>/broker/run_token (a learner "
+                               "on another host: a copy of the broker's)")
 
 
 @dataclass(slots=True, kw_only=True)
@@ -245,6 +253,9 @@ class LaunchConfig:
     max_backoff_s: float = rule(30.0, gt=0, unit="s", doc="longest delay between restarts")
     max_restarts: int = rule(5, ge=0, doc="restarts of one process before the run stops with an error")
     progress_every_s: float = rule(2.0, gt=0, unit="s", doc="refresh period of the progress display")
+    share_gpus: bool = rule(True, doc="with fewer GPUs than learner ranks + workers, workers share them "
+                            "(round-robin over the GPUs the learner leaves, else all; vLLM workers must fit: "
+                            "k x worker.vllm.gpu_memory_utilization <= 1); false = refuse to start")
 
 
 @dataclass(slots=True, kw_only=True)

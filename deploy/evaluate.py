@@ -48,22 +48,25 @@ def load_model(model_dir: str | os.PathLike, adapter_dir: str | os.PathLike | No
                device: str = "auto") -> tuple[Any, Any]:
     """(model in eval mode, tokenizer) from a HF directory, with a PEFT adapter applied when given.
 
-    fp32 weights; ``device`` "auto" is the first GPU when there is one, else the CPU."""
+    ``device`` "auto" is the first GPU when there is one, else the CPU. fp32 weights on the CPU (the demo's
+    measurements, equal to the workers' fp32 engines); bf16 on a GPU, where the evaluation shares a machine with
+    the run's processes (``loraflow run`` places it with deploy/devices.py)."""
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
     from transformers.utils import logging as hf_logging
 
+    if device == "auto":
+        device = "cuda" if torch.cuda.is_available() else "cpu"
+    dtype = torch.bfloat16 if torch.device(device).type == "cuda" else torch.float32
     hf_logging.disable_progress_bar()
     tokenizer = AutoTokenizer.from_pretrained(str(model_dir))
-    model = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32)
+    model = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=dtype)
     if adapter_dir is not None:
         from peft import PeftModel
 
         if not (Path(adapter_dir) / "adapter_config.json").is_file():
             raise ValueError(f"{adapter_dir} is not a PEFT adapter directory (no adapter_config.json)")
         model = PeftModel.from_pretrained(model, str(adapter_dir))
-    if device == "auto":
-        device = "cuda" if torch.cuda.is_available() else "cpu"
     model.to(device).eval()
     return model, tokenizer
 
@@ -117,9 +120,18 @@ def evaluate(model: Any, tokenizer: Any, task: Task, *, num_prompts: int, max_ne
 
 def evaluate_dir(model_dir: str | os.PathLike, adapter_dir: str | os.PathLike | None = None, *,
                  task: str = "arith", seed: int = 0, num_prompts: int = 200, max_new_tokens: int = 6,
-                 chat_template_kwargs: Mapping[str, Any] | None = None, data: DataConfig | None = None) -> EvalResult:
+                 chat_template_kwargs: Mapping[str, Any] | None = None, data: DataConfig | None = None,
+                 device: str = "auto") -> EvalResult:
     """Load the model (plus adapter) from disk and measure its greedy held-out accuracy (``data``: how a dataset
-    task is read, ``[data]``)."""
-    model, tokenizer = load_model(model_dir, adapter_dir)
-    return evaluate(model, tokenizer, load_task(task, seed, data), num_prompts=num_prompts,
-                    max_new_tokens=max_new_tokens, chat_template_kwargs=chat_template_kwargs)
+    task is read, ``[data]``; ``device``: as :func:`load_model`)."""
+    model, tokenizer = load_model(model_dir, adapter_dir, device=device)
+    on_gpu = model.device.type == "cuda"
+    try:
+        return evaluate(model, tokenizer, load_task(task, seed, data), num_prompts=num_prompts,
+                        max_new_tokens=max_new_tokens, chat_template_kwargs=chat_template_kwargs)
+    finally:
+        del model  # the GPU's memory goes back between measurements (torch would keep it cached for this process)
+        if on_gpu:
+            import torch
+
+            torch.cuda.empty_cache()

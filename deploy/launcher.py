@@ -6,7 +6,8 @@ With no config it runs the built-in demo (``deploy/configs/demo.toml``)::
               choose the run dir (runs/<name>-<time> unless run.run_dir / --run-dir names one: then it resumes),
               write the resolved config to <run_dir>/config.toml (every child reads that file)
     start     broker (port 0 unless broker.bind names one; the bound endpoint is read from its endpoint file),
-              then the learner (torchrun when launch.learner_ranks > 1) and launch.num_workers workers
+              then the learner (torchrun when launch.learner_ranks > 1) and launch.num_workers workers, each
+              with its GPUs (CUDA_VISIBLE_DEVICES) and metrics port as deploy/devices.py places them
     watch     every 0.25 s: restart crashed children with backoff (deploy/processes.py); every
               launch.progress_every_s: the progress line (deploy/progress.py); every eval.every_s: greedy
               held-out accuracy of the newest adapter directory, in a background thread
@@ -44,7 +45,7 @@ from typing import Any, TextIO
 from common.cli import EXIT_CONFIG_ERROR, config_from_args, config_parser, run_main
 from common.config import Config, write_resolved
 from common.logging import get_logger, setup_logging
-from deploy import preflight, rundir
+from deploy import devices, preflight, rundir
 from deploy.demo_base import DemoBaseError
 from deploy.processes import (
     ConfigClassExit,
@@ -134,6 +135,8 @@ class Launch:
         self.stop_requested = ""
         self.stop_signal = ""  # the signal behind stop_requested == "interrupted" (shown by watch)
         self.model_ready = False
+        self.placement = devices.placement(config)  # every child's GPUs and the evaluation's device
+        self.eval_failed = ""  # why evaluation stopped for this run (its GPU ran out of memory)
 
     # -- start -----------------------------------------------------------------------------------------------
 
@@ -215,11 +218,13 @@ class Launch:
                 "-m", "learner", *args]
 
     def worker_argv(self, worker_id: str) -> list[str]:
-        return self._module("rollout_worker", "--endpoint", self.endpoint, "--worker-id", worker_id)
+        port = devices.worker_metrics_port(self.config, int(worker_id))  # worker.metrics_port + index - 1
+        return self._module("rollout_worker", "--endpoint", self.endpoint, "--worker-id", worker_id,
+                            *(("--set", f"worker.metrics_port={port}") if port else ()))
 
     def _child(self, name: str, argv: list[str]) -> Managed:
         env = dict(os.environ, PYTHONUNBUFFERED="1", TOKENIZERS_PARALLELISM="false")
-        env.update(device_env(name, self.config))
+        env.update(self.placement.env(name))
         return Managed(name=name, argv=argv, log_path=self.run_dir / "logs" / f"{name}.log", env=env,
                        timeline_path=self.run_dir / "timeline" / f"{name}.jsonl")
 
@@ -256,7 +261,7 @@ class Launch:
 
     def maybe_start_eval(self, now_s: float) -> None:
         every_s = self.config.eval.every_s
-        if not self.config.eval.num_prompts:  # eval.num_prompts = 0: no evaluation at all
+        if not self.config.eval.num_prompts or self.eval_failed:  # eval.num_prompts = 0: no evaluation at all
             return
         if not every_s or self.pending_eval is not None or now_s - self.last_eval_s < every_s:
             return
@@ -272,7 +277,9 @@ class Launch:
         if future is None or not (wait or future.done()):
             return ""
         self.pending_eval = None
-        result: Measurement = future.result()
+        result: Measurement | None = future.result()
+        if result is None:  # evaluation has stopped for this run (measure said why)
+            return ""
         if result.kind == "base":
             self.summary.base_accuracy = result.accuracy
             self.display.event(f"held-out accuracy of the base model: {result.accuracy:.1%}")
@@ -285,14 +292,31 @@ class Launch:
             return f"eval.target_accuracy ({target:.0%}) reached: {result.accuracy:.1%} at v{result.version}"
         return ""
 
-    def measure(self, version: int, adapter: Path | None, kind: str) -> Measurement:
-        """Greedy held-out accuracy of the base (adapter None) or base + adapter; appended to evals.jsonl."""
+    def measure(self, version: int, adapter: Path | None, kind: str) -> Measurement | None:
+        """Greedy held-out accuracy of the base (adapter None) or base + adapter; appended to evals.jsonl.
+
+        On ``self.placement.eval_device`` (deploy/devices.py). When that GPU runs out of memory, evaluation stops
+        for the rest of the run (training goes on), one event says which settings to change, and this and every
+        later measurement is None."""
+        from common.cli import out_of_memory, out_of_memory_line
         from deploy.evaluate import evaluate_dir
 
         config = self.config
-        result = evaluate_dir(config.model.path, adapter, task=config.run.task, seed=config.run.seed,
-                              num_prompts=config.eval.num_prompts, max_new_tokens=config.worker.max_new_tokens,
-                              chat_template_kwargs=config.model.chat_template_kwargs, data=config.data)
+        if self.eval_failed:
+            return None
+        try:
+            result = evaluate_dir(config.model.path, adapter, task=config.run.task, seed=config.run.seed,
+                                  num_prompts=config.eval.num_prompts, max_new_tokens=config.worker.max_new_tokens,
+                                  chat_template_kwargs=config.model.chat_template_kwargs, data=config.data,
+                                  device=self.placement.eval_device)
+        except Exception as exc:
+            if not out_of_memory(exc):
+                raise
+            self.eval_failed = out_of_memory_line("loraflow run", exc)
+            log.error("evaluation_out_of_memory", device=self.placement.eval_device, version=version, kind=kind)
+            self.display.event(f"{self.eval_failed}; no more held-out evaluations in this run "
+                               f"(it was on {self.placement.eval_device})")
+            return None
         step = version_step(self.run_dir, version)
         measurement = Measurement(version=version, step=step, accuracy=result.accuracy, time_unix=time.time(),
                                   seconds=round(result.seconds, 3), kind=kind)
@@ -326,8 +350,8 @@ class Launch:
         version, path = rundir.newest_adapter(self.run_dir)
         if self.config.eval.num_prompts and self.model_ready and self.rl_started_s:  # not after a failed start
             if summary.base_accuracy is None:
-                summary.base_accuracy = self.measure(0, None, "base").accuracy
-            summary.final_accuracy = (self.measure(version, path, "final").accuracy if path is not None
+                summary.base_accuracy = accuracy(self.measure(0, None, "base"))
+            summary.final_accuracy = (accuracy(self.measure(version, path, "final")) if path is not None
                                       else summary.base_accuracy)
         if self.config.run.report_to:  # the learner has stopped: the trackers get the evals it did not see
             from learner.tracking import log_new_evals
@@ -359,19 +383,8 @@ def version_step(run_dir: Path, version: int) -> int:
     return 0
 
 
-def device_env(name: str, config: Config) -> dict[str, str]:
-    """CUDA_VISIBLE_DEVICES for a child when the roles run on GPUs: worker i gets GPU i-1, the learner's ranks
-    the next ``learner_ranks`` GPUs. Nothing when the roles run on CPU or the variable is already set."""
-    if "CUDA_VISIBLE_DEVICES" in os.environ:
-        return {}
-    workers, ranks = config.launch.num_workers, config.launch.learner_ranks
-    uses_gpu = {"worker": config.worker.device.startswith("cuda"), "learner": config.learner.device.startswith("cuda")}
-    if name.startswith("worker-") and uses_gpu["worker"]:
-        return {"CUDA_VISIBLE_DEVICES": str(int(name.removeprefix("worker-")) - 1)}
-    if name == "learner" and uses_gpu["learner"]:
-        first = workers if uses_gpu["worker"] else 0
-        return {"CUDA_VISIBLE_DEVICES": ",".join(str(first + r) for r in range(ranks))}
-    return {}
+def accuracy(measurement: Measurement | None) -> float | None:
+    return None if measurement is None else measurement.accuracy
 
 
 def choose_run_dir(config: Config) -> Config:

@@ -24,9 +24,10 @@ import os
 import sys
 from collections.abc import Iterator
 
-from common.config import Config, ConfigError
+from common.config import Config
 from common.security import check_keys
 from common.startup import check_device, check_port_free, check_run_dir, check_task, resolve_model
+from deploy import devices
 from rollout_worker.startup import check_user_code
 
 #: the roles ``loraflow run`` starts on this machine, by the key pair each uses (the observer: its progress line)
@@ -48,7 +49,8 @@ def check(config: Config, *, starting: bool = False) -> None:
     """Every role's start-up checks that do not depend on a running process; raises ConfigError.
 
     ``starting``: ``loraflow run`` is about to start every role on this machine, so every role's key files must
-    be here, the metrics ports must be free, and one ``worker.metrics_port`` cannot serve several workers."""
+    be here, the metrics ports must be free and distinct (worker i serves ``worker.metrics_port + i - 1``), and
+    every process's GPUs must be there to give (:mod:`deploy.devices`)."""
     with children_module_path():
         check_user_code(config.worker)
     resolve_model(config, demo_by_caller=True)  # the learner loads the model whatever the workers' backend
@@ -61,17 +63,6 @@ def check(config: Config, *, starting: bool = False) -> None:
         return
     for role in RUN_ROLES:
         check_keys(config, role)
-    if config.worker.metrics_port and config.launch.num_workers > 1:
-        raise ConfigError(f"worker.metrics_port = {config.worker.metrics_port} with launch.num_workers = "
-                          f"{config.launch.num_workers}: every worker would bind that one port; set "
-                          "worker.metrics_port = 0 under `loraflow run` (the broker's metrics cover the run), or "
-                          "launch.num_workers = 1")
-    taken: dict[int, str] = {}
-    for setting, port in (("broker.metrics_port", config.broker.metrics_port),
-                          ("learner.metrics_port", config.learner.metrics_port),
-                          ("worker.metrics_port", config.worker.metrics_port)):
-        if port and port in taken:
-            raise ConfigError(f"{setting} = {port} is {taken[port]} too: processes on one machine need their own "
-                              "ports; change one (0 = no metrics server)")
+    for setting, port in devices.check_ports(config):  # worker i: worker.metrics_port + i - 1, none shared
         check_port_free(setting, port)
-        taken[port] = setting
+    devices.placement(config)  # every process's GPUs can be given (deploy/devices.py)

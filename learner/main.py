@@ -23,7 +23,14 @@ from __future__ import annotations
 import argparse
 import os
 
-from common.cli import EXIT_CONFIG_ERROR, EXIT_REPLACED, config_from_args, config_parser, run_main
+from common.cli import (
+    EXIT_CONFIG_ERROR,
+    EXIT_REPLACED,
+    config_from_args,
+    config_parser,
+    out_of_memory,
+    run_main,
+)
 from common.config import Config, ConfigError
 from common.logging import get_logger, setup_logging
 from common.security import check_keys
@@ -83,7 +90,9 @@ def _main(argv: list[str]) -> int:
     except (BrokerUnavailable, BrokerRefused) as exc:  # no broker, or keys / security settings that do not match
         get_logger("learner").error("broker_unavailable", error=str(exc))
         return 1
-    except Exception:
+    except Exception as exc:
+        if out_of_memory(exc):
+            raise  # run_main's one line naming learner.micro_batch_tokens, and EXIT_OUT_OF_MEMORY
         get_logger("learner").exception("learner_failed")
         return 1
 

@@ -127,7 +127,8 @@ def test_a_taken_metrics_port_is_refused_before_connecting(tmp_path: Path, comma
 
 
 @pytest.mark.parametrize(("sets", "message"), [
-    (["worker.metrics_port=9401", "launch.num_workers=2"], "every worker would bind that one port"),
+    (["worker.metrics_port=9401", "launch.num_workers=2", "learner.metrics_port=9402"],  # worker-2 gets 9402
+     "worker.metrics_port + 1 (worker-2) = 9402 is learner.metrics_port too"),
     (["broker.metrics_port=9401", "learner.metrics_port=9401"], "learner.metrics_port = 9401 is broker.metrics_port"),
 ])
 def test_loraflow_run_refuses_metrics_ports_its_processes_would_share(tmp_path: Path, sets: list[str],
