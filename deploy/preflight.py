@@ -10,7 +10,8 @@ builds it, and ``loraflow config`` describes the config as written.
 
 Key files (``security.enabled``) are checked for the roles that will run here: under ``loraflow run`` every one
 (the broker's pair and authorised keys, the learner's and the workers' pairs, and the observer pair its progress
-line uses). ``loraflow config`` does not know which roles a machine runs (a worker machine holds no broker
+line uses), and, the broker's keys dir being the clients' too, that the learner's and the workers' keys are
+authorised for those roles. ``loraflow config`` does not know which roles a machine runs (a worker machine holds no broker
 secret), so it checks none; each role checks its own when it starts.
 
 User code is imported the way the children will import it: ``loraflow run`` starts them with ``python -m``
@@ -24,8 +25,8 @@ import os
 import sys
 from collections.abc import Iterator
 
-from common.config import Config
-from common.security import check_keys
+from common.config import Config, ConfigError
+from common.security import authorized_keys, check_keys
 from common.startup import check_device, check_port_free, check_run_dir, check_task, resolve_model
 from deploy import devices
 from rollout_worker.startup import check_user_code
@@ -63,6 +64,31 @@ def check(config: Config, *, starting: bool = False) -> None:
         return
     for role in RUN_ROLES:
         check_keys(config, role)
+    check_roles_authorised(config)
     for setting, port in devices.check_ports(config):  # worker i: worker.metrics_port + i - 1, none shared
         check_port_free(setting, port)
     devices.placement(config)  # every process's GPUs can be given (deploy/devices.py)
+
+
+def check_roles_authorised(config: Config) -> None:
+    """Under ``loraflow run`` the broker's keys dir is the clients' too, so it can tell whether the learner's and the
+    workers' keys are authorised for their roles (the broker refuses a hello by another role's key as
+    ``forbidden``: the learner would crash and restart until max_restarts). One ``security.client_key`` for every
+    client cannot be: a key is authorised for one role."""
+    if not config.security.enabled:
+        return
+    keys_dir = config.security.keys_dir
+    authorised = authorized_keys(keys_dir)
+    for role in ("learner", "worker"):
+        name = config.security.client_key or role
+        if name in authorised[role]:
+            continue
+        other = next((r for r, names in authorised.items() if name in names), "")
+        why = f"it is authorised as a {other}" if other else f"no {keys_dir}/authorized/{role}/{name}.key"
+        if config.security.client_key:
+            raise ConfigError(f"security.client_key = {name!r}: under `loraflow run` every client process uses that "
+                              f"key, but the broker would refuse the {role}'s ({why}); leave security.client_key "
+                              f"unset under `loraflow run`, so that each role uses the pair named after it "
+                              f"(`loraflow keys {keys_dir} --worker worker --learner learner` makes them)")
+        raise ConfigError(f"the {role} key pair {name!r} in security.keys_dir = {keys_dir!r} is not authorised as a "
+                          f"{role} ({why}); authorise it with `loraflow keys {keys_dir} --{role} {name}`")

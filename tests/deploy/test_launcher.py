@@ -97,3 +97,31 @@ def test_a_worker_that_stops_mid_run_with_exit_2_is_not_said_to_have_refused_to_
     assert "reward_failing" in error and "RuntimeError: reward service unavailable" in error  # its last line
     events = rundir.read_jsonl(rundir.processes_path(tmp_path / "run"))
     assert [e["code"] for e in events if e["process"] == "worker-1" and e["event"] == "exit"] == [2]  # once
+
+
+@pytest.mark.parametrize("keys_args, client_key, removed, said", [
+    (["--worker", "gpu-1", "--learner", "trainer"], "gpu-1", None,  # one key for every client of the run
+     "security.client_key = 'gpu-1': under `loraflow run` every client process uses that key, but the broker would "
+     "refuse the learner's (it is authorised as a worker)"),
+    ([], "", "authorized/worker/worker.key",  # the pair is there, its authorisation was removed
+     "the worker key pair 'worker' in security.keys_dir = "),
+])
+def test_a_key_the_broker_would_refuse_stops_the_run_at_once(tmp_path: Path, tiny_model_dir: Path, keys_args: list[str],
+                                                             client_key: str, removed: str | None, said: str) -> None:
+    """Under `loraflow run` the broker's keys dir is the clients' too: a key not authorised for the role that uses it
+    (the broker would answer its hello with `forbidden`, and the learner would be restarted into it) is a config
+    error before anything starts."""
+    keys = tmp_path / "keys"
+    made = subprocess.run([sys.executable, "-m", "deploy.cli", "keys", str(keys), *keys_args], env=child_env(),
+                          capture_output=True, text=True, timeout=60)
+    assert made.returncode == 0, made.stderr
+    if removed:
+        (keys / removed).unlink()
+    sets = ["--set", "security.enabled=true", "--set", f"security.keys_dir={json.dumps(str(keys))}"]
+    if client_key:
+        sets += ["--set", f"security.client_key={json.dumps(client_key)}"]
+    result = run(tmp_path, "--model", str(tiny_model_dir), *sets)
+    assert result.returncode == 2, result.stdout + result.stderr
+    (line,) = result.stderr.strip().splitlines()
+    assert line.startswith(f"loraflow run: config error: {said}"), line
+    assert not (tmp_path / "run").exists()
