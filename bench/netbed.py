@@ -188,6 +188,11 @@ class Cluster:
     net: Network | None = None
     roles: dict[str, Proc] = field(default_factory=dict)  # role -> its newest process
     incarnations: Counter = field(default_factory=Counter)
+    # made by setup(): each host's run dir (the learner nodes share one), the config, the CURVE key dirs
+    run_dirs: dict[str, Path] = field(default_factory=dict, init=False)
+    config: Path = field(init=False)
+    broker_keys: Path = field(init=False)
+    client_keys: dict[str, Path] = field(default_factory=dict, init=False)
 
     # -- layout ------------------------------------------------------------------------------------------------
 
@@ -225,7 +230,6 @@ class Cluster:
             argv += ["--worker", w]
         subprocess.run(argv, check=True, capture_output=True, timeout=60, env=child_env())
         # each client machine gets the broker's public key and its own key pair only
-        self.client_keys = {}
         for name in ["trainer", *self.workers]:
             own = self.root / "hosts" / f"keys-{name}"
             own.mkdir(parents=True, exist_ok=True)
@@ -343,6 +347,12 @@ class Cluster:
         lines = self.ledger()
         return audit_learner(lines, self.trained_ids())
 
+    def throughput(self) -> float:
+        """Groups trained per second in the committed history, from the first step to the last (start-up out)."""
+        chain, _ = committed_chain(self.ledger())
+        assert len(chain) >= 2, "a throughput needs two steps"
+        return self.rate(chain[0]["time_unix"], chain[-1]["time_unix"])
+
     def rate(self, t0: float, t1: float) -> float:
         """Groups trained per second in the committed history between t0 and t1."""
         chain, _ = committed_chain(self.ledger())
@@ -434,8 +444,26 @@ def worker_link_down(c: Cluster, w: str = "w1", down_s: float = 10.0) -> dict[st
                       c.procs, interval_s=0.1)
     _same_processes(c, list(before), before, "worker link fault")
     c.audit_so_far()
+    held, returned, finished = _leases_across(c, w, t_down)
+    assert held <= returned | finished, f"leases of {w} neither returned nor finished: {sorted(held - returned - finished)}"
     return {"fault": "worker_link_down", "host": w, "down_s": round(t_up - t_down, 2), "steps_while_down": steps_during,
-            "restore_to_accepted_s": round(t_back - t_up, 2), "regenerated": c.regenerated(t_down, t_back)}
+            "restore_to_accepted_s": round(t_back - t_up, 2),
+            "leases_held": len(held), "leases_returned": len(held & returned), "leases_finished": len(held & finished),
+            "regenerated": c.regenerated(t_down, t_back)}
+
+
+def _leases_across(c: Cluster, w: str, t: float) -> tuple[set[str], set[str], set[str]]:
+    """The groups ``w`` held at ``t`` (leased, no ack yet), those leased again later (returned to the queue) and
+    those ``w`` itself got accepted later (finished)."""
+    lines = c.log_lines(w)
+    leased = {x["group_id"] for x in lines if x.get("event") == "lease_granted" and _ts(x) <= t}
+    acked = {x["group_id"] for x in lines if x.get("event") == "group_acked" and _ts(x) <= t}
+    held = leased - acked
+    returned = {x["group_id"] for v in c.workers for x in c.log_lines(v)
+                if x.get("event") == "lease_granted" and _ts(x) > t and x["group_id"] in held}
+    finished = {x["group_id"] for x in lines if x.get("event") == "group_acked" and x.get("status") == "accepted"
+                and _ts(x) > t and x["group_id"] in held}
+    return held, returned, finished
 
 
 def broker_link_down(c: Cluster, down_s: float = 10.0) -> dict[str, Any]:

@@ -1,0 +1,110 @@
+"""The multi-host test bed measured: recovery from link faults and restarts, and the network's cost in throughput.
+
+    sudo .venv/bin/python bench/net_faults.py [--prompts 300] [--repeats 2] [--fault-prompts 520] [--fault-tokens-per-s 10]
+
+Three runs on the bed of bench/netbed.py (tests/net runs the third one), all with CURVE on and every role started
+by deploy/scripts, the tiny model and simulated generation:
+
+1. loopback: broker, a two-node learner and three workers on one host (127.0.0.1), ``--prompts`` prompts,
+   generation as fast as the learner takes it (``--tokens-per-s`` 200): the reference;
+2. multi-host: the same run with each role on its own host (network namespaces, veth pairs and a bridge);
+3. faults: a multi-host run (``--fault-prompts``, generation paced at ``--fault-tokens-per-s``) that trains through
+   a 1mbit token bucket on a worker's link, a worker's link down 10 s, the broker's link down 10 s, a broker host
+   reboot and a learner node SIGKILLed; after each, what recovery took and which groups were generated again,
+   with the reasons the logs give. Every run ends with tests/fault's ledger audit.
+
+The figure is the multi-host run's throughput (groups trained per second, first to last learner step; median of
+``--repeats`` runs interleaved with the loopback runs); the reference the loopback runs' median. Needs root (network namespaces).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import signal
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from bench import netbed  # noqa: E402
+from bench.report import report  # noqa: E402
+from tests.support import Processes  # noqa: E402
+
+FAULTS = [("bandwidth_limited", {"w": "w3", "rate": "1mbit", "hold_s": 8}),
+          ("worker_link_down", {"w": "w1", "down_s": 10}),
+          ("broker_link_down", {"down_s": 10}),
+          ("broker_reboot", {}),
+          ("learner_node_killed", {"node": "learner-1"})]
+
+
+def one_run(root: Path, model_dir: Path, *, loopback: bool, prompts: int, tokens_per_s: float,
+            faults: list[tuple[str, dict[str, Any]]]) -> dict[str, Any]:
+    root.mkdir(parents=True)
+    c = netbed.Cluster(Processes(root), root, model_dir, num_prompts=prompts, tokens_per_s=tokens_per_s,
+                       loopback=loopback)
+    try:
+        c.setup()
+        t0 = time.time()
+        c.start()
+        c.wait_steps(1, t0, 180, "the start")
+        first_step_s = time.time() - t0
+        results = []
+        for name, kwargs in faults:
+            results.append(netbed.FAULTS[name](c, **kwargs))
+            print(f"  {json.dumps(results[-1])}", flush=True)
+        c.wait_all_trained(600)
+        c.stop()
+        audit = c.audit()
+        return {"start_to_first_step_s": round(first_step_s, 1), "groups_per_s": round(c.throughput(), 2),
+                "faults": results, "audit": audit.summary()}
+    except BaseException:
+        print(c.procs.logs()[-6000:], file=sys.stderr)
+        raise
+    finally:
+        c.teardown()
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--prompts", type=int, default=300, help="prompts of the two throughput runs")
+    parser.add_argument("--tokens-per-s", type=float, default=200, help="simulated generation of the throughput runs")
+    parser.add_argument("--repeats", type=int, default=2, help="throughput runs of each kind, interleaved")
+    parser.add_argument("--fault-prompts", type=int, default=520)
+    parser.add_argument("--fault-tokens-per-s", type=float, default=10)
+    args = parser.parse_args()
+    netbed.require_root()
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # the bed's teardown runs on a SIGTERM too
+
+    from common.tiny_model import build_tiny_model
+
+    with tempfile.TemporaryDirectory(prefix="net-faults-") as tmp:
+        tmp_path = Path(tmp)
+        model_dir = build_tiny_model(tmp_path / "model", seed=0)
+        rates: dict[str, list[float]] = {"loopback": [], "multi_host": []}
+        for i in range(args.repeats):  # interleaved, so a busy spell of the machine hits both
+            for name, loopback in (("loopback", True), ("multi_host", False)):
+                print(f"{name} run {i + 1}: {args.prompts} prompts", flush=True)
+                run = one_run(tmp_path / f"{name}-{i}", model_dir, loopback=loopback, prompts=args.prompts,
+                              tokens_per_s=args.tokens_per_s, faults=[])
+                rates[name].append(run["groups_per_s"])
+                print(f"  {run}", flush=True)
+        print(f"fault run: {args.fault_prompts} prompts, generation at {args.fault_tokens_per_s} tokens/s", flush=True)
+        fault_run = one_run(tmp_path / "faults", model_dir, loopback=False, prompts=args.fault_prompts,
+                            tokens_per_s=args.fault_tokens_per_s, faults=FAULTS)
+        print(f"  audit: {fault_run['audit']}", flush=True)
+
+    value, reference = statistics.median(rates["multi_host"]), statistics.median(rates["loopback"])
+    print(f"throughput (median of {args.repeats}): multi-host {value} groups/s {rates['multi_host']}, "
+          f"loopback {reference} groups/s {rates['loopback']}")
+    by_fault = {r["fault"]: {k: v for k, v in r.items() if k != "fault"} for r in fault_run["faults"]}
+    report("net_faults", "multi_host_throughput", value, "groups/s", reference, runs=rates, faults=by_fault,
+           fault_audit=fault_run["audit"])
+
+
+if __name__ == "__main__":
+    main()
