@@ -69,6 +69,15 @@ class Placement:
             return self.workers[index - 1] if index <= len(self.workers) else ()
         return ()
 
+    def describe(self) -> str:
+        """One line for the launcher's terminal: which GPUs each process got, and where the evaluation runs."""
+        names = ["learner", *(f"worker-{i}" for i in range(1, len(self.workers) + 1))]
+        parts = [f"{name} {','.join(self.devices(name)) or 'cpu'}" for name in names]
+        where = self.eval_device
+        if where != "cpu":
+            where = f"GPU {self.visible[int(where.partition(':')[2])]}"
+        return f"GPUs ({', '.join(self.visible)}): {'; '.join(parts)}; evaluation {where}"
+
     def env(self, process: str) -> dict[str, str]:
         """The environment ``process`` (broker, learner, worker-i) starts with: nothing on a machine without GPUs."""
         if not self.visible:

@@ -178,6 +178,8 @@ class Launch:
         self.display.event(f"starting the broker, the learner ({launch.learner_ranks} rank"
                            f"{'s' if launch.learner_ranks > 1 else ''}) and {launch.num_workers} worker"
                            f"{'s' if launch.num_workers != 1 else ''}; logs in {self.run_dir / 'logs'}")
+        if self.placement.visible:
+            self.display.event(self.placement.describe())
         self.start_broker(self.config.broker.bind)
         self.display.event(f"broker listening on {self.endpoint}; live picture: loraflow status {self.config_path}")
         self.progress = Progress(self.run_dir, self.endpoint, security=self._client_security())

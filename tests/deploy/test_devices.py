@@ -71,6 +71,22 @@ def test_learner_ranks_take_the_first_gpus_and_workers_one_each_of_the_rest() ->
     assert inherited.eval_device == "cuda:4"  # the free one ("3"), in the launcher's numbering
 
 
+def test_the_launcher_starts_each_child_with_its_placement(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "")  # the Launch sees no GPU on any machine; its placement is set below
+    launch = Launch(config(f'run.run_dir="{tmp_path / "run"}"', 'learner.device="auto"', 'worker.device="auto"',
+                           path=GPU_EXAMPLE), Display(every_s=1e9, interactive=False), started_s=0.0)  # gpu-example
+    launch.placement = plan(launch.config, ["GPU-a", "GPU-b", "GPU-c", "GPU-d", "GPU-e"])  # as if 5 were visible
+    children = {name: launch._child(name, ["true"]) for name in ("broker", "learner", "worker-1", "worker-2")}
+    assert {name: child.env["CUDA_VISIBLE_DEVICES"] for name, child in children.items()} == {
+        "broker": "", "learner": "GPU-a,GPU-b", "worker-1": "GPU-c", "worker-2": "GPU-d"}
+    launch.endpoint = "tcp://127.0.0.1:5555"
+    argv = launch.worker_argv("2")
+    assert argv[argv.index("--set") + 1] == "worker.metrics_port=9103"  # worker.metrics_port 9102 + 1
+    assert launch.placement.describe() == ("GPUs (GPU-a, GPU-b, GPU-c, GPU-d, GPU-e): learner GPU-a,GPU-b; "
+                                           "worker-1 GPU-c; worker-2 GPU-d; evaluation GPU GPU-e")
+    launch.evaluator.shutdown(wait=True)
+
+
 def test_auto_means_cuda_when_there_are_gpus_and_cpu_roles_see_none() -> None:
     auto = config("launch.num_workers=2", "worker.backend=\"vllm\"")  # every device setting is auto
     assert envs(plan(auto, ["0", "1", "2"]), 2) == ["", "0", "1", "2"]
