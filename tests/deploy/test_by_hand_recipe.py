@@ -1,7 +1,8 @@
 """deploy/README.md's by-hand recipe, run as written: its fenced bash blocks (each after a ``<!-- by-hand recipe:
-NAME -->`` line) go through one bash process in order, and only the recipe's own three variables differ (``MODEL``
-a quickly warmed-up base, ``RUN_DIR`` in tmp, ``PORT`` a free one). Between starting and stopping the test waits
-for a few learner steps. Then: every process exited 0 in the documented stop order, the learner trained steps,
+NAME -->`` line) go through one bash process in order, and only two of the recipe's own variables differ
+(``RUN_DIR`` in tmp, ``PORT`` a free one). Its ``MODEL=$(python -m deploy.demo_base --seed 0 ...)`` line runs as
+written against a cache (``LORAFLOW_CACHE``) in which a quickly warmed-up base stands where the demo base of seed 0
+is kept. Between starting and stopping the test waits for a few learner steps. Then: every process exited 0 in the documented stop order, the learner trained steps,
 every issued prompt was trained once or is still owed by the broker (tests/e2e/accounting.py), the plots exist.
 A second run starts the same lines in reverse (workers, learner, then the broker seconds later): the recipe's
 claim that any start order works within ``run.connect_timeout_s``."""
@@ -15,13 +16,14 @@ import signal
 import socket
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pytest
 
+from common.config import load_config
 from common.timeline import STOPPED, read_lives
 from deploy import rundir
+from deploy.demo_base import demo_base_dir
 from tests.e2e.accounting import check_exactly_once, read_run
 from tests.e2e.conftest import quick_base_dir  # noqa: F401  (the session fixture: a base that earns rewards)
 from tests.support import REPO, child_env
@@ -31,7 +33,7 @@ pytestmark = pytest.mark.slow
 README = REPO / "deploy" / "README.md"
 BLOCKS = ("setup", "start", "watch", "stop", "plot")
 STEPS = 3  # learner steps to wait for before stopping
-RUN_TIMEOUT_S = 150.0  # the whole script; a run takes ~30-60 s on a busy 2-core machine
+RUN_TIMEOUT_S = 150.0  # the whole script, then everything is killed; a run took 24-70 s on 2 busy cores
 BROKER_DELAY_S = 4.0  # how much later than the clients the broker starts in the reverse-order run
 
 
@@ -72,6 +74,14 @@ def wait_for_steps(run_dir: str) -> str:
             "sleep 0.1; done; echo \"steps before stopping: $(cat " + metrics + " 2>/dev/null | wc -l)\"")
 
 
+def demo_cache(cache: Path, model: Path) -> Path:
+    """A model cache holding ``model`` where the demo base of seed 0 is kept (what its build would leave there)."""
+    place = demo_base_dir(0, cache)
+    place.parent.mkdir(parents=True)
+    place.symlink_to(model, target_is_directory=True)
+    return cache
+
+
 def free_port() -> int:
     with socket.socket() as probe:
         probe.bind(("127.0.0.1", 0))
@@ -81,11 +91,11 @@ def free_port() -> int:
 def run_recipe(tmp_path: Path, model: Path, *, reverse: bool = False) -> tuple[subprocess.CompletedProcess, Path]:
     blocks = recipe_blocks(README.read_text())
     run_dir = tmp_path / "by-hand"
-    values = {"MODEL": str(model), "RUN_DIR": str(run_dir), "PORT": str(free_port())}
+    values = {"RUN_DIR": str(run_dir), "PORT": str(free_port())}
     start = reversed_start(blocks["start"]) if reverse else blocks["start"]
     script = [*with_values(blocks["setup"], values), *start, wait_for_steps(str(run_dir)),
               *blocks["watch"], *blocks["stop"], *blocks["plot"]]
-    env = child_env()
+    env = child_env(LORAFLOW_CACHE=str(demo_cache(tmp_path / "cache", model)))
     env["PATH"] = f"{Path(sys.executable).parent}{os.pathsep}{env['PATH']}"  # the venv active: loraflow, python
     bash = subprocess.Popen(["bash", "-c", "\n".join(script)], cwd=REPO, env=env, stdout=subprocess.PIPE,
                             stderr=subprocess.PIPE, text=True, start_new_session=True)
@@ -117,6 +127,8 @@ def check_outcome(result: subprocess.CompletedProcess, run_dir: Path) -> None:
     codes = re.findall(r"pid \d+ exited with code (\d+)", result.stdout)
     assert codes == ["0"] * 4, shown  # workers, learner, broker: each stopped cleanly on SIGTERM
     assert int(re.search(r"steps before stopping: (\d+)", result.stdout).group(1)) >= STEPS, shown
+    config = load_config(run_dir / "config.toml")
+    assert config.model.path == str(demo_base_dir(0, run_dir.parent / "cache"))  # MODEL: the path it printed
     assert "learner   learner" in result.stdout and "workers   2" in result.stdout, shown  # loraflow status
     history = rundir.read_learner_history(run_dir)
     steps = [line["step"] for line in history.committed]
@@ -131,10 +143,8 @@ def check_outcome(result: subprocess.CompletedProcess, run_dir: Path) -> None:
 
 
 def test_the_recipe_as_written(tmp_path: Path, quick_base_dir: Path) -> None:  # noqa: F811
-    began = time.monotonic()
     result, run_dir = run_recipe(tmp_path, quick_base_dir)
     check_outcome(result, run_dir)
-    assert time.monotonic() - began < 90, "the recipe took longer than the test's bound"
 
 
 def test_workers_and_learner_may_start_before_the_broker(tmp_path: Path, quick_base_dir: Path) -> None:  # noqa: F811
