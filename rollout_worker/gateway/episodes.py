@@ -192,7 +192,7 @@ class AgentRollouts:
     # -- one round ---------------------------------------------------------------------------------------------
 
     def step(self) -> list[FinishedGroup]:
-        self.engine.pump()
+        self.engine.pump(gather=True)
         busy = {c.session.group_key for c in self.engine.calls}
         started = time.monotonic()
         self.engine.round()
