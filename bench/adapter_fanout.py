@@ -32,7 +32,7 @@ import msgpack  # noqa: E402
 import numpy as np  # noqa: E402
 import zmq  # noqa: E402
 
-from bench.broker_proc import start_broker  # noqa: E402
+from bench.broker_proc import RUN_TOKEN, start_broker  # noqa: E402
 from bench.report import report  # noqa: E402
 from common import framing, protocol  # noqa: E402
 from common.protocol import AdapterFetch, AdapterUpdate, Hello, Kind  # noqa: E402
@@ -54,7 +54,8 @@ def kind_and_header(frames: list) -> tuple[int, dict]:
 
 
 def say_hello(sock: zmq.Socket, role: str, name: str) -> None:
-    sock.send_multipart(protocol.encode(Hello(role=role, client_id=name, session=uuid.uuid4().hex[:8])))
+    sock.send_multipart(protocol.encode(Hello(role=role, client_id=name, session=uuid.uuid4().hex[:8],
+                                              token=RUN_TOKEN if role == "learner" else "")))
     while kind_and_header(sock.recv_multipart(copy=False))[0] != Kind.WELCOME:
         pass
 

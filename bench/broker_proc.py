@@ -8,6 +8,8 @@ import time
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
+#: the run token of every bench broker (security off: a learner's Hello must carry it, common/run_token.py)
+RUN_TOKEN = "bench-run-token"
 
 
 def start_broker(workdir: Path, *overrides: str, python_args: tuple[str, ...] = (),
@@ -18,7 +20,7 @@ def start_broker(workdir: Path, *overrides: str, python_args: tuple[str, ...] = 
     endpoint_file.unlink(missing_ok=True)
     argv = [sys.executable, *python_args, "-m", "broker", "--run-dir", str(workdir / "run"), "--log-level", "warning",
             "--set", "broker.bind=\"tcp://127.0.0.1:0\"", "--set", f"broker.endpoint_file=\"{endpoint_file}\"",
-            "--set", "broker.heartbeat_misses=100"]
+            "--set", "broker.heartbeat_misses=100", "--set", f'security.run_token="{RUN_TOKEN}"']
     for override in overrides:
         argv += ["--set", override]
     proc = subprocess.Popen(argv, cwd=REPO)

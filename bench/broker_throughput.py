@@ -46,7 +46,7 @@ import msgpack  # noqa: E402
 import numpy as np  # noqa: E402
 import zmq  # noqa: E402
 
-from bench.broker_proc import start_broker  # noqa: E402
+from bench.broker_proc import RUN_TOKEN, start_broker  # noqa: E402
 from bench.report import report  # noqa: E402
 from common import framing, protocol  # noqa: E402
 from common.protocol import (  # noqa: E402
@@ -176,7 +176,8 @@ def client_socket(endpoint: str, identity: bytes, keys_dir: str | None, hwm: int
 
 def hello(sock: zmq.Socket, role: str, name: str) -> None:
     sock.send_multipart(protocol.encode(Hello(role=role, client_id=name, session=uuid.uuid4().hex[:8],
-                                              batched_acks=role == "worker")))  # as rollout_worker's client
+                                              batched_acks=role == "worker",  # as rollout_worker's client
+                                              token=RUN_TOKEN if role == "learner" else "")))
     while kind_and_header(sock.recv_multipart(copy=False))[0] != Kind.WELCOME:
         pass
 

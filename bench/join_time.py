@@ -34,7 +34,7 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from bench.broker_proc import REPO, start_broker  # noqa: E402
+from bench.broker_proc import REPO, RUN_TOKEN, start_broker  # noqa: E402
 
 #: worker settings shared by the joiners and the reference: small groups, one chunk per sample
 WORKER_SETTINGS = {"worker.max_new_tokens": "8", "worker.chunk_tokens": "8", "worker.num_threads": "1"}
@@ -78,8 +78,8 @@ def run_learner(endpoint: str, model_dir: Path, rate: float, batch_groups: int) 
     from common.transport import BrokerLink, Incoming
 
     layout, config = lora_layout(model_dir)
-    link = BrokerLink(endpoint, Hello(role="learner", client_id="fast-learner"), heartbeat_interval_s=0.5,
-                      heartbeat_timeout_s=10.0)
+    link = BrokerLink(endpoint, Hello(role="learner", client_id="fast-learner", token=RUN_TOKEN),
+                      heartbeat_interval_s=0.5, heartbeat_timeout_s=10.0)
     version = link.start(timeout_s=30).latest_version
     asked, published_at = False, 0.0
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))

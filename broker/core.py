@@ -29,6 +29,8 @@ Semantics (the contract between roles, see the team plan):
   frames in a restart; a withdrawn version never comes back); Ack after the state write, then an
   AdapterNotice to every worker. Workers saying Hello with an older version get an AdapterNotice of the
   newest right after their Welcome and fetch it (AdapterFetch) when they want it.
+- Hello from a learner, with security off, must carry the run token (``Hello.token``, :mod:`common.run_token`)
+  or is refused ``forbidden``; with CURVE the learner role is bound to learner keys instead.
 - Hello from a learner of another session than the one the training history belongs to (it restarted, and
   resumed from a checkpoint of version v = ``Hello.adapter_version``): groups trained on parameters of version
   >= v are re-queued, versions v+1..latest are withdrawn (dropped from the adapter cache; buffered groups
@@ -39,6 +41,7 @@ Semantics (the contract between roles, see the team plan):
 
 from __future__ import annotations
 
+import hmac
 import secrets
 import time
 import uuid
@@ -112,7 +115,7 @@ class BrokerCore(DataFlow):
     """Prompts, leases, buffer, adapters, peers and stats, driven by messages and the clock."""
 
     def __init__(self, config: Config, *, task: Task, vocab_size: int = 0, state_path: str | Path | None = None,
-                 now_s: float | None = None) -> None:
+                 now_s: float | None = None, run_token: str | None = None) -> None:
         now_s = time.monotonic() if now_s is None else now_s
         run, broker = config.run, config.broker
         self.config = config
@@ -124,6 +127,7 @@ class BrokerCore(DataFlow):
         self.capacity_groups = config.capacity_groups
         self.task_label = run.task if len(run.task) <= 128 else Path(run.task).name[-128:]
         self.state_path = Path(state_path) if state_path else None
+        self.run_token = run_token  # a learner's Hello must carry it (security off; common/run_token.py); None: not checked
         self.started_s, self.started_unix = now_s, time.time()
 
         self.stats = BrokerStats()
@@ -358,6 +362,13 @@ class BrokerCore(DataFlow):
 
     def _on_hello(self, identity: bytes, _peer: Peer | None, hello: protocol.Hello, now_s: float,
                   key: str | None = None) -> None:
+        if hello.role == "learner" and self.run_token and not hmac.compare_digest(hello.token.encode(),
+                                                                                  self.run_token.encode()):
+            self._reject(identity, "forbidden", "a learner's Hello needs the run token (security is off): the "
+                         "learner reads it from security.run_token_file (default <run_dir>/broker/run_token, "
+                         "written by the broker) or security.run_token; give it the broker's",
+                         ref_kind=Kind.HELLO, reason="run_token")
+            return
         try:
             peer, replaced = self.peers.hello(identity, hello, now_s, key=key)
         except RegistryFull as exc:

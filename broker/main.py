@@ -72,6 +72,7 @@ def bind_setting(config: Config) -> str:
 def run(config: Config, task: Task) -> int:
     from broker.core import BrokerCore
     from broker.server import BrokerServer
+    from common.run_token import broker_token
     from common.sockets import AddressInUse, CannotBind
 
     security = None
@@ -81,8 +82,9 @@ def run(config: Config, task: Task) -> int:
         security = ServerSecurity.load(config.security.keys_dir)
     vocab_size = vocab_size_for(config)
     state_path = Path(config.broker.state_path or config.run_dir / "broker" / "state.json")
+    run_token = None if security is not None else broker_token(config)  # CURVE keys bind the learner role instead
     try:
-        core = BrokerCore(config, task=task, vocab_size=vocab_size, state_path=state_path)
+        core = BrokerCore(config, task=task, vocab_size=vocab_size, state_path=state_path, run_token=run_token)
     except ConfigError:
         raise
     except ValueError as exc:  # a state file that does not fit this config (broker.state_path)

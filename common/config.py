@@ -236,6 +236,11 @@ class SecurityConfig:
     keys_dir: str = rule("", doc="directory made by `loraflow keys`")
     client_key: str = rule("", doc="name of this client's key pair in keys_dir (e.g. gpu-3); default: the "
                            "client's role (worker, learner, observer)")
+    run_token: str = rule("", max_len=128, doc="with security off, a learner's Hello must carry the run token: "
+                          "this value (the same on broker and learner), or empty: the broker writes a random one "
+                          "to run_token_file on its first start and the learner reads it there (common/run_token.py)")
+    run_token_file: str = rule("", doc="where the run token is kept; default <run_dir>/broker/run_token (a learner "
+                               "on another host: a copy of the broker's)")
 
 
 @dataclass(slots=True, kw_only=True)

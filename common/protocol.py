@@ -82,7 +82,7 @@ ERROR_CODES = (
     "protocol_version",  # preamble carries another protocol version
     "oversize",  # message larger than broker.max_message_bytes
     "invalid_group",  # a rollout group's contents are out of range (NaN log-prob, token id, versions)
-    "unknown_lease",  # a lease id the broker does not know (expired leases are still accepted by group id)
+    "unknown_lease",  # a lease never granted to the sender for that prompt (its own expired ones still count)
     "unknown_batch",
     "not_registered",  # a message that needs a hello first
     "forbidden",  # the sender's role may not send this message
@@ -114,6 +114,8 @@ class Hello:
                         "means the old process died and its leases are reclaimed")
     batched_acks: bool = rule(False, doc="the client reads Ack.ref_ids, so the broker may acknowledge several "
                               "rollout groups in one Ack")
+    token: str = rule("", max_len=128, doc="the run token a learner presents when security is off "
+                      "(common/run_token.py); other roles send none")
 
 
 @dataclass(slots=True, kw_only=True)

@@ -55,6 +55,7 @@ class BrokerSession:
         from common.security import client_security
 
         broker = config.broker
+        self._config = config
         hello = Hello(role="learner", client_id=client_id, adapter_version=version)
         self.link = BrokerLink(broker.endpoint, hello, security=client_security(config, role="learner"),
                                heartbeat_interval_s=broker.heartbeat_interval_s,
@@ -71,6 +72,10 @@ class BrokerSession:
         self.adapter_acks: list[AdapterAck] = []  # taken by the loop for its metrics
 
     def start(self, timeout_s: float) -> Welcome:
+        if not self._config.security.enabled:  # read now, not at construction: a broker started at the same time
+            from common.run_token import learner_token  # as this learner has written it by then
+
+            self.link.hello.token = learner_token(self._config)
         self.welcome = self.link.start(timeout_s)
         return self.welcome
 

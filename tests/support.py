@@ -126,6 +126,11 @@ class BrokerHandle:
     def stats(self, timeout_s: float = 5.0) -> dict[str, Any]:
         return fetch_stats(self.endpoint, timeout_s=timeout_s)
 
+    @property
+    def run_token(self) -> str:
+        """The token a learner's Hello must carry (security off): the broker wrote it into its run dir."""
+        return (self.run_dir / "broker" / "run_token").read_text().strip()
+
 
 def start_broker(procs: Processes, *overrides: str, name: str = "broker", run_dir: Path | None = None,
                  config: Path | None = None, timeout_s: float = 30.0) -> BrokerHandle:

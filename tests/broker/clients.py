@@ -74,10 +74,10 @@ class Client:
     """A BrokerLink plus bounded waits for a given message kind."""
 
     def __init__(self, endpoint: str, role: str, client_id: str | None = None, *, adapter_version: int = 0,
-                 capacity: int = 4, session: str = "", security: Any = None) -> None:
+                 capacity: int = 4, session: str = "", security: Any = None, token: str = "") -> None:
         self.client_id = client_id or f"{role}-{uuid.uuid4().hex[:6]}"
         self.link = BrokerLink(endpoint, Hello(role=role, client_id=self.client_id, capacity=capacity,
-                                               adapter_version=adapter_version, session=session),
+                                               adapter_version=adapter_version, session=session, token=token),
                                security=security, **FAST)
         self.welcome = self.link.start(timeout_s=10)
 
@@ -133,6 +133,8 @@ class Worker(Client):
 
 
 class Learner(Client):
+    """A learner; ``token``: the broker's run token (``BrokerHandle.run_token``), needed while security is off."""
+
     def __init__(self, endpoint: str, client_id: str = "learner", **kwargs: Any) -> None:
         super().__init__(endpoint, "learner", client_id, **kwargs)
 

@@ -107,7 +107,7 @@ def test_malformed_barrage_then_business_as_usual(procs: Processes, tmp_path: Pa
     expected["forbidden"] += 1
 
     learner_raw = Raw(broker.endpoint, b"learner/raw")
-    learner_raw.send(protocol.encode(Hello(role="learner", client_id="raw", session="s")))
+    learner_raw.send(protocol.encode(Hello(role="learner", client_id="raw", session="s", token=broker.run_token)))
     assert isinstance(learner_raw.reply(), Welcome)
     for frames, code, contains in [
         (protocol.encode(BatchAck(batch_id="gone", step=1, trained_version=0)), "unknown_batch", "lists no group_ids"),
@@ -137,7 +137,7 @@ def test_malformed_barrage_then_business_as_usual(procs: Processes, tmp_path: Pa
     learner_raw.close()
 
     # ... and everything still works, stats included
-    worker, learner = Worker(broker.endpoint, "w1"), Learner(broker.endpoint)
+    worker, learner = Worker(broker.endpoint, "w1"), Learner(broker.endpoint, token=broker.run_token)
     try:
         for lease in worker.lease(2).leases:
             worker.submit(lease, vocab=64)

@@ -28,7 +28,7 @@ def counter(stats: dict, family: str, key: str) -> int:
 
 def test_backpressure_blocks_a_producer_until_the_learner_acks(procs: Processes) -> None:
     broker = start_broker(procs, *FAST, "run.max_staleness=3", "broker.capacity_groups=2")
-    worker, learner = Worker(broker.endpoint, "w1"), Learner(broker.endpoint)
+    worker, learner = Worker(broker.endpoint, "w1"), Learner(broker.endpoint, token=broker.run_token)
     try:
         grant = worker.lease(10)
         assert len(grant.leases) == 2 and grant.reason == "backpressure"
@@ -72,7 +72,7 @@ def test_lease_expiry_requeues_and_late_group_wins(procs: Processes) -> None:
 
 def test_stale_groups_are_dropped_and_their_prompts_requeued(procs: Processes) -> None:
     broker = start_broker(procs, *FAST, "run.max_staleness=1")
-    worker, learner = Worker(broker.endpoint, "w1"), Learner(broker.endpoint)
+    worker, learner = Worker(broker.endpoint, "w1"), Learner(broker.endpoint, token=broker.run_token)
     try:
         for lease in worker.lease(2).leases:
             worker.submit(lease)
@@ -95,7 +95,7 @@ def test_stale_groups_are_dropped_and_their_prompts_requeued(procs: Processes) -
 def test_adapter_relay_to_several_workers_and_a_late_joiner(procs: Processes) -> None:
     broker = start_broker(procs, *FAST)
     workers = [Worker(broker.endpoint, f"w{i}") for i in range(3)]
-    learner = Learner(broker.endpoint)
+    learner = Learner(broker.endpoint, token=broker.run_token)
     tensors = adapter_tensors(num_floats=1 << 18, seed=7)  # 1 MB
     digest = hashlib.sha256(b"".join(t.tobytes() for _, t in tensors)).hexdigest()
     late = None
@@ -123,7 +123,7 @@ def test_restart_continues_the_cursor_nothing_lost_nothing_twice(procs: Processe
     settings = (*FAST, "run.max_staleness=3", "broker.capacity_groups=8", "broker.prompt_limit=8",
                 "broker.num_epochs=1")
     broker = start_broker(procs, *settings)
-    worker, learner = Worker(broker.endpoint, "w1"), Learner(broker.endpoint)
+    worker, learner = Worker(broker.endpoint, "w1"), Learner(broker.endpoint, token=broker.run_token)
     confirmed: list[str] = []
     try:
         leases = worker.lease(6).leases
@@ -225,7 +225,7 @@ def test_grant_to_a_vanished_worker_goes_back_to_the_queue(procs: Processes) -> 
                           "broker.heartbeat_misses=50")  # death by silence would take 10 s: not what is tested
     ctx = zmq.Context()
     ghost = sockets.dealer_socket(ctx, broker.endpoint, identity=b"worker/ghost")
-    worker, learner = Worker(broker.endpoint, "w1"), Learner(broker.endpoint)
+    worker, learner = Worker(broker.endpoint, "w1"), Learner(broker.endpoint, token=broker.run_token)
     try:
         ghost.send_multipart(protocol.encode(Hello(role="worker", client_id="ghost", session="g")))
         assert ghost.poll(5000)

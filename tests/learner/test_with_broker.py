@@ -77,7 +77,7 @@ def test_a_learner_replaced_by_another_is_fenced_and_exits_4(tiny_model_dir: Pat
     successor = None
     try:
         wait_for(lambda: producer.notices, 180, "the first learner's first adapter", procs)
-        config = load_config(None, [f"broker.endpoint=\"{broker.endpoint}\"", *RUN])
+        config = load_config(None, [f"broker.endpoint=\"{broker.endpoint}\"", f'run.run_dir="{run_dir}"', *RUN])
         successor = BrokerSession(config, version=producer.notices[-1], metrics=Metrics(), client_id="learner")
         successor.start(10)
         assert learner.popen.wait(timeout=60) == EXIT_REPLACED, procs.logs()

@@ -106,7 +106,8 @@ class Fuzz:
         self.worker = Raw(self.ctx, self.broker.endpoint, b"worker/fuzz")
         self.learner = Raw(self.ctx, self.broker.endpoint, b"learner/fuzz")
         self.worker.ask(Hello(role="worker", client_id="fuzz", session=uuid.uuid4().hex, capacity=1024))
-        self.learner.ask(Hello(role="learner", client_id="fuzz", session=uuid.uuid4().hex))
+        self.learner.ask(Hello(role="learner", client_id="fuzz", session=uuid.uuid4().hex,
+                               token=self.broker.run_token))
 
     @property
     def clients(self) -> list[Raw]:
@@ -156,7 +157,7 @@ def fuzz(tmp_path_factory: pytest.TempPathFactory, tiny_model_dir: Path):
         yield f
         f.check_accounting()
         # business as usual after everything
-        worker, learner = Worker(f.broker.endpoint, "after"), Learner(f.broker.endpoint, "learner")
+        worker, learner = Worker(f.broker.endpoint, "after"), Learner(f.broker.endpoint, "learner", token=f.broker.run_token)
         try:
             lease, = worker.lease(1).leases
             worker.submit(lease, vocab=VOCAB)

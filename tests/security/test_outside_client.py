@@ -266,3 +266,34 @@ def test_leases_bind_their_holder_and_bad_specs_and_versions_are_malformed(procs
                                                      "adapter_config": {}}, adapter))
     assert kind == ACK, ack  # the largest version that fits is fine
     assert stats(anyone)["latest_version"] == (1 << 31) - 1 and broker.proc.alive()
+
+
+def test_with_security_off_a_learner_session_needs_the_run_token(procs: Processes, ctx: zmq.Context) -> None:
+    broker = start_broker(procs, f"run.group_size={GROUP_SIZE}", "broker.heartbeat_interval_s=5")
+    token_file = broker.run_dir / "broker" / "run_token"
+    token = token_file.read_text().strip()
+    assert len(token) >= 32 and token_file.stat().st_mode & 0o077 == 0  # random, readable by its owner only
+    anyone = Client(ctx, broker.endpoint, b"observer/anon")
+    for i, fields in enumerate([{}, {"token": ""}, {"token": token[:-1] + "x"}, {"token": token + " "}]):
+        kind, error = Client(ctx, broker.endpoint, f"learner/l{i}".encode()).hello("learner", "learner", **fields)
+        assert kind == ERROR and error["code"] == "forbidden" and "run token" in error["message"], error
+    assert stats(anyone)["learner"] is None and stats(anyone)["rejected"] == {"run_token": 4}
+    learner = Client(ctx, broker.endpoint, b"learner/real")
+    assert learner.hello("learner", "learner", token=token)[0] == WELCOME
+    kind, error = Client(ctx, broker.endpoint, b"learner/stray").hello("learner", "learner")
+    assert kind == ERROR and error["code"] == "forbidden", error  # ... and cannot fence the real one
+    assert stats(anyone)["learner"]["identity"] == "learner/real" and stats(anyone)["peers_gone"] == {}
+    kind, batch = learner.ask(message(BATCH_REQUEST, {"num_groups": 1, "wait_ms": 0}))
+    assert kind == BATCH, batch  # the real learner is still served
+    assert Client(ctx, broker.endpoint, b"worker/w").hello("worker", "w")[0] == WELCOME  # workers need none
+
+    # the token survives a restart; security.run_token sets it outright
+    assert broker.proc.stop() == 0
+    again = start_broker(procs, f"run.group_size={GROUP_SIZE}", run_dir=broker.run_dir, name="again")
+    assert (again.run_dir / "broker" / "run_token").read_text().strip() == token
+    assert Client(ctx, again.endpoint, b"learner/x").hello("learner", "learner", token=token)[0] == WELCOME
+    assert again.proc.stop() == 0
+    fixed = start_broker(procs, 'security.run_token="shared-secret"', name="fixed", run_dir=broker.run_dir / "f")
+    assert Client(ctx, fixed.endpoint, b"learner/y").hello("learner", "learner", token="shared-secret")[0] == WELCOME
+    kind, error = Client(ctx, fixed.endpoint, b"learner/z").hello("learner", "learner", token=token)
+    assert kind == ERROR and error["code"] == "forbidden"

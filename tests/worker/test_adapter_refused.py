@@ -18,8 +18,8 @@ from common.transport import BrokerLink, Incoming
 from tests.support import Processes, child_env, start_broker, wait_for
 
 
-def publish(endpoint: str, update, tensors) -> None:
-    link = BrokerLink(endpoint, Hello(role="learner", client_id="misfit-learner"), heartbeat_interval_s=0.5,
+def publish(endpoint: str, update, tensors, token: str) -> None:
+    link = BrokerLink(endpoint, Hello(role="learner", client_id="misfit-learner", token=token), heartbeat_interval_s=0.5,
                       heartbeat_timeout_s=10.0)
     try:
         link.start(timeout_s=30)
@@ -39,7 +39,7 @@ def test_a_refused_adapter_stops_the_worker_with_exit_2_and_the_reason(procs: Pr
     broker = start_broker(procs, f'model.path="{tiny_model_dir}"', "run.group_size=2", "run.groups_per_step=2")
     layout, config = lora_layout(tiny_model_dir)
     misfit = [(name, (shape[0], shape[1] * 2) if "lora_A" in name else shape) for name, shape in layout]
-    publish(broker.endpoint, *adapter_message(1, misfit, config))  # a wider hidden size than the tiny model's
+    publish(broker.endpoint, *adapter_message(1, misfit, config), broker.run_token)  # a wider hidden size than the tiny model's
     wait_for(lambda: broker.stats()["latest_version"] == 1, 30, "the broker to hold v1", procs)
 
     worker = procs.spawn("worker", worker_argv(broker.endpoint, broker.run_dir, "w1", tiny_model_dir),

@@ -15,6 +15,7 @@ from pathlib import Path
 
 import pytest
 
+from bench.broker_proc import RUN_TOKEN
 from bench.join_time import GROUP_SIZE, join_pieces, log_events, worker_argv
 from tests.support import Processes, child_env, start_broker, wait_for
 
@@ -30,7 +31,7 @@ def num_adapter_dirs(directory: Path) -> int:
 
 def test_workers_join_a_fast_publishing_run_at_once_and_stop_at_once(procs: Processes, tiny_model_dir: Path) -> None:
     broker = start_broker(procs, f'model.path="{tiny_model_dir}"', "run.max_staleness=1000",
-                          f"run.group_size={GROUP_SIZE}", "run.groups_per_step=4")
+                          f"run.group_size={GROUP_SIZE}", "run.groups_per_step=4", f'security.run_token="{RUN_TOKEN}"')
     procs.python("learner", "bench.join_time", "--role", "learner", "--endpoint", broker.endpoint,
                  "--model-dir", str(tiny_model_dir))
     wait_for(lambda: broker.stats()["latest_version"] >= 30, 60, "the learner to publish 30 versions", procs)

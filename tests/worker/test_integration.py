@@ -69,7 +69,7 @@ def test_hf_worker_joins_generates_and_follows_a_published_adapter(procs: Proces
     row = wait_for(lambda: (r := worker_row(broker, "hf1")) and r["counters"].get("groups_submitted", 0) >= 4 and r,
                    5, "the worker's counters in its heartbeats")
     assert row["backend"] == "hf" and row["groups_accepted"] >= 4 and row["counters"]["tokens_generated"] > 0
-    learner = Learner(broker.endpoint)
+    learner = Learner(broker.endpoint, token=broker.run_token)
     adapter = make_adapter(tiny_model_dir, version=1, seed=1)
     learner.link.send(adapter.update, list(adapter.state.items()))
     reply = learner.expect(Kind.ACK, Kind.ERROR).record
@@ -169,7 +169,7 @@ def test_elastic_scale_out_and_kill_every_prompt_is_acknowledged_once(procs: Pro
     assert set(granted) == {f"0:{i}" for i in range(num_prompts)}
     assert accepted == Counter({group_id: 1 for group_id in granted}), "each prompt accepted exactly once"
     assert granted[held[-1]] >= 2 and held[-1] not in acked(second)  # the killed worker's lease was re-leased
-    learner = Learner(broker.endpoint)  # what the learner gets: every prompt once
+    learner = Learner(broker.endpoint, token=broker.run_token)  # what the learner gets: every prompt once
     batch = learner.batch(num_prompts, wait_ms=2000).record
     assert sorted(e.group.group_id for e in batch.groups) == sorted(granted)
     learner.close()

@@ -219,7 +219,7 @@ def test_extra_columns_reach_a_trl_reward_in_a_real_worker(procs: Processes, tin
         assert all(isinstance(c, str) for c in call["completions"]) and all(n >= 1 for n in call["num_ids"])
     submitted = {e["group_id"]: e["reward"] for e in events(worker, "group_submitted")}
     assert submitted and all(r > 0 for r in submitted.values())
-    learner = Learner(broker.endpoint)
+    learner = Learner(broker.endpoint, token=broker.run_token)
     batch = learner.batch(2, wait_ms=5000, timeout_s=10).record
     assert len(batch.groups) == 2
     for entry in batch.groups:
