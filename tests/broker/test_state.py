@@ -44,6 +44,9 @@ def test_round_trip(tmp_path: Path) -> None:
     ('{"task": "arith", "seed": 0, "cursor": [0, 5], "reserved_until": [0, 5], "extra": 1}', "unknown field"),
     ('{"task": "arith", "seed": 0, "cursor": [0, 5], "reserved_until": [0, 4]}', "is before cursor"),
     ('{"task": "arith", "seed": 0, "cursor": [0, 5], "reserved_until": [0, 5], "format": 9}', "must be <= 1"),
+    # a version a token's int32 cannot carry (published before versions were bounded): refused, not served
+    ('{"task": "arith", "seed": 0, "cursor": [0, 5], "reserved_until": [0, 5], "latest_version": 2147483648}',
+     r"latest_version: must be <= 2147483647, got 2147483648\); move it away"),
 ])
 def test_corrupt_files_are_refused(tmp_path: Path, content: str, match: str) -> None:
     path = tmp_path / "state.json"
