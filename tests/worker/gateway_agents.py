@@ -37,3 +37,15 @@ async def finish_over_http(client: Any, row: dict[str, Any]) -> None:
     base = str(client.base_url).rstrip("/").removesuffix("/v1")
     response = await client._client.post(f"{base}/finish", json={"reward": 0.25, "metrics": {"steps": 2}})
     assert response.status_code == 200, response.text
+
+
+async def changes_the_system_prompt(client: Any, row: dict[str, Any]) -> float:
+    """Two calls; the second rewrites the system prompt, so its rendering diverges from the held tokens."""
+    model = (await client.models.list()).data[0].id
+    messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "What is 3+4?"}]
+    first = await client.chat.completions.create(model=model, messages=messages, max_tokens=6)
+    messages += [{"role": "assistant", "content": first.choices[0].message.content},
+                 {"role": "user", "content": "Sure?"}]
+    messages[0] = {"role": "system", "content": "Be very brief."}
+    await client.chat.completions.create(model=model, messages=messages, max_tokens=6)
+    return 1.0

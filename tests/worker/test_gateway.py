@@ -332,3 +332,47 @@ def test_text_agent_on_vllm_trains_exactly_the_generated_tokens(tiny_model_dir: 
         spy.close()
     assert sum(check_exact(g, spy) for g in groups) == 2 * 3 * 3
     assert max(len(ids) for ids, _ in spy.seen) <= 256
+
+
+@pytest.mark.parametrize("mode", ["count", "refuse"])
+def test_a_rewritten_history_is_counted_or_refused(qwen2_backend, zoo_model, tmp_path: Path, mode: str) -> None:
+    spy = Spy(qwen2_backend)
+    config = gateway_config(zoo_model("qwen2"), tmp_path, "tests.worker.gateway_agents:changes_the_system_prompt",
+                            f'worker.tito_divergence="{mode}"')
+    driver = Driver(config, qwen2_backend)
+    try:
+        driver.add(lease("d0", QUESTION, group_size=2))
+        [group] = driver.wait_groups(1)
+    finally:
+        driver.close()
+        spy.close()
+    assert driver.metrics.counter("tito_divergence", reason="text") == 2
+    if mode == "count":  # the held tokens stay; the second call still trains exactly what it generated
+        assert group.group.rewards == [1.0, 1.0] and group.group.metrics["tito_divergence"] == 2
+        assert check_exact(group, spy) == 2 * 2
+    else:  # the second call is refused (400 prefix_divergence): the harness raised, the episode scores 0
+        assert group.group.rewards == [0.0, 0.0] and driver.metrics.total("tito_refused") == 2
+        assert driver.metrics.counter("agent_failures", reason="exception") == 2
+        assert check_exact(group, spy) == 2  # only the first call's tokens
+
+
+@pytest.mark.parametrize(("overrides", "words"), [
+    (['worker.agent="m:f"', 'worker.reward="loraflow:exact_match"'], "worker.reward"),
+    (['worker.agent="m:f"', 'worker.backend="sim"'], "worker.backend"),
+    (['worker.agent="m:f"', 'worker.gateway_bind="0.0.0.0:8000"'], "security.enabled"),
+    (['worker.agent="m:f"', 'worker.tool_parser="xml"'], "tool_parser"),
+])
+def test_gateway_config_errors_name_the_setting(overrides: list[str], words: str) -> None:
+    from common.config import ConfigError, load_config
+
+    with pytest.raises(ConfigError, match=words):
+        load_config(None, overrides)
+
+
+def test_a_harness_that_is_not_async_is_a_config_error(tiny_model_dir: Path, hf_session_backend,
+                                                       tmp_path: Path) -> None:
+    from common.config import ConfigError
+
+    config = gateway_config(tiny_model_dir, tmp_path, "deploy.agents.calculator_agent:calculate")
+    with pytest.raises(ConfigError, match="async function"):
+        Driver(config, hf_session_backend)
