@@ -361,6 +361,7 @@ def test_a_rewritten_history_is_counted_or_refused(qwen2_backend, zoo_model, tmp
     (['worker.agent="m:f"', 'worker.backend="sim"'], "worker.backend"),
     (['worker.agent="m:f"', 'worker.gateway_bind="0.0.0.0:8000"'], "security.enabled"),
     (['worker.agent="m:f"', 'worker.tool_parser="xml"'], "tool_parser"),
+    (['worker.agent="m:f"', "worker.agent_timeout_s=400"], "broker.lease_timeout_s"),
 ])
 def test_gateway_config_errors_name_the_setting(overrides: list[str], words: str) -> None:
     from common.config import ConfigError, load_config
