@@ -28,12 +28,14 @@ class Spy:
     def __init__(self, backend: Backend) -> None:
         self.backend = backend
         self.seen: list[tuple[list[int], GenOutput]] = []
+        self.batches: list[set[str]] = []  # the sessions of each generate call
         self._inner = backend._generate
         backend._generate = self._generate  # type: ignore[method-assign]
 
     def _generate(self, requests: list[GenRequest], greedy: bool) -> list[GenOutput]:
         outputs = self._inner(requests, greedy)
         self.seen += [(list(r.token_ids), o) for r, o in zip(requests, outputs, strict=True)]
+        self.batches.append({r.key.split("/")[1] for r in requests if r.key.startswith("gw/")})
         return outputs
 
     def close(self) -> None:
