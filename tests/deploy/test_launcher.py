@@ -81,6 +81,11 @@ def test_a_missing_key_file_stops_the_run_at_once(tmp_path: Path, tiny_model_dir
     (line,) = result.stderr.strip().splitlines()  # one line, no traceback
     assert line.startswith("loraflow run: ") and str(keys / missing) in line and "loraflow keys" in line
     assert not (tmp_path / "run").exists()
+    # loraflow config does not know which roles this machine runs (a client's holds no broker secret): no key checks
+    described = subprocess.run([sys.executable, "-m", "deploy.cli", "config", "--model", str(tiny_model_dir), "--set",
+                                "security.enabled=true", "--set", f"security.keys_dir={json.dumps(str(keys))}"],
+                               env=child_env(), capture_output=True, text=True, timeout=60, cwd=tmp_path)
+    assert described.returncode == 0 and "enabled = true" in described.stdout, described.stderr
 
 
 def test_a_worker_that_stops_mid_run_with_exit_2_is_not_said_to_have_refused_to_start(tmp_path: Path,
