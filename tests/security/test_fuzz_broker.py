@@ -314,3 +314,30 @@ def test_replayed_and_unknown_batch_acks(fuzz: Fuzz, acks: list[tuple[str, list[
         else:
             assert codes == {(Kind.ERROR, "unknown_batch"): 1}, replies
         fuzz.check_consistent()
+
+
+@FUZZ
+@given(depth=st.integers(1, 1000), where=st.sampled_from(["metrics", "reward_means", "counters"]),
+       as_list=st.booleans())
+def test_free_form_fields_nested_to_any_depth(fuzz: Fuzz, depth: int, where: str, as_list: bool) -> None:
+    """Nested values in a group's metrics / reward_means or a heartbeat's counters, up to msgpack's own limit:
+    refused as malformed naming the field (the lease goes back at once), never internal, never a crash."""
+    value: Any = 1.0
+    for _ in range(depth):
+        value = [value] if as_list else {"a": value}
+    if where == "counters":
+        replies = fuzz.worker.send([framing.PREAMBLE.pack(framing.MAGIC, protocol.PROTOCOL_VERSION, Kind.HEARTBEAT),
+                                    msgpack.packb({"counters": {"c": value}})])
+        assert [(r.KIND, r.code) for r in replies] == [(Kind.ERROR, "malformed")], replies
+        assert "Heartbeat.counters" in replies[0].message
+        fuzz.check_consistent()
+        return
+    lease = fuzz.lease()
+    assume(lease is not None)
+    frames = [bytes(memoryview(f)) for f in protocol.encode(*make_group(lease, "fuzz", vocab=VOCAB))]
+    frames[1] = msgpack.packb({**msgpack.unpackb(frames[1]), where: {"m": value}})  # (schema.dump would recurse)
+    leased = fuzz.stats()["leases"]["outstanding"]
+    replies = fuzz.worker.send(frames)
+    assert [(r.KIND, r.code) for r in replies] == [(Kind.ERROR, "malformed")], replies
+    assert f"RolloutGroup{'.' + where if where == 'metrics' else ''}" in replies[0].message, replies[0].message
+    assert fuzz.check_consistent()["leases"]["outstanding"] == leased - 1  # returned at once
