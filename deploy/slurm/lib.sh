@@ -86,6 +86,14 @@ slurm_wait_all() {
     return 0
 }
 
+# slurm_preempted: true when Slurm has selected this job for preemption (it is in its GraceTime)
+slurm_preempted() {
+    local when
+    when="$(scontrol show job "$SLURM_JOB_ID" 2>/dev/null | grep -o 'PreemptTime=[^ ]*')"
+    slurm_log "${when:-PreemptTime unknown}"
+    [[ "$when" == PreemptTime=[0-9]* ]]
+}
+
 # slurm_endpoint: the broker's address as the steps see it, from $LORAFLOW_SLURM_DIR/endpoint (written by the
 # run job once its broker is bound) unless LORAFLOW_ENDPOINT is set
 slurm_endpoint() {

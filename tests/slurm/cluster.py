@@ -6,7 +6,9 @@ and a ``slurm.conf`` into its directory (state, spool, logs, pid files, ports al
 used or changed), starts ``munged``, ``slurmctld`` and ``slurmd`` in the foreground as its own children, and on
 :meth:`SlurmCluster.stop` cancels every job, waits for them to end, and ends the daemons by pid. The one node
 declares ``cpus`` CPUs, more than the machine has (``SlurmdParameters=config_overrides``), so a run's steps and a
-second job of workers fit side by side; the CPU count is a scheduling label here, not a reservation.
+second job of workers fit side by side; the CPU count is a scheduling label here, not a reservation. Jobs of
+partition ``test`` (the default) are preempted by jobs of partition ``urgent`` and requeued (``PreemptMode=
+REQUEUE``, ``GraceTime`` seconds between the SIGTERM and the SIGKILL), as on a cluster with a preemptible queue.
 
 Accounting (slurmdbd) is off, so ``sacct`` has nothing: job state comes from ``squeue`` and ``scontrol show
 job``, and finished jobs from the ``jobcomp/filetxt`` file (:meth:`SlurmCluster.completed`).
@@ -60,6 +62,7 @@ def _daemon(name: str) -> str:
 class SlurmCluster:
     root: Path
     cpus: int = 8
+    grace_time_s: int = 60  # what a preempted job of partition "test" gets between SIGTERM and SIGKILL
     node: str = field(default_factory=lambda: socket.gethostname().split(".")[0])
     procs: dict[str, subprocess.Popen] = field(default_factory=dict)
 
@@ -120,14 +123,17 @@ AccountingStorageType=accounting_storage/none
 MpiDefault=none
 ReturnToService=2
 KillWait=20
+PreemptType=preempt/partition_prio
+PreemptMode=REQUEUE
 NodeName={self.node} CPUs={self.cpus} State=UNKNOWN
-PartitionName=test Nodes={self.node} Default=YES MaxTime=INFINITE State=UP
+PartitionName=test Nodes={self.node} Default=YES MaxTime=INFINITE State=UP PriorityTier=1 PreemptMode=REQUEUE GraceTime={self.grace_time_s}
+PartitionName=urgent Nodes={self.node} MaxTime=INFINITE State=UP PriorityTier=2 PreemptMode=OFF
 """
 
     def stop(self) -> None:
         """Cancel every job, wait for them to end, then end the daemons (by pid) and any process left of a job."""
         if "slurmctld" in self.procs and self.procs["slurmctld"].poll() is None:
-            self.run("scancel", "--full", "--partition=test", check=False)
+            self.run("scancel", "--full", f"--user={os.geteuid()}", check=False)
             with contextlib.suppress(AssertionError):
                 self._wait(lambda: not self.run("squeue", "--noheader", check=False).strip(), 60, "jobs to end")
         for name in reversed(DAEMONS):

@@ -1,75 +1,34 @@
 """The Slurm templates for real: ``sbatch`` of deploy/slurm/loraflow-run.sbatch trains the demo (CURVE on, keys
 from one shared directory) on a one-node cluster, a second job of deploy/slurm/loraflow-workers.sbatch joins
-the running run, one worker step of the run is ``scancel``-ed mid-run, and the job is stopped the way the time
-limit's ``--signal=B:TERM`` stops it. Then the ledger audit of tests/fault: every prompt trained exactly once,
-no withdrawn version trained, and the learner's final checkpoint (written on SIGTERM) holds the whole epoch."""
+the running run, one worker step of the run is ``scancel``-ed mid-run, and the job is stopped with a SIGTERM to
+its batch script (``scancel --batch --signal=TERM``). Then the ledger audit of tests/fault: every prompt trained
+exactly once, no withdrawn version trained, and the learner's final checkpoint (written on SIGTERM) holds the
+whole epoch."""
 
 from __future__ import annotations
 
-import subprocess
-import sys
 import time
 from pathlib import Path
 
 import pytest
 
-from learner.ledger import read as read_ledger
-from tests.fault.ledger import audit_run, committed_chain, read_json_lines
-from tests.slurm.cluster import SlurmCluster, free_port
-from tests.support import REPO, wait_for
+from tests.fault.ledger import audit_run
+from tests.slurm.cluster import SlurmCluster
+from tests.slurm.runs import SLURM, job_waiter, keys_for, log_events, run_env, trained_ids
+from tests.support import REPO
 
 pytestmark = pytest.mark.slurm
 
-SLURM = REPO / "deploy" / "slurm"
-VENV = Path(sys.executable).parent.parent
 NUM_PROMPTS = 96  # 24 steps: training lasts long enough for the scancel and the elastic job to land mid-run
-
-
-def run_env(run_dir: Path, base_dir: Path, keys_dir: Path) -> dict[str, str]:
-    overrides = {
-        "model.path": f'"{base_dir}"', "broker.prompt_limit": NUM_PROMPTS, "broker.num_epochs": 1,
-        "broker.heartbeat_interval_s": 0.2, "broker.lease_timeout_s": 20, "run.group_size": 4,
-        "run.groups_per_step": 4, "run.max_staleness": 1, "worker.capacity": 2, "learner.checkpoint_every": 4,
-        "learner.batch_wait_ms": 200, "learner.lora_rank": 4,
-    }
-    extra = " ".join(f"--set {key}={value}" for key, value in overrides.items()) + " --log-format json"
-    return {"LORAFLOW_HOME": str(REPO), "LORAFLOW_VENV": str(VENV), "LORAFLOW_RUN_DIR": str(run_dir),
-            "LORAFLOW_CONFIG": str(REPO / "deploy" / "configs" / "demo.toml"), "LORAFLOW_KEYS_DIR": str(keys_dir),
-            "LORAFLOW_BIND": "tcp://127.0.0.1:0", "LORAFLOW_SLURM_WORKERS_PER_NODE": "2",
-            "LORAFLOW_EXTRA_ARGS": extra, "MASTER_PORT": str(free_port()), "OMP_NUM_THREADS": "1",
-            "HF_HUB_OFFLINE": "1"}
-
-
-def trained_ids(run_dir: Path) -> set[str]:
-    path = run_dir / "learner" / "ledger.jsonl"
-    if not path.is_file():
-        return set()
-    chain, _ = committed_chain(read_ledger(path))
-    return {g for step in chain for g in step["trained"] + step["zero_variance"]}
-
-
-def log_events(path: Path, event: str) -> list[dict]:
-    return [line for line in read_json_lines(path) if line.get("event") == event] if path.is_file() else []
 
 
 def test_sbatch_run_with_elastic_workers_scancel_and_preemption(slurm_cluster: SlurmCluster, quick_base_dir: Path,
                                                                  tmp_path: Path) -> None:
     cluster = slurm_cluster
-    run_dir, keys_dir = tmp_path / "run", tmp_path / "keys"
-    subprocess.run([str(VENV / "bin" / "loraflow"), "keys", str(keys_dir)], check=True, capture_output=True,
-                   timeout=60)
-    env = run_env(run_dir, quick_base_dir, keys_dir)
+    run_dir = tmp_path / "run"
+    env = run_env(run_dir, quick_base_dir, keys_for(tmp_path), NUM_PROMPTS)
     logs = run_dir / "slurm" / "logs"
-
-    def job_logs() -> str:
-        files = [tmp_path / "run.out", tmp_path / "workers.out", *sorted(logs.glob("*.log"))]
-        return "\n".join(f"----- {p.name} -----\n{p.read_text(errors='replace')[-3000:]}" for p in files if p.is_file())
-
-    def wait(condition, timeout_s: float, what: str):  # noqa: ANN001, ANN202
-        try:
-            return wait_for(condition, timeout_s, what, interval_s=0.2)
-        except AssertionError as exc:
-            raise AssertionError(f"{exc}\n{job_logs()}\n{cluster.daemon_logs()}") from None
+    wait = job_waiter(cluster, tmp_path, run_dir)
 
     started = time.monotonic()
     job = cluster.sbatch(SLURM / "loraflow-run.sbatch", "--time=10", f"--output={tmp_path / 'run.out'}", env=env,
@@ -114,8 +73,8 @@ def test_sbatch_run_with_elastic_workers_scancel_and_preemption(slurm_cluster: S
     cluster.run("scancel", "--batch", "--signal=TERM", job)
     wait(lambda: not cluster.job_state(job) and not cluster.job_state(extra_job), 180, "both jobs to end")
     done = cluster.completed()
-    assert done[job]["JobState"] == "COMPLETED" and done[job]["ExitCode"] == "0:0", (done[job], job_logs())
-    assert done[extra_job]["JobState"] == "COMPLETED", (done[extra_job], job_logs())
+    assert done[job]["JobState"] == "COMPLETED" and done[job]["ExitCode"] == "0:0", done[job]
+    assert done[extra_job]["JobState"] == "COMPLETED", done[extra_job]
     for name in ("broker", "learner"):
         assert (logs / f"{name}.log").is_file()
     assert log_events(extra_log, "stopped"), extra_log.read_text()[-3000:]

@@ -1,0 +1,58 @@
+"""Preemption for real: the run job sits in a preemptible partition; a job of a higher-priority partition that
+needs the whole node preempts it. Slurm sends every step SIGTERM (the learner finishes its step and
+checkpoints, the workers return their leases, the broker writes its state), requeues the job, and runs it again
+when the node is free: same job id, same run directory, so the broker resumes from its state, the learner from
+its checkpoint and the workers under their old ids. The run then finishes its epoch and the ledger audit holds
+(every prompt exactly once, nothing of a withdrawn version trained) across the two incarnations."""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+
+import pytest
+
+from tests.fault.ledger import audit_run
+from tests.slurm.cluster import SlurmCluster
+from tests.slurm.runs import SLURM, job_waiter, keys_for, run_env, trained_ids
+from tests.support import REPO
+
+pytestmark = pytest.mark.slurm
+
+NUM_PROMPTS = 64
+
+
+def test_preempted_run_is_requeued_and_resumes(slurm_cluster: SlurmCluster, quick_base_dir: Path,
+                                               tmp_path: Path) -> None:
+    cluster = slurm_cluster
+    run_dir = tmp_path / "run"
+    env = run_env(run_dir, quick_base_dir, keys_for(tmp_path), NUM_PROMPTS)
+    wait = job_waiter(cluster, tmp_path, run_dir)
+    started = time.monotonic()
+    job = cluster.sbatch(SLURM / "loraflow-run.sbatch", "--partition=test", "--time=10",
+                         f"--output={tmp_path / 'run.out'}", env=env, cwd=REPO)
+    ledger = run_dir / "learner" / "ledger.jsonl"
+    wait(lambda: ledger.is_file() and ledger.read_text().count('"event":"step"') >= 3, 180, "three learner steps")
+    before = len(trained_ids(run_dir))
+    assert before < NUM_PROMPTS, "the run ended before the preemption: give it more prompts"
+
+    urgent_script = tmp_path / "urgent.sh"
+    urgent_script.write_text("#!/bin/sh\nsleep 3\n")
+    urgent = cluster.sbatch(urgent_script, "--partition=urgent", f"--ntasks={cluster.cpus}", "--time=2",
+                            f"--output={tmp_path / 'urgent.out'}")
+    wait(lambda: int(cluster.show_job(job).get("Restarts", "0")) >= 1, 120, "the run job to be preempted and requeued")
+    wait(lambda: not cluster.job_state(urgent), 120, "the urgent job to run and end")
+    # Slurm holds a requeued job back until its BeginTime (about two minutes on); let it start now
+    pending = cluster.show_job(job)
+    print(f"requeued: JobState={pending['JobState']} Reason={pending.get('Reason')} EligibleTime={pending.get('EligibleTime')}")
+    cluster.run("scontrol", "update", f"JobId={job}", "StartTime=now")
+    wait(lambda: cluster.job_state(job) == "RUNNING", 120, "the requeued run job to start again")
+    wait(lambda: len(trained_ids(run_dir)) == NUM_PROMPTS, 300, f"all {NUM_PROMPTS} prompts trained")
+    cluster.run("scancel", "--batch", "--signal=TERM", job)
+    wait(lambda: not cluster.job_state(job), 180, "the run job to end")
+    assert cluster.completed()[job]["JobState"] == "COMPLETED"
+
+    logs = run_dir / "slurm" / "logs"
+    audit = audit_run(run_dir, sorted(logs.glob("worker-*.log")), NUM_PROMPTS)
+    assert len(audit.starts) == 2, audit.summary()  # one learner per incarnation of the job
+    print(f"preempted after {before} prompts; slurm run in {time.monotonic() - started:.0f} s: {audit.summary()}")
