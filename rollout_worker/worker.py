@@ -59,7 +59,7 @@ import time
 from pathlib import Path
 from typing import Any, NoReturn
 
-from common.cli import EXIT_CONFIG_ERROR
+from common.cli import EXIT_CONFIG_ERROR, out_of_memory
 from common.config import Config
 from common.logging import bind, get_logger
 from common.metrics import Metrics, serve_prometheus
@@ -197,6 +197,8 @@ class Worker:
             self.backend.add_adapter(adapter)
         except Exception as exc:  # a verified adapter the engine refuses would be refused again after a restart
             # (hf and our own checks raise ValueError; vLLM's engine core a bare Exception, "Call to add_lora failed")
+            if out_of_memory(exc):
+                raise  # not the adapter's fault: run_main's out-of-memory line naming the settings, exit code 3
             self.metrics.inc("adapters_rejected", reason="load")
             self._fatal = ("adapter_refused", {
                 "version": adapter.version, "error": f"the {self.backend.name} backend refused adapter "

@@ -16,6 +16,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from bench.join_time import adapter_message, lora_layout
+from bench.join_time import worker_argv as join_time_worker_argv
 from common.cli import EXIT_OUT_OF_MEMORY, run_main
 from common.config import Config, ConfigError, load_config
 from deploy import devices
@@ -23,7 +25,8 @@ from deploy.devices import Placement, plan, visible_devices
 from deploy.launcher import DEMO_CONFIG, Launch
 from deploy.processes import Managed, RestartPolicy, Supervisor, Unrecoverable
 from deploy.progress import Display
-from tests.support import REPO, child_env
+from tests.support import REPO, Processes, child_env, start_broker, wait_for
+from tests.worker.test_adapter_refused import publish
 
 GPU_EXAMPLE = REPO / "deploy/configs/gpu-example.toml"  # 2 vLLM workers, 2 learner ranks, all on cuda
 CUDA_OOM = ("CUDA out of memory. Tried to allocate 2.00 GiB. GPU 0 has a total capacity of 79.19 GiB of which "
@@ -309,6 +312,34 @@ def test_a_role_out_of_gpu_memory_exits_3_with_one_line(tmp_path: Path, tiny_mod
     last = result.stderr.strip().splitlines()[-1]
     assert last.startswith(f"loraflow {role}: out of GPU memory (CUDA out of memory. Tried to allocate 2.00 GiB.")
     assert setting in last
+
+
+def test_a_worker_out_of_memory_loading_an_adapter_is_not_a_refused_adapter(procs: Processes,
+                                                                            tiny_model_dir: Path) -> None:
+    # a real broker holds a good adapter; a real hf worker's GPU is full when it loads it: not "adapter_refused"
+    # (exit 2, never restarted, "use the same model.path"), but the out-of-memory line and exit 3
+    broker = start_broker(procs, f'model.path="{tiny_model_dir}"', "run.group_size=2", "run.groups_per_step=2")
+    layout, adapter_config = lora_layout(tiny_model_dir)
+    publish(broker.endpoint, *adapter_message(1, layout, adapter_config), broker.run_token)
+    wait_for(lambda: broker.stats()["latest_version"] == 1, 30, "the broker to hold v1", procs)
+    code = textwrap.dedent(f"""
+        import sys, torch
+        from rollout_worker.backends.hf import HfBackend
+        def add_adapter(self, adapter):
+            raise torch.OutOfMemoryError({CUDA_OOM!r})
+        HfBackend.add_adapter = add_adapter
+        from rollout_worker.main import main
+        sys.exit(main(sys.argv[1:]))
+    """)
+    argv = join_time_worker_argv(broker.endpoint, broker.run_dir, "w1", tiny_model_dir)
+    assert argv[1:3] == ["-m", "rollout_worker"]
+    worker = procs.spawn("worker", [argv[0], "-c", code, *argv[3:]], env=child_env())
+    assert worker.popen.wait(timeout=120) == EXIT_OUT_OF_MEMORY, worker.log()[-3000:]
+    log_text = worker.log()
+    assert "adapter_refused" not in log_text and "Traceback" not in log_text, log_text[-3000:]
+    last = log_text.strip().splitlines()[-1]
+    assert last.startswith("loraflow worker: out of GPU memory (CUDA out of memory.") and \
+        "worker.vllm.gpu_memory_utilization" in last
 
 
 def test_the_supervisor_gives_up_on_a_worker_out_of_memory_with_its_line(tmp_path: Path,
