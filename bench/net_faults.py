@@ -1,6 +1,7 @@
 """The multi-host test bed measured: recovery from link faults and restarts, and the network's cost in throughput.
 
-    sudo .venv/bin/python bench/net_faults.py [--prompts 300] [--repeats 2] [--fault-prompts 520] [--fault-tokens-per-s 10]
+    sudo .venv/bin/python bench/net_faults.py [--prompts 300] [--repeats 2] [--fault-prompts 520]
+                                              [--fault-tokens-per-s 10]
 
 Three runs on the bed of bench/netbed.py (tests/net runs the third one), all with CURVE on and every role started
 by deploy/scripts, the tiny model and simulated generation:
@@ -8,13 +9,16 @@ by deploy/scripts, the tiny model and simulated generation:
 1. loopback: broker, a two-node learner and three workers on one host (127.0.0.1), ``--prompts`` prompts,
    generation as fast as the learner takes it (``--tokens-per-s`` 200): the reference;
 2. multi-host: the same run with each role on its own host (network namespaces, veth pairs and a bridge);
-3. faults: a multi-host run (``--fault-prompts``, generation paced at ``--fault-tokens-per-s``) that trains through
-   a 1mbit token bucket on a worker's link, a worker's link down 10 s, the broker's link down 10 s, a broker host
-   reboot and a learner node SIGKILLed; after each, what recovery took and which groups were generated again,
-   with the reasons the logs give. Every run ends with tests/fault's ledger audit.
+3. faults: a multi-host run (``--fault-prompts``, generation paced at ``--fault-tokens-per-s``) that trains
+   through a 1mbit token bucket on a worker's link, 100 ms more latency each way and two cuts of every
+   connection on another worker's (a user-space relay on its host, bench/netproxy.py), a worker's link down
+   10 s, the broker's link down 10 s, a broker host reboot and a learner node SIGKILLed; after each, what
+   recovery took and which groups were generated again, with the reasons the logs give. Every run ends with
+   tests/fault's ledger audit.
 
-The figure is the multi-host run's throughput (groups trained per second, first to last learner step; median of
-``--repeats`` runs interleaved with the loopback runs); the reference the loopback runs' median. Needs root (network namespaces).
+The figure is the multi-host run's throughput (groups trained per second, first to last learner step; median
+of ``--repeats`` runs interleaved with the loopback runs); the reference the loopback runs' median. Needs root
+(network namespaces).
 """
 
 from __future__ import annotations
@@ -35,7 +39,8 @@ from bench import netbed  # noqa: E402
 from bench.report import report  # noqa: E402
 from tests.support import Processes  # noqa: E402
 
-FAULTS = [("bandwidth_limited", {"w": "w3", "rate": "1mbit", "hold_s": 8}),
+FAULTS = [("bandwidth_limited", {"w": "w3", "rate": "1mbit", "hold_s": 6}),
+          ("latency_and_resets", {"w": "w2", "delay_ms": 100, "hold_s": 6, "resets": 2}),
           ("worker_link_down", {"w": "w1", "down_s": 10}),
           ("broker_link_down", {"down_s": 10}),
           ("broker_reboot", {}),
@@ -46,7 +51,7 @@ def one_run(root: Path, model_dir: Path, *, loopback: bool, prompts: int, tokens
             faults: list[tuple[str, dict[str, Any]]]) -> dict[str, Any]:
     root.mkdir(parents=True)
     c = netbed.Cluster(Processes(root), root, model_dir, num_prompts=prompts, tokens_per_s=tokens_per_s,
-                       loopback=loopback)
+                       loopback=loopback, proxied=("w2",) if faults else ())
     try:
         c.setup()
         t0 = time.time()

@@ -23,6 +23,7 @@ Needs root and ``ip`` (iproute2); :func:`require_root` says so plainly.
 from __future__ import annotations
 
 import contextlib
+import json
 import os
 import shutil
 import signal
@@ -48,6 +49,7 @@ from tests.support import Proc, Processes, child_env, wait_for  # noqa: E402
 SCRIPTS = REPO / "deploy" / "scripts"
 BROKER_PORT = 5555
 RDZV_PORT = 29500
+RELAY_PORT = 6555
 
 
 class BedUnavailable(RuntimeError):
@@ -167,6 +169,10 @@ class Network:
         self.made.clear()
 
 
+def _since(t: float | None, t0: float) -> float | None:
+    return None if t is None else round(t - t0, 2)
+
+
 def _ts(line: dict[str, Any]) -> float:
     """A JSON log line's time (structlog's ISO timestamp, local time) as Unix seconds."""
     return datetime.fromisoformat(line["timestamp"]).timestamp()
@@ -185,6 +191,7 @@ class Cluster:
     tokens_per_s: float = 200
     checkpoint_every: int = 3
     loopback: bool = False
+    proxied: tuple[str, ...] = ()  # workers that reach the broker through a relay on their host (bench/netproxy.py)
     net: Network | None = None
     roles: dict[str, Proc] = field(default_factory=dict)  # role -> its newest process
     incarnations: Counter = field(default_factory=Counter)
@@ -243,12 +250,13 @@ class Cluster:
         return f"tcp://127.0.0.1:{BROKER_PORT}" if self.loopback else f"tcp://broker:{BROKER_PORT}"
 
     def _env(self, **extra: str) -> dict[str, str]:
-        return child_env(LORAFLOW_VENV=str(Path(sys.executable).parent.parent), LORAFLOW_CONFIG=str(self.config),
-                         LORAFLOW_ENDPOINT=self.endpoint, **extra)
+        return child_env(**{"LORAFLOW_VENV": str(Path(sys.executable).parent.parent), "LORAFLOW_CONFIG": str(self.config),
+                            "LORAFLOW_ENDPOINT": self.endpoint, **extra})
 
-    def _spawn(self, role: str, argv: list[str], env: dict[str, str]) -> Proc:
+    def _spawn(self, role: str, argv: list[str], env: dict[str, str], host: str | None = None) -> Proc:
         self.incarnations[role] += 1
-        proc = self.procs.spawn(f"{role}.{self.incarnations[role]}", self.net.argv(self.host(role), argv), env=env)
+        proc = self.procs.spawn(f"{role}.{self.incarnations[role]}", self.net.argv(self.host(host or role), argv),
+                                env=env)
         self.roles[role] = proc
         return proc
 
@@ -271,9 +279,35 @@ class Cluster:
         assert proc.alive(), proc.log()[-3000:]
 
     def start_worker(self, w: str) -> None:
+        endpoint = {}
+        if w in self.proxied:
+            self._start_relay(w)
+            endpoint = {"LORAFLOW_ENDPOINT": f"tcp://127.0.0.1:{RELAY_PORT}"}
         # the worker id is <hostname>-<instance>: w2-1 (w2's loraflow-worker@1); in a loopback run solo-2
         self._spawn(w, [str(SCRIPTS / "worker.sh"), w[1:] if self.loopback else "1"], self._env(
-            LORAFLOW_RUN_DIR=str(self.run_dirs[w]), LORAFLOW_KEYS_DIR=str(self.client_keys[w]), LORAFLOW_WORKER_KEY=w))
+            LORAFLOW_RUN_DIR=str(self.run_dirs[w]), LORAFLOW_KEYS_DIR=str(self.client_keys[w]), LORAFLOW_WORKER_KEY=w,
+            **endpoint))
+
+    def _start_relay(self, w: str) -> None:
+        role = f"{w}-relay"
+        if role in self.roles and self.roles[role].alive():
+            return
+        self.relay(w, delay_ms=0, reset=0)
+        proc = self._spawn(role, [sys.executable, str(REPO / "bench" / "netproxy.py"), f"127.0.0.1:{RELAY_PORT}",
+                                  self.endpoint.removeprefix("tcp://"), str(self._relay_control(w))], child_env(), host=w)
+        wait_for(lambda: "listening" in proc.log() or not proc.alive(), 30, f"the relay on {w}", self.procs)
+        assert proc.alive(), proc.log()
+
+    def _relay_control(self, w: str) -> Path:
+        return self.root / "hosts" / f"{w}-relay.json"
+
+    def relay(self, w: str, **settings: float) -> None:
+        """Change the relay's settings (``delay_ms``, ``reset``: see bench/netproxy.py); it reads them in 50 ms."""
+        path = self._relay_control(w)
+        current = json.loads(path.read_text()) if path.is_file() else {}
+        tmp = path.with_suffix(".tmp")
+        tmp.write_text(json.dumps({**current, **settings}))
+        tmp.replace(path)
 
     def start_learner(self) -> None:
         for node in self.nodes:
@@ -317,6 +351,11 @@ class Cluster:
         """When the first group of worker ``w`` submitted after ``t`` was accepted by the broker (None: not yet)."""
         times = [_ts(x) for x in self.log_lines(w)
                  if x.get("event") == "group_acked" and x.get("status") == "accepted" and _ts(x) > t]
+        return min(times) if times else None
+
+    def event_after(self, role: str, event: str, t: float) -> float | None:
+        """When ``role`` (a worker or a learner node) first logged ``event`` after ``t`` (None: not yet)."""
+        times = [_ts(x) for x in self.log_lines(role) if x.get("event") == event and _ts(x) > t]
         return min(times) if times else None
 
     def regenerated(self, t0: float, t1: float) -> dict[str, Any]:
@@ -411,14 +450,15 @@ class Cluster:
 
 # -- faults, each while the run trains; each returns what it measured ------------------------------------------
 
-def _remaining(c: Cluster) -> int:
+def remaining(c: Cluster) -> int:
+    """Prompts of the epoch not yet in the committed history."""
     return c.num_prompts - len(c.trained_ids())
 
 
 def _settle(c: Cluster, fault: str, steps: int = 2) -> None:
     """A few steps of normal training first, and enough prompts left for the fault to land mid-run."""
     c.wait_steps(steps, time.time(), 90, f"training before the {fault}")
-    left = _remaining(c)
+    left = remaining(c)
     assert left > 40, f"only {left} prompts left before the {fault}: give the run more prompts (Cluster.num_prompts)"
 
 
@@ -447,6 +487,7 @@ def worker_link_down(c: Cluster, w: str = "w1", down_s: float = 10.0) -> dict[st
     held, returned, finished = _leases_across(c, w, t_down)
     assert held <= returned | finished, f"leases of {w} neither returned nor finished: {sorted(held - returned - finished)}"
     return {"fault": "worker_link_down", "host": w, "down_s": round(t_up - t_down, 2), "steps_while_down": steps_during,
+            "restore_to_leased_s": _since(c.event_after(w, "lease_granted", t_up), t_up),
             "restore_to_accepted_s": round(t_back - t_up, 2),
             "leases_held": len(held), "leases_returned": len(held & returned), "leases_finished": len(held & finished),
             "regenerated": c.regenerated(t_down, t_back)}
@@ -476,6 +517,8 @@ def broker_link_down(c: Cluster, down_s: float = 10.0) -> dict[str, Any]:
     time.sleep(down_s)
     c.net.link("broker", True)
     t_up = time.time()
+    # any step after the restore trained a batch that came over the restored link (a step takes < 1 s: one held
+    # through the outage was written long before it ended)
     step = c.wait_steps(1, t_up, 90, "the broker's link came back")[0]["time_unix"]
     accepted = {w: wait_for(lambda w=w: c.accepted_after(w, t_up), 90, f"a group from {w} accepted after the broker's "
                             f"link came back", c.procs, interval_s=0.1) for w in c.workers}
@@ -484,6 +527,7 @@ def broker_link_down(c: Cluster, down_s: float = 10.0) -> dict[str, Any]:
     t_back = max(step, *accepted.values())
     return {"fault": "broker_link_down", "down_s": round(t_up - t_down, 2),
             "restore_to_step_s": round(step - t_up, 2),
+            "restore_to_leased_s": {w: _since(c.event_after(w, "lease_granted", t_up), t_up) for w in c.workers},
             "restore_to_accepted_s": {w: round(t - t_up, 2) for w, t in accepted.items()},
             "regenerated": c.regenerated(t_down, t_back)}
 
@@ -500,7 +544,11 @@ def broker_reboot(c: Cluster) -> dict[str, Any]:
     t_start = time.time()
     c.start_broker()
     t_bound = time.time()
-    step = c.wait_steps(1, t_start, 120, "the broker restarted")[0]["time_unix"]
+    # the learner may finish a step of a batch it had before the kill: training resumes with a step after its
+    # session with the new broker began
+    rejoined = wait_for(lambda: c.event_after(c.nodes[0], "broker_reconnected", t_start), 90,
+                        "the learner to reconnect to the restarted broker", c.procs, interval_s=0.1)
+    step = c.wait_steps(1, rejoined, 120, "the broker restarted")[0]["time_unix"]
     accepted = {w: wait_for(lambda w=w: c.accepted_after(w, t_start), 90, f"a group from {w} accepted by the "
                             f"restarted broker", c.procs, interval_s=0.1) for w in c.workers}
     restored = [x for x in c.log_lines("broker") if x.get("event") == "state_restored" and _ts(x) > t_start]
@@ -509,7 +557,7 @@ def broker_reboot(c: Cluster) -> dict[str, Any]:
     c.audit_so_far()
     t_back = max(step, *accepted.values())
     return {"fault": "broker_reboot", "processes_killed": len(killed), "restart_to_bound_s": round(t_bound - t_start, 2),
-            "restart_to_step_s": round(step - t_start, 2),
+            "restart_to_learner_reconnected_s": round(rejoined - t_start, 2), "restart_to_step_s": round(step - t_start, 2),
             "restart_to_accepted_s": {w: round(t - t_start, 2) for w, t in accepted.items()},
             "regenerated": c.regenerated(t_kill, t_back)}
 
@@ -546,11 +594,6 @@ def bandwidth_limited(c: Cluster, w: str = "w3", rate: str = "1mbit", hold_s: fl
     """A token bucket of ``rate`` on one worker's link (both ways) for ``hold_s``: it keeps submitting, slower;
     the run goes on."""
     _settle(c, "bandwidth limit")
-
-    def acked(t0: float, t1: float) -> list[dict[str, Any]]:
-        return [x for x in c.log_lines(w) if x.get("event") == "group_acked" and x.get("status") == "accepted"
-                and t0 < _ts(x) <= t1]
-
     before = {r: c.roles[r].pid for r in c.roles}
     t0 = time.time()
     time.sleep(hold_s)
@@ -561,21 +604,58 @@ def bandwidth_limited(c: Cluster, w: str = "w3", rate: str = "1mbit", hold_s: fl
     finally:
         c.net.unlimit(w)
     t_free = time.time()
-    normal, limited = acked(t0, t_limit), acked(t_limit, t_free)
+    normal, limited = _accepted(c, w, t0, t_limit), _accepted(c, w, t_limit, t_free)
     assert limited, f"no group of {w} accepted in {hold_s} s at {rate}"
     _same_processes(c, list(before), before, "bandwidth limit")
     c.audit_so_far()
-
-    def rtt(lines: list[dict[str, Any]]) -> float:
-        return round(sorted(x["rtt_ms"] for x in lines)[len(lines) // 2], 1) if lines else float("nan")
-
     return {"fault": "bandwidth_limited", "host": w, "rate": rate,
             "groups_per_s": {"normal": round(len(normal) / (t_limit - t0), 2),
                              "limited": round(len(limited) / (t_free - t_limit), 2)},
-            "median_ack_rtt_ms": {"normal": rtt(normal), "limited": rtt(limited)},
+            "median_ack_rtt_ms": {"normal": _median_rtt(normal), "limited": _median_rtt(limited)},
             "run_groups_per_s": {"normal": round(c.rate(t0, t_limit), 2), "limited": round(c.rate(t_limit, t_free), 2)},
             "regenerated": c.regenerated(t_limit, t_free)}
 
 
+def _accepted(c: Cluster, w: str, t0: float, t1: float) -> list[dict[str, Any]]:
+    return [x for x in c.log_lines(w) if x.get("event") == "group_acked" and x.get("status") == "accepted"
+            and t0 < _ts(x) <= t1]
+
+
+def _median_rtt(acks: list[dict[str, Any]]) -> float:
+    """The median submit -> ack time of these acks (ms)."""
+    return round(sorted(x["rtt_ms"] for x in acks)[len(acks) // 2], 1) if acks else float("nan")
+
+
+def latency_and_resets(c: Cluster, w: str = "w2", delay_ms: float = 100, hold_s: float = 8.0,
+                       resets: int = 2) -> dict[str, Any]:
+    """Through the relay on ``w``'s host (bench/netproxy.py): ``delay_ms`` more each way for ``hold_s``, then
+    ``resets`` times every connection cut; the same worker process gets groups accepted after each."""
+    assert w in c.proxied, f"{w} does not connect through a relay (Cluster.proxied)"
+    _settle(c, "latency and connection resets")
+    before = {r: c.roles[r].pid for r in c.roles}
+    t0 = time.time()
+    time.sleep(hold_s)
+    t_delay = time.time()
+    c.relay(w, delay_ms=delay_ms)
+    time.sleep(hold_s)
+    c.relay(w, delay_ms=0)
+    t_clear = time.time()
+    normal, delayed = _accepted(c, w, t0, t_delay), _accepted(c, w, t_delay, t_clear)
+    assert delayed, f"no group of {w} accepted in {hold_s} s with {delay_ms} ms more each way"
+    recover = []
+    for i in range(1, resets + 1):
+        t_reset = time.time()
+        c.relay(w, reset=i)
+        t_back = wait_for(lambda t=t_reset: c.accepted_after(w, t), 90, f"a group from {w} accepted after reset {i}",
+                          c.procs, interval_s=0.1)
+        recover.append(round(t_back - t_reset, 2))
+    _same_processes(c, list(before), before, "latency and connection resets")
+    c.audit_so_far()
+    return {"fault": "latency_and_resets", "host": w, "delay_ms_each_way": delay_ms,
+            "median_ack_rtt_ms": {"normal": _median_rtt(normal), "delayed": _median_rtt(delayed)},
+            "reset_to_accepted_s": recover, "regenerated": c.regenerated(t_delay, time.time())}
+
+
 FAULTS = {"worker_link_down": worker_link_down, "broker_link_down": broker_link_down, "broker_reboot": broker_reboot,
-          "learner_node_killed": learner_node_killed, "bandwidth_limited": bandwidth_limited}
+          "learner_node_killed": learner_node_killed, "bandwidth_limited": bandwidth_limited,
+          "latency_and_resets": latency_and_resets}

@@ -1,5 +1,6 @@
 """loraflow across hosts: a broker host, a learner on two hosts (torchrun, c10d rendezvous, gloo over the test
-network), three worker hosts, CURVE on, every role started by deploy/scripts under ``ip netns exec`` (see
+network), three worker hosts (w2 reaches the broker through a user-space relay on its host that adds latency and
+cuts connections, bench/netproxy.py), CURVE on, every role started by deploy/scripts under ``ip netns exec`` (see
 bench/netbed.py). One run trains through the faults in turn (one test each, in this order, so a failure names
 its fault); each is checked as it recovers (the same processes carry on, the ledger so far has nothing trained
 twice and no withdrawn version), and the last test stops the run and runs tests/fault's full audit.
@@ -27,7 +28,8 @@ TOKENS_PER_S = 10  # simulated generation pace: workers ~3 groups/s each, the ru
 @pytest.fixture(scope="module")
 def cluster(root_and_ip: None, tmp_path_factory: pytest.TempPathFactory, tiny_model_dir: Path):
     root = tmp_path_factory.mktemp("net")
-    c = netbed.Cluster(Processes(root), root, tiny_model_dir, num_prompts=NUM_PROMPTS, tokens_per_s=TOKENS_PER_S)
+    c = netbed.Cluster(Processes(root), root, tiny_model_dir, num_prompts=NUM_PROMPTS, tokens_per_s=TOKENS_PER_S,
+                       proxied=("w2",))
     try:
         c.setup()
         t0 = time.time()
@@ -42,13 +44,18 @@ def cluster(root_and_ip: None, tmp_path_factory: pytest.TempPathFactory, tiny_mo
 def _fault(c: netbed.Cluster, name: str, **kwargs) -> dict:
     started = time.monotonic()
     result = netbed.FAULTS[name](c, **kwargs)
-    print(json.dumps(result), f"({time.monotonic() - started:.1f} s)")
+    print(json.dumps(result), f"({time.monotonic() - started:.1f} s, {netbed.remaining(c)} prompts left)")
     return result
 
 
 def test_bandwidth_limited(cluster: netbed.Cluster) -> None:
-    r = _fault(cluster, "bandwidth_limited", w="w3", rate="1mbit", hold_s=8)
+    r = _fault(cluster, "bandwidth_limited", w="w3", rate="1mbit", hold_s=6)
     assert r["median_ack_rtt_ms"]["limited"] > r["median_ack_rtt_ms"]["normal"], "the limit did not slow the link"
+
+
+def test_latency_and_resets(cluster: netbed.Cluster) -> None:
+    r = _fault(cluster, "latency_and_resets", w="w2", delay_ms=100, hold_s=6, resets=2)
+    assert r["median_ack_rtt_ms"]["delayed"] >= r["median_ack_rtt_ms"]["normal"] + 150, "the relay did not delay"
 
 
 def test_worker_link_down(cluster: netbed.Cluster) -> None:
