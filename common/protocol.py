@@ -15,6 +15,13 @@ Every record is a ``@dataclass(slots=True, kw_only=True)`` validated field by fi
 that the tensor frames have the names, dtypes and shapes the header implies. Contents of tensors (finite
 log-probs, token ids in range) are checked by :func:`check_group_values`, which only reads numpy views.
 
+Everything a peer sends is bounded at decode, so nothing it sends can fail later where it is re-encoded or
+shown: ``Heartbeat.counters`` and ``RolloutGroup.metrics`` hold at most 64 finite numbers under names of at most
+64 characters; other free-form values (``meta``, ``columns``, ``prompt_messages``, ``adapter_config``) nest at
+most :data:`common.schema.MAX_DEPTH` levels; every policy version is at most :data:`MAX_VERSION` (tokens carry
+versions as int32). A lease id is bound to the worker it was granted to (``broker.leases``); with security off a
+learner's Hello carries the run token (``Hello.token``, :mod:`common.run_token`).
+
 Compatibility: new fields are appended with defaults. An incompatible change bumps ``PROTOCOL_VERSION``; every
 message carries it in its preamble and a mismatch is refused with an Error naming both versions.
 """
