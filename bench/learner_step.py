@@ -9,6 +9,12 @@ Per-step figures come from its ``metrics.jsonl``; the first ``--warmup`` steps a
 
 Last line: value = trained tokens/s with 2 ranks, reference = with 1 rank, same batches, same run.
 
+``--interleaved``: no broker; one process trains the tiny model with the current step (``learner.step``) and
+with the step before the trained-positions head (:func:`legacy_train_step`: full ``[B, L, V]`` logits, gradient
+sync per micro-batch, on :func:`bench.learner_memory.legacy_build`'s model), alternating step by step on the
+same synthetic batches, so a busy machine slows both alike. value = median ms of the current step, reference =
+of the old one.
+
     .venv/bin/python bench/learner_step.py [--steps 30] [--groups 16] [--group-size 8] [--ranks 1,2]
         [--set learner.activation_checkpointing=\"on\"] [--set learner.micro_batch_tokens=512]
 """
@@ -21,6 +27,7 @@ import statistics
 import sys
 import tempfile
 from pathlib import Path
+from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
@@ -81,6 +88,97 @@ def summarize(lines: list[dict]) -> dict[str, float]:
     }
 
 
+def synthetic_step_batch(args: argparse.Namespace, seed: int) -> Any:
+    """A step batch shaped like the producer's groups (random tokens, prompt 2..max, completion 1..max)."""
+    import torch
+
+    from learner import data
+
+    g = torch.Generator().manual_seed(seed)
+    samples, rewards = [], []
+    for group in range(args.groups):
+        for _ in range(args.group_size):
+            prompt = int(torch.randint(2, args.max_prompt + 1, (1,), generator=g))
+            completion = int(torch.randint(1, args.max_completion + 1, (1,), generator=g))
+            samples.append(data.Sample(group=group, tokens=torch.randint(0, 256, (prompt + completion,), generator=g),
+                                       prompt_len=prompt, behaviour_logp=torch.full((completion,), -5.5),
+                                       loss_mask=torch.ones(completion, dtype=torch.bool)))
+            rewards.append(float(torch.rand(1, generator=g)))
+    return data.StepBatch(batch_id=f"synthetic-{seed}", group_ids=[str(i) for i in range(args.groups)],
+                          min_versions=[0] * args.groups, samples=samples, rewards=torch.tensor(rewards),
+                          group_index=torch.tensor([s.group for s in samples]))
+
+
+def legacy_train_step(model: Any, optimizer: Any, step: Any, *, config: Any, loss_config: Any) -> float:
+    """The step before logits-only-where-trained: [B, L, V] logits, fp32 log-softmax copies, sync per micro-batch."""
+    import torch
+
+    from common import logprobs
+    from learner import data
+    from learner.loss import group_advantages, token_loss
+
+    advantages, _ = group_advantages(step.rewards, step.group_index, step.num_groups, scale_by_std=True)
+    micro_batches = data.rank_micro_batches(step, advantages, rank=0, world_size=1,
+                                            budget_tokens=config.learner.micro_batch_tokens)
+    scale = 1 / max(step.num_trained_tokens, 1)
+    for mb in micro_batches:
+        targets = mb.targets[mb.select]
+        logits = model(input_ids=mb.input_ids, use_cache=False).logits[mb.select]
+        logp = logprobs.token_logprobs(logits, targets, 1.0)
+        terms = token_loss(logp, mb.behaviour_logp, mb.advantages, loss_config, None)
+        (terms.loss.sum() * scale).backward()
+        with torch.no_grad():
+            logprobs.token_entropy(logits.detach(), 1.0)
+    torch.nn.utils.clip_grad_norm_([p for p in model.parameters() if p.requires_grad], config.learner.grad_clip)
+    optimizer.step()
+    optimizer.zero_grad(set_to_none=True)
+    return 0.0
+
+
+def interleaved(args: argparse.Namespace) -> None:
+    """Old and new step code in one process, alternating step by step (both see the same machine load)."""
+    import time
+
+    import torch
+
+    from bench.learner_memory import legacy_build
+    from common.config import load_config
+    from learner.loss import LossConfig
+    from learner.model import build_policy
+    from learner.parallel import init_parallel
+    from learner.step import make_optimizer, train_step
+
+    torch.set_num_threads(args.threads)
+    parallel = init_parallel("cpu")
+    config = load_config(None, [f"learner.lora_rank={args.rank}", *args.settings])
+    loss_config = LossConfig.from_learner(config.learner)
+    model_dir = resolve_model("builtin:tiny")
+    policy = build_policy(model_dir, config.learner, parallel, seed=0)
+    optimizer, scheduler = make_optimizer(policy, config.learner)
+    old_model = legacy_build(model_dir, config.learner, parallel, seed=0)
+    old_optimizer = torch.optim.AdamW([p for p in old_model.parameters() if p.requires_grad], lr=config.learner.lr)
+    times: dict[str, list[float]] = {"before": [], "after": []}
+    for index in range(args.steps):
+        batch = synthetic_step_batch(args, index)
+        for name in (("before", "after") if index % 2 else ("after", "before")):
+            started = time.perf_counter()
+            if name == "after":
+                train_step(policy, optimizer, scheduler, batch, parallel=parallel, config=config,
+                           loss_config=loss_config)
+            else:
+                legacy_train_step(old_model, old_optimizer, batch, config=config, loss_config=loss_config)
+            if index >= args.warmup:
+                times[name].append(time.perf_counter() - started)
+    before, after = (1000 * statistics.median(times[k]) for k in ("before", "after"))
+    tokens = statistics.mean(synthetic_step_batch(args, i).num_trained_tokens for i in range(args.steps))
+    print(f"tiny model, one process, {args.threads} thread(s), old and new step alternating, "
+          f"{len(times['after'])} steps each (medians), ~{tokens:.0f} trained tokens per step")
+    print(f"  before (full logits, sync per micro-batch): {before:8.1f} ms")
+    print(f"  after  (trained positions, chunked head):   {after:8.1f} ms")
+    report("learner_step", "step_ms_interleaved", after, "ms", before, settings=args.settings)
+    parallel.close()
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--steps", type=int, default=30)
@@ -94,7 +192,12 @@ def main() -> None:
     parser.add_argument("--set", dest="settings", action="append", default=[], metavar="SECTION.KEY=VALUE",
                         help='extra settings of both runs, e.g. learner.activation_checkpointing="on"')
     parser.add_argument("--ranks", default="1,2", help="which runs (comma-separated rank counts)")
+    parser.add_argument("--interleaved", action="store_true",
+                        help="old vs new step code in one process, alternating (no broker)")
     args = parser.parse_args()
+    if args.interleaved:
+        interleaved(args)
+        return
     model_dir = resolve_model("builtin:tiny")
     results = {}
     with tempfile.TemporaryDirectory(prefix="bench-learner-") as tmp:
