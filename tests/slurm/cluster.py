@@ -23,6 +23,7 @@ import signal
 import socket
 import subprocess
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -167,7 +168,7 @@ PartitionName=urgent Nodes={self.node} MaxTime=INFINITE State=UP PriorityTier=2 
                                             start_new_session=True)
         log.close()
 
-    def _wait(self, condition, timeout_s: float, what: str) -> None:  # noqa: ANN001
+    def _wait(self, condition: Callable[[], object], timeout_s: float, what: str) -> None:
         deadline = time.monotonic() + timeout_s
         while not condition():
             dead = [n for n, p in self.procs.items() if p.poll() is not None]

@@ -104,3 +104,13 @@ def test_step_script_maps_the_task_rank_onto_the_learner_node_rank(tmp_path: Pat
                             timeout=30)
     assert worker.returncode == 0 and "-7702" in worker.stdout and "--endpoint tcp://n1:5555" in worker.stdout
     assert subprocess.run([str(SLURM / "step.sh"), "nope"], env=env, capture_output=True, timeout=30).returncode == 2
+
+
+def test_templates_ask_for_the_time_limit_warning_the_scripts_handle() -> None:
+    """The run job gets SIGUSR1 120 s before its limit (it stops and requeues itself, tests/slurm/test_preemption.py)
+    and may be requeued; the worker job gets SIGTERM 60 s before (its workers return their leases)."""
+    def directives(name: str) -> list[str]:
+        return [line.split(None, 1)[1] for line in (SLURM / name).read_text().splitlines() if line.startswith("#SBATCH")]
+
+    assert {"--signal=B:USR1@120", "--requeue"} <= set(directives("loraflow-run.sbatch"))
+    assert "--signal=B:TERM@60" in directives("loraflow-workers.sbatch")
