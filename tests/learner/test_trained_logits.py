@@ -147,3 +147,17 @@ def test_an_adapter_larger_than_a_broker_message_is_a_config_error(tiny_model_di
     half = adapter_message_bytes(policy.model, torch.bfloat16)
     build_policy(tiny_model_dir, learner_config(lora_rank=64, target_modules="all-linear", adapter_dtype="bfloat16"),
                  parallel, seed=0, max_message_bytes=half)
+
+
+def test_the_learner_exits_2_when_its_adapter_cannot_fit_a_broker_message(tiny_model_dir: Path, tmp_path: Path) -> None:
+    """The check runs at start-up, before connecting (nobody listens on the endpoint) and before any weight loads."""
+    import subprocess
+
+    from tests.learner.test_learner_runs import learner_argv
+    from tests.support import child_env
+
+    argv = learner_argv(tmp_path / "run", "tcp://127.0.0.1:1", tiny_model_dir, "broker.max_message_bytes=65536")
+    done = subprocess.run(argv, capture_output=True, text=True, timeout=120, env=child_env())
+    assert done.returncode == 2, done.stderr[-3000:]
+    assert "learner.lora_rank = 8" in done.stderr and "broker.max_message_bytes = 65536" in done.stderr
+    assert "Traceback" not in done.stderr
