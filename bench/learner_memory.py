@@ -93,7 +93,8 @@ def build_shaped_model(directory: Path, shape: str, *, dtype: str = "bfloat16", 
     for name, param in meta.named_parameters():  # a tied head is the embedding: saved once, as releases do
         match = LAYER.search(name)
         groups.setdefault(f"layer{int(match.group(1)):03d}" if match else "rest", {})[name] = param
-    generator = torch.Generator().manual_seed(seed)
+    device = "cuda" if torch.cuda.is_available() else "cpu"  # drawing 1.5 B values takes minutes on a few cores
+    generator = torch.Generator(device).manual_seed(seed)
     torch_dtype = getattr(torch, dtype)
     weight_map: dict[str, str] = {}
     total = 0
@@ -105,7 +106,8 @@ def build_shaped_model(directory: Path, shape: str, *, dtype: str = "bfloat16", 
             elif name.endswith(".bias"):
                 tensors[name] = torch.zeros(param.shape, dtype=torch_dtype)
             else:
-                tensors[name] = torch.empty(param.shape, dtype=torch_dtype).normal_(0, 0.02, generator=generator)
+                tensors[name] = torch.empty(param.shape, dtype=torch_dtype, device=device).normal_(
+                    0, 0.02, generator=generator).cpu()
         file = f"model-{group}.safetensors"
         save_file(tensors, str(directory / file), metadata={"format": "pt"})
         weight_map.update(dict.fromkeys(tensors, file))
