@@ -28,7 +28,7 @@ from common.config import Config
 from common.logging import get_logger
 from common.metrics import Metrics
 from common.protocol import Ack, Batch, BatchAck, BatchRequest, Error, Hello, Kind, Welcome
-from common.transport import BrokerLink, Incoming, Reconnected
+from common.transport import BrokerLink, BrokerUnavailable, Incoming, Reconnected
 from learner.publish import AdapterSnapshot
 
 log = get_logger("learner.session")
@@ -72,11 +72,24 @@ class BrokerSession:
         self.adapter_acks: list[AdapterAck] = []  # taken by the loop for its metrics
 
     def start(self, timeout_s: float) -> Welcome:
+        deadline = time.monotonic() + timeout_s
         if not self._config.security.enabled:  # read now, not at construction: a broker started at the same time
-            from common.run_token import learner_token  # as this learner has written it by then
+            from common.run_token import learner_token, token_path  # as this learner has written it by then
 
-            self.link.hello.token = learner_token(self._config)
-        self.welcome = self.link.start(timeout_s)
+            token = learner_token(self._config)
+            if not token:  # a broker not started yet writes it on its first start: any start order works
+                log.info("run_token_wait", path=str(token_path(self._config)), timeout_s=timeout_s,
+                         fix="on another host set security.run_token (the same on both) or copy the file")
+            while not token and time.monotonic() < deadline:
+                time.sleep(0.1)
+                token = learner_token(self._config)
+            if not token:
+                raise BrokerUnavailable(f"no run token at {token_path(self._config)} within {timeout_s:.0f} s "
+                                        "(run.connect_timeout_s): the broker writes it on its first start with this "
+                                        "run directory; is it running? On another host set security.run_token (the "
+                                        "same on both) or security.run_token_file to a copy")
+            self.link.hello.token = token
+        self.welcome = self.link.start(max(1.0, deadline - time.monotonic()))
         return self.welcome
 
     @property

@@ -4,8 +4,8 @@ NAME -->`` line) go through one bash process in order, and only two of the recip
 written against a cache (``LORAFLOW_CACHE``) in which a quickly warmed-up base stands where the demo base of seed 0
 is kept. Between starting and stopping the test waits for a few learner steps. Then: every process exited 0 in the documented stop order, the learner trained steps,
 every issued prompt was trained once or is still owed by the broker (tests/e2e/accounting.py), the plots exist.
-A second run starts the same lines in reverse (workers, learner, then the broker seconds later): the recipe's
-claim that any start order works within ``run.connect_timeout_s``."""
+A second run starts the same lines in reverse (workers, learner, then the broker once the learner waits for it):
+the recipe's claim that any start order works within ``run.connect_timeout_s``."""
 
 from __future__ import annotations
 
@@ -33,8 +33,8 @@ pytestmark = pytest.mark.slow
 README = REPO / "deploy" / "README.md"
 BLOCKS = ("setup", "start", "watch", "stop", "plot")
 STEPS = 3  # learner steps to wait for before stopping
-RUN_TIMEOUT_S = 150.0  # the whole script, then everything is killed; a run took 24-70 s on 2 busy cores
-BROKER_DELAY_S = 4.0  # how much later than the clients the broker starts in the reverse-order run
+RUN_TIMEOUT_S = 200.0  # the whole script, then everything is killed; a run took 24-70 s on 2 busy cores
+LEARNER_WAITING = ("run_token_wait", "broker_silent")  # the learner's log lines while it waits for the broker
 
 
 def recipe_blocks(text: str) -> dict[str, list[str]]:
@@ -60,11 +60,14 @@ def with_values(lines: list[str], values: dict[str, str]) -> list[str]:
     return out
 
 
-def reversed_start(lines: list[str]) -> list[str]:
-    """The start block's commands in reverse order, the broker (first as written) last and after a pause."""
+def reversed_start(lines: list[str], run_dir: str) -> list[str]:
+    """The start block's commands in reverse order, the broker (first as written) last: once the learner says it
+    is waiting for it (for its run token, or for a Welcome), at most 90 s after it was started."""
     commands = [line for line in lines if line.startswith("loraflow ")]
     assert commands[0].startswith("loraflow broker ") and len(commands) == 4, commands
-    return [*reversed(commands[1:]), f"sleep {BROKER_DELAY_S}", "date +broker_at=%s.%N", commands[0]]
+    learner_waits = (f"for i in $(seq 900); do grep -qE '{'|'.join(LEARNER_WAITING)}' {run_dir}/logs/learner.log "
+                     "2>/dev/null && break; sleep 0.1; done")
+    return [*reversed(commands[1:]), learner_waits, "date +broker_at=%s.%N", commands[0]]
 
 
 def wait_for_steps(run_dir: str) -> str:
@@ -92,7 +95,7 @@ def run_recipe(tmp_path: Path, model: Path, *, reverse: bool = False) -> tuple[s
     blocks = recipe_blocks(README.read_text())
     run_dir = tmp_path / "by-hand"
     values = {"RUN_DIR": str(run_dir), "PORT": str(free_port())}
-    start = reversed_start(blocks["start"]) if reverse else blocks["start"]
+    start = reversed_start(blocks["start"], str(run_dir)) if reverse else blocks["start"]
     script = [*with_values(blocks["setup"], values), *start, wait_for_steps(str(run_dir)),
               *blocks["watch"], *blocks["stop"], *blocks["plot"]]
     env = child_env(LORAFLOW_CACHE=str(demo_cache(tmp_path / "cache", model)))
@@ -151,6 +154,23 @@ def test_workers_and_learner_may_start_before_the_broker(tmp_path: Path, quick_b
     result, run_dir = run_recipe(tmp_path, quick_base_dir, reverse=True)
     check_outcome(result, run_dir)
     broker_at = float(re.search(r"broker_at=([\d.]+)", result.stdout).group(1))
+    learner_log = (run_dir / "logs" / "learner.log").read_text()
+    assert any(line in learner_log for line in LEARNER_WAITING), learner_log  # it waited, then joined and trained
     for process in ("worker-1", "worker-2"):  # up and waiting for the broker before it was started
         (life,) = read_lives(run_dir / "timeline" / f"{process}.jsonl")
         assert life.start_s < broker_at, f"{process} began {life.start_s - broker_at:.1f} s after the broker"
+
+
+def test_a_learner_whose_broker_never_comes_waits_the_timeout_and_says_why(tmp_path: Path,
+                                                                           tiny_model_dir: Path) -> None:
+    """Past run.connect_timeout_s a learner started first gives up with one line (exit 1): with security off it
+    was still waiting for the run token the broker writes into the run directory on its first start."""
+    run_dir = tmp_path / "alone"
+    learner = subprocess.run([sys.executable, "-m", "learner", "--model", str(tiny_model_dir), "--run-dir",
+                              str(run_dir), "--endpoint", f"tcp://127.0.0.1:{free_port()}", "--set",
+                              "run.connect_timeout_s=3"], env=child_env(), capture_output=True, text=True, timeout=120)
+    assert learner.returncode == 1, learner.stderr
+    errors = [line for line in learner.stderr.splitlines() if "[error" in line]
+    assert len(errors) == 1 and "broker_unavailable" in errors[0], learner.stderr
+    assert f"no run token at {run_dir / 'broker' / 'run_token'} within 3 s (run.connect_timeout_s)" in errors[0]
+    assert "run_token_wait" in learner.stderr and "Traceback" not in learner.stderr
