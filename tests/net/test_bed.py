@@ -3,6 +3,8 @@ host off, and everything (processes, namespaces, veths, bridge, hosts files) is 
 
 from __future__ import annotations
 
+import os
+import shutil
 import subprocess
 import sys
 import time
@@ -10,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from bench.netbed import Network
+from bench.netbed import BedUnavailable, Network, require_root
 
 pytestmark = pytest.mark.net
 
@@ -77,3 +79,15 @@ def test_everything_goes_after_a_failure(root_and_ip: None) -> None:
     listed = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True, timeout=10).stdout
     assert not any(name in listed for name in names), listed
     assert not any((Path("/etc/netns") / name).exists() for name in names)
+
+
+def test_without_root_or_ip_it_says_what_is_missing(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(os, "geteuid", lambda: 1000)
+    with pytest.raises(BedUnavailable, match="run it as root"):
+        require_root()
+    monkeypatch.setattr(os, "geteuid", lambda: 0)
+    monkeypatch.setattr(shutil, "which", lambda tool: None if tool == "ip" else f"/usr/sbin/{tool}")
+    with pytest.raises(BedUnavailable, match="needs 'ip'.*iproute2"):
+        require_root()
+    with pytest.raises(BedUnavailable):
+        Network(["a"]).create()  # nothing made before the check
