@@ -5,17 +5,19 @@ namespace of its own (the "switch"), each host with one address in a private /24
 route beyond it (no default route, nothing in the machine's own namespace is touched). Each host has its own
 hostname (:meth:`Network.argv` runs every command in a UTS namespace named after the host) and an
 ``/etc/netns/<ns>/hosts`` (``ip netns exec`` mounts it over ``/etc/hosts``) that names every test host, as a
-real network's resolver would; torchrun's rendezvous and gloo find each node's address through them. :meth:`Network.destroy` kills every process left in the namespaces (by
-pid, from ``ip netns pids``) and removes namespaces, veths, the bridge and the hosts files; it is safe to call
-after any failure.
+real network's resolver would; torchrun's rendezvous and gloo find each node's address through them.
+:meth:`Network.destroy` kills every process left in the namespaces (by pid, from ``ip netns pids``) and removes
+namespaces, veths, the bridge and the hosts files; it is safe to call after any failure. Names carry the
+creator's pid: :func:`sweep_orphans` (run by every :meth:`Network.create`) removes beds whose creator was killed
+before it could clean up.
 
 :class:`Cluster` runs loraflow on those hosts with the scripts the systemd units call (``deploy/scripts``), each
 under ``ip netns exec``: a broker host, a learner of ``learner_nodes`` torchrun nodes (one rank each, c10d
 rendezvous on node 0, gloo over the test network, one run directory shared by the nodes as the README asks), and
 worker hosts, CURVE on with keys from ``loraflow keys`` (each client host gets only ``broker.key`` and its own
-secret). It measures what the faults in :mod:`bench.net_faults` and tests/net report, from the files the roles
-write: the learner's ledger and the roles' JSON logs. ``loopback=True`` puts every role on one host (127.0.0.1):
-the same run without a network, for the throughput reference.
+secret). The faults below it (:data:`FAULTS`, used by bench/net_faults.py and tests/net) measure from the files
+the roles write: the learner's ledger and the roles' JSON logs. ``loopback=True`` puts every role on one host
+(127.0.0.1): the same run without a network, for the throughput reference.
 
 Needs root and ``ip`` (iproute2); :func:`require_root` says so plainly.
 """
@@ -25,6 +27,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import re
 import shutil
 import signal
 import subprocess
@@ -77,7 +80,8 @@ class Network:
 
     hosts: list[str]
     prefix: str = "10.231.7"
-    tag: str = field(default_factory=lambda: uuid.uuid4().hex[:6])
+    # names carry the creating process's pid, so a bed whose creator was killed outright can be swept later
+    tag: str = field(default_factory=lambda: f"{os.getpid()}.{uuid.uuid4().hex[:4]}")
     made: list[str] = field(default_factory=list)  # namespaces made so far (destroy removes exactly these)
 
     def ns(self, host: str) -> str:
@@ -96,6 +100,7 @@ class Network:
 
     def create(self) -> Network:
         require_root()
+        sweep_orphans()
         try:
             self._add_ns(self.switch)
             _sh("ip", "-n", self.switch, "link", "add", "br0", "type", "bridge")
@@ -171,6 +176,24 @@ class Network:
 
 def _since(t: float | None, t0: float) -> float | None:
     return None if t is None else round(t - t0, 2)
+
+
+def sweep_orphans() -> list[str]:
+    """Remove the namespaces (and hosts files) of beds whose creating process is gone: a run killed with SIGKILL
+    never reached :meth:`Network.destroy`. Only names this module makes (``lf<pid>.<hex>-<host>``) are touched."""
+    swept = []
+    for line in _sh("ip", "netns", "list", check=False).stdout.splitlines():
+        ns = line.split()[0] if line.split() else ""
+        match = re.fullmatch(r"lf(\d+)\.[0-9a-f]{4}-[\w-]+", ns)
+        if match is None or Path(f"/proc/{match.group(1)}").exists():
+            continue
+        for pid in _sh("ip", "netns", "pids", ns, check=False).stdout.split():
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(int(pid), signal.SIGKILL)
+        _sh("ip", "netns", "del", ns, check=False)
+        shutil.rmtree(Path("/etc/netns") / ns, ignore_errors=True)
+        swept.append(ns)
+    return swept
 
 
 def _ts(line: dict[str, Any]) -> float:

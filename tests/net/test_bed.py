@@ -7,12 +7,13 @@ import os
 import shutil
 import subprocess
 import sys
+import textwrap
 import time
 from pathlib import Path
 
 import pytest
 
-from bench.netbed import BedUnavailable, Network, require_root
+from bench.netbed import BedUnavailable, Network, require_root, sweep_orphans
 
 pytestmark = pytest.mark.net
 
@@ -91,3 +92,25 @@ def test_without_root_or_ip_it_says_what_is_missing(monkeypatch: pytest.MonkeyPa
         require_root()
     with pytest.raises(BedUnavailable):
         Network(["a"]).create()  # nothing made before the check
+
+
+def test_a_bed_whose_creator_was_killed_is_swept(root_and_ip: None) -> None:
+    """A creator SIGKILLed before its teardown leaves its namespaces; the next bed's create() removes them."""
+    code = textwrap.dedent("""
+        import os, signal, sys
+        sys.path.insert(0, sys.argv[1])
+        from bench.netbed import Network
+        net = Network(["a"], prefix="10.231.11").create()
+        print(net.ns("a"), net.switch, flush=True)
+        os.kill(os.getpid(), signal.SIGKILL)
+    """)
+    done = subprocess.run([sys.executable, "-c", code, str(Path(__file__).resolve().parents[2])], capture_output=True,
+                          text=True, timeout=60)
+    assert done.returncode == -9, done.stderr
+    names = done.stdout.split()
+    listed = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True, timeout=10).stdout
+    assert all(name in listed for name in names), "the killed creator's namespaces should still be there"
+    swept = sweep_orphans()
+    assert set(names) <= set(swept)
+    listed = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True, timeout=10).stdout
+    assert not any(name in listed for name in names) and not any((Path("/etc/netns") / n).exists() for n in names)
