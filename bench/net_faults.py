@@ -82,7 +82,10 @@ def main() -> None:
     parser.add_argument("--fault-prompts", type=int, default=520)
     parser.add_argument("--fault-tokens-per-s", type=float, default=10)
     args = parser.parse_args()
-    netbed.require_root()
+    try:
+        netbed.require_root()
+    except netbed.BedUnavailable as exc:
+        sys.exit(f"net_faults: {exc}")
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # the bed's teardown runs on a SIGTERM too
 
     from common.tiny_model import build_tiny_model

@@ -95,6 +95,10 @@ async def main(listen: str, target: str, control: str) -> None:
 
 
 if __name__ == "__main__":
+    if len(sys.argv) == 1:  # a bare call (make bench runs every bench/*.py) is a request for the usage
+        print(__doc__)
+        sys.exit(0)
     if len(sys.argv) != 4:
-        sys.exit(__doc__)
+        print(f"netproxy: expected LISTEN TARGET CONTROL_FILE, got {sys.argv[1:]}", file=sys.stderr)
+        sys.exit(2)
     asyncio.run(main(*sys.argv[1:]))
