@@ -371,7 +371,7 @@ class Cluster:
         return [x for p in self.role_logs(role) for x in read_json_lines(p) if "timestamp" in x]
 
     def accepted_after(self, w: str, t: float) -> float | None:
-        """When the first group of worker ``w`` submitted after ``t`` was accepted by the broker (None: not yet)."""
+        """When the broker first accepted a group of worker ``w`` after ``t`` (the worker's ack; None: not yet)."""
         times = [_ts(x) for x in self.log_lines(w)
                  if x.get("event") == "group_acked" and x.get("status") == "accepted" and _ts(x) > t]
         return min(times) if times else None
@@ -383,7 +383,8 @@ class Cluster:
 
     def regenerated(self, t0: float, t1: float) -> dict[str, Any]:
         """Groups leased again in [t0, t1] after an earlier lease (generated twice), and the reasons the logs give:
-        the broker's lease expiries, dead peers and dropped groups, and the workers' refused acks."""
+        how many times each of the broker's lines about expiries, dead peers, drops and restores was logged (one
+        line may cover several groups) and the workers' acks other than accepted, by status."""
         leases: list[tuple[float, str]] = sorted(
             (_ts(x), x["group_id"]) for w in self.workers for x in self.log_lines(w) if x.get("event") == "lease_granted")
         seen: set[str] = set()
