@@ -20,13 +20,15 @@ LORAFLOW_SLURM_DIR="$LORAFLOW_RUN_DIR/slurm"  # endpoint, worker-jobs/, logs/ (o
 LORAFLOW_LOGS="$LORAFLOW_SLURM_DIR/logs"
 mkdir -p "$LORAFLOW_LOGS" "$LORAFLOW_SLURM_DIR/worker-jobs"
 STEP_PIDS=()
+STEP_PID=""
 
 slurm_log() {
     echo "[$(date -u +%H:%M:%S)] loraflow slurm job $SLURM_JOB_ID: $*" >&2
 }
 
 # slurm_step NAME SRUN_OPTION... -- COMMAND...: one job step named NAME in the background, its output in
-# logs/NAME.log (appended: a requeued job continues the same files); its srun pid is appended to STEP_PIDS
+# logs/NAME.log (appended: a requeued job continues the same files); its srun pid is appended to STEP_PIDS and
+# is STEP_PID until the next step
 slurm_step() {
     local name="$1" opts=()
     shift
@@ -40,7 +42,8 @@ slurm_step() {
         return 0
     fi
     "${cmd[@]}" &
-    STEP_PIDS+=("$!")
+    STEP_PID="$!"
+    STEP_PIDS+=("$STEP_PID")
 }
 
 # slurm_worker NODE INDEX: one rollout worker step on NODE; its worker id is <host>-<job id><index, 2 digits>,
@@ -84,6 +87,23 @@ slurm_wait_all() {
     local pid
     for pid in "${STEP_PIDS[@]}"; do slurm_wait "$pid" || true; done
     return 0
+}
+
+# slurm_stop_worker_jobs: SIGTERM to the batch script of every worker job that joined this run (listed in
+# worker-jobs/ by loraflow-workers.sbatch), then wait up to a minute for them to leave the queue
+slurm_stop_worker_jobs() {
+    local jobs=() job_file
+    for job_file in "$LORAFLOW_SLURM_DIR"/worker-jobs/*; do
+        [ -e "$job_file" ] || continue
+        jobs+=("$(basename "$job_file")")
+        scancel --batch --signal=TERM "${jobs[-1]}" 2>/dev/null
+    done
+    [ "${#jobs[@]}" = 0 ] && return 0
+    for _ in $(seq 60); do
+        [ -z "$(squeue --noheader --jobs="$(IFS=,; echo "${jobs[*]}")" --format=%i 2>/dev/null)" ] && return 0
+        sleep 1
+    done
+    slurm_log "worker jobs ${jobs[*]} still running after a minute"
 }
 
 # slurm_preempted: true when Slurm has selected this job for preemption (it is in its GraceTime)

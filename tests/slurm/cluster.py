@@ -134,9 +134,8 @@ PartitionName=urgent Nodes={self.node} MaxTime=INFINITE State=UP PriorityTier=2 
     def stop(self) -> None:
         """Cancel every job, wait for them to end, then end the daemons (by pid) and any process left of a job."""
         if "slurmctld" in self.procs and self.procs["slurmctld"].poll() is None:
-            self.run("scancel", "--full", f"--user={os.geteuid()}", check=False)
             with contextlib.suppress(AssertionError):
-                self._wait(lambda: not self.run("squeue", "--noheader", check=False).strip(), 60, "jobs to end")
+                self.cancel_all()
         for name in reversed(DAEMONS):
             proc = self.procs.pop(name, None)
             if proc is None or proc.poll() is not None:
@@ -150,6 +149,11 @@ PartitionName=urgent Nodes={self.node} MaxTime=INFINITE State=UP PriorityTier=2 
         for pid in self.leftover_pids():  # slurmstepd and job tasks are not children of slurmd once started
             with contextlib.suppress(ProcessLookupError):
                 os.kill(pid, signal.SIGKILL)
+
+    def cancel_all(self, timeout_s: float = 60.0) -> None:
+        """Cancel every job (each test ends with an empty queue, whatever it left running) and wait for it."""
+        self.run("scancel", "--full", f"--user={os.geteuid()}", check=False)
+        self._wait(lambda: not self.run("squeue", "--noheader", check=False).strip(), timeout_s, "jobs to end")
 
     def leftover_pids(self) -> list[int]:
         """Processes that carry this cluster's SLURM_CONF (job steps, their tasks) still running."""

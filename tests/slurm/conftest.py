@@ -20,7 +20,7 @@ def slurm_installed() -> None:
 
 
 @pytest.fixture(scope="session")
-def slurm_cluster(slurm_installed: None, tmp_path_factory: pytest.TempPathFactory) -> Iterator[SlurmCluster]:
+def slurm_session(slurm_installed: None, tmp_path_factory: pytest.TempPathFactory) -> Iterator[SlurmCluster]:
     cluster = SlurmCluster(tmp_path_factory.mktemp("slurm"))
     try:
         cluster.start()
@@ -29,6 +29,13 @@ def slurm_cluster(slurm_installed: None, tmp_path_factory: pytest.TempPathFactor
         cluster.stop()
     left = cluster.leftover_pids()
     assert not left, f"processes of the test cluster still running: {left}"
+
+
+@pytest.fixture
+def slurm_cluster(slurm_session: SlurmCluster) -> Iterator[SlurmCluster]:
+    """The session's cluster, its queue emptied after the test (a failed test leaves no job holding CPUs)."""
+    yield slurm_session
+    slurm_session.cancel_all()
 
 
 @pytest.fixture

@@ -17,11 +17,11 @@ import pytest
 from tests.fault.ledger import audit_run
 from tests.slurm.cluster import SlurmCluster
 from tests.slurm.runs import SLURM, job_waiter, keys_for, run_env, trained_ids
-from tests.support import REPO
+from tests.support import REPO, wait_for
 
 pytestmark = pytest.mark.slurm
 
-NUM_PROMPTS = 64
+NUM_PROMPTS = 96  # 24 steps: enough left for the preemption and the USR1 to land mid-run
 
 
 def test_preempted_run_is_requeued_and_resumes(slurm_cluster: SlurmCluster, quick_base_dir: Path,
@@ -71,7 +71,13 @@ def test_preempted_run_is_requeued_and_resumes(slurm_cluster: SlurmCluster, quic
 
 
 def release(cluster: SlurmCluster, job: str) -> None:
-    """Slurm holds a requeued job back until its BeginTime (about two minutes on): let it start now."""
+    """Slurm holds a requeued job back until its BeginTime (about two minutes on): let it start now, once its
+    last incarnation is gone from the node and a second has passed (slurmd revokes the job's credentials at the
+    requeue, with one-second resolution: a launch in that second is refused, "Job credential revoked")."""
+    wait_for(lambda: cluster.job_state(job) == "PENDING"
+             and cluster.run("sinfo", "--noheader", "--format=%T", check=False).strip() == "idle", 120,
+             "the requeued job to be pending on an idle node")
+    time.sleep(2)
     pending = cluster.show_job(job)
     print(f"requeued: JobState={pending['JobState']} Reason={pending.get('Reason')} "
           f"EligibleTime={pending.get('EligibleTime')}")

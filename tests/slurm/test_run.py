@@ -1,7 +1,8 @@
 """The Slurm templates for real: ``sbatch`` of deploy/slurm/loraflow-run.sbatch trains the demo (CURVE on, keys
 from one shared directory) on a one-node cluster, a second job of deploy/slurm/loraflow-workers.sbatch joins
-the running run, one worker step of the run is ``scancel``-ed mid-run, and the job is stopped with a SIGTERM to
-its batch script (``scancel --batch --signal=TERM``). Then the ledger audit of tests/fault: every prompt trained
+the running run, one worker step of the run is ``scancel``-ed (SIGKILL) and another stopped with SIGTERM
+mid-run, the learner step is killed (the job starts it again, it resumes from its checkpoint), and the job is
+stopped with a SIGTERM to its batch script (``scancel --batch --signal=TERM``). Then the ledger audit of tests/fault: every prompt trained
 exactly once, no withdrawn version trained, and the learner's final checkpoint (written on SIGTERM) holds the
 whole epoch."""
 
@@ -67,6 +68,12 @@ def test_sbatch_run_with_elastic_workers_scancel_and_preemption(slurm_cluster: S
     # the elastic job's worker carries the rest of the run
     wait(lambda: log_events(extra_log, "lease_granted"), 180, "the elastic job's worker to lease")
     assert len(trained_ids(run_dir)) < NUM_PROMPTS, "the run ended before the elastic worker joined: more prompts"
+
+    # a learner crash: SIGKILL to its step; the job starts it again and it resumes from its checkpoint
+    first_learner = cluster.steps(job)["learner"]
+    cluster.run("scancel", "--signal=KILL", first_learner)
+    wait(lambda: cluster.steps(job).get("learner", first_learner) != first_learner, 90, "a new learner step")
+    assert len(trained_ids(run_dir)) < NUM_PROMPTS, "the run ended before the learner crash: more prompts"
     wait(lambda: len(trained_ids(run_dir)) == NUM_PROMPTS, 240, f"all {NUM_PROMPTS} prompts trained")
 
     # what the time limit does with --signal=B:TERM@120: SIGTERM to the batch script, which stops the steps in order
@@ -80,6 +87,7 @@ def test_sbatch_run_with_elastic_workers_scancel_and_preemption(slurm_cluster: S
     assert log_events(extra_log, "stopped"), extra_log.read_text()[-3000:]
 
     audit = audit_run(run_dir, sorted(logs.glob("worker-*.log")), NUM_PROMPTS)
+    assert len(audit.starts) == 2, audit.summary()  # the learner step and its restart
     assert audit.worker_events["accepted"] & {line["group_id"] for line in log_events(extra_log, "group_submitted")}, \
         "the elastic job's worker contributed no accepted group"
     print(f"slurm run in {time.monotonic() - started:.0f} s: {audit.summary()}")
