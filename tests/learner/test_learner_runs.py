@@ -33,7 +33,8 @@ NUM_STEPS = 5
 COMMON = ["run.groups_per_step=2", "run.group_size=4", "run.max_staleness=100", "learner.lora_rank=8",
           "learner.micro_batch_tokens=64", "learner.checkpoint_every=2", "learner.kl_beta=0.01",
           "learner.off_policy=\"tis\"", "learner.save_adapter_every=2", "learner.warmup_steps=2",
-          "learner.adam_eps=1e-5"]
+          "learner.adam_eps=1e-5",
+          'security.run_token="scripted-broker"']  # the scripted broker writes no run token file (common/run_token.py)
 
 
 def learner_argv(run_dir: Path, endpoint: str, model_dir: Path, *overrides: str, ranks: int = 1) -> list[str]:
