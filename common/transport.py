@@ -15,7 +15,10 @@ What the I/O thread waits for: the DEALER socket, the inproc pipe from callers, 
 (handshake failures) and the next heartbeat deadline, in one ``zmq.Poller``. zmq reconnects TCP by itself; the thread only has to notice that the broker
 process is a new one (a different ``broker_id`` in its Welcome, or a ``not_registered`` Error) and say hello
 again. The caller then gets a :class:`Reconnected` item from :meth:`BrokerLink.recv` and re-sends whatever the
-old broker had not acknowledged (the broker deduplicates).
+old broker had not acknowledged (the broker deduplicates). The same broker welcoming us again counts too: a
+hello sent again after a Welcome (the broker said ``not_registered``, or stayed silent past the timeout: a cut
+link) means it declared us dead and re-queued our leases, and what we sent while the link was down may be lost,
+so it is re-sent at once rather than waiting for the lease timeout.
 
 Refusals are errors at the caller, with the broker's reason: a Hello answered by an Error (too many workers,
 another protocol version, a key not authorised for the role) makes :meth:`BrokerLink.start` raise
@@ -161,7 +164,8 @@ class Incoming:
 
 @dataclass(slots=True)
 class Reconnected:
-    """The broker restarted (or forgot us); re-send anything it has not acknowledged."""
+    """The broker restarted, forgot us, or welcomed us back after a silence; re-send anything it has not
+    acknowledged."""
 
     welcome: Welcome
 
@@ -192,6 +196,7 @@ class BrokerLink:
         self._inbox: queue.Queue[Incoming | Reconnected] = queue.Queue()
         self._held: collections.deque[Incoming | Reconnected] = collections.deque()
         self._welcomed = threading.Event()
+        self._rejoining = False  # a hello went out again after a Welcome: its answer is a Reconnected too
         self._answered = threading.Event()  # a Welcome, or an Error refusing the Hello
         self._refusal: Error | None = None
         self._handshake_problem: str | None = None  # a handshake that cannot succeed (HandshakeWatch)
@@ -334,6 +339,7 @@ class BrokerLink:
                             break
                         if self._handle(frames):
                             send_own(self.hello)
+                            self._rejoining = True
                             last_hello = time.monotonic()
                 now = time.monotonic()
                 if now >= next_beat:
@@ -344,6 +350,7 @@ class BrokerLink:
                 if silent_s > self._timeout_s and now - last_hello > self._timeout_s:
                     log.warning("broker_silent", silent_s=round(silent_s, 1), endpoint=self.endpoint)
                     send_own(self.hello)
+                    self._rejoining = self._welcomed.is_set()
                     last_hello = now
         finally:
             watch.close()
@@ -385,9 +392,11 @@ class BrokerLink:
             previous = self.welcome
             self.welcome = record
             self.latest_version = max(self.latest_version, record.latest_version)
-            if previous is not None and previous.broker_id != record.broker_id:
+            rejoined, self._rejoining = self._rejoining, False
+            if previous is not None and (previous.broker_id != record.broker_id or rejoined):
                 self.num_reconnects += 1
-                log.info("broker_restarted", broker_id=record.broker_id)
+                log.info("broker_restarted" if previous.broker_id != record.broker_id else "broker_rejoined",
+                         broker_id=record.broker_id)
                 self._inbox.put(Reconnected(record))
             self._welcomed.set()
             self._answered.set()

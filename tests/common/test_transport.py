@@ -137,3 +137,21 @@ def test_fetch_stats(broker: ScriptedBroker) -> None:
     thread.join()
     with pytest.raises(BrokerUnavailable, match="no stats"):
         fetch_stats(broker.endpoint, timeout_s=0.2)
+
+
+def test_the_same_broker_welcoming_us_back_reports_a_reconnect(broker: ScriptedBroker) -> None:
+    """A cut link: the broker, still running, declared us dead (not_registered), so what we sent meanwhile may be
+    lost; its Welcome to the new hello must make the caller re-send, though the broker id is unchanged."""
+    link = BrokerLink(broker.endpoint, Hello(role="worker", client_id="w9"), heartbeat_interval_s=0.05)
+    link._thread.start()
+    identity, _ = broker.recv(kind=Kind.HELLO)
+    broker.send(identity, welcome("b1"))
+    assert link._welcomed.wait(5)
+    broker.send(identity, welcome("b1"))  # a duplicate Welcome to a hello we did not send again: nothing
+    broker.send(identity, protocol.Error(code="not_registered", message="declared dead"))
+    identity, _ = broker.recv(kind=Kind.HELLO)
+    broker.send(identity, welcome("b1"))
+    item = link.recv(5)
+    assert isinstance(item, Reconnected) and item.welcome.broker_id == "b1"
+    assert link.num_reconnects == 1 and link.recv(0.2) is None
+    link.close(send_bye=False)
