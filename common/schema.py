@@ -221,7 +221,7 @@ def check_value(value: Any, annotation: Any, rule_: Rule, path: str) -> Any:
                 return check_value(value, option, rule_, path)
             except SchemaError as exc:
                 errors.append(exc)
-        fitting = [e for e in errors if not str(e).startswith(f"{path}: expected ")]
+        fitting = [e for e in errors if str(e).startswith(f"{path}: ") and not str(e).startswith(f"{path}: expected ")]
         if fitting:  # the value has the right type for an option but breaks its rule (a NaN float): say that
             raise fitting[0]
         raise SchemaError(f"{path}: expected {' or '.join(map(_type_text, inner))}, got {_preview(value)}")

@@ -32,10 +32,13 @@ def poll_until(session: BrokerSession, condition, timeout_s: float = 10.0):
     raise AssertionError("condition not reached")
 
 
+SCRIPTED_TOKEN = 'security.run_token="scripted"'  # the scripted broker writes no run token file (common/run_token.py)
+
+
 def test_batches_acks_and_resending_after_a_broker_restart() -> None:
     first = ScriptedBroker(allowed_batches=1, answer_batch_acks=False)
     config = load_config(None, [f"broker.endpoint=\"{first.endpoint}\"", "broker.heartbeat_interval_s=0.1",
-                                "broker.heartbeat_misses=2"])
+                                "broker.heartbeat_misses=2", SCRIPTED_TOKEN])
     metrics = Metrics()
     session = BrokerSession(config, version=0, metrics=metrics)
     second = None
@@ -72,7 +75,7 @@ def test_batches_acks_and_resending_after_a_broker_restart() -> None:
 
 def test_refused_batch_requests_are_retried_at_the_poll_pace_or_fatal_for_limit() -> None:
     broker = ScriptedBroker(refuse_requests="internal")
-    config = load_config(None, [f"broker.endpoint=\"{broker.endpoint}\""])
+    config = load_config(None, [f"broker.endpoint=\"{broker.endpoint}\"", SCRIPTED_TOKEN])
     session = BrokerSession(config, version=0, metrics=Metrics())
     try:
         session.start(5)
