@@ -7,8 +7,9 @@
                         <- Ack(ADAPTER_UPDATE, str(version))           (time from send to here is recorded)
     ack_batch(ack)        BatchAck(batch_id, step, group ids, ...)     ->
                         <- Ack(BATCH_ACK, batch_id)                    (kept until then)
-    Reconnected (a new broker process):  re-send every unacknowledged BatchAck, the outstanding BatchRequest,
-                                         and the newest adapter unless the new broker knows a newer version.
+    Reconnected (a new broker process, or the same one after a cut link):  re-send every unacknowledged BatchAck,
+                                         the outstanding BatchRequest, and the newest adapter unless the broker
+                                         holds it (the same broker at that version) or knows a newer version.
 
 Nothing here blocks except :meth:`BrokerSession.poll` (up to its timeout) and :meth:`BrokerSession.drain`;
 heartbeats run in the BrokerLink's I/O thread, so a long training step never looks like a dead learner.
@@ -197,14 +198,18 @@ class BrokerSession:
             self._unacked_batches.pop(error.ref_id, None)
 
     def _on_reconnected(self, welcome: Welcome) -> None:
+        same_broker = self.welcome is not None and self.welcome.broker_id == welcome.broker_id
         self.welcome = welcome
         self.metrics.inc("broker_reconnects")
         log.info("broker_reconnected", broker_id=welcome.broker_id, latest_version=welcome.latest_version,
                  unacked_batches=len(self._unacked_batches))
         for ack in self._unacked_batches.values():
             self.link.send(ack)
-        # a restarted broker may know our newest version (persisted) but not its tensors: send them again
-        if self._newest is not None and welcome.latest_version <= self._newest.version:
+        # a restarted broker may know our newest version (persisted) but not its tensors: send them again (the same
+        # broker welcoming us back after a cut link holds them, unless our newest was lost on the way)
+        newest_missing = self._newest is not None and (welcome.latest_version < self._newest.version or (
+            welcome.latest_version == self._newest.version and not same_broker))
+        if newest_missing:
             self._adapter_sent_at[self._newest.version] = time.monotonic()
             self.link.send(self._newest.update(), self._newest.tensors)
         if self._wanted is not None:
