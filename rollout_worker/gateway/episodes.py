@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import math
 import os
 import secrets
 import threading
@@ -51,6 +52,15 @@ from rollout_worker.rollout import FinishedGroup
 log = get_logger("gateway")
 
 EXTERNAL = "external"
+
+
+def episode_metrics(values: Any) -> dict[str, float]:
+    """The metrics a harness reported that can travel in a RolloutGroup: string names, finite numbers (the broker
+    refuses a whole group over one NaN, so a harness's NaN or inf is left out here, not sent)."""
+    if not isinstance(values, dict):
+        return {}
+    return {k: float(v) for k, v in values.items() if isinstance(k, str) and isinstance(v, int | float)
+            and not isinstance(v, bool) and math.isfinite(v)}
 
 
 @dataclass(slots=True, kw_only=True)
@@ -237,8 +247,7 @@ class AgentRollouts:
             return f"'reward' must be a finite number: {exc}"
         metrics = body.get("metrics") or {}
         episode.finished_reward = reward
-        episode.metrics = {k: float(v) for k, v in metrics.items() if isinstance(v, int | float)} \
-            if isinstance(metrics, dict) else {}
+        episode.metrics = episode_metrics(metrics)
         self.engine.close(session.id)
         if self.agent is None:
             self._done(episode, reward)
@@ -273,8 +282,7 @@ class AgentRollouts:
                 value = episode.finished_reward
             metrics = {}
             if isinstance(value, dict):
-                metrics = {k: float(v) for k, v in value.items()
-                           if k != "reward" and isinstance(v, int | float) and not isinstance(v, bool)}
+                metrics = episode_metrics({k: v for k, v in value.items() if k != "reward"})
                 value = value.get("reward")
             reward = as_reward(value)
         except InvalidReward as exc:

@@ -49,3 +49,10 @@ async def changes_the_system_prompt(client: Any, row: dict[str, Any]) -> float:
     messages[0] = {"role": "system", "content": "Be very brief."}
     await client.chat.completions.create(model=model, messages=messages, max_tokens=6)
     return 1.0
+
+
+async def reports_odd_metrics(client: Any, row: dict[str, Any]) -> dict[str, Any]:
+    """Calls the model once and returns its reward with metrics a group cannot carry beside one it can."""
+    model = (await client.models.list()).data[0].id
+    await client.completions.create(model=model, prompt=str(row["prompt"]), max_tokens=4)
+    return {"reward": 0.5, "steps": 3, "nan": float("nan"), "inf": float("inf"), 7: 1.0, "flag": True}

@@ -19,6 +19,7 @@ import openai
 import pytest
 from transformers import AutoTokenizer
 
+from common import protocol
 from rollout_worker.adapters import AdapterStore, ReceivedAdapter
 from rollout_worker.backends.base import Backend, GenOutput, GenRequest, Sampling, TokenizerMixin
 from rollout_worker.gateway.tools import parse_hermes
@@ -249,6 +250,22 @@ def test_an_episode_can_finish_over_http(tiny_model_dir: Path, hf_session_backen
     finally:
         driver.close()
     assert group.group.rewards == [0.25, 0.25] and group.group.metrics["agent_steps"] == 2.0
+
+
+def test_harness_metrics_that_cannot_travel_are_left_out(tiny_model_dir: Path, hf_session_backend,
+                                                         tmp_path: Path) -> None:
+    """A NaN, an inf, a non-string name or a bool among a harness's metrics would make the broker refuse the
+    whole group (its metrics must be finite numbers): they are left out, the group keeps the rest."""
+    config = gateway_config(tiny_model_dir, tmp_path, "tests.worker.gateway_agents:reports_odd_metrics")
+    driver = Driver(config, hf_session_backend)
+    try:
+        driver.add(lease("m0", "1+2=", group_size=2))
+        [group] = driver.wait_groups(1)
+    finally:
+        driver.close()
+    assert group.group.rewards == [0.5, 0.5] and group.group.metrics["agent_steps"] == 3.0
+    assert not {"agent_nan", "agent_inf", "agent_7", "agent_flag"} & set(group.group.metrics)
+    protocol.decode(protocol.encode(group.group, group.tensors))  # what the broker's decode accepts
 
 
 # -- bad input ---------------------------------------------------------------------------------------------------
