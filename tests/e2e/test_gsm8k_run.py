@@ -45,7 +45,7 @@ def test_the_gsm8k_example_config_runs_on_an_instruct_model(procs: Processes, tm
     check_exactly_once(read_run(run_dir))
 
     evals = rundir.read_jsonl(run_dir / "evals.jsonl")
-    assert len(evals) >= 2 and all(e["num_prompts"] == 4 for e in evals)
+    assert {"base", "final"} <= {e["kind"] for e in evals} and all(0 <= e["accuracy"] <= 1 for e in evals)
     adapter_config = json.loads((run_dir / "final_adapter" / "adapter_config.json").read_text())
     assert set(adapter_config["target_modules"]) == {"q_proj", "k_proj", "v_proj", "o_proj", "gate_proj",
                                                       "up_proj", "down_proj"}
