@@ -421,6 +421,8 @@ class BrokerCore(DataFlow):
     def _on_heartbeat(self, identity: bytes, peer: Peer, beat: protocol.Heartbeat, _env: Any, _frames: Any,
                       now_s: float) -> None:
         self.peers.heartbeat(peer, beat, now_s)
+        if beat.lease_ids:
+            self.stats.count("leases", "renewed", self.leases.renew(identity, beat.lease_ids, now_s))
         self._send(identity, protocol.Heartbeat(latest_version=self.latest_version, state="idle"))
         self._dirty = True
 

@@ -1,7 +1,10 @@
 """The lease table: which worker holds which prompt, until when.
 
 A lease gives one prompt (x group_size samples) to one worker with a deadline (``broker.lease_timeout_s``
-from the grant). It ends in one of four ways, each handled by the server:
+from the grant). The holder's heartbeats name the leases it is still working on and each pushes their
+deadlines back to ``lease_timeout_s`` from then (:meth:`LeaseTable.renew`), so a generation that takes longer
+than the timeout is not handed out a second time, while a dead or silent worker's leases still come back
+within ``lease_timeout_s`` of its last heartbeat. A lease ends in one of four ways, each handled by the server:
 
 - the worker submits the group (:meth:`LeaseTable.pop`), or gives it back with a LeaseReturn;
 - the deadline passes (:meth:`LeaseTable.expired`, the prompt is re-queued);
@@ -111,6 +114,22 @@ class LeaseTable:
         if not held:
             del self._by_worker[lease.worker]
         return lease
+
+    def renew(self, worker: bytes, lease_ids: list[str], now_s: float) -> int:
+        """Push back to ``now_s + timeout_s`` the deadline of each listed lease that ``worker`` holds (ids of other
+        holders, ended or made-up leases are ignored); returns how many were renewed."""
+        held = self._by_worker.get(worker)
+        if not held:
+            return 0
+        deadline_s = now_s + self.timeout_s
+        renewed = 0
+        for lease_id in set(lease_ids) & held:
+            lease = self._by_id[lease_id]
+            if deadline_s > lease.deadline_s:
+                lease.deadline_s = deadline_s
+                heapq.heappush(self._deadlines, (deadline_s, lease_id))  # the older entry is skipped by expired()
+                renewed += 1
+        return renewed
 
     def cancel_key(self, key: PromptKey) -> Lease | None:
         """Remove whatever lease is on this prompt (a group for it arrived by another route)."""

@@ -17,7 +17,7 @@ Counter families (Prometheus name ``loraflow_broker_<family>_total{label=...}``)
     send_failed{reason}   a reply zmq would not take: unreachable (peer gone), hwm (peer's queue full)
     groups{event}         accepted, duplicate, served, trained, restored (learner gone, back to the buffer),
                           rolled_back (trained after the checkpoint a restarted learner resumed from: re-queued)
-    leases{event}         granted, submitted, returned, expired, reclaimed, cancelled, undeliverable
+    leases{event}         granted, submitted, returned, expired, reclaimed, cancelled, undeliverable, renewed
     served_staleness{staleness}
     adapters{event}       published, restored (re-published after a broker restart), withdrawn
     peers_gone{reason}    bye, dead (heartbeats missed), restarted (new session), replaced (another learner)

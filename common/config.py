@@ -73,7 +73,7 @@ class BrokerConfig:
     endpoint_file: str = rule("", doc="the broker writes its bound endpoint here (useful with port 0)")
     capacity_groups: int = rule(0, ge=0, doc="buffered + leased groups allowed; 0 = groups_per_step x (max_staleness + 1) + workers")
     max_buffer_bytes: int = rule(1 << 30, ge=1 << 16, unit="bytes", doc="byte bound of buffered groups")
-    lease_timeout_s: float = rule(300.0, gt=0, unit="s", doc="a lease not returned by then goes back to the queue")
+    lease_timeout_s: float = rule(300.0, gt=0, unit="s", doc="a lease neither returned nor renewed by its worker's heartbeats (which name the leases it is still working on) for this long goes back to the queue")
     heartbeat_interval_s: float = rule(1.0, gt=0, le=60, unit="s")
     heartbeat_misses: int = rule(5, ge=2, le=100, doc="missed heartbeats before a client is declared dead")
     max_message_bytes: int = rule(256 << 20, ge=1 << 16, unit="bytes", doc="larger messages are refused")

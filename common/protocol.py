@@ -43,6 +43,7 @@ from common.schema import SchemaError, build, dump, rule
 PROTOCOL_VERSION = 1
 
 MAX_ID_LEN = 128
+MAX_RENEWED_LEASES = 1024  # lease ids one Heartbeat may renew (broker.max_leases_per_worker is far below)
 MAX_TEXT_LEN = 1 << 20
 MAX_GROUP_SIZE = 1024
 MAX_BATCH_GROUPS = 4096
@@ -150,6 +151,9 @@ class Heartbeat:
     counters: dict[str, int | float] = rule(default_factory=dict, max_len=MAX_COUNTERS,
                                             doc="cumulative client counters for stats: numbers under names of at "
                                             "most 64 characters (common.schema.MAX_KEY_LEN)")
+    lease_ids: list[str] = rule(default_factory=list, max_len=MAX_RENEWED_LEASES,
+                                doc="leases the worker is still working on: the broker renews those it holds for "
+                                "broker.lease_timeout_s from now (a long generation is never generated twice)")
 
 
 @dataclass(slots=True, kw_only=True)

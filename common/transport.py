@@ -273,10 +273,13 @@ class BrokerLink:
             self._held.append(item)
 
     def set_state(self, state: str | None = None, *, adapter_version: int | None = None,
-                  num_leases: int | None = None, **counters: Any) -> None:
-        """What the next heartbeat reports (state, adapter version, counters shown by `loraflow status`)."""
+                  num_leases: int | None = None, lease_ids: list[str] | None = None, **counters: Any) -> None:
+        """What the next heartbeat reports (state, adapter version, the leases still in progress, which the broker
+        renews, and counters shown by `loraflow status`)."""
         if state is not None:
             self.heartbeat.state = state
+        if lease_ids is not None:
+            self.heartbeat.lease_ids = lease_ids
         if adapter_version is not None:
             self.heartbeat.adapter_version = adapter_version
         if num_leases is not None:

@@ -29,7 +29,8 @@ code 2, a config-class error that ``loraflow run`` and systemd do not restart.
 
 Heartbeats run in BrokerLink's I/O thread, so a long chunk never looks like a dead worker; the loop only keeps
 the reported state current (starting, idle, waiting, generating, scoring, stopping), mirrored into the run's
-timeline (``timeline/worker-<id>.jsonl``).
+timeline (``timeline/worker-<id>.jsonl``), and the ids of the leases in progress, which the broker renews with every
+beat: a group that takes longer than ``broker.lease_timeout_s`` is never handed out twice.
 
 Withdrawn versions: when the learner restarts from an older checkpoint, the versions it published after that
 checkpoint are withdrawn (see broker/history.py). Nothing special happens here: the broker grants no lease to a
@@ -234,6 +235,7 @@ class Worker:
                 self.metrics.inc("leases_granted")
                 log.info("lease_granted", group_id=lease.group_id, lease_id=lease.lease_id,
                          group_size=lease.group_size)
+            self._report()  # the next heartbeat already renews them, not only after the first chunk round
 
     def _request_leases(self) -> None:
         free = self.config.worker.capacity - self.rollouts.num_groups
@@ -249,7 +251,7 @@ class Worker:
 
     def _report(self) -> None:
         m = self.metrics
-        self.session.link.set_state(num_leases=self.rollouts.num_groups,
+        self.session.link.set_state(num_leases=self.rollouts.num_groups, lease_ids=list(self.rollouts.groups),
                                     groups_submitted=int(m.total("groups_submitted")),
                                     tokens_generated=int(m.total("tokens_generated")),
                                     reward_failures=int(m.total("reward_failures")),

@@ -69,6 +69,20 @@ def test_expiry(now_s: float, expired: list[str]) -> None:
     assert leases.next_deadline_s() == (None if len(expired) == 2 else (12.0 if expired else 10.0))
 
 
+def test_renewal_pushes_back_only_the_holders_listed_leases() -> None:
+    leases = table(timeout_s=10.0)
+    a1, a2 = leases.grant((0, 0), A, 0.0), leases.grant((0, 1), A, 0.0)
+    b1 = leases.grant((0, 2), B, 0.0)
+    # A names its first lease, B's lease, an ended and a made-up id: only its own live lease is renewed
+    assert leases.renew(A, [a1.lease_id, b1.lease_id, "t.99.x", a1.lease_id], now_s=8.0) == 1
+    assert (a1.deadline_s, a2.deadline_s, b1.deadline_s) == (18.0, 10.0, 10.0)
+    assert leases.renew(B, [], 8.0) == 0 and leases.renew(b"worker/nobody", [b1.lease_id], 8.0) == 0
+    assert sorted(serial(x.lease_id) for x in leases.expired(10.0)) == ["t.2", "t.3"]  # not the renewed one
+    assert leases.next_deadline_s() == 18.0 and a1.lease_id in leases
+    assert leases.renew(A, [a1.lease_id], now_s=5.0) == 0  # never moves a deadline earlier
+    assert [x.lease_id for x in leases.expired(18.0)] == [a1.lease_id]  # a silent holder's lease still ends
+
+
 def test_reclaim_and_cancel() -> None:
     leases = table()
     first = leases.grant((0, 0), A, 0.0)
