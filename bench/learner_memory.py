@@ -134,10 +134,9 @@ def legacy_build(model_dir: Path, learner: Any, parallel: Any, *, seed: int) -> 
     """The learner's model set-up before the meta-device build: every rank loads the whole base in fp32."""
     import torch
     from peft import get_peft_model
-    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
     from transformers import AutoModelForCausalLM
 
-    from learner.model import decoder_layers, lora_config_for, resolve_compute_dtype
+    from learner.model import decoder_layers, lora_config_for, resolve_compute_dtype, shard
 
     base = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32)
     base.config.use_cache = False
@@ -148,13 +147,7 @@ def legacy_build(model_dir: Path, learner: Any, parallel: Any, *, seed: int) -> 
         model = get_peft_model(base, lora_config_for(learner, model_dir, ["q_proj", "k_proj", "v_proj", "o_proj",
                                                                            "gate_proj", "up_proj", "down_proj"]))
     model.to(parallel.device)
-    compute_dtype = resolve_compute_dtype(learner.mixed_precision, parallel.device)
-    options: dict[str, Any] = {"mesh": parallel.mesh}
-    if compute_dtype != torch.float32:
-        options["mp_policy"] = MixedPrecisionPolicy(param_dtype=compute_dtype, reduce_dtype=torch.float32)
-    for layer in layers:
-        fully_shard(layer, **options)
-    fully_shard(model, **options)
+    shard(model, layers, parallel, resolve_compute_dtype(learner.mixed_precision, parallel.device))
     return model
 
 

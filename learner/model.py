@@ -184,6 +184,17 @@ def tie_output_embeddings(model: nn.Module, hf_config: Any) -> None:
         model.get_output_embeddings().weight = model.get_input_embeddings().weight
 
 
+def shard(model: nn.Module, layers: list[nn.Module], parallel: Parallel, compute_dtype: torch.dtype) -> None:
+    """FSDP2 over ``parallel.mesh``: each decoder layer its own group, then the root; below fp32 the parameters are
+    gathered in ``compute_dtype`` and gradients reduced in fp32."""
+    options: dict[str, Any] = {"mesh": parallel.mesh}
+    if compute_dtype != torch.float32:
+        options["mp_policy"] = MixedPrecisionPolicy(param_dtype=compute_dtype, reduce_dtype=torch.float32)
+    for layer in layers:
+        fully_shard(layer, **options)
+    fully_shard(model, **options)
+
+
 def _checkpointed(forward: Any, *args: Any, **kwargs: Any) -> Any:
     if torch.is_grad_enabled():
         return checkpoint(forward, *args, use_reentrant=False, **kwargs)
@@ -215,12 +226,7 @@ def build_policy(model_dir: Path, learner: LearnerConfig, parallel: Parallel, *,
     if use_checkpointing:
         for layer in layers:
             layer.forward = functools.partial(_checkpointed, layer.forward)
-    options: dict[str, Any] = {"mesh": parallel.mesh}
-    if compute_dtype != torch.float32:
-        options["mp_policy"] = MixedPrecisionPolicy(param_dtype=compute_dtype, reduce_dtype=torch.float32)
-    for layer in layers:
-        fully_shard(layer, **options)
-    fully_shard(model, **options)
+    shard(model, layers, parallel, compute_dtype)
     model.trained_logprobs = functools.partial(_trained_logprobs, model)
     register_fsdp_forward_method(model, "trained_logprobs")
     _materialize(model, parallel.device)
