@@ -231,6 +231,26 @@ class EvalConfig:
 
 
 @dataclass(slots=True, kw_only=True)
+class IntegrityConfig:
+    """The policy check (common/integrity.py): the learner re-scores what each group claims, the broker
+    quarantines a worker whose groups keep failing."""
+
+    check: bool = rule(True, doc="re-score one sample of every group under the exact version each token claims "
+                       "and refuse groups that do not match (policy_mismatch); off only for worker.backend = "
+                       "\"sim\", whose log-probs come from no model")
+    samples_per_group: int = rule(1, ge=1, le=1024, doc="samples of each group re-scored, chosen by the learner "
+                                  "at random (a worker cannot tell which)")
+    token_tolerance: float = rule(0.0, ge=0, le=10, unit="nats", doc="largest |behaviour - recomputed| log-prob "
+                                  "of a matching token; 0 = by the engine's and the learner's dtypes (float32 "
+                                  "both: 0.01, else 0.25; common/integrity.py)")
+    max_off_fraction: float = rule(0.1, ge=0, le=1, doc="a checked sample fails when more than this share of "
+                                   "its tokens is off by more than the tolerance (one noisy token fails nothing)")
+    quarantine_after: int = rule(2, ge=1, le=1000, unit="groups", doc="failed groups of one worker process, among "
+                                 "its last quarantine_window checked ones, that quarantine it")
+    quarantine_window: int = rule(8, ge=1, le=10_000, unit="groups")
+
+
+@dataclass(slots=True, kw_only=True)
 class SecurityConfig:
     enabled: bool = rule(False, doc="CURVE authentication and encryption on every socket")
     keys_dir: str = rule("", doc="directory made by `loraflow keys`")
@@ -268,6 +288,7 @@ class Config:
     learner: LearnerConfig = field(default_factory=LearnerConfig)
     eval: EvalConfig = field(default_factory=EvalConfig)
     security: SecurityConfig = field(default_factory=SecurityConfig)
+    integrity: IntegrityConfig = field(default_factory=IntegrityConfig)
     launch: LaunchConfig = field(default_factory=LaunchConfig)
 
     @property
@@ -368,6 +389,9 @@ def validate(config: Config) -> None:
                           "security.enabled (the gateway then requires its token) or bind 127.0.0.1")
     if config.data.eval_split and config.data.eval_path:
         raise ConfigError("set data.eval_split (a split of the dataset) or data.eval_path (another file), not both")
+    if config.integrity.quarantine_after > config.integrity.quarantine_window:
+        raise ConfigError(f"integrity.quarantine_after ({config.integrity.quarantine_after}) must be <= "
+                          f"integrity.quarantine_window ({config.integrity.quarantine_window})")
     if config.security.enabled and not config.security.keys_dir:
         raise ConfigError("security.enabled needs security.keys_dir (make one with `loraflow keys`)")
 

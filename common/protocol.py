@@ -50,6 +50,7 @@ MAX_BATCH_GROUPS = 4096
 MAX_MESSAGES = 4096
 MAX_REWARD_FUNCTIONS = 64
 MAX_COUNTERS = 64  # entries of Heartbeat.counters and RolloutGroup.metrics
+MAX_SERVED = 64  # RolloutGroup.served entries: distinct versions in one group's tokens
 #: policy versions travel as int32 in the token ``versions`` tensor: no version may exceed this
 MAX_VERSION = (1 << 31) - 1
 
@@ -98,11 +99,15 @@ ERROR_CODES = (
     "stale_version",  # an adapter version that does not advance the latest one
     "replaced",  # a learner replaced by another learner process: it must stop (two never train one run)
     "internal",
+    "quarantined",  # a worker whose rollouts failed the learner's policy check (common/integrity.py)
 )
 FINISH_REASONS = ("stop", "length", "abort", "error", "turn_limit")
 CLIENT_STATES = ("starting", "idle", "waiting", "generating", "scoring", "training", "publishing", "stopping")
-GRANT_REASONS = ("", "backpressure", "stale_adapter", "no_prompts", "draining", "limit")
+GRANT_REASONS = ("", "backpressure", "stale_adapter", "no_prompts", "draining", "limit", "quarantined")
 ACK_STATUSES = ("accepted", "duplicate")
+ENGINE_DTYPES = ("float32", "bfloat16", "float16")
+#: why the learner's policy check failed a group (common/integrity.py)
+MISMATCH_REASONS = ("logprobs", "adapter_sha256", "lora_id_reused", "no_evidence")
 
 
 # -- records -------------------------------------------------------------------------------------------------
@@ -230,6 +235,21 @@ GROUP_TENSORS_DTYPES = frozenset(dtype for dtype, _ in GROUP_TENSORS.values())
 
 
 @dataclass(slots=True, kw_only=True)
+class ServedAdapter:
+    """What the engine served one policy version with, as the engine reports it (the evidence of
+    :mod:`common.integrity`): read back from the engine after the load, never copied from what the worker meant
+    to load. v0, the base model, is ``adapter=""``, ``lora_id=0``, ``sha256=""``."""
+
+    version: int = rule(ge=0, le=MAX_VERSION)
+    adapter: str = rule("", max_len=128, doc="the engine's name for the adapter (vLLM lora_name, hf peft slot)")
+    lora_id: int = rule(0, ge=0, le=MAX_VERSION, doc="the engine's int id of the loaded weights (vLLM lora_int_id, "
+                        "hf load number): one id never names two versions in one worker process")
+    sha256: str = rule("", max_len=64, doc="sha256 of the tensor bytes the engine loaded, computed as "
+                       "AdapterUpdate.sha256 (common.framing.frames_sha256 in the published tensor order)")
+    dtype: str = rule("float32", choices=ENGINE_DTYPES, doc="the engine's compute dtype (sets the tolerance)")
+
+
+@dataclass(slots=True, kw_only=True)
 class RolloutGroup:
     """One prompt x group_size samples. Per-sample token arrays are concatenated in sample order.
 
@@ -258,6 +278,9 @@ class RolloutGroup:
     reward_means: dict[str, Any] | None = rule(None, max_len=MAX_REWARD_FUNCTIONS,
                                                doc="reward function name -> its mean over the samples it applied "
                                                "to (finite numbers; a function that applied to none is absent)")
+    served: list[ServedAdapter] = rule(default_factory=list, max_len=MAX_SERVED,
+                                       doc="one entry per distinct version in ``versions``: the adapter the engine "
+                                       "served it with (checked by the learner, common/integrity.py)")
 
     @property
     def num_samples(self) -> int:
@@ -351,6 +374,25 @@ class BatchAck:
                                 "listed are re-queued; lets a restarted broker recognise a batch it never served")
     checkpoint_version: int = rule(0, ge=0, le=MAX_VERSION,
                                    doc="newest version covered by a durable learner checkpoint")
+    mismatches: list[PolicyMismatch] = rule(default_factory=list, max_len=MAX_BATCH_GROUPS,
+                                            doc="groups of the batch that failed the policy check: not trained, "
+                                            "not listed in group_ids (so re-queued); the broker counts them "
+                                            "against the worker that sent them")
+
+
+@dataclass(slots=True, kw_only=True)
+class PolicyMismatch:
+    """One group the learner refused to train because its tokens are not what the version it claims generates."""
+
+    group_id: str = rule(max_len=MAX_ID_LEN)
+    worker_id: str = rule("", max_len=MAX_ID_LEN, doc="as the group says; the broker uses its own record")
+    reason: str = rule(choices=MISMATCH_REASONS)
+    version: int = rule(0, ge=0, le=MAX_VERSION, doc="the claimed version that failed")
+    num_checked: int = rule(0, ge=0, doc="tokens compared")
+    num_off: int = rule(0, ge=0, doc="tokens off by more than the tolerance")
+    max_abs_diff: float = rule(0.0, ge=0, doc="largest |behaviour - recomputed| log-prob (nats)")
+    mean_abs_diff: float = rule(0.0, ge=0, doc="mean |behaviour - recomputed| log-prob (nats)")
+    detail: str = rule("", max_len=512)
 
 
 @dataclass(slots=True, kw_only=True)

@@ -58,6 +58,10 @@ def main(argv: list[str]) -> int:
 def check(config: Config) -> Config:
     """The learner's start-up checks, before it loads a model or connects (a failure: one line, exit 2)."""
     config = resolve_model(config)
+    if config.worker.backend == "sim" and config.integrity.check:
+        raise ConfigError('worker.backend = "sim" makes up its log-probs (no model), so the policy check '
+                          "(integrity.check) would refuse every group: set integrity.check = false for a sim run "
+                          "(benchmarks and tests of the plumbing)")
     check_run_dir(config)
     check_device("learner.device", config.learner.device, probe_cuda=True)
     if int(os.environ.get("RANK", 0)) == 0:  # only rank 0 talks to the broker

@@ -67,6 +67,8 @@ save_adapter_every = 0
 num_threads = 1
 batch_wait_ms = 200
 micro_batch_tokens = 512
+[integrity]
+check = {"false" if backend == "sim" else "true"}
 {extra}""")
     return path
 

@@ -65,6 +65,7 @@ def job_waiter(cluster: SlurmCluster, tmp_path: Path, run_dir: Path) -> Callable
         except AssertionError as exc:
             raise AssertionError(f"{exc}\n{job_logs()}\n{cluster.daemon_logs()}") from None
 
+    wait.logs = job_logs  # type: ignore[attr-defined]  # for a failed assertion after the waits
     return wait
 
 

@@ -59,7 +59,8 @@ def test_preempted_run_is_requeued_and_resumes(slurm_cluster: SlurmCluster, quic
     wait(lambda: len(trained_ids(run_dir)) == NUM_PROMPTS, 300, f"all {NUM_PROMPTS} prompts trained")
     cluster.run("scancel", "--batch", "--signal=TERM", job)
     wait(lambda: not cluster.job_state(job), 180, "the run job to end")
-    assert cluster.completed()[job]["JobState"] == "COMPLETED"
+    state = cluster.completed()[job]
+    assert state["JobState"] == "COMPLETED", f"{state}\n{wait.logs()}"
 
     logs = run_dir / "slurm" / "logs"
     audit = audit_run(run_dir, sorted(logs.glob("worker-*.log")), NUM_PROMPTS)

@@ -1,0 +1,86 @@
+"""Policy integrity: what proves that a group's tokens came from the adapter version they claim.
+
+The bug this guards against is silent: an engine that serves the base model, an old adapter (vLLM's int-id
+cache, a same-name reload), a truncated or swapped adapter file, another temperature than the config's, or a
+client that makes up its log-probs. Everything reports success and the learner trains on the wrong policy.
+
+**What is checked, and why this and not a canary.** A canary (fixed prompts scored by the worker after each
+swap, compared with the learner's score) proves only what the worker's canary path loaded, and only as the
+worker reports it: a client that fabricates log-probs can compute a correct canary with the real model, and an
+engine whose generation path differs from its scoring path (an HTTP route that bypasses the adapter) passes.
+So the learner checks the very tokens it is about to train:
+
+1. *Evidence* (:class:`common.protocol.ServedAdapter`, one per version in a group): the engine's own name, int id
+   and the sha256 of the tensor bytes it loaded. The learner compares the sha256 with what it published for that
+   version (``adapter_sha256``) and refuses an int id that named another version earlier in the same worker
+   process (``lora_id_reused``). A version without evidence is ``no_evidence``. Cost: a dict lookup.
+2. *Exact re-scoring* (``logprobs``): ``integrity.samples_per_group`` samples of each group, chosen by the
+   learner at random (a worker cannot know which), are re-scored under the exact adapter version each token
+   claims (the learner keeps the LoRA tensors of the last ``max_staleness + 1`` versions: a few MB), at the run's
+   sampling temperature, and compared token by token with the behaviour log-probs (:func:`compare`). This
+   catches every fault above, including ones the evidence cannot see (a wrong temperature, made-up numbers,
+   weights that differ from the file). Cost: one no-grad forward of 1/group_size of the batch per claimed
+   version, against a training step's forward + backward of all of it (measured by ``bench/integrity.py``).
+
+**Tolerances.** An fp32 engine and an fp32 learner agree to ~1e-5 nats per token (FACTS.md: vLLM 5e-6, hf 1e-6);
+bf16 on either side drifts by up to a few tenths on low-probability tokens. :func:`tolerance` gives 0.01 nats
+when both are fp32 and 0.25 otherwise (``integrity.token_tolerance`` overrides), measured by
+``bench/integrity.py`` on both backends. A sample fails when more than ``integrity.max_off_fraction`` of its
+tokens are off by more than the tolerance: one noisy token fails nothing.
+
+**From a failed group to a quarantine.** A failed group is never trained (the learner drops it, reason
+``policy_mismatch``, and leaves it out of its BatchAck, so the broker re-queues the prompt) and is reported in
+``BatchAck.mismatches``. The broker quarantines a worker process once ``integrity.quarantine_after`` of its
+last ``integrity.quarantine_window`` checked groups failed (:mod:`broker.quarantine`).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import numpy as np
+
+#: per-token tolerance (nats) when both the engine and the learner compute in float32, and otherwise
+FP32_TOLERANCE = 0.01
+LOW_PRECISION_TOLERANCE = 0.25
+
+
+def tolerance(engine_dtype: str, learner_dtype: str, configured: float = 0.0) -> float:
+    """The per-token tolerance for a comparison between these dtypes (``configured`` > 0 wins)."""
+    if configured > 0:
+        return configured
+    both_fp32 = engine_dtype == "float32" and learner_dtype == "float32"
+    return FP32_TOLERANCE if both_fp32 else LOW_PRECISION_TOLERANCE
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Comparison:
+    """Behaviour vs recomputed log-probs of one sample's checked tokens."""
+
+    num_checked: int
+    num_off: int
+    max_abs_diff: float
+    mean_abs_diff: float
+    passed: bool
+
+
+def compare(behaviour: Sequence[float] | np.ndarray, recomputed: Sequence[float] | np.ndarray, *,
+            token_tolerance: float, max_off_fraction: float) -> Comparison:
+    """Compare the log-probs token by token; fails when more than ``max_off_fraction`` of the tokens are off by
+    more than ``token_tolerance`` (a non-finite value on either side counts as off). No tokens: passes."""
+    b = np.asarray(behaviour, dtype=np.float64)
+    r = np.asarray(recomputed, dtype=np.float64)
+    if b.shape != r.shape:
+        raise ValueError(f"compare: {b.shape} behaviour vs {r.shape} recomputed log-probs")
+    if b.size == 0:
+        return Comparison(num_checked=0, num_off=0, max_abs_diff=0.0, mean_abs_diff=0.0, passed=True)
+    diff = np.abs(b - r)
+    finite = np.isfinite(diff)
+    off = ~finite | (diff > token_tolerance)
+    num_off = int(off.sum())
+    shown = diff[finite]
+    return Comparison(num_checked=int(b.size), num_off=num_off,
+                      max_abs_diff=float(shown.max()) if shown.size else float("inf"),
+                      mean_abs_diff=float(shown.mean()) if shown.size else float("inf"),
+                      passed=num_off <= max_off_fraction * b.size)
