@@ -1,0 +1,129 @@
+"""A real rollout worker process with one engine fault injected: ``python -m tests.integrity.faulty_worker FAULT
+[worker args]``.
+
+Each fault is a bug class seen in the field that leaves every report green (see common/integrity.py). The fault
+is patched into the worker's own classes before :func:`rollout_worker.main.main` runs, so everything else (the
+broker session, leases, evidence, submission) is the production code path; nothing in the project itself has a
+switch for it. ``LORAFLOW_FAULT_AFTER_VERSION`` (default 0) keeps the worker healthy until the backend holds a
+newer version than that, so a test can let it contribute good groups first.
+
+- ``base_model`` (hf): the engine serves the base model whatever version a request names (an adapter that was
+  never applied), while the tokens still claim that version;
+- ``stale_lora_id`` (vllm): every version is loaded under LoRA int id 1 without ``load_inplace``: vLLM keeps
+  serving the weights first cached under that id (FACTS.md's stale-cache trap);
+- ``swapped_files`` (hf or vllm): each received adapter's weights file is replaced on disk by the previous
+  version's before the engine loads it (a sync bug that leaves an old file under a new name);
+- ``temperature`` (hf): the engine samples and reports its log-probs at temperature 0.6 while the run's config
+  says ``worker.temperature`` (the one the learner scores at).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import shutil
+import sys
+from typing import Any
+
+FAULTS = ("base_model", "stale_lora_id", "swapped_files", "temperature")
+FAULT_TEMPERATURE = 0.6
+
+
+def _after() -> int:
+    return int(os.environ.get("LORAFLOW_FAULT_AFTER_VERSION", "0"))
+
+
+def inject_base_model() -> None:
+    import contextlib
+
+    from rollout_worker.backends.hf import HfBackend
+
+    healthy = HfBackend._using
+
+    @contextlib.contextmanager
+    def base_always(self: HfBackend, version: int) -> Any:
+        if version <= _after():
+            with healthy(self, version):
+                yield
+            return
+        with self.model.disable_adapter():
+            yield
+
+    HfBackend._using = base_always
+
+
+def inject_stale_lora_id() -> None:
+    from rollout_worker.backends import vllm as vllm_backend
+
+    class OneId:
+        """The LoRA int ids 1, 2, ... until the fault starts, then 1 for ever."""
+
+        def __init__(self) -> None:
+            self.count = 0
+
+        def __next__(self) -> int:
+            self.count += 1
+            return self.count if self.count <= _after() else 1
+
+    healthy_init = vllm_backend.VllmBackend.__init__
+    healthy_unload = vllm_backend.VllmBackend._unload
+
+    def init(self: Any, *args: Any, **kwargs: Any) -> None:
+        healthy_init(self, *args, **kwargs)
+        self._ids = OneId()
+
+    def unload(self: Any, version: int) -> None:
+        if self._requests[version].lora_int_id == 1 and self._ids.count > _after():
+            self._requests.pop(version)  # id 1 is shared by every later version: the engine keeps its cache
+            return
+        healthy_unload(self, version)
+
+    vllm_backend.VllmBackend.__init__ = init
+    vllm_backend.VllmBackend._unload = unload
+
+
+def inject_swapped_files() -> None:
+    from rollout_worker import adapters
+
+    healthy = adapters.AdapterStore.receive
+
+    def receive(self: adapters.AdapterStore, update: Any, specs: Any, frames: Any) -> Any:
+        previous = max((v for v in self.adapters if v < update.version), default=None)
+        adapter = healthy(self, update, specs, frames)
+        if update.version > _after() and previous is not None:
+            shutil.copyfile(self.adapters[previous].path / adapters.WEIGHTS_FILE, adapter.path / adapters.WEIGHTS_FILE)
+        return adapter
+
+    adapters.AdapterStore.receive = receive
+
+
+def inject_temperature() -> None:
+    from rollout_worker import worker
+
+    healthy = worker.make_backend
+
+    def make_backend(config: Any, **kwargs: Any) -> Any:
+        backend = healthy(config, **kwargs)
+        if _after() == 0:
+            backend.sampling = dataclasses.replace(backend.sampling, temperature=FAULT_TEMPERATURE)
+        return backend
+
+    worker.make_backend = make_backend
+
+
+INJECT = {"base_model": inject_base_model, "stale_lora_id": inject_stale_lora_id,
+          "swapped_files": inject_swapped_files, "temperature": inject_temperature}
+
+
+def main(argv: list[str]) -> int:
+    if not argv or argv[0] not in FAULTS:
+        print(f"usage: python -m tests.integrity.faulty_worker {{{','.join(FAULTS)}}} [worker args]", file=sys.stderr)
+        return 2
+    INJECT[argv[0]]()
+    from rollout_worker.main import main as worker_main
+
+    return worker_main(argv[1:])
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
