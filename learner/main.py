@@ -13,7 +13,8 @@ R ranks on one machine (rank 0 talks to the broker; every rank trains a shard)::
 
 Start-up checks (``model.path``, ``run.run_dir``; :mod:`common.startup`; rank 0: the key files) run before the model is loaded or the
 broker contacted. Exit codes: 0 stopped cleanly, 2 a configuration error (one line on stderr), 4 replaced by another learner (the broker fenced this
-one), 1 anything else. torchrun reports any failed rank as 1, so a rank that stops with 2 or 4 also writes the
+one), 1 anything else. A SIGTERM or SIGINT while the model loads or the session starts (before the loop can finish a
+step on one) ends the process at once with 0: nothing was trained or published yet. torchrun reports any failed rank as 1, so a rank that stops with 2 or 4 also writes the
 code to ``$LORAFLOW_EXIT_CODE_FILE`` when set; ``deploy/scripts/learner.sh`` exits with it, and the systemd unit
 does not restart either.
 """
@@ -22,6 +23,8 @@ from __future__ import annotations
 
 import argparse
 import os
+import signal
+from typing import Any
 
 from common.cli import (
     EXIT_CONFIG_ERROR,
@@ -81,6 +84,25 @@ def _main(argv: list[str]) -> int:
     config = check(config_from_args(args))
     setup_logging("learner", fmt=config.run.log_format, level=config.run.log_level,
                   rank=int(os.environ.get("RANK", 0)))
+    for signum in (signal.SIGTERM, signal.SIGINT):  # the loop installs its own (finish the step) once it can
+        signal.signal(signum, _stop_during_startup)
+    try:
+        return _start_and_run(config)
+    except StoppedDuringStartup as stop:
+        get_logger("learner").info("stopped_during_startup", signal=str(stop))
+        return 0
+
+
+class StoppedDuringStartup(BaseException):
+    """A stop signal before the training loop took over the handlers (a BaseException: no ``except Exception``
+    on the way may swallow it)."""
+
+
+def _stop_during_startup(signum: int, _frame: Any) -> None:
+    raise StoppedDuringStartup(signal.Signals(signum).name)
+
+
+def _start_and_run(config: Config) -> int:
     from learner.session import LearnerReplaced
     from learner.train import SetupError, run  # torch is imported only now
 

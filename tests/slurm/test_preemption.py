@@ -57,6 +57,8 @@ def test_preempted_run_is_requeued_and_resumes(slurm_cluster: SlurmCluster, quic
     release(cluster, job)
     wait(lambda: cluster.job_state(job) == "RUNNING", 120, "the run job to start a third time")
     wait(lambda: len(trained_ids(run_dir)) == NUM_PROMPTS, 300, f"all {NUM_PROMPTS} prompts trained")
+    # the prompts may all be trained before the third learner is up (the USR1's last steps): stop a running one
+    wait(lambda: ledger.read_text().count('"event":"start"') >= 3, 120, "the third learner to start")
     cluster.run("scancel", "--batch", "--signal=TERM", job)
     wait(lambda: not cluster.job_state(job), 180, "the run job to end")
     state = cluster.completed()[job]
