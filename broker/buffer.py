@@ -5,7 +5,11 @@ A group's *slot* lives from acceptance to the learner's BatchAck::
     add() --> buffered (oldest first) --serve()--> training (in batch B) --ack(B)--> freed
                  ^   |                                  |
                  |   +--drop_stale()--> dropped         |  unserve(B): the learner died or the send failed
-                 +--------------------------------------+  (back in arrival order, ahead of newer groups)
+                 |   +--drop_from()--> dropped          |  (back in arrival order, ahead of newer groups)
+                 +--------------------------------------+
+
+``drop_from`` takes out the buffered groups of one worker process, whose rollouts failed the learner's policy
+check (:mod:`broker.quarantine`): each group remembers who submitted it (``worker`` + ``session``).
 
 Both buffered and training groups count against the two bounds, ``max_groups`` and ``max_bytes``: the bytes
 stay referenced until the ack, because a learner that dies mid-step gets the same groups again.
@@ -43,7 +47,8 @@ class StoredGroup:
     num_bytes: int  # all frames of the message, as counted on arrival
     min_version: int
     num_tokens: int = 0
-    worker: str = ""
+    worker: str = ""  # the client id of the worker process that submitted it, as registered (not as it claims)
+    session: str = ""  # that process's session: (worker, session) is whom its policy check counts against
     received_s: float = 0.0
     seq: int = 0  # arrival order, set by RolloutBuffer.add
 
@@ -178,6 +183,15 @@ class RolloutBuffer:
             del self._buffered[group.group_id]
             self.buffered_bytes -= group.num_bytes
         return stale
+
+    def drop_from(self, worker: str, session: str) -> list[StoredGroup]:
+        """Remove and return the buffered groups one worker process submitted (it is quarantined); training
+        groups are the learner's."""
+        gone = [g for g in self._buffered.values() if (g.worker, g.session) == (worker, session)]
+        for group in gone:
+            del self._buffered[group.group_id]
+            self.buffered_bytes -= group.num_bytes
+        return gone
 
     # -- views -----------------------------------------------------------------------------------------------
 

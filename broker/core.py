@@ -58,6 +58,7 @@ from broker.history import TrainingHistory
 from broker.leases import LeaseTable
 from broker.peers import ClientIdTaken, Peer, PeerRegistry, RegistryFull, display_name
 from broker.prompts import PromptSource, group_id_of
+from broker.quarantine import Quarantine, Status
 from broker.snapshot import build_snapshot
 from broker.state import BrokerState, StateWriter, check_matches, load_adapter, load_state, make_state
 from broker.stats import BrokerStats
@@ -136,6 +137,8 @@ class BrokerCore(DataFlow):
                                   max_observers=broker.max_observers)
         self.buffer = RolloutBuffer(max_groups=self.capacity_groups, max_bytes=broker.max_buffer_bytes)
         self.adapters = AdapterCache(broker.num_adapters_kept)
+        integrity = config.integrity
+        self.quarantine = Quarantine(after=integrity.quarantine_after, window=integrity.quarantine_window)
         self.latest_version = 0
         self.num_trained_total = 0  # over the run's lifetime (persisted)
         self.num_trained_since_start = 0  # for the admission limit, counted from base_version
@@ -380,6 +383,8 @@ class BrokerCore(DataFlow):
         if replaced is not None:
             log.info("peer_restarted", peer=peer.name, old_session=replaced.session, session=peer.session)
             self._peer_gone(replaced, "restarted")
+        if peer.role == "worker":
+            self._worker_joined(peer, now_s)
         if peer.role == "learner":
             for other in self.peers.of_role("learner"):
                 if other.identity != identity:
@@ -622,3 +627,5 @@ class BrokerCore(DataFlow):
         m.set("prompts_queued", self.prompts.num_queued)
         m.set("lease_waiters", len(self.lease_waiters))
         m.set("batch_waiters", len(self.batch_waiters))
+        m.set("quarantined_workers", self.quarantine.count(Status.QUARANTINED))
+        m.set("probation_workers", self.quarantine.count(Status.PROBATION))

@@ -14,6 +14,14 @@ Keeping them here keeps the core to dispatch, registration, persistence and time
     BatchAck      -> listed ids trained (recorded until a learner checkpoint covers them, broker.history),
                      unlisted re-queued -> Ack after the state write
     LeaseReturn   -> re-queued
+
+Policy integrity (:mod:`broker.quarantine`): a BatchAck's ``mismatches`` are failed checks and its listed groups
+passed ones, each counted against the worker process that submitted the group (the buffer's record, never the
+group's own ``worker_id``); a failed group is re-queued like any unlisted one (``dropped{policy_mismatch}``).
+A process that is quarantined loses its leases and buffered groups at once (prompts re-queued), gets
+``LeaseGrant(reason="quarantined")`` (at its long-poll's deadline) and has every group refused with Error
+``quarantined``; its restart (a Hello with a new session) is on probation: one lease at a time until a group
+of it passes.
 """
 
 from __future__ import annotations
@@ -28,6 +36,7 @@ from broker.buffer import StoredGroup
 from broker.leases import Lease
 from broker.peers import Peer
 from broker.prompts import PromptKey, group_id_of, parse_group_id
+from broker.quarantine import Status, Transition, WorkerKey
 from broker.waiters import Waiter
 from common import framing, protocol, versions
 from common.framing import TensorSpec
@@ -58,13 +67,16 @@ class DataFlow:
 
     # -- leases ----------------------------------------------------------------------------------------------
 
-    def _admission_inputs(self, worker_version: int, worker_leases: int, requested: int) -> admission.AdmissionInputs:
+    def _admission_inputs(self, worker_version: int, worker_leases: int, requested: int,
+                          max_leases_per_worker: int | None = None) -> admission.AdmissionInputs:
+        if max_leases_per_worker is None:
+            max_leases_per_worker = self.config.broker.max_leases_per_worker
         return admission.AdmissionInputs(
             requested=requested, worker_version=worker_version, latest_version=self.latest_version,
             max_staleness=self.max_staleness, groups_per_step=self.groups_per_version,
             capacity_groups=self.capacity_groups, num_leased=len(self.leases), num_stored=self.buffer.num_groups,
             num_trained_groups=self.num_trained_since_start, base_version=self.base_version,
-            worker_leases=worker_leases, max_leases_per_worker=self.config.broker.max_leases_per_worker,
+            worker_leases=worker_leases, max_leases_per_worker=max_leases_per_worker,
             stored_bytes=self.buffer.memory_bytes, mean_group_bytes=self.mean_group_footprint,
             max_buffer_bytes=self.buffer.max_bytes, prompts_available=self.prompts.available(requested),
             draining=self.draining, worker_withdrawn=self.history.is_withdrawn(worker_version))
@@ -74,7 +86,9 @@ class DataFlow:
         return admission.credit(self._admission_inputs(self.latest_version, 0, 0))
 
     def _admission(self, identity: bytes, peer: Peer, requested: int) -> admission.Decision:
-        return admission.decide(self._admission_inputs(peer.adapter_version, self.leases.count(identity), requested))
+        on_probation = self.quarantine.status((peer.client_id, peer.session)) is Status.PROBATION
+        return admission.decide(self._admission_inputs(peer.adapter_version, self.leases.count(identity), requested,
+                                                       max_leases_per_worker=1 if on_probation else None))
 
     def _serve_lease_waiters(self, now_s: float) -> None:
         """Grant parked lease requests in arrival order while there is credit and something to lease."""
@@ -106,6 +120,10 @@ class DataFlow:
     def _try_grant(self, identity: bytes, peer: Peer, request: protocol.LeaseRequest, now_s: float,
                    final: bool) -> bool:
         """Grant what admission allows; returns False (nothing sent) when nothing is granted and not final."""
+        if self.quarantine.status((peer.client_id, peer.session)) is Status.QUARANTINED:
+            if final:
+                self._send(identity, protocol.LeaseGrant(reason="quarantined", latest_version=self.latest_version))
+            return final
         decision = self._admission(identity, peer, request.max_leases)
         if decision.num_leases == 0 and not final and decision.reason not in ("stale_adapter", "draining"):
             return False
@@ -175,6 +193,11 @@ class DataFlow:
                          "granted to this client for this prompt (a lease binds the client it was granted to)",
                          ref_kind=Kind.ROLLOUT_GROUP, ref_id=group.group_id, reason="lease_not_yours")
             return
+        if self.quarantine.status((peer.client_id, peer.session)) is Status.QUARANTINED:
+            self._refuse_group(identity, key, group, "quarantined", f"RolloutGroup {group.group_id}: this worker "
+                               "process is quarantined, its rollouts failed the learner's policy check (see "
+                               "`loraflow status`; common/integrity.py); fix its engine and restart it")
+            return
         if state in ("buffered", "training", "trained"):
             self.stats.count("groups", "duplicate")
             self._ack_group(identity, peer, group.group_id, "duplicate")
@@ -220,7 +243,7 @@ class DataFlow:
                                     wire_specs=[s.to_wire() for s in envelope.specs],
                                     frames=envelope.frames, num_bytes=envelope.num_bytes,
                                     min_version=group.min_version, num_tokens=num_tokens, worker=peer.client_id,
-                                    received_s=now_s))
+                                    session=peer.session, received_s=now_s))
         weight = 0.1 if self.mean_group_bytes else 1.0
         self.mean_group_bytes += weight * (envelope.num_bytes - self.mean_group_bytes)
         peer.num_groups_accepted += 1
@@ -340,21 +363,26 @@ class DataFlow:
             self._stale_checked_version = -1  # restored groups may have aged while in training: check again
 
     def _on_batch_ack(self, identity: bytes, _peer: Peer, ack: protocol.BatchAck, _env: Any, _frames: Any,
-                      _now_s: float) -> None:
+                      now_s: float) -> None:
         listed = set(ack.group_ids)
+        failed = {m.group_id: m for m in ack.mismatches}
         groups = self.buffer.ack(ack.batch_id)
         if groups is None and not listed:
             self._reject(identity, "unknown_batch", f"batch {ack.batch_id!r} is unknown to this broker and the ack "
                          "lists no group_ids", ref_kind=Kind.BATCH_ACK, ref_id=ack.batch_id)
             return
         num_trained = 0
+        for mismatch in ack.mismatches:
+            self.stats.count("policy_mismatches", mismatch.reason)
         for group in groups or []:
             if group.group_id not in listed:  # the list is authoritative: unlisted = not trained
                 self.prompts.requeue(group.key)
-                self.stats.count("dropped", "not_trained")
+                self.stats.count("dropped", "policy_mismatch" if group.group_id in failed else "not_trained")
             elif self.prompts.mark_trained(group.key):
                 num_trained += 1
                 self.history.record(group.key, ack.trained_version)
+            if group.group_id in failed or group.group_id in listed:
+                self._checked(group, failed.get(group.group_id), now_s)
         served = {g.group_id for g in groups or []}
         for group_id in listed - served:
             num_trained += self._mark_trained(group_id, ack.trained_version)
@@ -367,6 +395,43 @@ class DataFlow:
         self._persist_due = True
         self._send(identity, protocol.Ack(ref_kind=Kind.BATCH_ACK, ref_id=ack.batch_id), after_persist=True)
         self._dirty = True
+
+    # -- policy integrity ------------------------------------------------------------------------------------
+
+    def _checked(self, group: StoredGroup, mismatch: protocol.PolicyMismatch | None, now_s: float) -> None:
+        """The learner's verdict on one group this broker served: counted against the process that sent it."""
+        worker = (group.worker, group.session)
+        transition = self.quarantine.record(worker, mismatch, now_s)
+        if transition is Transition.QUARANTINED:
+            self._quarantine(worker, now_s)
+        elif transition is Transition.CLEARED:
+            self.stats.count("quarantines", "cleared")
+            log.info("worker_cleared", worker=worker[0], session=worker[1], group_id=group.group_id)
+
+    def _quarantine(self, worker: WorkerKey, now_s: float) -> None:
+        """Take back what a newly quarantined process holds: its buffered groups and its leases (re-queued)."""
+        dropped = self.buffer.drop_from(*worker)
+        for stored in dropped:
+            self.prompts.requeue(stored.key)
+            self.stats.count("dropped", "policy_mismatch")
+        peer = self.peers.worker(*worker)
+        leases = self.leases.of_worker(peer.identity) if peer is not None else []
+        self._return_leases(leases, "quarantined")
+        self.stats.count("quarantines", "quarantined")
+        row = self.quarantine.row(worker, now_s, 0.0)
+        log.warning("worker_quarantined", worker=worker[0], session=worker[1], connected=peer is not None,
+                    num_failed=row["num_failed"], num_checked=row["num_checked"],
+                    num_quarantines=row["num_quarantines"], dropped=len(dropped), leases_returned=len(leases),
+                    evidence=[{k: e[k] for k in ("group_id", "reason", "version", "num_off", "num_checked",
+                                                 "max_abs_diff", "detail")} for e in row["evidence"]])
+        self._dirty = True
+
+    def _worker_joined(self, peer: Peer, now_s: float) -> None:
+        """A worker's Hello: the restart of a quarantined process starts on probation."""
+        if self.quarantine.rejoin(peer.client_id, peer.session, now_s):
+            self.stats.count("quarantines", "probation")
+            log.warning("worker_on_probation", worker=peer.client_id, session=peer.session,
+                        why="a new process of a quarantined worker: one lease at a time until a group passes")
 
     def _mark_trained(self, group_id: str, trained_version: int) -> int:
         """A group trained from a batch this broker did not serve (it restarted); 1 if it was pending."""

@@ -117,6 +117,11 @@ class PeerRegistry:
     def of_role(self, role: str) -> list[Peer]:
         return [p for p in self._peers.values() if p.role == role]
 
+    def worker(self, client_id: str, session: str) -> Peer | None:
+        """The registered worker process with this client id and session, if it is connected."""
+        return next((p for p in self._peers.values()
+                     if p.role == "worker" and (p.client_id, p.session) == (client_id, session)), None)
+
     def num_workers(self) -> int:
         return sum(1 for p in self._peers.values() if p.role == "worker")
 

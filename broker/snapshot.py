@@ -8,13 +8,19 @@
            against max_bytes: frames + per-group overhead), staleness{str: n}, oldest_age_s, mean_group_bytes}
     credit                 groups that may still be leased now (capacity, admission limit, byte bound)
     leases{outstanding, list[...]}, waiting{lease_requests, batch_requests}
-    workers[{id, state, adapter_version, leases, last_seen_s, groups_accepted, busy_share, counters, ...}]
+    workers[{id, state, adapter_version, leases, last_seen_s, groups_accepted, busy_share, counters,
+             integrity (ok, quarantined, probation), ...}]
                            at most MAX_WORKERS_LISTED rows (the longest registered); num_workers counts them all
     learner{id, state, ..., step, trained_version, checkpoint_version, busy_share} | None
     learner_busy_share     from the learner's counters (busy_s / (busy_s + idle_s)) when it reports them,
                            else from the states its heartbeats reported
     adapters[{version, num_bytes, ...}]
     history{uncommitted_groups, withdrawn[[lo, hi]], learner_session}   (see broker.history)
+    integrity{quarantine_after, quarantine_window, policy_mismatches{reason: n}, events{quarantined, probation,
+              cleared}, quarantined[...], probation[...]}      (see broker.quarantine) each row
+              {worker, session, status, since_s, num_failed, num_checked (of its last window), num_quarantines,
+               evidence[{group_id, reason, version, num_checked, num_off, max_abs_diff, mean_abs_diff, detail,
+               age_s, when_unix}]}
     counters as in broker.stats: messages_in/out, bytes_in/out, rejected, num_rejected, dropped, send_failed,
     group_events, lease_events, served_staleness, adapter_events, peers_gone, connections, auth, state_writes,
     rates{...}
@@ -47,6 +53,8 @@ def _busy_share_from_counters(counters: dict[str, Any]) -> float | None:
 
 def _peer_row(core: BrokerCore, peer: Peer, now_s: float) -> dict[str, Any]:
     share = peer.busy_share(now_s)
+    integrity = {"integrity": str(core.quarantine.status((peer.client_id, peer.session)))} if peer.role == "worker" \
+        else {}
     return {
         "id": peer.client_id, "identity": peer.name, "role": peer.role, "state": peer.state,
         "adapter_version": peer.adapter_version, "leases": core.leases.count(peer.identity),
@@ -55,7 +63,17 @@ def _peer_row(core: BrokerCore, peer: Peer, now_s: float) -> dict[str, Any]:
         "uptime_s": round(now_s - peer.registered_s, 1), "groups_accepted": peer.num_groups_accepted,
         "groups_rejected": peer.num_groups_rejected, "leases_granted": peer.num_leases_granted,
         "busy_share": None if share is None else round(share, 4), "counters": peer.counters,
+        **integrity,
     }
+
+
+def _integrity(core: BrokerCore, now_s: float) -> dict[str, Any]:
+    integrity = core.config.integrity
+    now_unix = core.started_unix + (now_s - core.started_s)
+    return {"quarantine_after": integrity.quarantine_after, "quarantine_window": integrity.quarantine_window,
+            "policy_mismatches": core.stats.family("policy_mismatches"),
+            "events": core.stats.family("quarantines"),
+            **core.quarantine.snapshot(now_s, now_unix, limit=MAX_WORKERS_LISTED)}
 
 
 def build_snapshot(core: BrokerCore, now_s: float) -> dict[str, Any]:
@@ -106,5 +124,6 @@ def build_snapshot(core: BrokerCore, now_s: float) -> dict[str, Any]:
         "learner_busy_share": learner_share,
         "adapters": core.adapters.snapshot(),
         "history": core.history.snapshot(),
+        "integrity": _integrity(core, now_s),
         **core.stats.snapshot(now_s),
     }

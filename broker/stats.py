@@ -13,15 +13,21 @@ Counter families (Prometheus name ``loraflow_broker_<family>_total{label=...}``)
     rejected{reason}      a message refused with an Error reply (or none, where no reply is possible)
     dropped{reason}       a group removed without training: stale, stale_on_arrival, buffer_full, not_trained,
                           withdrawn / withdrawn_on_arrival (holds tokens of a version a restarted learner
-                          rolled back)
+                          rolled back), policy_mismatch (failed the learner's policy check, or buffered from a
+                          worker process that was then quarantined)
     send_failed{reason}   a reply zmq would not take: unreachable (peer gone), hwm (peer's queue full)
     groups{event}         accepted, duplicate, served, trained, restored (learner gone, back to the buffer),
                           rolled_back (trained after the checkpoint a restarted learner resumed from: re-queued)
-    leases{event}         granted, submitted, returned, expired, reclaimed, cancelled, undeliverable, renewed
+    leases{event}         granted, submitted, returned, expired, reclaimed, cancelled, undeliverable, renewed,
+                          quarantined (held by a process when it was quarantined: re-queued)
     served_staleness{staleness}
     adapters{event}       published, restored (re-published after a broker restart), withdrawn
     peers_gone{reason}    bye, dead (heartbeats missed), restarted (new session), replaced (another learner)
     state_writes{trigger} sync writes of the state file
+    policy_mismatches{reason}  groups the learner's policy check failed (BatchAck.mismatches): logprobs,
+                          adapter_sha256, lora_id_reused, no_evidence (common/integrity.py)
+    quarantines{event}    quarantined (a worker process), probation (its restart joined), cleared (a group of a
+                          process on probation passed); broker.quarantine
     connections{event}    accepted / disconnected TCP connections (zmq drops a peer that sends a frame over
                           broker.max_message_bytes before anything is read: it shows up here)
     auth{event}           failed handshakes, none of which gets a message through (so they appear nowhere
@@ -29,6 +35,9 @@ Counter families (Prometheus name ``loraflow_broker_<family>_total{label=...}``)
                           client with another broker public key), plaintext (a client without CURVE),
                           curve_client (a CURVE client while security is off), dropped (the client hung up
                           mid-handshake: also how a plaintext client may show), handshake_failed (other)
+
+Gauges (``loraflow_broker_<name>``), set once per tick by the core: ``quarantined_workers`` and
+``probation_workers`` among the others (buffer, leases, waiters).
 
 The snapshot's ``encryption`` says whether the broker's socket uses CURVE (``curve``) or not (``off``).
 """
@@ -57,7 +66,8 @@ class BrokerStats:
                 ("messages_in", "kind"), ("messages_out", "kind"), ("rejected", "reason"), ("dropped", "reason"),
                 ("send_failed", "reason"), ("groups", "event"), ("leases", "event"),
                 ("served_staleness", "staleness"), ("adapters", "event"), ("peers_gone", "reason"),
-                ("state_writes", "trigger"), ("connections", "event"), ("auth", "event"))
+                ("state_writes", "trigger"), ("connections", "event"), ("auth", "event"),
+                ("policy_mismatches", "reason"), ("quarantines", "event"))
         }
         self.bytes_in = 0
         self.bytes_out = 0

@@ -64,6 +64,27 @@ def reward_failures(worker: dict[str, Any]) -> str:
     return str(value) if isinstance(value, int) else "-"
 
 
+def integrity_lines(integrity: dict[str, Any]) -> list[str]:
+    """The policy check's section: mismatches by reason, then one row per quarantined or probation worker
+    process with its newest evidence (broker/quarantine.py)."""
+    flagged = [*integrity.get("quarantined", []), *integrity.get("probation", [])]
+    lines = [f"integrity mismatches {_pairs(integrity.get('policy_mismatches', {}))}  "
+             f"quarantined {len(integrity.get('quarantined', []))}  probation {len(integrity.get('probation', []))}"]
+    rows = []
+    for w in flagged:
+        last = (w.get("evidence") or [{}])[-1]
+        rows.append([w.get("worker", "?"), str(w.get("session", ""))[:12], w.get("status", "?"),
+                     f"{w.get('num_failed', 0)}/{w.get('num_checked', 0)}", last.get("reason", "-"),
+                     f"v{last['version']}" if "version" in last else "-",
+                     f"{last.get('num_off', 0)}/{last.get('num_checked', 0)}" if last else "-",
+                     f"{last['max_abs_diff']:.3g}" if "max_abs_diff" in last else "-",
+                     f"{_duration(last['age_s'])} ago" if "age_s" in last else "-"])
+    if rows:
+        lines += _table(["WORKER", "SESSION", "STATUS", "FAILED", "REASON", "VERSION", "OFF/CHECKED", "MAX-DIFF",
+                         "WHEN"], rows)
+    return lines
+
+
 def render(snap: dict[str, Any]) -> str:
     """The snapshot of a Stats reply as a few lines and tables."""
     settings, prompts, buffer = snap.get("settings", {}), snap.get("prompts", {}), snap.get("buffer", {})
@@ -112,6 +133,7 @@ def render(snap: dict[str, Any]) -> str:
     adapters = snap.get("adapters", [])
     lines.append("adapters  " + (", ".join(f"v{a['version']} ({_bytes(a.get('num_bytes', 0))})" for a in adapters)
                                  if adapters else "none published"))
+    lines += integrity_lines(snap.get("integrity") or {})
     lines.append(f"dropped   {_pairs(snap.get('dropped', {}))}")
     lines.append(f"rejected  {_pairs(snap.get('rejected', {}))}")
     auth, history = snap.get("auth", {}), snap.get("history") or {}
