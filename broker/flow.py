@@ -418,7 +418,7 @@ class DataFlow:
         leases = self.leases.of_worker(peer.identity) if peer is not None else []
         self._return_leases(leases, "quarantined")
         self.stats.count("quarantines", "quarantined")
-        row = self.quarantine.row(worker, now_s, 0.0)
+        row = self.quarantine.row(worker, now_s, self.started_unix + (now_s - self.started_s))
         log.warning("worker_quarantined", worker=worker[0], session=worker[1], connected=peer is not None,
                     num_failed=row["num_failed"], num_checked=row["num_checked"],
                     num_quarantines=row["num_quarantines"], dropped=len(dropped), leases_returned=len(leases),

@@ -189,6 +189,11 @@ class Quarantine:
                 "evidence": [e.to_dict(now_s, now_unix) for e in record.evidence]}
 
     def snapshot(self, now_s: float, now_unix: float, limit: int = 64) -> dict[str, Any]:
-        """The quarantined and probation processes (at most ``limit`` of each) with their evidence."""
-        return {str(status): [self.row(k, now_s, now_unix) for k, _ in self.flagged(status)[:limit]]
-                for status in (Status.QUARANTINED, Status.PROBATION)}
+        """The quarantined and probation processes with their evidence (the ``limit`` longest flagged of each:
+        a Stats reply stays small), and how many there are."""
+        out: dict[str, Any] = {}
+        for status in (Status.QUARANTINED, Status.PROBATION):
+            flagged = self.flagged(status)
+            out[str(status)] = [self.row(k, now_s, now_unix) for k, _ in flagged[:limit]]
+            out[f"num_{status}"] = len(flagged)
+        return out

@@ -17,7 +17,8 @@
     adapters[{version, num_bytes, ...}]
     history{uncommitted_groups, withdrawn[[lo, hi]], learner_session}   (see broker.history)
     integrity{quarantine_after, quarantine_window, policy_mismatches{reason: n}, events{quarantined, probation,
-              cleared}, quarantined[...], probation[...]}      (see broker.quarantine) each row
+              cleared}, num_quarantined, num_probation, quarantined[...], probation[...]}   (broker.quarantine)
+              at most MAX_FLAGGED_LISTED rows each
               {worker, session, status, since_s, num_failed, num_checked (of its last window), num_quarantines,
                evidence[{group_id, reason, version, num_checked, num_off, max_abs_diff, mean_abs_diff, detail,
                age_s, when_unix}]}
@@ -41,6 +42,7 @@ if TYPE_CHECKING:
 
 MAX_LEASES_LISTED = 200
 MAX_WORKERS_LISTED = 256
+MAX_FLAGGED_LISTED = 64  # quarantined (and probation) worker processes listed, each with up to 4 evidence records
 
 
 def _busy_share_from_counters(counters: dict[str, Any]) -> float | None:
@@ -73,7 +75,7 @@ def _integrity(core: BrokerCore, now_s: float) -> dict[str, Any]:
     return {"quarantine_after": integrity.quarantine_after, "quarantine_window": integrity.quarantine_window,
             "policy_mismatches": core.stats.family("policy_mismatches"),
             "events": core.stats.family("quarantines"),
-            **core.quarantine.snapshot(now_s, now_unix, limit=MAX_WORKERS_LISTED)}
+            **core.quarantine.snapshot(now_s, now_unix, limit=MAX_FLAGGED_LISTED)}
 
 
 def build_snapshot(core: BrokerCore, now_s: float) -> dict[str, Any]:

@@ -69,7 +69,7 @@ def integrity_lines(integrity: dict[str, Any]) -> list[str]:
     process with its newest evidence (broker/quarantine.py)."""
     flagged = [*integrity.get("quarantined", []), *integrity.get("probation", [])]
     lines = [f"integrity mismatches {_pairs(integrity.get('policy_mismatches', {}))}  "
-             f"quarantined {len(integrity.get('quarantined', []))}  probation {len(integrity.get('probation', []))}"]
+             f"quarantined {integrity.get('num_quarantined', 0)}  probation {integrity.get('num_probation', 0)}"]
     rows = []
     for w in flagged:
         last = (w.get("evidence") or [{}])[-1]

@@ -4,6 +4,7 @@ then what the broker does with it on an in-process core (real encoded messages, 
 from __future__ import annotations
 
 import pytest
+from structlog.testing import capture_logs
 
 from broker.quarantine import Quarantine, Status, Transition
 from common.protocol import BatchAck, BatchRequest, Kind, LeaseRequest, PolicyMismatch
@@ -70,7 +71,7 @@ def test_restart_is_on_probation(after_rejoin: list[bool], transition: Transitio
     assert (probation["session"], probation["num_checked"], len(probation["evidence"])) == ("s2", 0, 2)
     assert q.record(("w", "s2"), None if after_rejoin[0] else mismatch("0:9"), 8.0) is transition
     assert str(q.status(("w", "s2"))) == final
-    assert not q.rejoin("w", "s3", 9.0) or final == "quarantined"  # a cleared process's restart is free
+    assert q.rejoin("w", "s3", 9.0) is (final == "quarantined")  # a cleared process's restart is free
 
 
 def test_evidence_is_the_last_few_failures() -> None:
@@ -139,7 +140,13 @@ def quarantine_w1(h: Harness) -> list:
 
 
 def test_mismatches_quarantine_the_sender_and_take_back_what_it_holds(h: Harness) -> None:
-    leases = quarantine_w1(h)
+    with capture_logs() as logs:
+        leases = quarantine_w1(h)
+    warning, = [e for e in logs if e["event"] == "worker_quarantined"]
+    assert (warning["log_level"], warning["worker"], warning["session"]) == ("warning", "w1", "s1")
+    assert (warning["dropped"], warning["leases_returned"], warning["num_failed"]) == (2, 1, 2)
+    assert [(e["group_id"], e["reason"], e["num_off"], e["num_checked"], e["max_abs_diff"])
+            for e in warning["evidence"]] == [("0:0", "logprobs", 10, 12, 2.5), ("0:1", "no_evidence", 10, 12, 2.5)]
     stats = h.stats()
     assert stats["dropped"] == {"policy_mismatch": 4}  # the two failed, the two it had buffered
     assert stats["lease_events"]["quarantined"] == 1 and stats["leases"]["outstanding"] == 0
@@ -148,6 +155,7 @@ def test_mismatches_quarantine_the_sender_and_take_back_what_it_holds(h: Harness
     integrity = stats["integrity"]
     assert integrity["policy_mismatches"] == {"logprobs": 1, "no_evidence": 1}
     assert integrity["events"] == {"quarantined": 1} and integrity["probation"] == []
+    assert (integrity["num_quarantined"], integrity["num_probation"]) == (1, 0)
     row, = integrity["quarantined"]
     assert (row["worker"], row["session"], row["status"], row["num_failed"]) == ("w1", "s1", "quarantined", 2)
     assert [(e["group_id"], e["reason"]) for e in row["evidence"]] == [("0:0", "logprobs"), ("0:1", "no_evidence")]
