@@ -2,7 +2,9 @@
 
     rank 0      Batch (broker) --select_groups--> which groups to train, skip (counted) and acknowledge
                                --trainable_frames--> the same message holding only the groups to train
-    all ranks   Parallel.broadcast_frames --decode_step_batch--> StepBatch (samples, rewards, groups)
+    all ranks   Parallel.broadcast_frames --decode_step_batch--> StepBatch (samples, rewards, groups, evidence)
+                --learner.integrity--> the groups that pass the policy check (--keep_groups--> only those;
+                                       rank 0: --refuse_groups--> the others skipped as policy_mismatch)
                 --assign_to_ranks--> this rank's samples (balanced by length)
                 --plan_micro_batches--> its micro-batches (token budget, longest first; every rank runs as
                                         many forward passes, empty micro-batches pad the shorter ranks)
@@ -35,7 +37,7 @@ from learner.loss import group_advantages
 
 NUM_GROUP_TENSORS = len(GROUP_TENSORS)
 #: why a group of a batch is not trained; the first two are still acknowledged as trained
-SKIP_REASONS = ("already_trained", "zero_variance", "stale", "invalid", "withdrawn")
+SKIP_REASONS = ("already_trained", "zero_variance", "stale", "invalid", "withdrawn", "policy_mismatch")
 ACKED_SKIPS = ("already_trained", "zero_variance")
 
 
@@ -118,6 +120,24 @@ def select_groups(batch: Batch, specs: Sequence[TensorSpec], frames: Sequence[An
     return out
 
 
+def refuse_groups(selection: Selection, batch: Batch, failed: Sequence[int], *, version: int) -> None:
+    """Take the step batch's groups ``failed`` (indices into ``selection.train``) out of what rank 0 trains and
+    acknowledges: skipped as ``policy_mismatch`` (learner.integrity), so the broker re-queues their prompts."""
+    entries = [selection.train[k] for k in failed]
+    refused = {batch.groups[i].group.group_id for i in entries}
+    selection.train = [i for i in selection.train if i not in set(entries)]
+    selection.ack_group_ids = [g for g in selection.ack_group_ids if g not in refused]
+    for i in entries:
+        group = batch.groups[i].group
+        selection.skipped["policy_mismatch"] += 1
+        selection.skipped_ids.setdefault("policy_mismatch", []).append(group.group_id)
+        selection.token_versions.pop(group.group_id, None)
+        staleness = versions.staleness(version, group.min_version)
+        selection.staleness[staleness] -= 1
+        if selection.staleness[staleness] <= 0:
+            del selection.staleness[staleness]
+
+
 def trainable_frames(batch: Batch, specs: Sequence[TensorSpec], frames: Sequence[Any],
                      train: Sequence[int]) -> list[Any]:
     """Frames of a Batch message holding only the entries ``train`` (tensor frames forwarded, not copied)."""
@@ -142,6 +162,8 @@ class Sample:
     prompt_len: int               # P >= 1
     behaviour_logp: torch.Tensor  # [C] f32
     loss_mask: torch.Tensor       # [C] bool
+    versions: torch.Tensor | None = None  # [C] int64, the version each completion token claims (None: made by
+                                          # hand, e.g. a benchmark: nothing to check against)
 
     @property
     def num_trained(self) -> int:
@@ -160,6 +182,8 @@ class StepBatch:
     samples: list[Sample]        # [N], group by group
     rewards: torch.Tensor        # [N] f32
     group_index: torch.Tensor    # [N] int64
+    worker_ids: list[str] = field(default_factory=list)                           # [G], as each group says
+    served: list[list[protocol.ServedAdapter]] = field(default_factory=list)      # [G], its evidence
 
     @property
     def num_groups(self) -> int:
@@ -184,14 +208,31 @@ def decode_step_batch(frames: Sequence[Any]) -> StepBatch:
         completions = tensors["completion_ids"].long().split(group.completion_lens)
         logps = tensors["logprobs"].float().split(group.completion_lens)
         masks = tensors["loss_mask"].bool().split(group.completion_lens)
-        for prompt, completion, logp, mask in zip(prompts, completions, logps, masks, strict=True):
+        token_versions = tensors["versions"].long().split(group.completion_lens)
+        for prompt, completion, logp, mask, version in zip(prompts, completions, logps, masks, token_versions,
+                                                           strict=True):
             samples.append(Sample(group=g, tokens=torch.cat([prompt, completion]), prompt_len=prompt.numel(),
-                                  behaviour_logp=logp.clone(), loss_mask=mask.clone()))
+                                  behaviour_logp=logp.clone(), loss_mask=mask.clone(), versions=version.clone()))
         rewards.extend(group.rewards)
-    return StepBatch(batch_id=batch.batch_id, group_ids=[e.group.group_id for e in batch.groups],
-                     min_versions=[e.group.min_version for e in batch.groups], samples=samples,
+    groups = [e.group for e in batch.groups]
+    return StepBatch(batch_id=batch.batch_id, group_ids=[g.group_id for g in groups],
+                     min_versions=[g.min_version for g in groups], samples=samples,
                      rewards=torch.tensor(rewards, dtype=torch.float32),
-                     group_index=torch.tensor([s.group for s in samples], dtype=torch.int64))
+                     group_index=torch.tensor([s.group for s in samples], dtype=torch.int64),
+                     worker_ids=[g.worker_id for g in groups], served=[list(g.served) for g in groups])
+
+
+def keep_groups(step: StepBatch, keep: Sequence[int]) -> StepBatch:
+    """The step batch of only the groups ``keep`` (indices, in order): the policy check's survivors."""
+    new_index = {g: k for k, g in enumerate(keep)}
+    samples = [Sample(group=new_index[s.group], tokens=s.tokens, prompt_len=s.prompt_len,
+                      behaviour_logp=s.behaviour_logp, loss_mask=s.loss_mask, versions=s.versions)
+               for s in step.samples if s.group in new_index]
+    kept = [i for i, s in enumerate(step.samples) if s.group in new_index]
+    return StepBatch(batch_id=step.batch_id, group_ids=[step.group_ids[g] for g in keep],
+                     min_versions=[step.min_versions[g] for g in keep], samples=samples,
+                     rewards=step.rewards[kept], group_index=torch.tensor([s.group for s in samples], dtype=torch.int64),
+                     worker_ids=[step.worker_ids[g] for g in keep], served=[step.served[g] for g in keep])
 
 
 def plan_micro_batches(input_lens: Sequence[int], budget_tokens: int) -> list[list[int]]:

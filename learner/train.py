@@ -5,6 +5,9 @@
     wait     agree(stop?, batch ready?)  <-----------  poll the broker (long-poll, POLL_S slices);
              broadcast the batch's frames <-----------  select groups: skip trained / stale / invalid /
                                                         zero-variance ones (counted)
+    check    the policy check (learner.integrity): evidence, and chosen samples re-scored under the versions
+             they claim (no-grad forwards, collective); all ranks drop the same failed groups --> rank 0: skipped
+                                                        policy_mismatch, logged, in the BatchAck's mismatches
     compute  own micro-batches: forward, token loss, backward (FSDP2 reduce-scatters the LoRA grads)
              clip grad norm, AdamW step, LR schedule
     publish  gather LoRA tensors (collective) ------->  AdapterUpdate v+1 to the broker, PEFT dir every N;
@@ -52,7 +55,7 @@ from common.metrics import Metrics, serve_prometheus
 from common.protocol import Batch, BatchAck, reward_means_of
 from common.timeline import Timeline
 from common.tiny_model import resolve_model
-from learner import data, publish, tracking
+from learner import data, integrity, publish, tracking
 from learner.checkpoint import Checkpointer, LearnerState
 from learner.ledger import Ledger, newest_published
 from learner.loss import LossConfig
@@ -75,6 +78,7 @@ class Received:
     batch: Batch
     selection: data.Selection
     rewards: list[float]
+    verdict: integrity.Verdict | None = None  # the policy check's, once it ran
 
 
 @dataclass(slots=True, kw_only=True)
@@ -118,6 +122,21 @@ class Learner:
         self.published_step = state.step  # the step whose parameters the newest version holds
         self.newest: publish.AdapterSnapshot | None = None
         self.written_version = 0
+        self.integrity = integrity.IntegrityCheck(config, policy, parallel)  # collective (its seed)
+
+    def start_history(self, loaded_version: int) -> None:
+        """Collective: the versions the parameters hold at start-up, for the policy check: v0 (the zero-B LoRA) on
+        a fresh start; after a resume the checkpoint's version, when its weights are that version's (a checkpoint
+        taken at a step that published; with learner.publish_every > 1 it may not be), with the sha256 they publish
+        as. The version they are republished as, if any, is recorded by :meth:`publish`."""
+        if not self.integrity.enabled:
+            return
+        if self.state.step == 0:
+            self.integrity.record(0, "")
+        elif self.state.step % self.config.learner.publish_every == 0:
+            snap = publish.snapshot(self.policy, version=loaded_version, step=self.state.step,
+                                    is_main=self.parallel.is_main)
+            self.integrity.record(loaded_version, snap.sha256 if snap is not None else None)
 
     # -- phases ----------------------------------------------------------------------------------------------
 
@@ -169,11 +188,13 @@ class Learner:
         started = time.monotonic()
         self._mark("publishing")
         latest = self.session.latest_version if self.session is not None else 0
-        version = max(self.state.version, latest) + 1  # never a number the broker already has
+        # never a number the broker already has; rank 0 alone knows the broker's, every rank needs the number
+        version = self.parallel.broadcast_int(max(self.state.version, latest) + 1)
         snap = publish.snapshot(self.policy, version=version, step=self.state.step, is_main=self.parallel.is_main)
         self.published_step = self.state.step
+        self.state.version = version
+        self.integrity.record(version, snap.sha256 if snap is not None else None)
         if snap is not None:
-            self.state.version = version
             self.newest = snap
             assert self.session is not None
             self.ledger.publish(version=version, step=self.state.step, sha256=snap.sha256, num_bytes=snap.num_bytes)
@@ -206,6 +227,7 @@ class Learner:
             step_batch, received = got
             wait_s = time.monotonic() - waited
             self._mark("training")
+            step_batch, verdict = self.check(step_batch, received)
             computed = time.monotonic()
             trained_version = self.state.version
             stats = train_step(self.policy, self.optimizer, self.scheduler, step_batch, parallel=self.parallel,
@@ -223,7 +245,7 @@ class Learner:
             every = self.config.learner.checkpoint_every
             if every and self.state.step % every == 0:
                 checkpoint_s = self.checkpoint()
-            self.timers.busy_s += compute_s + publish_s + checkpoint_s
+            self.timers.busy_s += verdict.seconds + compute_s + publish_s + checkpoint_s
             self.timers.wait_s += wait_s
             if received is not None:
                 self._acknowledge(received, trained_version)
@@ -231,6 +253,20 @@ class Learner:
                              compute_s=compute_s, publish_s=publish_s, checkpoint_s=checkpoint_s)
         self.finish()
         return 0
+
+    def check(self, step_batch: data.StepBatch, received: Received | None) -> tuple[data.StepBatch, integrity.Verdict]:
+        """Collective: the policy check of a step batch; the batch of the groups that pass (learner.integrity)."""
+        verdict = self.integrity.run(step_batch)
+        if received is not None:
+            received.verdict = verdict
+        if not verdict.mismatches:
+            return step_batch, verdict
+        failed = sorted(set(range(step_batch.num_groups)) - set(verdict.keep))
+        if received is not None:
+            data.refuse_groups(received.selection, received.batch, failed, version=self.state.version)
+            self.metrics.inc("groups_skipped", len(failed), reason="policy_mismatch")
+            integrity.log_mismatches(verdict)
+        return data.keep_groups(step_batch, verdict.keep), verdict
 
     def _record(self, received: Received, trained_version: int) -> None:
         """The step's ledger line (before its checkpoint and BatchAck, see learner.ledger)."""
@@ -240,7 +276,8 @@ class Learner:
         self.ledger.step(step=self.state.step, batch_id=received.batch.batch_id, trained_version=trained_version,
                          trained=trained, zero_variance=zero_variance,
                          already_trained=selection.skipped_ids.get("already_trained", []),
-                         not_acked=[g for r in ("stale", "invalid", "withdrawn") for g in selection.skipped_ids.get(r, [])],
+                         not_acked=[g for r in ("stale", "invalid", "withdrawn", "policy_mismatch")
+                                    for g in selection.skipped_ids.get(r, [])],
                          versions=selection.token_versions)
 
     def _acknowledge(self, received: Received, trained_version: int) -> None:
@@ -248,7 +285,8 @@ class Learner:
         self.session.ack_batch(BatchAck(batch_id=received.batch.batch_id, step=self.state.step,
                                         trained_version=trained_version,
                                         group_ids=received.selection.ack_group_ids,
-                                        checkpoint_version=self.state.checkpoint_version))
+                                        checkpoint_version=self.state.checkpoint_version,
+                                        mismatches=received.verdict.mismatches if received.verdict else []))
 
     def _report(self, stats: dict[str, Any], received: Received, step_batch: data.StepBatch, *, trained_version: int,
                 wait_s: float, compute_s: float, publish_s: float, checkpoint_s: float) -> None:
@@ -274,6 +312,9 @@ class Learner:
             "staleness_zero_variance": _zero_variance_staleness(received, trained_version),
             "skipped": dict(received.selection.skipped),
             "wait_s": round(wait_s, 6),
+            "integrity_s": round(received.verdict.seconds, 6) if received.verdict else 0.0,
+            "integrity_tokens": received.verdict.num_checked_tokens if received.verdict else 0,
+            "integrity_unverifiable_tokens": received.verdict.num_unverifiable_tokens if received.verdict else 0,
             "compute_s": round(compute_s, 6),
             "publish_s": round(publish_s, 6),
             "checkpoint_s": round(checkpoint_s, 6),
@@ -285,7 +326,7 @@ class Learner:
         self.metrics_log.emit(line)
         log.info("step", step=self.state.step, version=self.state.version, loss=round(line["loss"], 5),
                  reward=round(line["reward_mean"], 4), tokens=stats["num_tokens"], wait_s=round(wait_s, 3),
-                 compute_s=round(compute_s, 3), publish_s=round(publish_s, 3))
+                 compute_s=round(compute_s, 3), publish_s=round(publish_s, 3), integrity_s=round(line["integrity_s"], 3))
 
     def finish(self) -> None:
         """Clean stop: publish what is unpublished, write the final adapter dir and checkpoint (collective)."""
@@ -354,6 +395,7 @@ def run(config: Config) -> int:
         latest = checkpointer.latest() if config.learner.resume else None
         if latest is not None:
             state = checkpointer.load(latest, policy, optimizer, scheduler)
+        loaded_version = state.version  # rank 0's _connect may number past it; the weights are this version's
         metrics = Metrics()
         ledger = Ledger(learner_dir / "ledger.jsonl" if parallel.is_main else None)
         if parallel.is_main:
@@ -364,6 +406,7 @@ def run(config: Config) -> int:
         learner = Learner(config, parallel, policy, optimizer, scheduler, checkpointer, state, session, metrics,
                           ledger, timeline)
         _install_stop_handlers(learner)
+        learner.start_history(loaded_version)
         if parallel.broadcast_int(int(state.version > state.checkpoint_version)):
             learner.publish()  # the checkpoint's weights under a new number: replaces the withdrawn versions
         return learner.run()

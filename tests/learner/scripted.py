@@ -11,6 +11,12 @@ learner's side of the protocol like the broker does: Welcome, heartbeat pongs, l
 answered from :func:`make_batch` (at most ``allowed_batches``, in order; the sequence restarts at the version a
 learner says hello with, so a resumed learner gets the batches that followed its checkpoint), and an Ack for
 every AdapterUpdate and BatchAck. It records everything the learner sent for the test to inspect.
+
+Its groups are random tokens with made-up log-probs and no evidence (``RolloutGroup.served``), which the
+learner's policy check would refuse: learners fed by it run with ``integrity.check = false``. Groups that pass
+the check come from :class:`Scorer`: tokens sampled from a reference Hugging Face model (the base, or the base
+with a published adapter loaded through peft, as the hf backend loads one) and their log-probs as
+:mod:`common.logprobs` defines them; :func:`encode_groups` makes a Batch of them.
 """
 
 from __future__ import annotations
@@ -41,6 +47,7 @@ from common.protocol import (
     LeaseGrant,
     LeaseRequest,
     RolloutGroup,
+    ServedAdapter,
     Welcome,
 )
 from common.transport import BrokerLink, Incoming
@@ -272,3 +279,104 @@ class Producer(threading.Thread):
             elif isinstance(record, Error):
                 self.errors.append(record)
         self.link.close()
+
+
+# -- groups whose log-probs come from a real model ----------------------------------------------------------------
+
+
+class Scorer:
+    """A reference policy in this process: the base model from ``model_dir``, or the base + a published adapter
+    (PEFT-named tensors, as AdapterUpdate carries them), in float32."""
+
+    def __init__(self, model_dir: Any, adapter: list[tuple[str, Any]] | None = None, lora_config: Any = None) -> None:
+        import torch
+        from transformers import AutoModelForCausalLM
+
+        model = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32)
+        if adapter is not None:
+            from peft import get_peft_model, set_peft_model_state_dict
+
+            model = get_peft_model(model, lora_config)
+            set_peft_model_state_dict(model, dict(adapter))
+        self.model = model.eval()
+
+    def logprobs(self, prompt: Any, completion: Any, temperature: float) -> np.ndarray:
+        """Behaviour log-probs of ``completion`` after ``prompt`` (int arrays) at ``temperature``."""
+        import torch
+
+        from common.logprobs import token_logprobs
+
+        tokens = torch.as_tensor(np.concatenate([prompt, completion]), dtype=torch.int64)[None]
+        with torch.no_grad():
+            logits = self.model(input_ids=tokens).logits[0, len(prompt) - 1:-1]
+        return token_logprobs(logits, torch.as_tensor(completion, dtype=torch.int64), temperature).numpy()
+
+    def sample(self, rng: np.random.Generator, prompt: Any, length: int, temperature: float) -> np.ndarray:
+        """``length`` tokens sampled after ``prompt`` from softmax(logits / temperature)."""
+        import torch
+
+        tokens = list(int(t) for t in prompt)
+        for _ in range(length):
+            with torch.no_grad():
+                logits = self.model(input_ids=torch.tensor([tokens])).logits[0, -1].double() / temperature
+            probs = torch.softmax(logits, -1).numpy()
+            tokens.append(int(rng.choice(len(probs), p=probs / probs.sum())))
+        return np.array(tokens[len(prompt):], dtype=np.int32)
+
+
+@dataclass
+class Sampled:
+    """One sample: prompt and completion ids, behaviour log-probs, the version each token claims, the mask."""
+
+    prompt: np.ndarray
+    completion: np.ndarray
+    logprobs: np.ndarray
+    versions: np.ndarray
+    mask: np.ndarray
+
+
+def sample_group(scorer: Scorer, rng: np.random.Generator, *, group_size: int, version: int,
+                 temperature: float = 1.0, prompt_len: int = 6, completion_len: int = 12) -> list[Sampled]:
+    """``group_size`` samples generated and scored by ``scorer``, every token claiming ``version``."""
+    out = []
+    for _ in range(group_size):
+        prompt = rng.integers(3, VOCAB, prompt_len).astype(np.int32)
+        completion = scorer.sample(rng, prompt, completion_len, temperature)
+        out.append(Sampled(prompt, completion, scorer.logprobs(prompt, completion, temperature).astype(np.float32),
+                           np.full(completion_len, version, dtype=np.int32), np.ones(completion_len, dtype=np.uint8)))
+    return out
+
+
+def served_for(version: int, sha256: str, *, lora_id: int | None = None, dtype: str = "float32") -> ServedAdapter:
+    """The evidence an honest engine reports for ``version`` (v0: the base, no adapter)."""
+    if version == 0:
+        return ServedAdapter(version=0, dtype=dtype)
+    return ServedAdapter(version=version, adapter=f"v{version}", lora_id=version if lora_id is None else lora_id,
+                         sha256=sha256, dtype=dtype)
+
+
+def rollout_group(group_id: str, samples: list[Sampled], served: list[ServedAdapter], *,
+                  worker_id: str = "w") -> tuple[RolloutGroup, list]:
+    """A RolloutGroup of these samples (rewards 1, 0, 1, ...: never all equal) and its tensors."""
+    n = len(samples)
+    versions = np.concatenate([s.versions for s in samples])
+    group = RolloutGroup(group_id=group_id, lease_id=f"lease-{group_id}", worker_id=worker_id, task="arith",
+                         prompt_lens=[len(s.prompt) for s in samples],
+                         completion_lens=[len(s.completion) for s in samples],
+                         rewards=[float((k + 1) % 2) for k in range(n)], finish_reasons=["length"] * n,
+                         min_version=int(versions.min()), max_version=int(versions.max()), served=served)
+    tensors = [("prompt_ids", np.concatenate([s.prompt for s in samples])),
+               ("completion_ids", np.concatenate([s.completion for s in samples])),
+               ("logprobs", np.concatenate([s.logprobs for s in samples])),
+               ("versions", versions),
+               ("loss_mask", np.concatenate([s.mask for s in samples]))]
+    return group, tensors
+
+
+def encode_groups(groups: list[tuple[RolloutGroup, list]], batch_id: str = "batch", latest_version: int = 0) -> list:
+    """Frames of a Batch holding these groups."""
+    entries, tensors = [], []
+    for group, group_tensors in groups:
+        entries.append(BatchEntry(group=group, first_tensor=len(tensors)))
+        tensors.extend(group_tensors)
+    return protocol.encode(Batch(batch_id=batch_id, groups=entries, latest_version=latest_version), tensors)

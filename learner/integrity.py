@@ -1,0 +1,380 @@
+"""The learner's policy check: before a batch is trained, every group's evidence is checked and samples the
+learner chose are re-scored under the exact adapter version each token claims; a group that fails is not trained.
+Why this check and these tolerances: :mod:`common.integrity`.
+
+    every rank, after the batch is broadcast and decoded (learner.data.decode_step_batch), before advantages:
+    IntegrityCheck.run(step)
+      evidence   per group: a ServedAdapter for every version in its tokens (else no_evidence); its sha256 is the
+                 one this learner published for that version while the history holds it (adapter_sha256; rank 0
+                 alone publishes, so only rank 0 knows the hashes); its int lora_id named no other version earlier
+                 from the same worker_id (lora_id_reused, :class:`LoraIds`)
+      choose     integrity.samples_per_group samples per group, ranked by blake2b(seed, group_id, k): the seed is
+                 drawn by rank 0 at start-up and broadcast, so every rank picks the same ones and no worker can know
+                 which (samples with trained tokens first)
+      re-score   per claimed version u the history holds: the chosen samples with trained tokens of u, spread over
+                 the ranks by length and packed in learner.micro_batch_tokens micro-batches; one no-grad forward each
+                 with u's LoRA tensors swapped in (:meth:`AdapterHistory.applied`; every rank runs as many forwards,
+                 each is an FSDP2 collective), log-probs of u's trained tokens at worker.temperature
+                 (:meth:`learner.model.Policy.trained_logprobs`, the numbers of common.logprobs.token_logprobs) vs
+                 the behaviour ones (common.integrity.compare, tolerance by the served and the learner's dtypes);
+                 each rank's (sample, version) results summed over the ranks
+      agree      all_reduce MAX of the per-group fail flags: every rank drops the same groups
+    -> Verdict: the groups to keep, one PolicyMismatch per failed group (with rank 0's evidence), seconds, tokens
+
+The history (:class:`AdapterHistory`) holds the LoRA tensors (this rank's local shards under FSDP2) of the last
+``run.max_staleness + 1`` versions, recorded at each publish, and v0 (the zero-B start) on a fresh start; staler
+groups never reach the check (rank 0 skips them as ``stale``). A version it does not hold can only be one from
+before a learner restart that its checkpoint does not cover (the resumed learner holds the checkpoint's weights
+under its version and the version it republishes them as): its tokens are counted ``unverifiable`` and pass, the
+evidence is still checked.
+
+A failure inside the check (a bug, a collective that raises) is not caught here: every rank runs the same code
+on the same data, so it would fail on all of them; the verdicts themselves never raise (a malformed group was
+refused as ``invalid`` before).
+"""
+
+from __future__ import annotations
+
+import collections
+import contextlib
+import hashlib
+import secrets
+import time
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass, field
+
+import torch
+from torch import nn
+from torch.distributed.tensor import DTensor
+
+from common import integrity
+from common.config import Config
+from common.logging import get_logger
+from common.protocol import PolicyMismatch, ServedAdapter
+from learner import data
+from learner.model import Policy
+from learner.parallel import Parallel
+
+log = get_logger("learner.integrity")
+
+#: lora ids remembered per worker, and workers remembered (least recently seen forgotten first)
+IDS_PER_WORKER = 64
+MAX_WORKERS = 4096
+#: a reported |diff| is capped here (an infinite one still fails; the wire and the JSON log want finite numbers)
+MAX_REPORTED_DIFF = 1e9
+_DTYPE_NAMES = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16"}
+
+
+# -- the adapter history ---------------------------------------------------------------------------------------
+
+
+def _local(param: torch.Tensor) -> torch.Tensor:
+    """The tensor this rank stores for a parameter: the local shard of a DTensor (a view of FSDP2's storage)."""
+    return param.to_local() if isinstance(param, DTensor) else param
+
+
+@dataclass(slots=True, kw_only=True)
+class HeldVersion:
+    tensors: list[torch.Tensor]  # this rank's copy of each trainable parameter, in parameter order
+    sha256: str | None           # as published (v0: ""); None where unknown (ranks other than 0)
+
+
+class AdapterHistory:
+    """The LoRA tensors of the newest ``keep`` versions, and the swap that puts one of them in the parameters."""
+
+    def __init__(self, params: Sequence[nn.Parameter], *, keep: int) -> None:
+        self._params = list(params)
+        self._keep = max(1, keep)
+        self._held: collections.OrderedDict[int, HeldVersion] = collections.OrderedDict()
+
+    def record(self, version: int, sha256: str | None) -> None:
+        """The parameters as they are now are ``version`` (published with ``sha256``); the oldest is forgotten."""
+        with torch.no_grad():
+            tensors = [_local(p).detach().clone() for p in self._params]
+        self._held[version] = HeldVersion(tensors=tensors, sha256=sha256)
+        self._held.move_to_end(version)
+        while len(self._held) > self._keep:
+            self._held.popitem(last=False)
+
+    def holds(self, version: int) -> bool:
+        return version in self._held
+
+    def sha256(self, version: int) -> str | None:
+        """What this learner published for ``version``; None when not held or not known on this rank."""
+        held = self._held.get(version)
+        return held.sha256 if held is not None else None
+
+    @property
+    def versions(self) -> list[int]:
+        return list(self._held)
+
+    @contextlib.contextmanager
+    def applied(self, version: int) -> Iterator[None]:
+        """The parameters hold ``version``'s tensors for the duration (no grad), then exactly the current ones."""
+        held = self._held[version]
+        with torch.no_grad():
+            local = [_local(p) for p in self._params]
+            saved = [t.clone() for t in local]
+            for target, source in zip(local, held.tensors, strict=True):
+                target.copy_(source)
+            try:
+                yield
+            finally:
+                for target, source in zip(local, saved, strict=True):
+                    target.copy_(source)
+
+
+@contextlib.contextmanager
+def eval_mode(model: nn.Module) -> Iterator[None]:
+    """Every module in eval mode (no LoRA dropout: engines sample without it), each mode restored after."""
+    modes = [(m, m.training) for m in model.modules()]
+    model.eval()
+    try:
+        yield
+    finally:
+        for module, training in modes:
+            module.training = training
+
+
+# -- evidence --------------------------------------------------------------------------------------------------
+
+
+class LoraIds:
+    """Which version each (worker, lora_id) named first: an id that later names another version is reused.
+    Bounded: the last :data:`IDS_PER_WORKER` ids per worker, the last :data:`MAX_WORKERS` workers seen."""
+
+    def __init__(self, ids_per_worker: int = IDS_PER_WORKER, max_workers: int = MAX_WORKERS) -> None:
+        self._ids_per_worker = ids_per_worker
+        self._max_workers = max_workers
+        self._workers: collections.OrderedDict[str, collections.OrderedDict[int, int]] = collections.OrderedDict()
+
+    def claim(self, worker_id: str, lora_id: int, version: int) -> int | None:
+        """Record the claim; the other version ``lora_id`` named earlier, or None."""
+        ids = self._workers.get(worker_id)
+        if ids is None:
+            ids = self._workers[worker_id] = collections.OrderedDict()
+            while len(self._workers) > self._max_workers:
+                self._workers.popitem(last=False)
+        self._workers.move_to_end(worker_id)
+        earlier = ids.get(lora_id)
+        if earlier is not None and earlier != version:
+            return earlier
+        ids[lora_id] = version
+        ids.move_to_end(lora_id)
+        while len(ids) > self._ids_per_worker:
+            ids.popitem(last=False)
+        return None
+
+
+def group_versions(step: data.StepBatch, group: int) -> list[int]:
+    """The distinct versions of a group's completion tokens."""
+    found: set[int] = set()
+    for sample in step.samples:
+        if sample.group == group and sample.versions is not None:
+            found.update(int(v) for v in torch.unique(sample.versions))
+    return sorted(found)
+
+
+def check_evidence(versions: Sequence[int], served: Sequence[ServedAdapter], worker_id: str,
+                   history: AdapterHistory, lora_ids: LoraIds) -> PolicyMismatch | None:
+    """The evidence rules of one group (its id filled in by the caller); every lora_id claim is recorded."""
+    by_version = {s.version: s for s in served}
+    reused = []
+    for version in versions:
+        entry = by_version.get(version)
+        if entry is not None:
+            earlier = lora_ids.claim(worker_id, entry.lora_id, version)
+            if earlier is not None:
+                reused.append((version, entry.lora_id, earlier))
+    missing = [v for v in versions if v not in by_version]
+    if missing:
+        return PolicyMismatch(group_id="", reason="no_evidence", version=missing[0],
+                              detail=f"no ServedAdapter for version(s) {missing[:8]} of its tokens")
+    for version in versions:
+        expected = history.sha256(version)
+        if expected is not None and by_version[version].sha256 != expected:
+            return PolicyMismatch(group_id="", reason="adapter_sha256", version=version,
+                                  detail=f"served sha256 {by_version[version].sha256[:16]!r}, published "
+                                  f"{expected[:16]!r} (first 16 hex digits)")
+    if reused:
+        version, lora_id, earlier = reused[0]
+        return PolicyMismatch(group_id="", reason="lora_id_reused", version=version,
+                              detail=f"lora_id {lora_id} named version {earlier} earlier in this worker")
+    return None
+
+
+# -- the check -------------------------------------------------------------------------------------------------
+
+
+def chosen_samples(step: data.StepBatch, group: int, seed: int, count: int) -> list[int]:
+    """Indices (into ``step.samples``) of the group's samples to re-score: those with trained tokens first, then
+    by a keyed hash of (seed, group id, position in the group)."""
+    members = [i for i, s in enumerate(step.samples) if s.group == group]
+    group_id = step.group_ids[group]
+
+    def key(k: int) -> tuple[bool, bytes]:
+        digest = hashlib.blake2b(f"{seed}:{group_id}:{k}".encode(), digest_size=8).digest()
+        return step.samples[members[k]].num_trained == 0, digest
+
+    return sorted(members[k] for k in sorted(range(len(members)), key=key)[:count])
+
+
+@dataclass(slots=True, kw_only=True)
+class Verdict:
+    """What the check decided about a step batch (identical on every rank, ``mismatches`` complete on rank 0)."""
+
+    keep: list[int] = field(default_factory=list)                  # group indices to train, in order
+    mismatches: list[PolicyMismatch] = field(default_factory=list)  # one per failed group, batch order
+    seconds: float = 0.0
+    num_checked_tokens: int = 0
+    num_unverifiable_tokens: int = 0  # tokens of chosen samples whose version the history no longer holds
+
+
+class IntegrityCheck:
+    """The check of one learner process (every rank holds one; see the module docstring)."""
+
+    def __init__(self, config: Config, policy: Policy, parallel: Parallel) -> None:
+        self.config = config.integrity
+        self.enabled = config.integrity.check
+        self.policy = policy
+        self.parallel = parallel
+        self.temperature = config.worker.temperature
+        self.budget_tokens = config.learner.micro_batch_tokens
+        self.learner_dtype = _DTYPE_NAMES.get(policy.compute_dtype, str(policy.compute_dtype))
+        self.history = AdapterHistory(policy.trainable_parameters(), keep=config.run.max_staleness + 1)
+        self.lora_ids = LoraIds()
+        self.seed = parallel.broadcast_int(secrets.randbits(62))  # collective: every rank builds one at start-up
+
+    def record(self, version: int, sha256: str | None) -> None:
+        """The parameters now hold ``version`` (call on every rank after each publish)."""
+        if self.enabled:
+            self.history.record(version, sha256)
+
+    def run(self, step: data.StepBatch) -> Verdict:
+        """Collective: the verdict on every group of ``step``."""
+        started = time.monotonic()
+        if not self.enabled:
+            return Verdict(keep=list(range(step.num_groups)))
+        versions = [group_versions(step, g) for g in range(step.num_groups)]
+        evidence = [self._evidence(step, g, versions[g]) for g in range(step.num_groups)]
+        pairs, unverifiable = self._pairs(step)
+        results = self._rescore(step, pairs)
+        failures: dict[int, PolicyMismatch] = {}
+        for g, found in enumerate(evidence):
+            if found is not None:
+                failures[g] = found
+        for (sample, version), row in zip(pairs, results.tolist(), strict=True):
+            g = step.samples[sample].group
+            num_checked, num_off, max_diff, mean_diff = int(row[0]), int(row[1]), row[2], row[3]
+            if g in failures or num_off <= self.config.max_off_fraction * num_checked:
+                continue
+            failures[g] = PolicyMismatch(
+                group_id="", reason="logprobs", version=version, num_checked=num_checked, num_off=num_off,
+                max_abs_diff=min(max_diff, MAX_REPORTED_DIFF), mean_abs_diff=min(mean_diff, MAX_REPORTED_DIFF),
+                detail=f"sample {sample - _first_sample(step, g)}: {num_off} of {num_checked} tokens off by more "
+                f"than {self._tolerance(step, g, version):g} nats at temperature {self.temperature:g}")
+        flags = torch.tensor([int(g in failures) for g in range(step.num_groups)], dtype=torch.int32)
+        self.parallel.max(flags)  # rank 0 alone knows the published hashes: agree on its verdicts
+        verdict = Verdict(num_checked_tokens=int(results[:, 0].sum()), num_unverifiable_tokens=unverifiable)
+        for g, failed in enumerate(flags.tolist()):
+            if not failed:
+                verdict.keep.append(g)
+                continue
+            found = failures.get(g) or PolicyMismatch(group_id="", reason="adapter_sha256",
+                                                      detail="failed on another rank")
+            found.group_id, found.worker_id = step.group_ids[g], step.worker_ids[g]
+            verdict.mismatches.append(found)
+        verdict.seconds = time.monotonic() - started
+        return verdict
+
+    def _evidence(self, step: data.StepBatch, group: int, versions: list[int]) -> PolicyMismatch | None:
+        return check_evidence(versions, step.served[group], step.worker_ids[group], self.history, self.lora_ids)
+
+    def _served(self, step: data.StepBatch, group: int, version: int) -> ServedAdapter | None:
+        return next((s for s in step.served[group] if s.version == version), None)
+
+    def _tolerance(self, step: data.StepBatch, group: int, version: int) -> float:
+        served = self._served(step, group, version)
+        engine_dtype = served.dtype if served is not None else "float32"
+        return integrity.tolerance(engine_dtype, self.learner_dtype, self.config.token_tolerance)
+
+    def _pairs(self, step: data.StepBatch) -> tuple[list[tuple[int, int]], int]:
+        """(sample, version) pairs to re-score, from what every rank knows alike; and the tokens of chosen samples
+        whose version is not held (unverifiable)."""
+        pairs: list[tuple[int, int]] = []
+        unverifiable = 0
+        for g in range(step.num_groups):
+            for i in chosen_samples(step, g, self.seed, self.config.samples_per_group):
+                sample = step.samples[i]
+                trained = sample.versions[sample.loss_mask]
+                for version in sorted(int(v) for v in torch.unique(trained)):
+                    if not self.history.holds(version):
+                        unverifiable += int((trained == version).sum())
+                    elif self._served(step, g, version) is not None:  # else failed as no_evidence already
+                        pairs.append((i, version))
+        return pairs, unverifiable
+
+    def _rescore(self, step: data.StepBatch, pairs: list[tuple[int, int]]) -> torch.Tensor:
+        """Collective: [P, 4] float64 (num_checked, num_off, max |diff|, mean |diff|) of each pair, on every rank."""
+        out = torch.zeros(len(pairs), 4, dtype=torch.float64)
+        if not pairs:  # every rank has the same pairs: none anywhere
+            return out
+        by_version: dict[int, list[int]] = {}
+        for k, (_, version) in enumerate(pairs):
+            by_version.setdefault(version, []).append(k)
+        for version, ks in sorted(by_version.items()):
+            rows = [_restricted(step.samples[pairs[k][0]], version) for k in ks]
+            with eval_mode(self.policy.model), self.history.applied(version):
+                for micro in self._micro_batches([r.input_len for r in rows]):
+                    self._score_micro(step, [ks[i] for i in micro], [rows[i] for i in micro], version, out)
+        self.parallel.sum(out)
+        return out
+
+    def _micro_batches(self, input_lens: list[int]) -> list[list[int]]:
+        """This rank's micro-batches (row indices) of these rows: spread over the ranks by length, packed by the
+        token budget; as many on every rank (empty ones pad the shorter ranks: each forward is a collective)."""
+        plans = [[[mine[j] for j in micro] for micro in data.plan_micro_batches([input_lens[i] for i in mine],
+                                                                              self.budget_tokens)]
+                 for mine in data.assign_to_ranks(input_lens, self.parallel.world_size)]
+        num_micro = max(len(plan) for plan in plans)
+        mine = plans[self.parallel.rank]
+        return mine + [[] for _ in range(num_micro - len(mine))]
+
+    def _score_micro(self, step: data.StepBatch, ks: list[int], rows: list[data.Sample], version: int,
+                     out: torch.Tensor) -> None:
+        """One no-grad forward of these rows under the applied version; each row's comparison into ``out``."""
+        mb = data.collate(rows, [0.0] * len(rows)).to(self.parallel.device)
+        with torch.no_grad():
+            logp, _ = self.policy.trained_logprobs(mb.input_ids, mb.select, mb.targets[mb.select], self.temperature,
+                                                   with_entropy=False)
+        if not rows:
+            return
+        counts = [r.num_trained for r in rows]
+        recomputed = logp.float().cpu().split(counts)
+        behaviour = mb.behaviour_logp.cpu().split(counts)
+        for k, row, mine, theirs in zip(ks, rows, recomputed, behaviour, strict=True):
+            result = integrity.compare(theirs.numpy(), mine.numpy(),
+                                       token_tolerance=self._tolerance(step, row.group, version),
+                                       max_off_fraction=self.config.max_off_fraction)
+            out[k] = torch.tensor([result.num_checked, result.num_off, result.max_abs_diff, result.mean_abs_diff],
+                                  dtype=torch.float64)
+
+
+def _restricted(sample: data.Sample, version: int) -> data.Sample:
+    """The sample with only its trained tokens of ``version`` selected."""
+    assert sample.versions is not None
+    return data.Sample(group=sample.group, tokens=sample.tokens, prompt_len=sample.prompt_len,
+                       behaviour_logp=sample.behaviour_logp, loss_mask=sample.loss_mask & (sample.versions == version),
+                       versions=sample.versions)
+
+
+def _first_sample(step: data.StepBatch, group: int) -> int:
+    return next(i for i, s in enumerate(step.samples) if s.group == group)
+
+
+def log_mismatches(verdict: Verdict) -> None:
+    """One ``policy_mismatch`` warning per failed group, with its evidence (rank 0)."""
+    for m in verdict.mismatches:
+        log.warning("policy_mismatch", group_id=m.group_id, worker_id=m.worker_id, reason=m.reason,
+                    version=m.version, num_checked=m.num_checked, num_off=m.num_off,
+                    max_abs_diff=round(m.max_abs_diff, 6), mean_abs_diff=round(m.mean_abs_diff, 6), detail=m.detail)

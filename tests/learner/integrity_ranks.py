@@ -1,0 +1,84 @@
+"""Run under torchrun by tests/learner/test_integrity_check.py: the policy check on 2 ranks (gloo, CPU).
+
+Every rank builds the tiny policy, trains one step and publishes v1 (only rank 0 knows its sha256), then checks
+one batch: two honest groups (v1 and v0, log-probs from the policy's own forward under that version), one with
+made-up log-probs and one whose evidence names another sha256 (which only rank 0 can judge). Every rank must
+keep exactly the honest groups; rank 0 prints what was kept and dropped.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+from pathlib import Path
+
+import numpy as np
+import torch
+import torch.distributed as dist
+
+from common.config import load_config
+from common.logprobs import token_logprobs
+from learner import data, publish
+from learner.integrity import IntegrityCheck
+from learner.loss import LossConfig
+from learner.model import build_policy
+from learner.parallel import init_parallel
+from learner.step import make_optimizer, train_step
+from tests.learner.scripted import VOCAB, Sampled, encode_groups, make_batch, rollout_group, served_for
+
+
+def group(policy, check: IntegrityCheck, rng: np.random.Generator, group_id: str, version: int, sha256: str,
+          made_up: bool = False) -> tuple:
+    samples = []
+    for _ in range(4):
+        prompt = rng.integers(3, VOCAB, 6).astype(np.int32)
+        completion = rng.integers(3, VOCAB, 10 + int(rng.integers(0, 10))).astype(np.int32)
+        tokens = torch.as_tensor(np.concatenate([prompt, completion]), dtype=torch.int64)[None]
+        with torch.no_grad(), check.history.applied(version):  # a collective forward: every rank runs it
+            logits = policy.logits(tokens)[0, len(prompt) - 1:-1]
+        logp = token_logprobs(logits, torch.as_tensor(completion, dtype=torch.int64)).numpy()
+        if made_up:
+            logp = np.full_like(logp, -0.5)
+        n = len(completion)
+        samples.append(Sampled(prompt, completion, logp.astype(np.float32), np.full(n, version, dtype=np.int32),
+                               np.ones(n, dtype=np.uint8)))
+    return rollout_group(group_id, samples, [served_for(version, sha256)], worker_id=group_id)
+
+
+def main(model_dir: Path) -> None:
+    parallel = init_parallel("cpu")
+    config = load_config(None, ["learner.lora_rank=8", "learner.lr=0.05", "learner.warmup_steps=0",
+                                "learner.micro_batch_tokens=64", "integrity.samples_per_group=3"])
+    policy = build_policy(model_dir, config.learner, parallel, seed=0)
+    optimizer, scheduler = make_optimizer(policy, config.learner)
+    check = IntegrityCheck(config, policy, parallel)
+    check.record(0, "")
+    train_step(policy, optimizer, scheduler, data.decode_step_batch(make_batch(3, 0, num_groups=2, group_size=4)),
+               parallel=parallel, config=config, loss_config=LossConfig.from_learner(config.learner))
+    snap = publish.snapshot(policy, version=1, step=1, is_main=parallel.is_main)
+    check.record(1, snap.sha256 if snap is not None else None)
+    rng = np.random.default_rng(0)
+    groups = [group(policy, check, rng, "good-0", 1, ""), group(policy, check, rng, "good-1", 0, ""),
+              group(policy, check, rng, "made-up", 1, "", made_up=True), group(policy, check, rng, "bad-sha", 1, "")]
+    frames = None
+    if parallel.is_main:  # the evidence names rank 0's hash; rank 0 sends the frames, as the learner loop does
+        for index, sha256 in ((0, snap.sha256), (2, snap.sha256), (3, "0" * 64)):
+            groups[index][0].served = [served_for(1, sha256)]
+        frames = encode_groups(groups)
+    step = data.decode_step_batch(parallel.broadcast_frames(frames))
+    verdict = check.run(step)
+    kept = [step.group_ids[g] for g in verdict.keep]
+    everyone: list = [None] * parallel.world_size
+    dist.all_gather_object(everyone, kept)
+    assert all(k == kept for k in everyone), everyone
+    if parallel.is_main:
+        dropped = [(m.group_id, m.reason) for m in verdict.mismatches]
+        print(f"integrity ok on {parallel.world_size} ranks: kept {kept}, dropped {dropped}", flush=True)
+    dist.barrier()
+
+
+if __name__ == "__main__":
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+    main(Path(sys.argv[1]))
+    sys.stdout.flush()
+    os._exit(0)  # as gather_ranks.py: leave without tearing gloo down

@@ -1,0 +1,189 @@
+"""The learner's policy check (learner/integrity.py) on the tiny model, with groups sampled and scored by a
+reference Hugging Face model (tests/learner/scripted.py's Scorer: the base, or the base + a published adapter
+through peft, float32), checked by a real sharded policy that trained two versions.
+
+Correct groups pass (no false positive over many groups, several versions); log-probs of the base claiming v1,
+of v2 claiming v1, at another temperature, made up, or correct plus noise fail with ``logprobs``; one noisy
+token passes; a wrong sha256, missing evidence and a reused lora_id fail on the evidence. The adapter history
+swaps a version in and restores the current parameters bit for bit. 2 ranks (torchrun, gloo): every rank drops
+the same groups, also one whose sha256 only rank 0 can judge (tests/learner/integrity_ranks.py).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from common.config import load_config
+from learner import data, publish
+from learner.integrity import IntegrityCheck, LoraIds
+from learner.loss import LossConfig
+from learner.model import build_policy
+from learner.parallel import init_parallel
+from learner.step import make_optimizer, train_step
+from tests.learner.scripted import (
+    Scorer,
+    encode_groups,
+    make_batch,
+    rollout_group,
+    sample_group,
+    served_for,
+)
+from tests.support import REPO, child_env
+
+OVERRIDES = ["learner.lora_rank=8", "learner.lr=0.05", "learner.warmup_steps=0", "learner.grad_clip=0",
+             "learner.micro_batch_tokens=128", "integrity.samples_per_group=2", "run.max_staleness=4"]
+
+
+@dataclasses.dataclass
+class World:
+    policy: object
+    check: IntegrityCheck
+    sha: dict[int, str]
+    scorers: dict[int, Scorer]
+    logits: dict[int, torch.Tensor]  # of a fixed input, recorded while the version was current
+
+
+PROBE = torch.arange(3, 40, dtype=torch.int64)[None]
+
+
+@pytest.fixture(scope="module")
+def world(tiny_model_dir: Path) -> World:
+    parallel = init_parallel("cpu")
+    config = load_config(None, OVERRIDES)
+    policy = build_policy(tiny_model_dir, config.learner, parallel, seed=0)
+    optimizer, scheduler = make_optimizer(policy, config.learner)
+    check = IntegrityCheck(config, policy, parallel)
+    check.record(0, "")
+    with torch.no_grad():
+        logits = {0: policy.logits(PROBE).clone()}
+    sha, scorers = {0: ""}, {0: Scorer(tiny_model_dir)}
+    for version in (1, 2):  # two trained versions, each far enough from the last for the check to tell them apart
+        batch = data.decode_step_batch(make_batch(3, version, num_groups=2, group_size=4))
+        train_step(policy, optimizer, scheduler, batch, parallel=parallel, config=config,
+                   loss_config=LossConfig.from_learner(config.learner))
+        snap = publish.snapshot(policy, version=version, step=version, is_main=True)
+        check.record(version, snap.sha256)
+        sha[version] = snap.sha256
+        scorers[version] = Scorer(tiny_model_dir, snap.tensors, policy.lora_config)
+        with torch.no_grad():
+            logits[version] = policy.logits(PROBE).clone()
+    yield World(policy, check, sha, scorers, logits)
+    parallel.close()
+
+
+def run(world: World, groups: list) -> list[tuple[str, str]]:
+    """(group id, reason) of each failed group."""
+    verdict = world.check.run(data.decode_step_batch(encode_groups(groups)))
+    assert verdict.num_checked_tokens > 0 or not groups
+    return [(m.group_id, m.reason) for m in verdict.mismatches]
+
+
+def honest(world: World, rng: np.random.Generator, group_id: str, version: int, *, worker_id: str = "w",
+           temperature: float = 1.0) -> tuple:
+    samples = sample_group(world.scorers[version], rng, group_size=4, version=version, temperature=temperature)
+    return rollout_group(group_id, samples, [served_for(version, world.sha[version])], worker_id=worker_id)
+
+
+def test_versions_differ_and_the_history_restores_the_parameters_exactly(world: World) -> None:
+    current = [p.to_local().detach().clone() for p in world.policy.trainable_parameters()]
+    for version in (0, 1, 2):
+        with world.check.history.applied(version), torch.no_grad():
+            assert torch.equal(world.policy.logits(PROBE), world.logits[version])
+    assert all(torch.equal(p.to_local(), c) for p, c in zip(world.policy.trainable_parameters(), current, strict=True))
+    logp = {v: torch.log_softmax(world.logits[v][0], -1) for v in (0, 1, 2)}
+    assert (logp[1] - logp[0]).abs().max() > 0.5 and (logp[2] - logp[1]).abs().max() > 0.5
+
+
+def test_correct_groups_pass(world: World) -> None:
+    rng = np.random.default_rng(1)
+    groups = [honest(world, rng, f"ok-{k}", k % 3, worker_id=f"ok-{k % 2}") for k in range(24)]
+    assert run(world, groups) == []
+
+
+def wrong(world: World, rng: np.random.Generator, group_id: str, *, claimed: int, scored_by: int,
+          temperature: float = 1.0, change=None) -> tuple:
+    """Tokens sampled and scored by ``scored_by`` at ``temperature`` (log-probs then changed), claiming ``claimed``."""
+    samples = sample_group(world.scorers[scored_by], rng, group_size=4, version=claimed, temperature=temperature)
+    for s in samples:
+        if change is not None:
+            s.logprobs = change(rng, s.logprobs).astype(np.float32)
+    return rollout_group(group_id, samples, [served_for(claimed, world.sha[claimed])], worker_id=f"bad-{group_id}")
+
+
+def test_groups_from_another_policy_or_made_up_fail_with_logprobs(world: World) -> None:
+    rng = np.random.default_rng(2)
+    groups = [
+        wrong(world, rng, "base-as-v1", claimed=1, scored_by=0),
+        wrong(world, rng, "v2-as-v1", claimed=1, scored_by=2),
+        wrong(world, rng, "v1-as-v2", claimed=2, scored_by=1),
+        wrong(world, rng, "temperature", claimed=1, scored_by=1, temperature=0.7),
+        wrong(world, rng, "constant", claimed=1, scored_by=1, change=lambda r, lp: np.full_like(lp, -0.5)),
+        wrong(world, rng, "noise", claimed=2, scored_by=2, change=lambda r, lp: np.minimum(
+            lp + r.normal(0, 0.05, lp.shape), 0)),
+    ]
+    assert run(world, groups) == [(g.group_id, "logprobs") for g, _ in groups]
+
+
+def test_one_noisy_token_passes(world: World) -> None:
+    def one_off(rng: np.random.Generator, lp: np.ndarray) -> np.ndarray:
+        out = lp.copy()
+        out[3] -= 1.0
+        return out
+
+    assert run(world, [wrong(world, np.random.default_rng(3), "one-token", claimed=1, scored_by=1,
+                             change=one_off)]) == []
+
+
+def test_evidence_failures(world: World) -> None:
+    rng = np.random.default_rng(4)
+    bad_sha = honest(world, rng, "bad-sha", 1, worker_id="e1")
+    bad_sha[0].served = [served_for(1, world.sha[2])]
+    no_evidence = honest(world, rng, "no-evidence", 2, worker_id="e2")
+    no_evidence[0].served = []
+    first = honest(world, rng, "first", 1, worker_id="e3")  # lora_id 7 names v1 in worker e3 ...
+    first[0].served = [served_for(1, world.sha[1], lora_id=7)]
+    reused = honest(world, rng, "reused", 2, worker_id="e3")  # ... then v2
+    reused[0].served = [served_for(2, world.sha[2], lora_id=7)]
+    other_worker = honest(world, rng, "other-worker", 2, worker_id="e4")
+    other_worker[0].served = [served_for(2, world.sha[2], lora_id=7)]
+    assert run(world, [bad_sha, no_evidence, first, reused, other_worker]) == [
+        ("bad-sha", "adapter_sha256"), ("no-evidence", "no_evidence"), ("reused", "lora_id_reused")]
+
+
+def test_lora_id_memory_is_bounded() -> None:
+    ids = LoraIds(ids_per_worker=2, max_workers=2)
+    assert ids.claim("a", 1, 1) is None and ids.claim("a", 1, 1) is None
+    assert ids.claim("a", 1, 2) == 1
+    ids.claim("a", 2, 2)
+    ids.claim("a", 3, 3)  # id 1 forgotten
+    assert ids.claim("a", 1, 5) is None
+    ids.claim("b", 1, 1)
+    ids.claim("c", 1, 1)  # worker a forgotten
+    assert ids.claim("a", 2, 9) is None and ids.claim("c", 1, 4) == 1
+
+
+def test_a_version_the_history_does_not_hold_is_unverifiable_and_passes(world: World) -> None:
+    rng = np.random.default_rng(5)
+    group = wrong(world, rng, "old", claimed=1, scored_by=1, change=lambda r, lp: np.full_like(lp, -0.5))
+    group[1][3] = ("versions", np.full_like(group[1][3][1], 9))  # a version from before a restart
+    group[0].min_version = group[0].max_version = 9
+    group[0].served = [served_for(9, "f" * 64)]
+    verdict = world.check.run(data.decode_step_batch(encode_groups([group])))
+    assert verdict.mismatches == [] and verdict.num_unverifiable_tokens == 2 * 12
+    assert verdict.num_checked_tokens == 0
+
+
+def test_two_ranks_agree_and_drop_the_bad_groups(tiny_model_dir: Path) -> None:
+    result = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
+                             str(REPO / "tests" / "learner" / "integrity_ranks.py"), str(tiny_model_dir)],
+                            capture_output=True, text=True, timeout=300, env=child_env(), cwd=REPO)
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    assert "integrity ok on 2 ranks: kept ['good-0', 'good-1'], dropped [('made-up', 'logprobs'), " \
+           "('bad-sha', 'adapter_sha256')]" in result.stdout
