@@ -9,7 +9,8 @@ groups for them at the adapter version it was last told about.
 :class:`ScriptedBroker` is a ROUTER on a loopback port, served by a background thread, that speaks the
 learner's side of the protocol like the broker does: Welcome, heartbeat pongs, long-polled BatchRequests
 answered from :func:`make_batch` (at most ``allowed_batches``, in order; the sequence restarts at the version a
-learner says hello with, so a resumed learner gets the batches that followed its checkpoint), and an Ack for
+learner says hello with, so a resumed learner gets the batches that followed its checkpoint; or the frames
+given as ``batches``, in order), and an Ack for
 every AdapterUpdate and BatchAck. It records everything the learner sent for the test to inspect.
 
 Its groups are random tokens with made-up log-probs and no evidence (``RolloutGroup.served``), which the
@@ -110,6 +111,7 @@ class ScriptedBroker:
     port: int = 0  # 0 = any free port
     answer_batch_acks: bool = True
     refuse_requests: str = ""  # an Error code to answer every BatchRequest with
+    batches: list[list[Any]] | None = None  # the frames of the batches to serve instead of make_batch's
     num_requests: int = 0
     hellos: list[Hello] = field(default_factory=list)
     published: list[Published] = field(default_factory=list)
@@ -227,10 +229,12 @@ class ScriptedBroker:
         now = time.monotonic()
         still = []
         for identity, request, deadline in self._waiting:
-            if self.next_index < self.allowed_batches:
+            limit = min(self.allowed_batches, len(self.batches)) if self.batches is not None else self.allowed_batches
+            if self.next_index < limit:
                 self.served.append(self.next_index)
-                self._send(identity, make_batch(self.seed, self.next_index, num_groups=request.num_groups,
-                                                group_size=self.group_size, latest_version=self.latest_version))
+                self._send(identity, self.batches[self.next_index] if self.batches is not None else make_batch(
+                    self.seed, self.next_index, num_groups=request.num_groups, group_size=self.group_size,
+                    latest_version=self.latest_version))
                 self.next_index += 1
             elif now >= deadline:
                 self._send(identity, protocol.encode(Batch(latest_version=self.latest_version)))

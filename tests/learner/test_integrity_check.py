@@ -187,3 +187,43 @@ def test_two_ranks_agree_and_drop_the_bad_groups(tiny_model_dir: Path) -> None:
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     assert "integrity ok on 2 ranks: kept ['good-0', 'good-1'], dropped [('made-up', 'logprobs'), " \
            "('bad-sha', 'adapter_sha256')]" in result.stdout
+
+
+def test_the_learner_loop_drops_a_failed_group_reports_it_and_trains_the_rest(tiny_model_dir: Path,
+                                                                              tmp_path: Path) -> None:
+    """A learner process fed two batches of two honest v0 groups and one made-up group each: the made-up one
+    is not trained, not acknowledged, reported in the BatchAck's mismatches, counted and timed in metrics."""
+    from tests.learner.scripted import ScriptedBroker
+    from tests.learner.test_learner_runs import learner_argv, metrics_lines
+    from tests.support import Processes
+
+    rng = np.random.default_rng(6)
+    base = Scorer(tiny_model_dir)
+    batches = []
+    for index in range(2):
+        groups = [rollout_group(f"{index}:{k}", sample_group(base, rng, group_size=4, version=0), [served_for(0, "")])
+                  for k in range(2)]
+        made_up = sample_group(base, rng, group_size=4, version=0)
+        for s in made_up:
+            s.logprobs = np.full_like(s.logprobs, -0.5)
+        groups.append(rollout_group(f"{index}:bad", made_up, [served_for(0, "")], worker_id="liar"))
+        batches.append(encode_groups(groups, batch_id=f"batch-{index}"))
+    broker = ScriptedBroker(batches=batches)
+    procs = Processes(tmp_path)
+    try:
+        proc = procs.spawn("learner", learner_argv(tmp_path / "run", broker.endpoint, tiny_model_dir,
+                                                   "run.num_steps=2", "learner.checkpoint_every=0",
+                                                   "integrity.check=true"))
+        assert proc.popen.wait(timeout=240) == 0, proc.log()[-4000:]
+    finally:
+        broker.close()
+        procs.cleanup()
+    assert [a.group_ids for a in broker.acks] == [["0:0", "0:1"], ["1:0", "1:1"]]
+    assert [[(m.group_id, m.worker_id, m.reason) for m in a.mismatches] for a in broker.acks] == [
+        [("0:bad", "liar", "logprobs")], [("1:bad", "liar", "logprobs")]]
+    assert all(m.num_off == m.num_checked > 0 for a in broker.acks for m in a.mismatches)
+    lines = metrics_lines(tmp_path / "run")
+    assert [m["skipped"] for m in lines] == [{"policy_mismatch": 1}] * 2
+    assert all(m["num_groups_trained"] == 2 and m["integrity_s"] > 0 and m["integrity_tokens"] == 3 * 12  # one sample of each group (integrity.samples_per_group = 1)
+               for m in lines)
+    assert proc.log().count("policy_mismatch") >= 2

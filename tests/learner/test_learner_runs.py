@@ -34,6 +34,9 @@ COMMON = ["run.groups_per_step=2", "run.group_size=4", "run.max_staleness=100", 
           "learner.micro_batch_tokens=64", "learner.checkpoint_every=2", "learner.kl_beta=0.01",
           "learner.off_policy=\"tis\"", "learner.save_adapter_every=2", "learner.warmup_steps=2",
           "learner.adam_eps=1e-5",
+          # the scripted batches are random tokens with made-up log-probs and no evidence, which the policy check
+          # refuses; tests/learner/test_integrity_check.py runs this learner with the check on and honest groups
+          "integrity.check=false",
           'security.run_token="scripted-broker"']  # the scripted broker writes no run token file (common/run_token.py)
 
 
