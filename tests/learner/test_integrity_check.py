@@ -227,3 +227,41 @@ def test_the_learner_loop_drops_a_failed_group_reports_it_and_trains_the_rest(ti
     assert all(m["num_groups_trained"] == 2 and m["integrity_s"] > 0 and m["integrity_tokens"] == 3 * 12  # one sample of each group (integrity.samples_per_group = 1)
                for m in lines)
     assert proc.log().count("policy_mismatch") >= 2
+
+
+def test_a_resumed_learner_checks_the_version_of_its_checkpoint(tiny_model_dir: Path, tmp_path: Path) -> None:
+    """Stopped after publishing v1 (checkpointed), restarted with resume: it holds v1's weights and hash again,
+    so honest v1 groups pass and one naming another hash fails adapter_sha256."""
+    from peft import LoraConfig
+
+    from tests.learner.scripted import ScriptedBroker
+    from tests.learner.test_learner_runs import learner_argv
+    from tests.support import Processes
+
+    rng = np.random.default_rng(7)
+    base = Scorer(tiny_model_dir)
+    batches = [encode_groups([rollout_group(f"0:{k}", sample_group(base, rng, group_size=4, version=0),
+                                            [served_for(0, "")]) for k in range(2)], batch_id="batch-0")]
+    broker = ScriptedBroker(batches=batches)
+    procs = Processes(tmp_path)
+    argv = learner_argv(tmp_path / "run", broker.endpoint, tiny_model_dir, "run.num_steps=1",
+                        "learner.checkpoint_every=1", "integrity.check=true")
+    try:
+        first = procs.spawn("first", argv)
+        assert first.popen.wait(timeout=240) == 0, first.log()[-4000:]
+        v1 = broker.published[-1]
+        assert v1.version == 1
+        config = v1.adapter_config
+        scorer = Scorer(tiny_model_dir, [(n, torch.from_numpy(t)) for n, t in v1.tensors.items()],
+                        LoraConfig(r=config["r"], lora_alpha=config["lora_alpha"],
+                                   target_modules=config["target_modules"], task_type="CAUSAL_LM"))
+        groups = [rollout_group(f"1:{k}", sample_group(scorer, rng, group_size=4, version=1),
+                                [served_for(1, v1.sha256 if k < 2 else "0" * 64)]) for k in range(3)]
+        batches.append(encode_groups(groups, batch_id="batch-1"))
+        second = procs.spawn("second", [*argv, "--set", "run.num_steps=2"])  # the later setting wins
+        assert second.popen.wait(timeout=240) == 0, second.log()[-4000:]
+    finally:
+        broker.close()
+        procs.cleanup()
+    assert [a.group_ids for a in broker.acks] == [["0:0", "0:1"], ["1:0", "1:1"]]
+    assert [(m.group_id, m.reason) for m in broker.acks[-1].mismatches] == [("1:2", "adapter_sha256")]
