@@ -166,12 +166,20 @@ class LoraIds:
         return None
 
 
-def group_versions(step: data.StepBatch, group: int) -> list[int]:
-    """The distinct versions of a group's completion tokens."""
+def group_members(step: data.StepBatch) -> list[list[int]]:
+    """The indices (into ``step.samples``) of each group's samples."""
+    members: list[list[int]] = [[] for _ in range(step.num_groups)]
+    for i, sample in enumerate(step.samples):
+        members[sample.group].append(i)
+    return members
+
+
+def group_versions(step: data.StepBatch, members: Sequence[int]) -> list[int]:
+    """The distinct versions of the completion tokens of these samples (one group's)."""
     found: set[int] = set()
-    for sample in step.samples:
-        if sample.group == group and sample.versions is not None:
-            found.update(int(v) for v in torch.unique(sample.versions))
+    for i in members:
+        if step.samples[i].versions is not None:
+            found.update(int(v) for v in torch.unique(step.samples[i].versions))
     return sorted(found)
 
 
@@ -206,10 +214,9 @@ def check_evidence(versions: Sequence[int], served: Sequence[ServedAdapter], wor
 # -- the check -------------------------------------------------------------------------------------------------
 
 
-def chosen_samples(step: data.StepBatch, group: int, seed: int, count: int) -> list[int]:
-    """Indices (into ``step.samples``) of the group's samples to re-score: those with trained tokens first, then
-    by a keyed hash of (seed, group id, position in the group)."""
-    members = [i for i, s in enumerate(step.samples) if s.group == group]
+def chosen_samples(step: data.StepBatch, group: int, members: Sequence[int], seed: int, count: int) -> list[int]:
+    """Indices (into ``step.samples``) of the group's samples (``members``) to re-score: those with trained tokens
+    first, then by a keyed hash of (seed, group id, position in the group)."""
     group_id = step.group_ids[group]
 
     def key(k: int) -> tuple[bool, bytes]:
@@ -255,9 +262,9 @@ class IntegrityCheck:
         started = time.monotonic()
         if not self.enabled:
             return Verdict(keep=list(range(step.num_groups)))
-        versions = [group_versions(step, g) for g in range(step.num_groups)]
-        evidence = [self._evidence(step, g, versions[g]) for g in range(step.num_groups)]
-        pairs, unverifiable = self._pairs(step)
+        members = group_members(step)
+        evidence = [self._evidence(step, g, group_versions(step, members[g])) for g in range(step.num_groups)]
+        pairs, unverifiable = self._pairs(step, members)
         results = self._rescore(step, pairs)
         failures: dict[int, PolicyMismatch] = {}
         for g, found in enumerate(evidence):
@@ -271,7 +278,7 @@ class IntegrityCheck:
             failures[g] = PolicyMismatch(
                 group_id="", reason="logprobs", version=version, num_checked=num_checked, num_off=num_off,
                 max_abs_diff=min(max_diff, MAX_REPORTED_DIFF), mean_abs_diff=min(mean_diff, MAX_REPORTED_DIFF),
-                detail=f"sample {sample - _first_sample(step, g)}: {num_off} of {num_checked} tokens off by more "
+                detail=f"sample {sample - members[g][0]}: {num_off} of {num_checked} tokens off by more "
                 f"than {self._tolerance(step, g, version):g} nats at temperature {self.temperature:g}")
         flags = torch.tensor([int(g in failures) for g in range(step.num_groups)], dtype=torch.int32)
         self.parallel.max(flags)  # rank 0 alone knows the published hashes: agree on its verdicts
@@ -298,13 +305,13 @@ class IntegrityCheck:
         engine_dtype = served.dtype if served is not None else "float32"
         return integrity.tolerance(engine_dtype, self.learner_dtype, self.config.token_tolerance)
 
-    def _pairs(self, step: data.StepBatch) -> tuple[list[tuple[int, int]], int]:
+    def _pairs(self, step: data.StepBatch, members: list[list[int]]) -> tuple[list[tuple[int, int]], int]:
         """(sample, version) pairs to re-score, from what every rank knows alike; and the tokens of chosen samples
         whose version is not held (unverifiable)."""
         pairs: list[tuple[int, int]] = []
         unverifiable = 0
         for g in range(step.num_groups):
-            for i in chosen_samples(step, g, self.seed, self.config.samples_per_group):
+            for i in chosen_samples(step, g, members[g], self.seed, self.config.samples_per_group):
                 sample = step.samples[i]
                 trained = sample.versions[sample.loss_mask]
                 for version in sorted(int(v) for v in torch.unique(trained)):
@@ -366,10 +373,6 @@ def _restricted(sample: data.Sample, version: int) -> data.Sample:
     return data.Sample(group=sample.group, tokens=sample.tokens, prompt_len=sample.prompt_len,
                        behaviour_logp=sample.behaviour_logp, loss_mask=sample.loss_mask & (sample.versions == version),
                        versions=sample.versions)
-
-
-def _first_sample(step: data.StepBatch, group: int) -> int:
-    return next(i for i, s in enumerate(step.samples) if s.group == group)
 
 
 def log_mismatches(verdict: Verdict) -> None:
