@@ -31,6 +31,12 @@ at the sample's next chunk boundary:
   aborting forever would never finish it.
 
 A group's ``min_version`` is the oldest version of any of its tokens: what the broker's staleness rule uses.
+
+Evidence. A group keeps, per version of its tokens, what the engine served that version with
+(:class:`common.protocol.ServedAdapter`): for generated tokens the backend's report of the very request
+(``GenOutput.served``), for environment tokens ``backend.served`` of the current version. The RolloutGroup's
+``served`` lists exactly the distinct versions of its ``versions`` tensor (checked by the learner,
+:mod:`common.integrity`).
 """
 
 from __future__ import annotations
@@ -47,7 +53,7 @@ from common.chat import Message, is_conversational
 from common.config import WorkerConfig
 from common.logging import get_logger
 from common.metrics import Metrics
-from common.protocol import PromptLease, RolloutGroup
+from common.protocol import PromptLease, RolloutGroup, ServedAdapter
 from rollout_worker.backends.base import Backend, GenRequest
 from rollout_worker.envs import Environment, EnvResolver, Episode, Step
 from rollout_worker.rewards import (
@@ -114,6 +120,7 @@ class GroupRollout:
     num_reward_failures: int = 0
     scoring: GroupScoring | None = None  # TRL-style rewards of the group in flight (all samples done)
     reward_means: dict[str, float] | None = None
+    served: dict[int, ServedAdapter] = field(default_factory=dict)  # version -> the engine's evidence
 
     @property
     def done(self) -> bool:
@@ -238,6 +245,8 @@ class Rollouts:
                 sample.version = version
             chunk_start = len(sample.completion_ids)
             sample.append(output.token_ids, output.logprobs, version, trained=True)
+            assert output.served is not None  # Backend.generate fills it
+            self.backend.keep_served(group.served, output.served)
             sample.turn_tokens += len(output.token_ids)
             end = ""
             if output.finished:
@@ -372,6 +381,7 @@ class Rollouts:
         room = self.max_seq_len - len(group.prompt_ids) - len(sample.completion_ids)
         reply = self._reply_ids(group, sample, step.reply)[:max(0, room)]
         sample.append(reply, [0.0] * len(reply), self.current_version, trained=False)
+        self.backend.keep_served(group.served, self.backend.served(self.current_version))
         sample.turn_start = len(sample.completion_ids)
         sample.turn_tokens = 0
         sample.status = READY
@@ -459,6 +469,7 @@ class Rollouts:
             max_version=max(versions, default=group.start_version),
             generate_s=group.generate_s, reward_s=group.reward_s, created_unix=time.time(),
             num_reward_failures=group.num_reward_failures, reward_means=group.reward_means,
+            served=[group.served[v] for v in sorted(set(versions))],
             metrics={"num_turns": sum(s.turn + 1 for s in samples), "num_aborts": sum(s.num_aborts for s in samples),
                      "num_generated_tokens": sum(sum(s.loss_mask) for s in samples)})
         tensors = [

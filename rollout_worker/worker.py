@@ -208,8 +208,13 @@ class Worker:
             self.session.discard_adapter(adapter)
             self.stop.set()  # exit 2: a restart would fetch the same adapter (stale_adapter until then)
             return
+        served = self.backend.served(adapter.version)
         log.info("adapter_loaded", version=adapter.version, load_ms=round((time.monotonic() - started) * 1000, 1),
-                 num_bytes=adapter.num_bytes)
+                 num_bytes=adapter.num_bytes, lora_id=served.lora_id)
+        if served.sha256 != adapter.sha256:  # the learner refuses its groups (adapter_sha256): say why here too
+            self.metrics.inc("adapters_served_mismatch")
+            log.warning("adapter_served_mismatch", version=adapter.version, published=adapter.sha256[:12],
+                        loaded=served.sha256[:12], hint="the adapter file changed on disk before the engine read it")
         newest = self.backend.newest_version
         self.session.set_adapter_version(newest)
         bind(version=newest)

@@ -6,6 +6,7 @@ from one thread::
     backend.add_adapter(adapter)     make a received version servable (v0, the base model, always is)
     backend.retain(versions)         drop resident versions not in the set (never v0)
     backend.generate(requests)       one chunk per request, each request under its own version
+    backend.served(version)          what the engine serves a version with (the evidence, below)
 
 :meth:`Backend.generate` samples at most ``request.max_tokens`` new tokens after ``request.token_ids`` (the whole
 sequence so far: prompt, earlier chunks, environment replies) and returns, per request, the new token ids,
@@ -19,17 +20,28 @@ Behaviour log-probs mean exactly what :mod:`common.logprobs` says: ``log_softmax
 the sampled token in float32, before top-p. Greedy decoding (evaluation and tests only) reports them at
 temperature 1. Every version keeps its own adapter slot, never reused for a different version while that
 version is resident, so a new version can never be served by the weights of the previous one.
+
+Evidence (:class:`common.protocol.ServedAdapter`, checked by the learner: :mod:`common.integrity`). Each backend
+records at load time what its engine holds, read back from the engine and never copied from the
+:class:`ReceivedAdapter` it was asked to load: the engine's name for the adapter, an int id that no other load
+in this process gets (:meth:`Backend.new_lora_id`), the sha256 of the tensor bytes the engine loaded (computed
+as ``AdapterUpdate.sha256``, so a truncated or swapped file shows) and the engine's compute dtype. Each
+:class:`GenOutput` carries what the engine reports for that request; a report that disagrees with the load
+record (another adapter, none) is kept as the version's evidence from then on. v0 is the base entry
+(no adapter, id 0, no sha256).
 """
 
 from __future__ import annotations
 
 import abc
+import itertools
 from collections.abc import Collection, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, ClassVar
 
 from common.chat import ChatFormat, Prompt, end_of_turn_ids, pad_token_id
+from common.protocol import ServedAdapter
 from rollout_worker.adapters import ReceivedAdapter
 
 
@@ -49,6 +61,7 @@ class GenOutput:
     token_ids: list[int]
     logprobs: list[float]
     finished: bool  # ended with end-of-sequence (the last token is EOS)
+    served: ServedAdapter | None = None  # what the engine reports it served the request with (None: served())
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -67,10 +80,14 @@ class Backend(abc.ABC):
     eos_token_ids: tuple[int, ...]  # every id that ends a turn
     vocab_size: int  # the model's (may exceed the tokenizer's: a padded vocabulary)
     chat: ChatFormat | None = None  # prompt rendering; None: the backend has no tokenizer (sim)
+    engine_dtype: str = "float32"  # the engine's compute dtype, one of common.protocol.ENGINE_DTYPES
 
     def __init__(self, sampling: Sampling) -> None:
         self.sampling = sampling
         self.adapters: dict[int, ReceivedAdapter] = {}  # resident versions (v0 is implicit)
+        self._loaded: dict[int, ServedAdapter] = {}  # resident version -> what the engine loaded for it
+        self._disputed: dict[int, ServedAdapter] = {}  # version -> the first engine report that disagreed
+        self._lora_ids = itertools.count(1)
 
     # -- tokens ------------------------------------------------------------------------------------------------
 
@@ -102,26 +119,55 @@ class Backend(abc.ABC):
         if held is not None and held.sha256 == adapter.sha256:
             return
         if held is not None:
-            self._unload(adapter.version)
-            del self.adapters[adapter.version]
-        self._load(adapter)
+            self._drop(adapter.version)
+        loaded = self._load(adapter)
         self.adapters[adapter.version] = adapter
+        if loaded is not None:
+            self._loaded[adapter.version] = loaded
 
     def retain(self, versions: Collection[int]) -> list[int]:
         """Unload every resident version not in ``versions``; returns the versions removed."""
         removed = sorted(v for v in self.adapters if v not in versions)
         for version in removed:
-            self._unload(version)
-            del self.adapters[version]
+            self._drop(version)
         return removed
 
+    def _drop(self, version: int) -> None:
+        self._unload(version)
+        del self.adapters[version]
+        self._loaded.pop(version, None)
+        self._disputed.pop(version, None)
+
+    def new_lora_id(self) -> int:
+        """An int id for one load: never handed out twice in this process (vLLM caches weights by it)."""
+        return next(self._lora_ids)
+
     @abc.abstractmethod
-    def _load(self, adapter: ReceivedAdapter) -> None:
-        """Load the adapter's weights into a slot of its own."""
+    def _load(self, adapter: ReceivedAdapter) -> ServedAdapter | None:
+        """Load the adapter's weights into a slot of its own; returns what the engine now holds for it, read back
+        from the engine (None: the backend reports nothing, and :meth:`served` says so)."""
 
     @abc.abstractmethod
     def _unload(self, version: int) -> None:
         """Free the slot of a resident version."""
+
+    # -- evidence ----------------------------------------------------------------------------------------------
+
+    def _recorded(self, version: int) -> ServedAdapter:
+        """The load record of a resident version; the base entry for v0 and for a version without one."""
+        return self._loaded.get(version) or ServedAdapter(version=version, dtype=self.engine_dtype)
+
+    def served(self, version: int) -> ServedAdapter:
+        """What the engine serves ``version`` with: the first engine report that disagreed with the load, else
+        the load record (see the module docstring)."""
+        return self._disputed.get(version) or self._recorded(version)
+
+    def keep_served(self, held: dict[int, ServedAdapter], served: ServedAdapter) -> None:
+        """Add one report to a group's evidence ``held`` (version -> ServedAdapter): a version's first report,
+        replaced by a later one only while it equals the load record, so a disagreeing report stays."""
+        known = held.get(served.version)
+        if known is None or (known != served and known == self._recorded(served.version)):
+            held[served.version] = served
 
     # -- generation --------------------------------------------------------------------------------------------
 
@@ -135,7 +181,14 @@ class Backend(abc.ABC):
                 raise ValueError(f"max_tokens must be >= 1, got {request.max_tokens}")
         if not requests:
             return []
-        return self._generate(requests, greedy)
+        outputs = self._generate(requests, greedy)
+        for request, output in zip(requests, outputs, strict=True):
+            assert output.served is None or output.served.version == request.version, "evidence of another version"
+            if output.served is None:
+                output.served = self.served(request.version)
+            elif output.served != self._recorded(request.version):
+                self._disputed.setdefault(request.version, output.served)
+        return outputs
 
     @abc.abstractmethod
     def _generate(self, requests: Sequence[GenRequest], greedy: bool) -> list[GenOutput]: ...

@@ -9,6 +9,11 @@ keeps its weights, and a new version never serves the previous one's.
 
 v0 is the base model with the adapter disabled (``PeftModel.disable_adapter``), identical to a zero adapter.
 
+Evidence (:mod:`.base`): a load's sha256 is computed over the bytes read back from the slot's LoRA parameters
+after the copy, in the file's tensor order and dtype, so it equals the published checksum only if the slot holds
+the published weights; its id is a load number. Each generation reports the slot its LoRA layers have active
+(read from a layer, as the forward pass does), or none when they are disabled.
+
 Prompts, end-of-turn ids and the pad id come from :mod:`common.chat` (``TokenizerMixin``): ``generate`` stops a
 row at any of ``eos_token_ids``. Requests are grouped by version; each group is left-padded into one batch and run through ``generate`` with
 ``output_logits=True``, whose logits are the raw next-token logits (before temperature and top-p), so
@@ -21,6 +26,7 @@ from __future__ import annotations
 import contextlib
 import json
 from collections.abc import Mapping, Sequence
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -28,16 +34,23 @@ import torch
 from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM, AutoTokenizer, GenerationConfig
 
+from common.framing import frames_sha256
 from common.hf_generation import generation_config, neutralise
 from common.logging import get_logger
 from common.logprobs import token_logprobs
-from rollout_worker.adapters import WEIGHTS_FILE, ReceivedAdapter
+from common.protocol import ServedAdapter
+from rollout_worker.adapters import WEIGHTS_FILE, ReceivedAdapter, tensor_order
 from rollout_worker.backends.base import Backend, GenOutput, GenRequest, Sampling, TokenizerMixin, cut_at_eos
 
 log = get_logger("backend.hf")
 
 #: adapter_config keys that do not change the shape or meaning of the LoRA layers
 _CONFIG_NOISE = {"base_model_name_or_path", "revision", "inference_mode", "task_type", "peft_version"}
+
+
+def _tensor_bytes(tensor: torch.Tensor, dtype: str) -> Any:
+    """The bytes of ``tensor`` in wire dtype ``dtype`` (as a safetensors file holds them), on the CPU."""
+    return tensor.detach().to("cpu", getattr(torch, dtype)).contiguous().reshape(-1).view(torch.uint8).numpy()
 
 
 def resolve_device(device: str) -> torch.device:
@@ -62,20 +75,24 @@ class HfBackend(TokenizerMixin, Backend):
         base.requires_grad_(False)
         neutralise(base)  # the directory's sampling defaults would change the tokens, not the log-probs
         self.model: Any = base  # a PeftModel once the first adapter arrives
+        self.engine_dtype = str(base.dtype).removeprefix("torch.")
         self.vocab_size = int(base.config.vocab_size)
         self._init_tokens(self.tokenizer, model_dir, chat_template_kwargs=chat_template_kwargs or {},
                           stop_token_ids=stop_token_ids, vocab_size=self.vocab_size)
         self._slot_of: dict[int, str] = {}  # resident version -> slot
         self._slot_keys: dict[str, str] = {}  # slot -> LoRA shape key
         self._slot_params: dict[str, dict[str, torch.Tensor]] = {}  # slot -> PEFT name -> parameter
+        self._slot_loads: dict[str, ServedAdapter] = {}  # slot -> what its last load put in it
+        self._lora_layer: Any = None  # one LoRA layer of the model: which slot it serves
         self._free_slots: list[str] = []
         self._num_slots = 0
         self._configs: dict[tuple[bool, int], GenerationConfig] = {}
 
     # -- adapters ----------------------------------------------------------------------------------------------
 
-    def _load(self, adapter: ReceivedAdapter) -> None:
+    def _load(self, adapter: ReceivedAdapter) -> ServedAdapter:
         from peft import LoraConfig, get_peft_model
+        from peft.tuners.tuners_utils import BaseTunerLayer
 
         config = LoraConfig.from_pretrained(str(adapter.path))
         config.inference_mode = True
@@ -87,6 +104,7 @@ class HfBackend(TokenizerMixin, Backend):
             slot = f"slot{self._num_slots}"
             if self._num_slots == 0:  # the first slot: inject LoRA layers into the base model's modules
                 self.model = get_peft_model(self.model, config, adapter_name=slot)
+                self._lora_layer = next(m for m in self.model.modules() if isinstance(m, BaseTunerLayer))
             else:
                 self.model.add_adapter(slot, config)
             self._num_slots += 1
@@ -105,7 +123,13 @@ class HfBackend(TokenizerMixin, Backend):
             for name, tensor in state.items():
                 params[name].copy_(tensor)  # into the slot's existing LoRA parameters
         self._slot_of[adapter.version] = slot
-        log.debug("adapter_loaded", version=adapter.version, slot=slot)
+        order = tensor_order(adapter.path / WEIGHTS_FILE)
+        held = frames_sha256([_tensor_bytes(params[t.name], t.dtype) for t in order])
+        loaded = ServedAdapter(version=adapter.version, adapter=slot, lora_id=self.new_lora_id(), sha256=held,
+                               dtype=self.engine_dtype)
+        self._slot_loads[slot] = loaded
+        log.debug("adapter_loaded", version=adapter.version, slot=slot, lora_id=loaded.lora_id)
+        return loaded
 
     def _parameters_of(self, slot: str) -> dict[str, torch.Tensor]:
         """PEFT name (as published) -> the slot's LoRA parameter tensor, sharing its storage."""
@@ -119,6 +143,18 @@ class HfBackend(TokenizerMixin, Backend):
             self._free_slots.remove(slot)
             self.model.delete_adapter(slot)
             del self._slot_keys[slot], self._slot_params[slot]
+            self._slot_loads.pop(slot, None)
+
+    def _engine_report(self, version: int) -> ServedAdapter:
+        """What the LoRA layers serve now, for a request of ``version``: the active slot's load, or none."""
+        layer = self._lora_layer
+        if layer is None or layer.disable_adapters:
+            return ServedAdapter(version=version, dtype=self.engine_dtype)
+        slots = list(layer.active_adapters)
+        loaded = self._slot_loads.get(slots[0]) if len(slots) == 1 else None
+        if loaded is None:
+            return ServedAdapter(version=version, adapter=",".join(slots)[:128], dtype=self.engine_dtype)
+        return replace(loaded, version=version)
 
     def _unload(self, version: int) -> None:
         self._free_slots.append(self._slot_of.pop(version))
@@ -152,7 +188,9 @@ class HfBackend(TokenizerMixin, Backend):
         for version, indices in by_version.items():
             with self._using(version):
                 batch = [requests[i] for i in indices]
+                served = self._engine_report(version)
                 for i, out in zip(indices, self._generate_batch(batch, greedy), strict=True):
+                    out.served = served
                     outputs[i] = out
         return [out for out in outputs if out is not None]
 

@@ -9,7 +9,10 @@ generation reaches its target, with log-probs that are finite and negative.
 
 Tokens depend on the adapter: greedy output is a hash of the version's checksum, the key and the position, so
 tests can tell which adapter produced a token exactly as they do with a real model. Sampled output draws from a
-seeded generator. Adapters are only recorded (their files are verified and written by the store as usual).
+seeded generator. Adapters are only recorded (their files are verified and written by the store as usual);
+the evidence of a load (:mod:`.base`) is a load number and the sha256 of the file as read at load time, so a
+file changed on disk shows here as on the real backends, though the log-probs are made up (the learner refuses a
+sim run with ``integrity.check`` on).
 """
 
 from __future__ import annotations
@@ -22,7 +25,8 @@ from collections.abc import Sequence
 
 from common.chat import Prompt
 from common.config import SimConfig
-from rollout_worker.adapters import ReceivedAdapter
+from common.protocol import ServedAdapter
+from rollout_worker.adapters import WEIGHTS_FILE, ReceivedAdapter, tensors_sha256
 from rollout_worker.backends.base import Backend, GenOutput, GenRequest, Sampling
 
 BASE_DIGEST = "base"
@@ -55,8 +59,10 @@ class SimBackend(Backend):
 
     # -- adapters ----------------------------------------------------------------------------------------------
 
-    def _load(self, adapter: ReceivedAdapter) -> None:
-        pass  # the store verified and wrote it; there are no weights to load
+    def _load(self, adapter: ReceivedAdapter) -> ServedAdapter:
+        """No weights to load: the file the store wrote is read and hashed."""
+        return ServedAdapter(version=adapter.version, adapter=f"sim-v{adapter.version}", lora_id=self.new_lora_id(),
+                             sha256=tensors_sha256(adapter.path / WEIGHTS_FILE), dtype=self.engine_dtype)
 
     def _unload(self, version: int) -> None:
         pass

@@ -7,6 +7,11 @@ with ``llm_engine.add_lora`` as they arrive (so the first token under them does 
 with ``llm_engine.remove_lora`` when the worker retains them no more; the engine is sized for
 ``vllm.max_loras`` (default ``max_staleness + 2``) resident adapters.
 
+Evidence (:mod:`.base`): a load records the ``LoRARequest``'s name and int id once the engine lists the id
+(``list_loras``), and the sha256 of the ``adapter_model.safetensors`` it read from ``lora_path``, hashed right
+after ``add_lora`` returned (vLLM reads the file inside the call). Each generation reports the ``lora_request``
+the engine's ``RequestOutput`` names: the load that id belongs to (whatever version it was loaded for), or none.
+
 Behaviour log-probs (:mod:`common.logprobs`) come from vLLM's sampler with ``SamplingParams(logprobs=0)``, the
 log-prob of each sampled token. Which of vLLM's ``logprobs_mode`` gives them depends on the sampling settings,
 fixed when the engine starts:
@@ -23,7 +28,6 @@ chunk may run under another adapter; vLLM's prefix cache is keyed by adapter, ne
 
 from __future__ import annotations
 
-import itertools
 import math
 import os
 from collections.abc import Mapping, Sequence
@@ -31,7 +35,8 @@ from pathlib import Path
 from typing import Any
 
 from common.logging import get_logger
-from rollout_worker.adapters import ReceivedAdapter
+from common.protocol import ServedAdapter
+from rollout_worker.adapters import WEIGHTS_FILE, ReceivedAdapter, tensors_sha256
 from rollout_worker.backends.base import Backend, GenOutput, GenRequest, Sampling, TokenizerMixin
 
 log = get_logger("backend.vllm")
@@ -87,35 +92,58 @@ class VllmBackend(TokenizerMixin, Backend):
                        max_model_len=max_model_len, max_num_seqs=max_num_seqs, enforce_eager=enforce_eager,
                        gpu_memory_utilization=gpu_memory_utilization, seed=seed, logprobs_mode=self.logprobs_mode)
         self.tokenizer = self.llm.get_tokenizer()
+        self.engine_dtype = str(self.llm.llm_engine.model_config.dtype).removeprefix("torch.")
         config = self.llm.llm_engine.model_config.hf_config
         self.vocab_size = int(config.vocab_size)
         self._init_tokens(self.tokenizer, model_dir, chat_template_kwargs=chat_template_kwargs or {},
                           stop_token_ids=stop_token_ids, vocab_size=self.vocab_size)
         self._stop_token_ids = list(self.eos_token_ids)
-        self._ids = itertools.count(1)  # LoRA int ids: never reused in this process
         self._requests: dict[int, Any] = {}  # resident version -> LoRARequest
+        self._loads: dict[int, ServedAdapter] = {}  # LoRA int id -> what that load put in the engine
         self._params: dict[tuple[int, bool], Any] = {}
 
     # -- adapters ----------------------------------------------------------------------------------------------
 
-    def _load(self, adapter: ReceivedAdapter) -> None:
+    def _load(self, adapter: ReceivedAdapter) -> ServedAdapter:
         from vllm.lora.request import LoRARequest
 
         rank = int(adapter.config.get("r", 0))
         if rank > self.max_lora_rank:
             raise ValueError(f"adapter v{adapter.version} has rank {rank} > the engine's max_lora_rank "
                              f"{self.max_lora_rank}; set learner.lora_rank consistently for every role")
-        lora_id = next(self._ids)
+        lora_id = self.new_lora_id()  # vLLM caches weights by int id: a fresh one for every load
         request = LoRARequest(lora_name=f"v{adapter.version}-id{lora_id}", lora_int_id=lora_id,
                               lora_path=str(adapter.path))
-        if not self.llm.llm_engine.add_lora(request):
+        engine = self.llm.llm_engine
+        if not engine.add_lora(request) or lora_id not in engine.list_loras():
             raise ValueError(f"vLLM refused adapter v{adapter.version} from {adapter.path}")
+        try:
+            sha256 = tensors_sha256(Path(request.lora_path) / WEIGHTS_FILE)
+        except ValueError:
+            engine.remove_lora(lora_id)
+            raise
         self._requests[adapter.version] = request
+        loaded = ServedAdapter(version=adapter.version, adapter=request.lora_name, lora_id=lora_id, sha256=sha256,
+                               dtype=self.engine_dtype)
+        self._loads[lora_id] = loaded
         log.debug("adapter_loaded", version=adapter.version, lora_id=lora_id)
+        return loaded
 
     def _unload(self, version: int) -> None:
         request = self._requests.pop(version)
         self.llm.llm_engine.remove_lora(request.lora_int_id)
+        self._loads.pop(request.lora_int_id, None)
+
+    def _engine_report(self, version: int, lora_request: Any) -> ServedAdapter:
+        """What a RequestOutput says served a request of ``version``: the load its lora_request names, or none."""
+        if lora_request is None:
+            return ServedAdapter(version=version, dtype=self.engine_dtype)
+        loaded = self._loads.get(lora_request.lora_int_id)
+        if loaded is None or loaded.adapter != lora_request.lora_name:
+            return ServedAdapter(version=version, adapter=str(lora_request.lora_name)[:128],
+                                 lora_id=int(lora_request.lora_int_id), dtype=self.engine_dtype)
+        return ServedAdapter(version=version, adapter=loaded.adapter, lora_id=loaded.lora_id, sha256=loaded.sha256,
+                             dtype=self.engine_dtype)
 
     # -- generation --------------------------------------------------------------------------------------------
 
@@ -139,7 +167,7 @@ class VllmBackend(TokenizerMixin, Backend):
         results = self.llm.generate(prompts, params, lora_request=loras, use_tqdm=False)
         rescale = not greedy and self._num_logprobs == -1
         outputs = []
-        for result in results:
+        for request, result in zip(requests, results, strict=True):
             completion = result.outputs[0]
             ids = list(completion.token_ids)
             logprobs = []
@@ -150,7 +178,8 @@ class VllmBackend(TokenizerMixin, Backend):
                 else:
                     logprobs.append(float(entry[token].logprob))
             finished = completion.finish_reason == "stop"  # an end-of-turn id (no stop strings are passed)
-            outputs.append(GenOutput(token_ids=ids, logprobs=logprobs, finished=finished))
+            outputs.append(GenOutput(token_ids=ids, logprobs=logprobs, finished=finished,
+                                     served=self._engine_report(request.version, result.lora_request)))
         return outputs
 
     def close(self) -> None:

@@ -18,7 +18,9 @@ that raises, blocks, or hangs past ``worker.agent_timeout_s`` costs only its own
 (``agent_failures{reason}`` and ``reward_failures{reason}``) and logged, and its session is closed (later
 calls get ``session_finished``). An episode that never called the model scores 0 too (reason ``no_calls``).
 A group is submitted when all its episodes are done; its samples are the sessions' trajectories, each with its
-own prompt (the first call's prompt tokens).
+own prompt (the first call's prompt tokens). Its ``served`` evidence (:mod:`common.integrity`) holds, per version
+of its tokens, ``backend.served`` of that version, noted at the end of every round while the version is still
+resident (the engine's calls keep no per-request report).
 """
 
 from __future__ import annotations
@@ -40,7 +42,7 @@ import numpy as np
 from common.config import Config, ConfigError
 from common.logging import get_logger
 from common.metrics import Metrics
-from common.protocol import PromptLease, RolloutGroup
+from common.protocol import PromptLease, RolloutGroup, ServedAdapter
 from rollout_worker.backends.base import Backend
 from rollout_worker.gateway.engine import GatewayEngine
 from rollout_worker.gateway.server import GatewayServer
@@ -74,6 +76,7 @@ class AgentEpisode:
     finished_reward: float | None = None  # given by POST .../finish
     metrics: dict[str, float] = field(default_factory=dict)
     failure: str = ""
+    num_noted: int = 0  # tokens of the session whose version's evidence the group holds
 
 
 @dataclass(slots=True, kw_only=True)
@@ -85,6 +88,7 @@ class AgentGroup:
     reward_s: float = 0.0
     started: float = field(default_factory=time.monotonic)
     num_reward_failures: int = 0
+    served: dict[int, ServedAdapter] = field(default_factory=dict)  # version -> the engine's evidence
 
 
 def load_agent(spec: str) -> Any:
@@ -211,11 +215,22 @@ class AgentRollouts:
             if key in self.groups:
                 self.groups[key].generate_s += elapsed_s
         self.engine.pump()
+        self._note_served()
         return self._pop_finished()
 
     def poll(self) -> list[FinishedGroup]:
         self.engine.pump()
+        self._note_served()
         return self._pop_finished()
+
+    def _note_served(self) -> None:
+        """The evidence of each version the sessions' new tokens carry (resident: it just served them)."""
+        for group in self.groups.values():
+            for episode in group.episodes:
+                versions = episode.session.versions
+                for version in set(versions[episode.num_noted:]):
+                    self.backend.keep_served(group.served, self.backend.served(version))
+                episode.num_noted = len(versions)
 
     # -- episodes ----------------------------------------------------------------------------------------------
 
@@ -344,7 +359,8 @@ class AgentRollouts:
             min_version=min(versions, default=group.start_version),
             max_version=max(versions, default=group.start_version),
             generate_s=group.generate_s, reward_s=group.reward_s, created_unix=time.time(),
-            num_reward_failures=group.num_reward_failures, metrics=metrics)
+            num_reward_failures=group.num_reward_failures, metrics=metrics,
+            served=[group.served[v] for v in sorted(set(versions))])
         tensors = [
             ("prompt_ids", np.asarray([t for p in prompts for t in p], dtype=np.int32)),
             ("completion_ids", np.asarray([t for ids, _, _, _ in samples for t in ids], dtype=np.int32)),

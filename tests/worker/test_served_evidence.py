@@ -1,0 +1,176 @@
+"""The served-adapter evidence a worker sends (``RolloutGroup.served``, :mod:`common.integrity`), on real backends.
+
+- a group generated across v0 -> v1 -> v2 carries one entry per version of its tokens: v0 the base entry, v1 and
+  v2 with the published sha256 and distinct engine ids; it survives the wire;
+- a version that appears only in environment tokens has its entry too;
+- an adapter file swapped with another version's on disk before the backend loads it is reported with the other
+  version's checksum, and a truncated one is refused or reported with another checksum: the evidence is what
+  the engine loaded, not what the worker meant to load (which carries the published checksum);
+- (hf) an engine that routes a version's requests to another version's slot reports that slot's load;
+- the agent gateway's groups carry the evidence of their versions too.
+"""
+
+from __future__ import annotations
+
+import shutil
+import threading
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from common import protocol
+from common.config import WorkerConfig
+from common.protocol import ServedAdapter
+from rollout_worker.adapters import WEIGHTS_FILE, AdapterStore
+from rollout_worker.backends.base import Backend, GenRequest
+from rollout_worker.envs import Environment, EnvResolver, Episode, Step
+from rollout_worker.rollout import FinishedGroup, Rollouts
+from tests.support import wait_for
+from tests.worker import gateway_support
+from tests.worker.helpers import Adapter, lease, receive
+
+PROMPT = "12+34="
+
+
+def finish(rollouts: Rollouts) -> FinishedGroup:
+    finished: list[FinishedGroup] = []
+
+    def advance() -> bool:
+        finished.extend(rollouts.step() or rollouts.poll())
+        return bool(finished)
+
+    wait_for(advance, 120, "the group to finish", interval_s=0.005)
+    (group,) = finished
+    return group
+
+
+def test_a_group_across_two_swaps_carries_the_evidence_of_each_version(backend: Backend, store: AdapterStore,
+                                                                       adapters: list[Adapter]) -> None:
+    config = WorkerConfig(chunk_tokens=3, max_new_tokens=9, partial_policy="continue")
+    rollouts = Rollouts(backend, EnvResolver(), config, worker_id="w", max_seq_len=256, greedy=True)
+    rollouts.add(lease("7:1", prompt=PROMPT, group_size=2))
+    assert rollouts.step() == []  # the first chunk under v0
+    backend.add_adapter(receive(store, adapters[0]))
+    assert rollouts.step() == []  # the second under v1
+    backend.add_adapter(receive(store, adapters[1]))
+    finished = finish(rollouts)  # the rest under v2
+
+    versions = sorted(set(dict(finished.tensors)["versions"].tolist()))
+    assert versions == [0, 1, 2]
+    served = finished.group.served
+    assert [s.version for s in served] == versions
+    assert served[0] == ServedAdapter(version=0, dtype="float32")
+    assert [s.sha256 for s in served[1:]] == [adapters[0].update.sha256, adapters[1].update.sha256]
+    assert len({s.lora_id for s in served}) == 3 and all(s.lora_id > 0 for s in served[1:])
+    assert all(s.adapter for s in served[1:]) and served[1].adapter != served[2].adapter
+    assert {s.dtype for s in served} == {"float32"}
+    record, _ = protocol.decode([bytes(f) for f in protocol.encode(finished.group, finished.tensors)])
+    assert record.served == served
+
+
+class ReplyOnce(Environment):
+    """Replies to the first model turn once ``release`` is set; the episode ends after the second."""
+
+    def __init__(self) -> None:
+        self.release = threading.Event()
+
+    def start(self, episode: Episode) -> Any:
+        return {"turns": 0}
+
+    def step(self, state: Any, turn: str, *, finished: bool, episode: Episode) -> Step:
+        if not self.release.wait(60):
+            raise TimeoutError("never released")
+        state["turns"] += 1
+        return Step(done=False, reply=" ok") if state["turns"] == 1 else Step(done=True)
+
+
+@pytest.mark.parametrize("backend", ["hf"], indirect=True)
+def test_a_version_only_in_environment_tokens_has_its_entry(backend: Backend, store: AdapterStore,
+                                                          adapters: list[Adapter]) -> None:
+    """``finish`` keeps the sample on v1; the reply arriving after v2 loaded is stamped v2."""
+    env = ReplyOnce()
+    config = WorkerConfig(chunk_tokens=4, max_new_tokens=4, max_turns=2, partial_policy="finish")
+    rollouts = Rollouts(backend, EnvResolver(env), config, worker_id="w", max_seq_len=256, greedy=True)
+    backend.add_adapter(receive(store, adapters[0]))
+    rollouts.add(lease("7:2", prompt=PROMPT, group_size=1))
+    assert rollouts.step() == []  # the first turn under v1; its environment step waits
+    backend.add_adapter(receive(store, adapters[1]))
+    env.release.set()
+    finished = finish(rollouts)
+
+    arrays = dict(finished.tensors)
+    generated = {v for v, m in zip(arrays["versions"].tolist(), arrays["loss_mask"].tolist(), strict=True) if m}
+    assert generated == {1} and sorted(set(arrays["versions"].tolist())) == [1, 2]
+    assert [(s.version, s.sha256) for s in finished.group.served] == [(1, adapters[0].update.sha256),
+                                                                      (2, adapters[1].update.sha256)]
+
+
+def test_a_swapped_adapter_file_is_reported_with_the_checksum_of_what_was_loaded(
+        backend: Backend, store: AdapterStore, adapters: list[Adapter]) -> None:
+    first, second = receive(store, adapters[0]), receive(store, adapters[1])
+    shutil.copyfile(first.path / WEIGHTS_FILE, second.path / WEIGHTS_FILE)  # v2's file now holds v1's tensors
+    assert second.sha256 == adapters[1].update.sha256  # what the worker means to load
+    backend.add_adapter(second)
+    served = backend.served(2)
+    assert served.sha256 == adapters[0].update.sha256 != adapters[1].update.sha256
+    (output,) = backend.generate([GenRequest(token_ids=backend.encode(PROMPT), max_tokens=2, version=2)],
+                                 greedy=True)
+    assert output.served == served
+
+
+@pytest.mark.parametrize("backend", ["hf", "sim"], indirect=True)
+def test_a_truncated_adapter_file_is_refused_or_reported_with_another_checksum(
+        backend: Backend, store: AdapterStore, adapters: list[Adapter]) -> None:
+    received = receive(store, adapters[1], version=5)
+    path: Path = received.path / WEIGHTS_FILE
+    with open(path, "r+b") as f:
+        f.truncate(path.stat().st_size // 2)
+    try:
+        backend.add_adapter(received)
+    except Exception:  # noqa: BLE001 - safetensors' own error type, or our ValueError: either is a refusal
+        assert not backend.has_version(5)
+        return
+    assert backend.served(5).sha256 != adapters[1].update.sha256
+
+
+@pytest.mark.parametrize("backend", ["hf"], indirect=True)
+def test_hf_reports_the_slot_its_layers_serve_not_the_one_meant(backend: Backend, store: AdapterStore,
+                                                               adapters: list[Adapter]) -> None:
+    """A routing fault (v2's requests served by v1's slot) shows in the report and stays in the evidence."""
+    backend.add_adapter(receive(store, adapters[0]))
+    backend.add_adapter(receive(store, adapters[1]))
+    loaded_1, loaded_2 = backend.served(1), backend.served(2)
+    assert loaded_2.sha256 == adapters[1].update.sha256
+    slots = backend._slot_of  # type: ignore[attr-defined]
+    meant = slots[2]
+    slots[2] = slots[1]  # the fault, inside the engine
+    try:
+        (output,) = backend.generate([GenRequest(token_ids=backend.encode(PROMPT), max_tokens=2, version=2)],
+                                     greedy=True)
+    finally:
+        slots[2] = meant
+    assert output.served is not None
+    assert (output.served.version, output.served.lora_id, output.served.sha256) == \
+        (2, loaded_1.lora_id, adapters[0].update.sha256)
+    assert backend.served(2) == output.served != loaded_2
+
+
+def test_gateway_groups_carry_the_evidence_of_their_versions(tiny_model_dir: Path, hf_session_backend: Backend,
+                                                             adapters: list[Adapter], tmp_path: Path) -> None:
+    backend = hf_session_backend
+    backend.retain(set())
+    config = gateway_support.gateway_config(tiny_model_dir, tmp_path, "tests.worker.gateway_agents:calculator_text")
+    driver = gateway_support.Driver(config, backend)
+    try:
+        driver.add(gateway_support.lease("g0", "3+4=", answer="7"))
+        driver.wait_groups(1)
+        driver.add_adapter(receive(AdapterStore(tmp_path / "adapters"), adapters[0]))
+        driver.add(gateway_support.lease("g1", "5+6=", answer="11"))
+        base, tuned = (g.group for g in driver.wait_groups(2))
+    finally:
+        driver.close()
+        backend.retain(set())
+    assert base.served == [ServedAdapter(version=0, dtype="float32")]
+    (served,) = tuned.served
+    assert (served.version, served.sha256) == (1, adapters[0].update.sha256) and served.lora_id > 0
