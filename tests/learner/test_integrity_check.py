@@ -28,6 +28,7 @@ from learner.model import build_policy
 from learner.parallel import init_parallel
 from learner.step import make_optimizer, train_step
 from tests.learner.scripted import (
+    Sampled,
     Scorer,
     encode_groups,
     make_batch,
@@ -47,6 +48,7 @@ class World:
     check: IntegrityCheck
     sha: dict[int, str]
     scorers: dict[int, Scorer]
+    snapshots: dict[int, publish.AdapterSnapshot]
     logits: dict[int, torch.Tensor]  # of a fixed input, recorded while the version was current
 
 
@@ -63,7 +65,7 @@ def world(tiny_model_dir: Path) -> World:
     check.record(0, "")
     with torch.no_grad():
         logits = {0: policy.logits(PROBE).clone()}
-    sha, scorers = {0: ""}, {0: Scorer(tiny_model_dir)}
+    sha, scorers, snapshots = {0: ""}, {0: Scorer(tiny_model_dir)}, {}
     for version in (1, 2):  # two trained versions, each far enough from the last for the check to tell them apart
         batch = data.decode_step_batch(make_batch(3, version, num_groups=2, group_size=4))
         train_step(policy, optimizer, scheduler, batch, parallel=parallel, config=config,
@@ -71,10 +73,11 @@ def world(tiny_model_dir: Path) -> World:
         snap = publish.snapshot(policy, version=version, step=version, is_main=True)
         check.record(version, snap.sha256)
         sha[version] = snap.sha256
+        snapshots[version] = snap
         scorers[version] = Scorer(tiny_model_dir, snap.tensors, policy.lora_config)
         with torch.no_grad():
             logits[version] = policy.logits(PROBE).clone()
-    yield World(policy, check, sha, scorers, logits)
+    yield World(policy, check, sha, scorers, snapshots, logits)
     parallel.close()
 
 
@@ -104,6 +107,32 @@ def test_versions_differ_and_the_history_restores_the_parameters_exactly(world: 
 def test_correct_groups_pass(world: World) -> None:
     rng = np.random.default_rng(1)
     groups = [honest(world, rng, f"ok-{k}", k % 3, worker_id=f"ok-{k % 2}") for k in range(24)]
+    assert run(world, groups) == []
+
+
+def test_groups_the_hf_backend_generates_pass(world: World, tiny_model_dir: Path, tmp_path: Path) -> None:
+    """The worker's own engine (left-padded batches through generate, adapters in peft slots) and its evidence."""
+    from common import protocol
+    from rollout_worker.adapters import AdapterStore
+    from rollout_worker.backends.base import GenRequest, Sampling
+    from rollout_worker.backends.hf import HfBackend
+
+    backend = HfBackend(tiny_model_dir, sampling=Sampling(temperature=1.0), device="cpu", seed=0)
+    store = AdapterStore(tmp_path / "adapters")
+    for snap in world.snapshots.values():  # as a worker receives each AdapterUpdate
+        update, envelope = protocol.decode(protocol.encode(snap.update(), snap.tensors))
+        backend.add_adapter(store.receive(update, envelope.specs, envelope.frames))
+    rng = np.random.default_rng(8)
+    groups = []
+    for k in range(12):
+        version = k % 3
+        prompts = [rng.integers(3, 256, int(rng.integers(3, 10))).astype(np.int32) for _ in range(4)]
+        outputs = backend.generate([GenRequest(token_ids=p.tolist(), max_tokens=12, version=version, key=f"{k}:{j}")
+                                    for j, p in enumerate(prompts)])
+        samples = [Sampled(p, np.array(o.token_ids, dtype=np.int32), np.array(o.logprobs, dtype=np.float32),
+                           np.full(len(o.token_ids), version, dtype=np.int32), np.ones(len(o.token_ids), np.uint8))
+                   for p, o in zip(prompts, outputs, strict=True)]
+        groups.append(rollout_group(f"hf-{k}", samples, [backend.served(version)], worker_id="hf-worker"))
     assert run(world, groups) == []
 
 
