@@ -28,9 +28,14 @@ before a learner restart that its checkpoint does not cover (the resumed learner
 under its version and the version it republishes them as): its tokens are counted ``unverifiable`` and pass, the
 evidence is still checked.
 
-A failure inside the check (a bug, a collective that raises) is not caught here: every rank runs the same code
-on the same data, so it would fail on all of them; the verdicts themselves never raise (a malformed group was
-refused as ``invalid`` before).
+No group can make the check raise: what it reads was validated when rank 0 selected the batch (lengths, token
+ids, versions within the group's range, finite log-probs: an ``invalid`` group never gets here), and a group's
+evidence is only compared, never trusted to index anything. Every rank runs the same code on the same data, so
+a genuine bug would fail all of them alike rather than leave one waiting in a collective.
+
+Known limit: ``lora_id_reused`` keys on ``RolloutGroup.worker_id``. With the default worker id (host-pid) a
+restarted worker is a new id; a worker given a fixed ``worker.id`` and restarted numbers its loads from 1 again,
+which this check would take for reuse (the group carries no per-process session to tell the two apart).
 """
 
 from __future__ import annotations
