@@ -218,9 +218,10 @@ def test_two_ranks_agree_and_drop_the_bad_groups(tiny_model_dir: Path) -> None:
            "('bad-sha', 'adapter_sha256')]" in result.stdout
 
 
-def test_the_learner_loop_drops_a_failed_group_reports_it_and_trains_the_rest(tiny_model_dir: Path,
-                                                                              tmp_path: Path) -> None:
-    """A learner process fed two batches of two honest v0 groups and one made-up group each: the made-up one
+@pytest.mark.parametrize("ranks", [1, 2])
+def test_the_learner_loop_drops_a_failed_group_reports_it_and_trains_the_rest(tiny_model_dir: Path, tmp_path: Path,
+                                                                              ranks: int) -> None:
+    """A learner (one process, or 2 ranks under torchrun) fed two batches of two honest v0 groups and one made-up group each: the made-up one
     is not trained, not acknowledged, reported in the BatchAck's mismatches, counted and timed in metrics."""
     from tests.learner.scripted import ScriptedBroker
     from tests.learner.test_learner_runs import learner_argv, metrics_lines
@@ -242,7 +243,7 @@ def test_the_learner_loop_drops_a_failed_group_reports_it_and_trains_the_rest(ti
     try:
         proc = procs.spawn("learner", learner_argv(tmp_path / "run", broker.endpoint, tiny_model_dir,
                                                    "run.num_steps=2", "learner.checkpoint_every=0",
-                                                   "integrity.check=true"))
+                                                   "integrity.check=true", ranks=ranks))
         assert proc.popen.wait(timeout=240) == 0, proc.log()[-4000:]
     finally:
         broker.close()
