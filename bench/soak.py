@@ -100,7 +100,8 @@ def main(argv: list[str] | None = None) -> int:
         run_dir = tmp_path / "run"
         settings = [f"run.group_size={args.group_size}", f"run.groups_per_step={args.groups}",
                     f"run.max_staleness={args.max_staleness}", f'model.path="{model_dir}"',
-                    "broker.heartbeat_interval_s=1", "run.log_level=\"warning\""]
+                    "broker.heartbeat_interval_s=1", "run.log_level=\"warning\"",
+                    "integrity.check=false"]  # sim workers make up their log-probs (learner/main.py check)
         procs = Processes(tmp_path)
         try:
             broker = start_broker(procs, *settings, run_dir=run_dir)

@@ -241,6 +241,7 @@ def test_loraflow_run_serves_every_workers_metrics_on_its_own_port(tmp_path: Pat
     base = free_base_port(2)
     argv = [str(Path(sys.executable).with_name("loraflow")), "run", "--run-dir", str(tmp_path / "run"),
             "--model", str(tiny_model_dir), "--workers", "2", "--set", "worker.backend=\"sim\"",
+            "--set", "integrity.check=false",
             "--set", f"worker.metrics_port={base}", "--set", "eval.num_prompts=0", "--set", "run.num_steps=0"]
     launcher = subprocess.Popen(argv, env=child_env(), cwd=tmp_path, stdout=subprocess.PIPE,
                                 stderr=subprocess.STDOUT, text=True)

@@ -93,6 +93,7 @@ def test_a_worker_that_stops_mid_run_with_exit_2_is_not_said_to_have_refused_to_
     """A reward that fails on every sample stops its worker with exit code 2 after it had been generating: the run
     ends with exit code 2 (nothing restarted) and a message that says so, with the worker's last line."""
     result = run(tmp_path, "--model", str(tiny_model_dir), "--workers", "1", "--set", 'worker.backend="sim"',
+                 "--set", "integrity.check=false",
                  "--set", 'worker.reward="tests.worker.test_reward_failures:always_raises"',
                  "--set", "worker.max_failed_reward_groups=2", "--set", "eval.num_prompts=0",
                  "--set", "launch.max_restarts=3")

@@ -155,6 +155,8 @@ vocab_size = 64
 [learner]
 num_threads = 1
 checkpoint_every = 0
+[integrity]
+check = false
 """)
     env = script_env(tmp_path, config, LORAFLOW_BIND="tcp://127.0.0.1:0")
     broker = procs.spawn("broker", [str(SCRIPTS / "broker.sh")], env=env)
