@@ -11,7 +11,8 @@ v0 is the base model with the adapter disabled (``PeftModel.disable_adapter``), 
 
 Evidence (:mod:`.base`): a load's sha256 is computed over the bytes read back from the slot's LoRA parameters
 after the copy, in the file's tensor order and dtype, so it equals the published checksum only if the slot holds
-the published weights; its id is a load number. Each generation reports the slot its LoRA layers have active
+the published weights (when the slot's dtype is narrower than the file's, holding them means equalling the file's
+tensors rounded to it; the file's bytes are then hashed); its id is a load number. Each generation reports the slot its LoRA layers have active
 (read from a layer, as the forward pass does), or none when they are disabled.
 
 Prompts, end-of-turn ids and the pad id come from :mod:`common.chat` (``TokenizerMixin``): ``generate`` stops a
@@ -124,7 +125,12 @@ class HfBackend(TokenizerMixin, Backend):
                 params[name].copy_(tensor)  # into the slot's existing LoRA parameters
         self._slot_of[adapter.version] = slot
         order = tensor_order(adapter.path / WEIGHTS_FILE)
-        held = frames_sha256([_tensor_bytes(params[t.name], t.dtype) for t in order])
+        # what the slot holds, in the file's dtype; a slot narrower than the file (a bf16 engine, an fp32 adapter)
+        # rounds on the copy, and then holding the file's weights means holding them as the engine's dtype rounds
+        held_as_loaded = all(torch.equal(params[name], state[name].to(params[name].device, params[name].dtype))
+                             for name in state)
+        source = state if held_as_loaded else params
+        held = frames_sha256([_tensor_bytes(source[t.name], t.dtype) for t in order])
         loaded = ServedAdapter(version=adapter.version, adapter=slot, lora_id=self.new_lora_id(), sha256=held,
                                dtype=self.engine_dtype)
         self._slot_loads[slot] = loaded

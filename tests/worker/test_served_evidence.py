@@ -174,3 +174,16 @@ def test_gateway_groups_carry_the_evidence_of_their_versions(tiny_model_dir: Pat
     assert base.served == [ServedAdapter(version=0, dtype="float32")]
     (served,) = tuned.served
     assert (served.version, served.sha256) == (1, adapters[0].update.sha256) and served.lora_id > 0
+
+
+def test_a_bf16_hf_engine_holding_an_fp32_adapter_reports_the_published_checksum(
+        tiny_model_dir: Path, store: AdapterStore, adapters: list[Adapter]) -> None:
+    """A narrower engine rounds the adapter on the copy; holding the published weights as it rounds them is a
+    faithful load (else every group of a bf16 hf worker under an fp32 learner would fail the check)."""
+    from rollout_worker.backends.base import Sampling
+    from rollout_worker.backends.hf import HfBackend
+
+    engine = HfBackend(tiny_model_dir, sampling=Sampling(), device="cpu", dtype="bfloat16", seed=0)
+    engine.add_adapter(receive(store, adapters[0]))
+    served = engine.served(1)
+    assert served.sha256 == adapters[0].update.sha256 and served.dtype == "bfloat16", served
