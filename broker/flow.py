@@ -325,7 +325,8 @@ class DataFlow:
         for group in groups:
             self.prompts.set_state(group.key, "training")
             self.stats.count("served_staleness", versions.staleness(self.latest_version, group.min_version))
-            entries.append({"group": group.header, "first_tensor": len(specs)})
+            # the submitting process as the broker knows it, not as the group claims (the learner's lora_id memory)
+            entries.append({"group": {**group.header, "worker_session": group.session}, "first_tensor": len(specs)})
             base = len(frames)
             specs.extend({**spec, "frame": base + spec["frame"]} for spec in group.wire_specs)
             frames.extend(group.frames)

@@ -184,6 +184,7 @@ class StepBatch:
     group_index: torch.Tensor    # [N] int64
     worker_ids: list[str] = field(default_factory=list)                           # [G], as each group says
     served: list[list[protocol.ServedAdapter]] = field(default_factory=list)      # [G], its evidence
+    worker_sessions: list[str] = field(default_factory=list)  # [G], the submitting process (set by the broker)
 
     @property
     def num_groups(self) -> int:
@@ -219,7 +220,8 @@ def decode_step_batch(frames: Sequence[Any]) -> StepBatch:
                      min_versions=[g.min_version for g in groups], samples=samples,
                      rewards=torch.tensor(rewards, dtype=torch.float32),
                      group_index=torch.tensor([s.group for s in samples], dtype=torch.int64),
-                     worker_ids=[g.worker_id for g in groups], served=[list(g.served) for g in groups])
+                     worker_ids=[g.worker_id for g in groups], served=[list(g.served) for g in groups],
+                     worker_sessions=[g.worker_session for g in groups])
 
 
 def keep_groups(step: StepBatch, keep: Sequence[int]) -> StepBatch:
@@ -232,7 +234,8 @@ def keep_groups(step: StepBatch, keep: Sequence[int]) -> StepBatch:
     return StepBatch(batch_id=step.batch_id, group_ids=[step.group_ids[g] for g in keep],
                      min_versions=[step.min_versions[g] for g in keep], samples=samples,
                      rewards=step.rewards[kept], group_index=torch.tensor([s.group for s in samples], dtype=torch.int64),
-                     worker_ids=[step.worker_ids[g] for g in keep], served=[step.served[g] for g in keep])
+                     worker_ids=[step.worker_ids[g] for g in keep], served=[step.served[g] for g in keep],
+                     worker_sessions=[step.worker_sessions[g] for g in keep] if step.worker_sessions else [])
 
 
 def plan_micro_batches(input_lens: Sequence[int], budget_tokens: int) -> list[list[int]]:

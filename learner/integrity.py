@@ -7,7 +7,7 @@ Why this check and these tolerances: :mod:`common.integrity`.
       evidence   per group: a ServedAdapter for every version in its tokens (else no_evidence); its sha256 is the
                  one this learner published for that version while the history holds it (adapter_sha256; rank 0
                  alone publishes, so only rank 0 knows the hashes); its int lora_id named no other version earlier
-                 from the same worker_id (lora_id_reused, :class:`LoraIds`)
+                 from the same worker process (lora_id_reused, :class:`LoraIds`)
       choose     integrity.samples_per_group samples per group, ranked by blake2b(seed, group_id, k): the seed is
                  drawn by rank 0 at start-up and broadcast, so every rank picks the same ones and no worker can know
                  which (samples with trained tokens first)
@@ -33,9 +33,9 @@ ids, versions within the group's range, finite log-probs: an ``invalid`` group n
 evidence is only compared, never trusted to index anything. Every rank runs the same code on the same data, so
 a genuine bug would fail all of them alike rather than leave one waiting in a collective.
 
-Known limit: ``lora_id_reused`` keys on ``RolloutGroup.worker_id``. With the default worker id (host-pid) a
-restarted worker is a new id; a worker given a fixed ``worker.id`` and restarted numbers its loads from 1 again,
-which this check would take for reuse (the group carries no per-process session to tell the two apart).
+``lora_id_reused`` keys on the worker process: ``RolloutGroup.worker_id`` and ``worker_session``, which the broker
+sets in every Batch from the Hello session of the process that submitted the group (a worker restarted under the
+same ``worker.id`` numbers its loads from 1 again, and is a new process, not a reuse).
 """
 
 from __future__ import annotations
@@ -188,15 +188,16 @@ def group_versions(step: data.StepBatch, members: Sequence[int]) -> list[int]:
     return sorted(found)
 
 
-def check_evidence(versions: Sequence[int], served: Sequence[ServedAdapter], worker_id: str,
+def check_evidence(versions: Sequence[int], served: Sequence[ServedAdapter], worker: str,
                    history: AdapterHistory, lora_ids: LoraIds) -> PolicyMismatch | None:
-    """The evidence rules of one group (its id filled in by the caller); every lora_id claim is recorded."""
+    """The evidence rules of one group from ``worker`` (its process: id and session; the group's id filled in by
+    the caller); every lora_id claim is recorded."""
     by_version = {s.version: s for s in served}
     reused = []
     for version in versions:
         entry = by_version.get(version)
         if entry is not None:
-            earlier = lora_ids.claim(worker_id, entry.lora_id, version)
+            earlier = lora_ids.claim(worker, entry.lora_id, version)
             if earlier is not None:
                 reused.append((version, entry.lora_id, earlier))
     missing = [v for v in versions if v not in by_version]
@@ -300,7 +301,8 @@ class IntegrityCheck:
         return verdict
 
     def _evidence(self, step: data.StepBatch, group: int, versions: list[int]) -> PolicyMismatch | None:
-        return check_evidence(versions, step.served[group], step.worker_ids[group], self.history, self.lora_ids)
+        process = f"{step.worker_ids[group]}#{step.worker_sessions[group] if step.worker_sessions else ''}"
+        return check_evidence(versions, step.served[group], process, self.history, self.lora_ids)
 
     def _served(self, step: data.StepBatch, group: int, version: int) -> ServedAdapter | None:
         return next((s for s in step.served[group] if s.version == version), None)

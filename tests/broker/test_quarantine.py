@@ -247,3 +247,17 @@ def test_quarantine_metrics_and_status(h: Harness) -> None:
 
 def test_status_without_integrity_checks() -> None:
     assert "integrity mismatches none  quarantined 0  probation 0" in status.render({})
+
+
+def test_a_batch_names_the_submitting_process_whatever_the_group_claims(h: Harness) -> None:
+    """The learner's lora_id memory keys on (worker_id, worker_session): the broker fills the session from the
+    Hello of the process that sent the group, so a worker cannot pose as a fresh process (or as another one)."""
+    from tests.broker.clients import make_group
+
+    first, second = h.lease(W1, 2)
+    assert h.submit(W1, first).status == "accepted"
+    record, tensors = make_group(second, "w1")
+    record.worker_session = "made-up"
+    assert h.reply_to(W1, h.send(W1, record, tensors)).status == "accepted"
+    batch = serve(h, 2)
+    assert [e.group.worker_session for e in batch.groups] == ["s1", "s1"]

@@ -182,7 +182,10 @@ def test_evidence_failures(world: World) -> None:
     reused[0].served = [served_for(2, world.sha[2], lora_id=7)]
     other_worker = honest(world, rng, "other-worker", 2, worker_id="e4")
     other_worker[0].served = [served_for(2, world.sha[2], lora_id=7)]
-    assert run(world, [bad_sha, no_evidence, first, reused, other_worker]) == [
+    restarted = honest(world, rng, "restarted", 2, worker_id="e3")  # e3 again, a new process (the broker's session)
+    restarted[0].served = [served_for(2, world.sha[2], lora_id=7)]
+    restarted[0].worker_session = "second-process"
+    assert run(world, [bad_sha, no_evidence, first, reused, other_worker, restarted]) == [
         ("bad-sha", "adapter_sha256"), ("no-evidence", "no_evidence"), ("reused", "lora_id_reused")]
 
 
