@@ -326,7 +326,8 @@ class DataFlow:
             self.prompts.set_state(group.key, "training")
             self.stats.count("served_staleness", versions.staleness(self.latest_version, group.min_version))
             # the submitting process as the broker knows it, not as the group claims (the learner's lora_id memory)
-            entries.append({"group": {**group.header, "worker_session": group.session}, "first_tensor": len(specs)})
+            entries.append({"group": {**group.header, "worker_id": group.worker, "worker_session": group.session},
+                            "first_tensor": len(specs)})
             base = len(frames)
             specs.extend({**spec, "frame": base + spec["frame"]} for spec in group.wire_specs)
             frames.extend(group.frames)

@@ -282,7 +282,8 @@ class RolloutGroup:
                                        doc="one entry per distinct version in ``versions``: the adapter the engine "
                                        "served it with (checked by the learner, common/integrity.py)")
     worker_session: str = rule("", max_len=MAX_ID_LEN, doc="set by the broker in a Batch: the Hello session of the "
-                               "process that submitted the group (whatever a worker puts here is replaced)")
+                               "process that submitted the group (whatever a worker puts here is replaced, and "
+                               "so is worker_id, by the id that process said Hello with)")
 
     @property
     def num_samples(self) -> int:

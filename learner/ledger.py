@@ -9,10 +9,11 @@
     {"event": "publish", "version", "step", "sha256", "num_bytes"}
         an adapter version sent to the broker (the weights after ``step``)
     {"event": "step", "step", "batch_id", "trained_version", "trained", "zero_variance", "already_trained",
-     "not_acked", "versions"}
+     "not_acked", "versions", "workers"}
         one optimizer step: the group ids trained, acknowledged without a gradient (zero reward variance,
         or trained before), skipped and left to the broker to re-queue (stale, invalid, withdrawn tokens), and
-        the distinct policy versions of each trained or zero-variance group's tokens
+        the distinct policy versions of each trained or zero-variance group's tokens, and the worker each trained
+        group came from (as the broker names the process that submitted it)
 
 What it is for: the *committed history* of a run is the chain of steps its newest checkpoint descends from.
 Reading the ledger in order and cutting the chain back to ``step`` at every ``start`` line gives exactly that
@@ -59,11 +60,11 @@ class Ledger:
 
     def step(self, *, step: int, batch_id: str, trained_version: int, trained: Sequence[str],
              zero_variance: Sequence[str], already_trained: Sequence[str], not_acked: Sequence[str],
-             versions: dict[str, list[int]]) -> None:
+             versions: dict[str, list[int]], workers: dict[str, str] | None = None) -> None:
         self._write({"event": "step", "step": step, "batch_id": batch_id, "trained_version": trained_version,
                      "trained": list(trained), "zero_variance": list(zero_variance),
                      "already_trained": list(already_trained), "not_acked": list(not_acked),
-                     "versions": versions})
+                     "versions": versions, "workers": workers or {}})
 
 
 def newest_published(path: Path | None, tail_bytes: int = 1 << 20) -> int:

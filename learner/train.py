@@ -278,7 +278,8 @@ class Learner:
                          already_trained=selection.skipped_ids.get("already_trained", []),
                          not_acked=[g for r in ("stale", "invalid", "withdrawn", "policy_mismatch")
                                     for g in selection.skipped_ids.get(r, [])],
-                         versions=selection.token_versions)
+                         versions=selection.token_versions,
+                         workers={groups[i].group.group_id: groups[i].group.worker_id for i in selection.train})
 
     def _acknowledge(self, received: Received, trained_version: int) -> None:
         assert self.session is not None

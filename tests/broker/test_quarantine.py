@@ -256,8 +256,8 @@ def test_a_batch_names_the_submitting_process_whatever_the_group_claims(h: Harne
 
     first, second = h.lease(W1, 2)
     assert h.submit(W1, first).status == "accepted"
-    record, tensors = make_group(second, "w1")
-    record.worker_session = "made-up"
+    record, tensors = make_group(second, "w2")  # poses as another worker ...
+    record.worker_session = "made-up"  # ... and another process
     assert h.reply_to(W1, h.send(W1, record, tensors)).status == "accepted"
     batch = serve(h, 2)
-    assert [e.group.worker_session for e in batch.groups] == ["s1", "s1"]
+    assert [(e.group.worker_id, e.group.worker_session) for e in batch.groups] == [("w1", "s1"), ("w1", "s1")]
