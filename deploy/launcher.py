@@ -2,7 +2,8 @@
 
 With no config it runs the built-in demo (``deploy/configs/demo.toml``)::
 
-    prepare   resolve the model (builtin:demo: build the warmed-up tiny base once per seed, cached),
+    prepare   resolve the model (builtin:demo, builtin:agent-demo: build the warmed-up tiny base of the demo, or of
+              the agent demo (deploy/agent_base.py), once per seed, cached),
               choose the run dir (runs/<name>-<time> unless run.run_dir / --run-dir names one: then it resumes),
               write the resolved config to <run_dir>/config.toml (every child reads that file)
     start     broker (port 0 unless broker.bind names one; the bound endpoint is read from its endpoint file),
@@ -10,7 +11,8 @@ With no config it runs the built-in demo (``deploy/configs/demo.toml``)::
               with its GPUs (CUDA_VISIBLE_DEVICES) and metrics port as deploy/devices.py places them
     watch     every 0.25 s: restart crashed children with backoff (deploy/processes.py); every
               launch.progress_every_s: the progress line (deploy/progress.py); every eval.every_s: greedy
-              held-out accuracy of the newest adapter directory, in a background thread
+              held-out accuracy of the newest adapter directory, in a background thread (an agent config's
+              harness plays the episodes: deploy/evaluate.py's evaluate_run)
     stop      at run.num_steps (the learner exits by itself), run.max_duration_s (counted from the launcher's
               start, base build included), eval.target_accuracy, ctrl-C / SIGTERM, or an unrecoverable child:
               SIGTERM to learner and workers (the learner publishes and writes its last adapter, workers return
@@ -60,6 +62,7 @@ from deploy.progress import Display, Progress, render
 log = get_logger("launcher")
 
 DEMO_CONFIG = Path(__file__).resolve().parent / "configs" / "demo.toml"
+AGENT_DEMO_MODEL = "builtin:agent-demo"  # deploy/agent_base.py; prepared here, as builtin:demo
 TICK_S = 0.25
 BROKER_START_TIMEOUT_S = 60.0
 LEARNER_STOP_TIMEOUT_S = 90.0
@@ -161,10 +164,31 @@ class Launch:
                                    f"with a carry {meta['carry_accuracy']:.0%}); cached in {path}")
             else:
                 path = ensure_demo_base(seed, model.cache_dir or None)
+        elif model.path == AGENT_DEMO_MODEL:
+            path = self.prepare_agent_base()
         else:
             path = resolve_model(model.path, model.cache_dir)
         self.config = dataclasses.replace(self.config, model=dataclasses.replace(model, path=str(path)))
         self.model_ready = True
+
+    def prepare_agent_base(self) -> Path:
+        """builtin:agent-demo: the agent demo's base (deploy/agent_base.py), built once per seed and cached."""
+        from deploy.agent_base import ensure_agent_base, is_built, read_metadata
+
+        seed, cache_dir = self.config.run.seed, self.config.model.cache_dir or None
+        if is_built(seed, cache_dir):
+            return ensure_agent_base(seed, cache_dir)
+        self.display.event(f"building the agent demo base model for seed {seed} (once, cached; about 1-2 min on 2 "
+                           "cores) ...")
+        built = time.monotonic()
+        path = ensure_agent_base(seed, cache_dir)
+        self.summary.base_build_s = round(time.monotonic() - built, 1)
+        meta = read_metadata(path)
+        self.display.event(f"agent demo base ready in {self.summary.base_build_s:.0f} s: held-out first turns that "
+                           f"are the right tool call {meta['base_accuracy']:.1%} (first factor below "
+                           f"{meta['trusted_below']}: {meta['trusted_accuracy']:.0%}, others "
+                           f"{meta['other_accuracy']:.0%}); cached in {path}")
+        return path
 
     def write_config(self) -> None:
         broker = self.config.broker
@@ -301,16 +325,13 @@ class Launch:
         for the rest of the run (training goes on), one event says which settings to change, and this and every
         later measurement is None."""
         from common.cli import out_of_memory, out_of_memory_line
-        from deploy.evaluate import evaluate_dir
+        from deploy.evaluate import evaluate_run
 
         config = self.config
         if self.eval_failed:
             return None
         try:
-            result = evaluate_dir(config.model.path, adapter, task=config.run.task, seed=config.run.seed,
-                                  num_prompts=config.eval.num_prompts, max_new_tokens=config.worker.max_new_tokens,
-                                  chat_template_kwargs=config.model.chat_template_kwargs, data=config.data,
-                                  device=self.placement.eval_device)
+            result = evaluate_run(config, adapter, device=self.placement.eval_device)
         except Exception as exc:
             if not out_of_memory(exc):
                 raise
@@ -402,6 +423,14 @@ def choose_run_dir(config: Config) -> Config:
     return dataclasses.replace(config, run=dataclasses.replace(config.run, run_dir=str(run_dir)))
 
 
+def checked_as(config: Config) -> Config:
+    """The config the start-up checks see: builtin:agent-demo, which only this launcher prepares, checked as
+    builtin:demo (the name common/startup.py knows for a model its caller prepares)."""
+    if config.model.path != AGENT_DEMO_MODEL:
+        return config
+    return dataclasses.replace(config, model=dataclasses.replace(config.model, path="builtin:demo"))
+
+
 def print_result(summary: Summary, out: TextIO) -> None:
     if summary.base_accuracy is not None:
         print(f"base accuracy: {summary.base_accuracy:.1%}", file=out)
@@ -430,7 +459,7 @@ def _main(argv: list[str]) -> int:
     if args.config is None:
         args.config = str(DEMO_CONFIG)
     config = choose_run_dir(config_from_args(args))
-    preflight.check(config, starting=True)  # every role's start-up checks, before anything is created or started
+    preflight.check(checked_as(config), starting=True)  # every role's start-up checks, before anything starts
     run_dir = config.run_dir
     (run_dir / "logs").mkdir(parents=True, exist_ok=True)
     log_file = open(run_dir / "logs" / "launcher.log", "a")  # noqa: SIM115 - open for the whole run
