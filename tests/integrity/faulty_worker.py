@@ -53,33 +53,25 @@ def inject_base_model() -> None:
 
 
 def inject_stale_lora_id() -> None:
-    from rollout_worker.backends import vllm as vllm_backend
+    from rollout_worker.backends.vllm import VllmBackend
 
-    class OneId:
-        """The LoRA int ids 1, 2, ... until the fault starts, then 1 for ever."""
+    healthy_id = VllmBackend.new_lora_id
+    healthy_unload = VllmBackend._unload
 
-        def __init__(self) -> None:
-            self.count = 0
+    def new_lora_id(self: VllmBackend) -> int:
+        """The ids 1, 2, ... until the fault starts, then 1 for ever (vLLM keeps what it cached under 1)."""
+        lora_id = healthy_id(self)
+        return lora_id if lora_id <= _after() else 1
 
-        def __next__(self) -> int:
-            self.count += 1
-            return self.count if self.count <= _after() else 1
-
-    healthy_init = vllm_backend.VllmBackend.__init__
-    healthy_unload = vllm_backend.VllmBackend._unload
-
-    def init(self: Any, *args: Any, **kwargs: Any) -> None:
-        healthy_init(self, *args, **kwargs)
-        self._ids = OneId()
-
-    def unload(self: Any, version: int) -> None:
-        if self._requests[version].lora_int_id == 1 and self._ids.count > _after():
-            self._requests.pop(version)  # id 1 is shared by every later version: the engine keeps its cache
+    def unload(self: VllmBackend, version: int) -> None:
+        lora_id = self._requests[version].lora_int_id
+        if any(r.lora_int_id == lora_id for v, r in self._requests.items() if v != version):
+            self._requests.pop(version)  # another resident version shares the id: the engine keeps its cache
             return
         healthy_unload(self, version)
 
-    vllm_backend.VllmBackend.__init__ = init
-    vllm_backend.VllmBackend._unload = unload
+    VllmBackend.new_lora_id = new_lora_id
+    VllmBackend._unload = unload
 
 
 def inject_swapped_files() -> None:

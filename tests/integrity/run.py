@@ -1,0 +1,141 @@
+"""A real run with one healthy worker and one faulty client, and the audit of what the policy check did.
+
+The run: a broker and a learner (CURVE on, keys from ``loraflow keys``), healthy hf worker ``good``, and
+``bad``: a real worker with an engine fault (:mod:`tests.integrity.faulty_worker`) or the raw cheating client
+(:mod:`tests.integrity.raw_client`). The audit (:func:`audit`) reads the learner's ledger (which worker each
+trained group came from), its ``policy_mismatch`` lines and the broker's stats, and answers what issue 14 asks:
+was the fault detected, within how many learner steps of the first affected group reaching the learner, how
+many affected groups were trained (must be 0), is ``bad`` quarantined, did the run go on with ``good``.
+"""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from common.security import ClientSecurity
+from common.transport import BrokerUnavailable, fetch_stats
+from learner.ledger import read as read_ledger
+from tests.fault.ledger import committed_chain, read_json_lines
+from tests.fault.system import System, write_config
+from tests.support import REPO, Proc, Processes, child_env, wait_for
+
+BAD = "bad"
+GOOD = "good"
+
+
+def make_keys(directory: Path) -> Path:
+    done = subprocess.run([sys.executable, "-m", "deploy.cli", "keys", str(directory)], cwd=REPO, env=child_env(),
+                          capture_output=True, text=True, timeout=60)
+    assert done.returncode == 0, done.stderr
+    return directory
+
+
+@dataclass
+class IntegrityRun(System):
+    """:class:`tests.fault.system.System` with CURVE on, workers ``good`` and ``bad``."""
+
+    keys: Path = Path()
+    bad: Proc | None = None
+    observer: Any = None
+
+    def stats(self) -> dict[str, Any] | None:
+        if self.observer is None:
+            self.observer = ClientSecurity.load(self.keys, "observer", role="observer")
+        try:
+            return fetch_stats(self.endpoint, timeout_s=2.0, security=self.observer)
+        except BrokerUnavailable:
+            return None
+
+    def start_worker(self, index: int, *, backend: str = "hf") -> None:
+        self.workers[index] = self.procs.python(self._name(GOOD), "rollout_worker", str(self.config),
+                                                "--endpoint", self.endpoint, "--worker-id", GOOD,
+                                                "--backend", backend)
+
+    def start_bad(self, fault: str, model_dir: Path, *, backend: str = "hf", after_version: int = 0) -> None:
+        if fault == "fabricated":
+            report = self.run_dir / "raw_client.json"
+            self.bad = self.procs.python(self._name(BAD), "tests.integrity.raw_client", self.endpoint,
+                                         str(model_dir), str(self.keys), BAD, str(report))
+            return
+        env = child_env(LORAFLOW_FAULT_AFTER_VERSION=str(after_version))
+        self.bad = self.procs.python(self._name(BAD), "tests.integrity.faulty_worker", fault, str(self.config),
+                                     "--endpoint", self.endpoint, "--worker-id", BAD, "--backend", backend, env=env)
+
+
+def start_run(procs: Processes, tmp_path: Path, model_dir: Path, *, num_prompts: int, backend: str = "hf",
+              extra: str = "") -> IntegrityRun:
+    keys = make_keys(tmp_path / "keys")
+    run_dir = tmp_path / "run"
+    config = write_config(tmp_path / "run.toml", run_dir=run_dir, model_dir=model_dir, backend=backend,
+                          num_prompts=num_prompts, max_staleness=1, checkpoint_every=0,
+                          extra=f'[security]\nenabled = true\nkeys_dir = "{keys}"\n{extra}')
+    run = IntegrityRun(procs=procs, config=config, run_dir=run_dir, num_workers=1, keys=keys)
+    run.start_broker()
+    run.start_learner()
+    run.start_worker(1, backend=backend)
+    return run
+
+
+def quarantined(stats: dict[str, Any] | None) -> dict[str, Any]:
+    """worker id -> its quarantine record in the broker's stats (empty when none)."""
+    if not stats:
+        return {}
+    return {entry["worker"]: entry for entry in stats.get("integrity", {}).get("quarantined", [])}
+
+
+@dataclass
+class Audit:
+    trained_from: dict[str, int] = field(default_factory=dict)  # worker id -> groups trained (the ledger's)
+    mismatches: list[dict[str, Any]] = field(default_factory=list)  # the learner's policy_mismatch lines
+    first_mismatch_step: int | None = None
+    first_bad_step: int | None = None  # the first step whose batch held a group of the bad client
+    steps: int = 0
+    checked_tokens: int = 0
+    integrity_s: float = 0.0  # the check, summed over steps
+    compute_s: float = 0.0    # forward + backward + optimizer, summed
+    busy_s: float = 0.0       # check + compute + publish + checkpoint, summed
+    wall_s: float = 0.0       # first to last step line
+
+    @property
+    def steps_to_detect(self) -> int | None:
+        """Learner steps from the first bad group reaching the learner to the first mismatch, both counted."""
+        if self.first_mismatch_step is None or self.first_bad_step is None:
+            return None
+        return self.first_mismatch_step - self.first_bad_step + 1
+
+    def summary(self) -> str:
+        return (f"{self.steps} steps; trained from {self.trained_from}; {len(self.mismatches)} mismatches "
+                f"(first at step {self.first_mismatch_step}, bad groups first at step {self.first_bad_step}); "
+                f"check {self.integrity_s:.3f} s, compute {self.compute_s:.3f} s, {self.wall_s:.1f} s of steps")
+
+
+def audit(run_dir: Path, learner_log: Path) -> Audit:
+    """What the learner did about the bad client, from its ledger, metrics and log (JSON lines)."""
+    out = Audit()
+    ledger = run_dir / "learner" / "ledger.jsonl"
+    chain, _ = committed_chain(read_ledger(ledger)) if ledger.is_file() else ([], 0)
+    out.steps = len(chain)
+    for step in chain:
+        for worker in step.get("workers", {}).values():
+            out.trained_from[worker] = out.trained_from.get(worker, 0) + 1
+            if worker == BAD and out.first_bad_step is None:
+                out.first_bad_step = step["step"]
+    metrics = run_dir / "learner" / "metrics.jsonl"
+    lines = read_json_lines(metrics) if metrics.is_file() else []
+    for line in lines:
+        out.checked_tokens += int(line.get("integrity_tokens", 0))
+        out.integrity_s += float(line.get("integrity_s", 0.0))
+        out.compute_s += float(line.get("compute_s", 0.0))
+        out.busy_s += sum(float(line.get(k, 0.0)) for k in ("integrity_s", "compute_s", "publish_s", "checkpoint_s"))
+        if line.get("skipped", {}).get("policy_mismatch") and out.first_mismatch_step is None:
+            out.first_mismatch_step = line["step"]
+    if lines:
+        out.wall_s = float(lines[-1]["elapsed_s"]) - float(lines[0]["elapsed_s"])
+    if out.first_mismatch_step is not None:
+        out.first_bad_step = min(out.first_bad_step or out.first_mismatch_step, out.first_mismatch_step)
+    out.mismatches = [line for line in read_json_lines(learner_log) if line.get("event") == "policy_mismatch"]
+    return out
