@@ -21,7 +21,7 @@ from common.transport import BrokerUnavailable, fetch_stats
 from learner.ledger import read as read_ledger
 from tests.fault.ledger import committed_chain, read_json_lines
 from tests.fault.system import System, write_config
-from tests.support import REPO, Proc, Processes, child_env, wait_for
+from tests.support import REPO, Proc, Processes, child_env
 
 BAD = "bad"
 GOOD = "good"
