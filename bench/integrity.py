@@ -101,7 +101,7 @@ def run_clean(root: Path, model_dir: Path, minutes: float, use_vllm: bool) -> di
             "learner_step_share": found.integrity_s / found.wall_s if found.wall_s else 0.0,
             "learner_compute_share": found.integrity_s / found.compute_s if found.compute_s else 0.0,
             "worker_share": loads * hash_s / (num_workers * worker_s), "adapter_loads": loads,
-            "hash_ms": round(hash_s * 1000, 3), "minutes": minutes}
+            "hash_ms": round(hash_s * 1000, 3), "minutes": minutes, "max_passing_diff": found.max_passing_diff}
 
 
 def main() -> None:
@@ -124,7 +124,8 @@ def main() -> None:
         clean = run_clean(Path(tmp) / "clean", model_dir, args.clean_minutes, not args.no_vllm)
     print(f"clean run ({clean['minutes']} min, hf{' + vllm' if not args.no_vllm else ''}): {clean['steps']} steps, "
           f"groups trained by worker {clean['trained_from']}, {clean['checked_tokens']} tokens re-scored, "
-          f"false positives {clean['false_positives']}, quarantined {clean['quarantined']}")
+          f"false positives {clean['false_positives']}, quarantined {clean['quarantined']}; largest log-prob "
+          f"difference of a passing sample {clean['max_passing_diff']:.2e} nats (fp32 tolerance 0.01)")
     print(f"cost: learner check {clean['learner_step_share']:.1%} of step time "
           f"({clean['learner_compute_share']:.1%} of its compute); worker evidence {clean['worker_share']:.3%} of "
           f"its time ({clean['adapter_loads']} loads x {clean['hash_ms']} ms)")
@@ -134,7 +135,8 @@ def main() -> None:
     report("integrity", "detection_rate", detection_rate, "share", 1.0,
            false_positives=clean["false_positives"], max_steps_to_detect=max(steps) if steps else None,
            cost_share=round(cost_share, 4), learner_compute_share=round(clean["learner_compute_share"], 4),
-           worker_share=round(clean["worker_share"], 6), faults=results, clean_minutes=clean["minutes"])
+           worker_share=round(clean["worker_share"], 6), max_passing_diff=clean["max_passing_diff"], faults=results,
+           clean_minutes=clean["minutes"])
 
 
 if __name__ == "__main__":

@@ -241,6 +241,8 @@ class Verdict:
     seconds: float = 0.0
     num_checked_tokens: int = 0
     num_unverifiable_tokens: int = 0  # tokens of chosen samples whose version the history no longer holds
+    max_passing_diff: float = 0.0  # the largest |behaviour - recomputed| of a sample that passed: the engine's
+                                   # agreement with the learner, what the tolerance must cover
 
 
 class IntegrityCheck:
@@ -276,10 +278,14 @@ class IntegrityCheck:
         for g, found in enumerate(evidence):
             if found is not None:
                 failures[g] = found
+        max_passing_diff = 0.0
         for (sample, version), row in zip(pairs, results.tolist(), strict=True):
             g = step.samples[sample].group
             num_checked, num_off, max_diff, mean_diff = int(row[0]), int(row[1]), row[2], row[3]
-            if g in failures or num_off <= self.config.max_off_fraction * num_checked:
+            if num_off <= self.config.max_off_fraction * num_checked:
+                max_passing_diff = max(max_passing_diff, max_diff if num_checked else 0.0)
+                continue
+            if g in failures:
                 continue
             failures[g] = PolicyMismatch(
                 group_id="", reason="logprobs", version=version, num_checked=num_checked, num_off=num_off,
@@ -288,7 +294,8 @@ class IntegrityCheck:
                 f"than {self._tolerance(step, g, version):g} nats at temperature {self.temperature:g}")
         flags = torch.tensor([int(g in failures) for g in range(step.num_groups)], dtype=torch.int32)
         self.parallel.max(flags)  # rank 0 alone knows the published hashes: agree on its verdicts
-        verdict = Verdict(num_checked_tokens=int(results[:, 0].sum()), num_unverifiable_tokens=unverifiable)
+        verdict = Verdict(num_checked_tokens=int(results[:, 0].sum()), num_unverifiable_tokens=unverifiable,
+                          max_passing_diff=min(max_passing_diff, MAX_REPORTED_DIFF))
         for g, failed in enumerate(flags.tolist()):
             if not failed:
                 verdict.keep.append(g)

@@ -316,6 +316,7 @@ class Learner:
             "integrity_s": round(received.verdict.seconds, 6) if received.verdict else 0.0,
             "integrity_tokens": received.verdict.num_checked_tokens if received.verdict else 0,
             "integrity_unverifiable_tokens": received.verdict.num_unverifiable_tokens if received.verdict else 0,
+            "integrity_max_passing_diff": received.verdict.max_passing_diff if received.verdict else 0.0,
             "compute_s": round(compute_s, 6),
             "publish_s": round(publish_s, 6),
             "checkpoint_s": round(checkpoint_s, 6),

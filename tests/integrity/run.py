@@ -99,6 +99,7 @@ class Audit:
     compute_s: float = 0.0    # forward + backward + optimizer, summed
     busy_s: float = 0.0       # check + compute + publish + checkpoint, summed
     wall_s: float = 0.0       # first to last step line
+    max_passing_diff: float = 0.0  # the largest log-prob difference of a sample that passed (engine agreement)
 
     @property
     def steps_to_detect(self) -> int | None:
@@ -110,6 +111,7 @@ class Audit:
     def summary(self) -> str:
         return (f"{self.steps} steps; trained from {self.trained_from}; {len(self.mismatches)} mismatches "
                 f"(first at step {self.first_mismatch_step}, bad groups first at step {self.first_bad_step}); "
+                f"largest difference of a passing sample {self.max_passing_diff:.2e} nats; "
                 f"check {self.integrity_s:.3f} s, compute {self.compute_s:.3f} s, {self.wall_s:.1f} s of steps")
 
 
@@ -130,6 +132,7 @@ def audit(run_dir: Path, learner_log: Path) -> Audit:
         out.checked_tokens += int(line.get("integrity_tokens", 0))
         out.integrity_s += float(line.get("integrity_s", 0.0))
         out.compute_s += float(line.get("compute_s", 0.0))
+        out.max_passing_diff = max(out.max_passing_diff, float(line.get("integrity_max_passing_diff", 0.0)))
         out.busy_s += sum(float(line.get(k, 0.0)) for k in ("integrity_s", "compute_s", "publish_s", "checkpoint_s"))
         if line.get("skipped", {}).get("policy_mismatch") and out.first_mismatch_step is None:
             out.first_mismatch_step = line["step"]
