@@ -10,15 +10,18 @@ accuracy is the share of episodes whose reward is >= 1; a harness that fails or 
 
 At most ``MAX_EPISODES`` episodes are in flight, a new one started as each ends, so a slow tool call holds up
 only its own episode; the calls of those in flight batch together in the engine. This function is the only
-caller of the backend, on the calling thread (the worker loop's part: pump, generate a round, collect).
+caller of the backend, on the calling thread (the worker loop's part: pump, generate a round, collect), with
+torch's threads set as a worker's (``worker.num_threads``).
 """
 
 from __future__ import annotations
 
+import contextlib
 import os
 import threading
 import time
 from collections import deque
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -69,14 +72,37 @@ def evaluate_agent(config: Config, adapter_dir: str | os.PathLike | None = None,
                    device: str = "auto") -> EvalResult:
     """Greedy accuracy of ``config.model.path`` (plus ``adapter_dir``) with ``config.worker.agent`` as the
     harness on the first ``num_prompts`` eval prompts (see the module docstring)."""
-    from common.metrics import Metrics
-    from rollout_worker.gateway.episodes import AgentRollouts
-
     if num_prompts < 1:
         raise ValueError(f"num_prompts must be >= 1, got {num_prompts} (eval.num_prompts)")
     start = time.perf_counter()
     task = load_task(config.run.task, config.run.seed, config.data)
     items = [task.item(i, "eval") for i in range(num_prompts)]
+    with worker_threads(config):
+        return _play(config, adapter_dir, items, device=device, start=start)
+
+
+@contextlib.contextmanager
+def worker_threads(config: Config) -> Iterator[None]:
+    """torch's CPU threads as a worker sets them (``worker.num_threads``; 0 = torch's default), then back. Two
+    OpenMP threads spinning beside the harness threads on a busy 2-core machine made every call of an
+    evaluation miss its 30 s timeout (the adapter scored 0 %, and 100 % with one thread)."""
+    import torch
+
+    threads = torch.get_num_threads()
+    if config.worker.num_threads:
+        torch.set_num_threads(config.worker.num_threads)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(threads)
+
+
+def _play(config: Config, adapter_dir: str | os.PathLike | None, items: list[TaskItem], *, device: str,
+          start: float) -> EvalResult:
+    from common.metrics import Metrics
+    from rollout_worker.gateway.episodes import AgentRollouts
+
+    num_prompts = len(items)
     backend = greedy_backend(config.model.path, adapter_dir, device=device, config=config)
     wake = threading.Event()
     rollouts = AgentRollouts(config, backend, worker_id="eval", metrics=Metrics(), wake=wake)
