@@ -29,7 +29,8 @@ from common.config import Config, ConfigError
 from common.tasks import Task, load_task
 from common.tiny_model import find_demo_base
 
-BUILTIN_MODELS = ("builtin:tiny", "builtin:demo")
+BUILTIN_MODELS = ("builtin:tiny", "builtin:demo", "builtin:agent-demo")
+PREPARED_BY_CALLER = ("builtin:demo", "builtin:agent-demo")  # bases `loraflow run` builds (deploy/)
 DEVICE = re.compile(r"auto|cpu|cuda(:\d+)?")
 
 
@@ -42,11 +43,15 @@ def demo_base_command(config: Config) -> str:
 def resolve_model(config: Config, *, demo_by_caller: bool = False) -> Config:
     """The config with ``model.path`` checked, and ``builtin:demo`` replaced by its directory when it is built.
 
-    ``demo_by_caller``: the caller prepares ``builtin:demo`` itself (``loraflow run``) or only describes the config
-    (``loraflow config``): it is left as it is."""
+    ``demo_by_caller``: the caller prepares ``builtin:demo`` / ``builtin:agent-demo`` itself (``loraflow run``) or
+    only describes the config (``loraflow config``): it is left as it is."""
     path = config.model.path
-    if path == "builtin:tiny" or (path == "builtin:demo" and demo_by_caller):
+    if path == "builtin:tiny" or (path in PREPARED_BY_CALLER and demo_by_caller):
         return config
+    if path == "builtin:agent-demo":
+        raise ConfigError(f"model.path = \"builtin:agent-demo\" is prepared by `loraflow run`; for a role started by "
+                          f"hand build it with `python -m deploy.agent_base --seed {config.run.seed}` and set "
+                          "model.path to the directory it prints")
     if path == "builtin:demo":
         directory = find_demo_base(config.run.seed, config.model.cache_dir or None)
         if directory is None:

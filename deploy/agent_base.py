@@ -41,8 +41,6 @@ import dataclasses
 import json
 import os
 import random
-import shutil
-import tempfile
 import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
@@ -53,7 +51,7 @@ from common.logging import get_logger
 from common.tasks import CalculatorTask
 from common.tiny_model import build_tiny_model, default_cache_dir
 from deploy.agents.agent_demo import CALC, TOOL_NAME
-from deploy.demo_base import METADATA_FILE, DemoBaseError, Recipe, _WarmUp, read_metadata
+from deploy.demo_base import METADATA_FILE, DemoBaseError, Recipe, _WarmUp, build_into, read_metadata
 
 log = get_logger("agent_base")
 
@@ -189,19 +187,8 @@ def ensure_agent_base(seed: int = 0, cache_dir: str | os.PathLike | None = None,
                       recipe: AgentRecipe = AgentRecipe()) -> Path:
     """The cached agent demo base for ``seed``, built first if it is not there yet."""
     target = agent_base_dir(seed, cache_dir, recipe)
-    if (target / METADATA_FILE).is_file():
-        return target
-    target.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{target.name}-", dir=target.parent))
-    try:
-        build_agent_base(tmp, seed=seed, recipe=recipe)
-        os.rename(tmp, target)
-    except OSError:
-        if not (target / METADATA_FILE).is_file():
-            raise
-        log.info("agent_base_built_elsewhere", path=str(target))  # a concurrent build finished first
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
+    if not (target / METADATA_FILE).is_file():
+        build_into(target, lambda directory: build_agent_base(directory, seed=seed, recipe=recipe))
     return target
 
 

@@ -37,6 +37,7 @@ import random
 import shutil
 import tempfile
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -112,7 +113,7 @@ def ensure_demo_base(seed: int = 0, cache_dir: str | os.PathLike | None = None, 
     points at it, so every role finds ``builtin:demo`` (:func:`common.tiny_model.find_demo_base`)."""
     target = demo_base_dir(seed, cache_dir, recipe)
     if not (target / METADATA_FILE).is_file():
-        _build_into(target, seed, recipe)
+        build_into(target, lambda directory: build_demo_base(directory, seed=seed, recipe=recipe))
     _point_link(demo_base_link(seed, cache_dir), target)
     return target
 
@@ -127,16 +128,18 @@ def _point_link(link: Path, target: Path) -> None:
     os.replace(tmp, link)
 
 
-def _build_into(target: Path, seed: int, recipe: Recipe) -> None:
+def build_into(target: Path, build: Callable[[Path], Any]) -> None:
+    """``build(directory)`` in a temporary directory beside ``target``, renamed into place when done (a reader
+    never sees half a model; a concurrent build that finished first wins)."""
     target.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{target.name}-", dir=target.parent))
     try:
-        build_demo_base(tmp, seed=seed, recipe=recipe)
+        build(tmp)
         os.rename(tmp, target)
     except OSError:
         if not (target / METADATA_FILE).is_file():
             raise
-        log.info("demo_base_built_elsewhere", path=str(target))  # a concurrent build finished first
+        log.info("base_built_elsewhere", path=str(target))
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
 

@@ -62,7 +62,7 @@ from deploy.progress import Display, Progress, render
 log = get_logger("launcher")
 
 DEMO_CONFIG = Path(__file__).resolve().parent / "configs" / "demo.toml"
-AGENT_DEMO_MODEL = "builtin:agent-demo"  # deploy/agent_base.py; prepared here, as builtin:demo
+AGENT_DEMO_MODEL = "builtin:agent-demo"  # deploy/agent_base.py; prepared here (common/startup.py)
 TICK_S = 0.25
 BROKER_START_TIMEOUT_S = 60.0
 LEARNER_STOP_TIMEOUT_S = 90.0
@@ -423,14 +423,6 @@ def choose_run_dir(config: Config) -> Config:
     return dataclasses.replace(config, run=dataclasses.replace(config.run, run_dir=str(run_dir)))
 
 
-def checked_as(config: Config) -> Config:
-    """The config the start-up checks see: builtin:agent-demo, which only this launcher prepares, checked as
-    builtin:demo (the name common/startup.py knows for a model its caller prepares)."""
-    if config.model.path != AGENT_DEMO_MODEL:
-        return config
-    return dataclasses.replace(config, model=dataclasses.replace(config.model, path="builtin:demo"))
-
-
 def print_result(summary: Summary, out: TextIO) -> None:
     if summary.base_accuracy is not None:
         print(f"base accuracy: {summary.base_accuracy:.1%}", file=out)
@@ -459,7 +451,7 @@ def _main(argv: list[str]) -> int:
     if args.config is None:
         args.config = str(DEMO_CONFIG)
     config = choose_run_dir(config_from_args(args))
-    preflight.check(checked_as(config), starting=True)  # every role's start-up checks, before anything starts
+    preflight.check(config, starting=True)  # every role's start-up checks, before anything starts
     run_dir = config.run_dir
     (run_dir / "logs").mkdir(parents=True, exist_ok=True)
     log_file = open(run_dir / "logs" / "launcher.log", "a")  # noqa: SIM115 - open for the whole run

@@ -62,6 +62,7 @@ CASES = [
     ("learner", ["--model", "builtin:demo"], "python -m deploy.demo_base --seed 0"),
     ("broker", ["--model", "builtin:demo"], "python -m deploy.demo_base --seed 0"),
     ("learner", ["--model", "builtin:huge"], "model.path"),
+    ("worker", ["--model", "builtin:agent-demo", "--seed", "2"], "python -m deploy.agent_base --seed 2"),
     ("worker", ["--backend", "sim", "--set", 'worker.reward="no_such_module:score"'], "worker.reward"),
     ("worker", ["--backend", "sim", "--set", 'worker.reward="common.tasks:NO_SUCH_NAME"'], "worker.reward"),
     ("worker", ["--backend", "sim", "--set", 'worker.env="no_such_module:Env"'], "worker.env"),
