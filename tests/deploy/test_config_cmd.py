@@ -25,7 +25,7 @@ def test_reference_lists_every_setting() -> None:
                 assert f"| `{field.name}` |" in markdown, f"{section}.{field.name} missing"
     assert [name for name, _ in config_cmd.sections()] == [
         "run", "data", "model", "broker", "worker", "worker.sim", "worker.vllm", "learner", "eval", "security",
-        "launch"]
+        "integrity", "launch"]
     assert "| `max_staleness` | int | `1` |  | >= 0, <= 1000 |" in markdown
 
 
