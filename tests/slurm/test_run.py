@@ -20,7 +20,9 @@ from tests.support import REPO
 
 pytestmark = pytest.mark.slurm
 
-NUM_PROMPTS = 96  # 24 steps: training lasts long enough for the scancel and the elastic job to land mid-run
+# 80 steps: training lasts long enough for the scancels, the elastic job and the learner crash to land mid-run
+# (with 96 the run once ended before the second scancel)
+NUM_PROMPTS = 320
 
 
 def test_sbatch_run_with_elastic_workers_scancel_and_preemption(slurm_cluster: SlurmCluster, quick_base_dir: Path,
