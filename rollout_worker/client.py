@@ -124,7 +124,9 @@ class BrokerSession:
     def close(self, reason: str = "") -> None:
         """Stop the dispatcher, say Bye and close the link."""
         self._stop.set()
-        if self._thread is not None:
+        if self._thread is not None and self._thread.is_alive():
+            # not alive: never started, or a signal interrupted Thread.start() (the worker's start-up stop), so
+            # the thread may be only starting; its loop checks the stop flag first and leaves
             self._thread.join(timeout=5)
         self.link.close(reason=reason, send_bye=self.welcome is not None)  # no Bye to a broker never reached
 

@@ -156,3 +156,14 @@ def test_lease_requests_and_stale_adapter_grants(broker: ScriptedBroker, session
     session.return_leases(["l1", "l2"], "worker stopping")
     returned, _ = broker.recv(Kind.LEASE_RETURN)
     assert returned.lease_ids == ["l1", "l2"]
+
+
+def test_close_after_a_signal_interrupted_the_dispatcher_start(broker: ScriptedBroker, tmp_path: Path) -> None:
+    """A SIGTERM during start-up can land inside Thread.start() (CI saw it): the thread object exists but was
+    never started, and close() must still stop the link instead of raising."""
+    config = load_config(overrides=[f'broker.endpoint="{broker.endpoint}"', "broker.heartbeat_interval_s=0.05"])
+    s = BrokerSession(config, worker_id="w1", store=AdapterStore(tmp_path / "adapters"), metrics=Metrics(),
+                      wake=threading.Event())
+    s._thread = threading.Thread(target=s._dispatch, args=({},))  # what start() had built when the signal came
+    s.close(reason="stopping")
+    assert not s._thread.is_alive()
