@@ -87,6 +87,7 @@ QUESTION = [{"role": "system", "content": "Use the calculator."}, {"role": "user
 def play(chat: Any, end_id: int, turns: list[tuple[str, bool, dict[str, Any] | None]],
          tools: list[dict[str, Any]] | None = None) -> tuple[int, int, dict]:
     """(divergent calls, drifted tokens under re-tokenization, divergence reasons) of one episode."""
+    from common.protocol import ServedAdapter
     from rollout_worker.gateway.session import Session
     from rollout_worker.gateway.tools import parse_hermes, template_messages
 
@@ -98,7 +99,7 @@ def play(chat: Any, end_id: int, turns: list[tuple[str, bool, dict[str, Any] | N
         turn = chat.encode_text(text, special=False) + ([end_id] if ended else [])
         generated.append((len(ids), turn))
         session.record(chat, prompt_ids=ids, token_ids=turn, logprobs=[0.0] * len(turn), version=0,
-                       finish_reason="stop" if ended else "length", turn_text=text)
+                       finish_reason="stop" if ended else "length", turn_text=text, served=ServedAdapter(version=0))
         parsed = parse_hermes(text)
         if parsed.tool_calls:  # as an OpenAI client sends it back
             messages.append({"role": "assistant", "content": None, "tool_calls": parsed.tool_calls})

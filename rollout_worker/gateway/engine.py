@@ -17,6 +17,11 @@ its chunks (those versions are pinned: :meth:`GatewayEngine.versions_in_use`); t
 episode may run under a newer one, so a trajectory's per-token versions can change between turns.
 A call's ``max_tokens`` defaults to ``worker.max_new_tokens`` and is capped by it (``gateway_max_tokens_capped``)
 and by the room left under ``model.max_seq_len``.
+
+Evidence (issue 14): each chunk's ``GenOutput.served`` (the engine's report of that very request) is kept per call
+and in the session's ``served`` (its group's evidence) as the report comes, with ``Backend.keep_served``; a call's
+record keeps its report; context tokens a call adds are stamped with the version it runs under and noted with
+``backend.served`` of it, as :mod:`rollout_worker.rollout` notes environment tokens.
 """
 
 from __future__ import annotations
@@ -33,6 +38,7 @@ from typing import Any
 from common.config import WorkerConfig
 from common.logging import get_logger
 from common.metrics import Metrics
+from common.protocol import ServedAdapter
 from rollout_worker.backends.base import Backend, GenRequest
 from rollout_worker.gateway import openai_api as api
 from rollout_worker.gateway.session import ACTIVE, FINISHED, PrefixDivergence, Session
@@ -86,6 +92,7 @@ class Call:
     logprobs: list[float] = field(default_factory=list)
     sent: int = 0  # characters already streamed
     key: str = ""
+    served: dict[int, ServedAdapter] = field(default_factory=dict)  # the engine's report of this call's chunks
 
 
 class GatewayEngine:
@@ -206,6 +213,7 @@ class GatewayEngine:
         version = self.backend.newest_version
         recorded = session is not None
         session = session or Session(id="")  # an unrecorded call: a throwaway trajectory
+        num_held = len(session.completion_ids)
         try:
             messages = template_messages(params.messages) if params.messages is not None else None
             ids, reason = session.context(self.chat, messages=messages, prompt=params.prompt, tools=params.tools,
@@ -220,6 +228,8 @@ class GatewayEngine:
         except Exception as exc:  # jinja2's TemplateError is not a ValueError
             raise api.ApiError(400, f"the chat template could not render these messages: {exc}"[:500],
                                param="messages") from exc
+        if recorded and len(session.completion_ids) > num_held:  # new context tokens, stamped ``version``
+            self.backend.keep_served(session.served, self.backend.served(version))
         if reason:
             self.metrics.inc("tito_divergence", reason=reason)
             log.debug("tito_divergence", session=session.id, reason=reason)
@@ -251,6 +261,9 @@ class GatewayEngine:
             start = len(call.token_ids)
             call.token_ids += output.token_ids
             call.logprobs += output.logprobs
+            assert output.served is not None  # Backend.generate fills it
+            self.backend.keep_served(call.served, output.served)
+            self.backend.keep_served(call.session.served, output.served)
             end = "stop" if output.finished else ""
             params = call.job.params
             assert params is not None
@@ -287,8 +300,9 @@ class GatewayEngine:
             text = text[:min(i for i in (text.find(s) for s in params.stop) if i >= 0)]
         finish_reason = "length" if end == "length" else "stop"
         session.in_flight -= 1
+        served = call.served[call.version]  # every call ran at least one chunk
         session.record(self.chat, prompt_ids=call.prompt_ids, token_ids=ids, logprobs=call.logprobs,
-                       version=call.version, finish_reason=finish_reason, turn_text=text)
+                       version=call.version, finish_reason=finish_reason, turn_text=text, served=served)
         tokens = [self.backend.decode([t]) for t in ids] if params.logprobs else []
         rid = api.new_id(params.kind)
         if params.kind == "completion":

@@ -18,9 +18,13 @@ that raises, blocks, or hangs past ``worker.agent_timeout_s`` costs only its own
 (``agent_failures{reason}`` and ``reward_failures{reason}``) and logged, and its session is closed (later
 calls get ``session_finished``). An episode that never called the model scores 0 too (reason ``no_calls``).
 A group is submitted when all its episodes are done; its samples are the sessions' trajectories, each with its
-own prompt (the first call's prompt tokens). Its ``served`` evidence (:mod:`common.integrity`) holds, per version
-of its tokens, ``backend.served`` of that version, noted at the end of every round while the version is still
-resident (the engine's calls keep no per-request report).
+own prompt (the first call's prompt tokens). Its ``served`` evidence (:mod:`common.integrity`) is built as the
+worker's own path builds it (:mod:`rollout_worker.rollout`): for generated tokens the backend's report of the very
+engine calls that produced them (``GenOutput.served``, also kept per call in the session's records), for context
+tokens ``backend.served`` of the version they were stamped with. The engine keeps each report, when it comes, in
+the group's evidence (one dict shared by the group's sessions) with ``Backend.keep_served``, so a report that
+disagrees with the load record stays the group's evidence and the learner's check (:mod:`learner.integrity`)
+fails the group.
 """
 
 from __future__ import annotations
@@ -76,7 +80,6 @@ class AgentEpisode:
     finished_reward: float | None = None  # given by POST .../finish
     metrics: dict[str, float] = field(default_factory=dict)
     failure: str = ""
-    num_noted: int = 0  # tokens of the session whose version's evidence the group holds
 
 
 @dataclass(slots=True, kw_only=True)
@@ -88,7 +91,7 @@ class AgentGroup:
     reward_s: float = 0.0
     started: float = field(default_factory=time.monotonic)
     num_reward_failures: int = 0
-    served: dict[int, ServedAdapter] = field(default_factory=dict)  # version -> the engine's evidence
+    served: dict[int, ServedAdapter] = field(default_factory=dict)  # version -> the engine's evidence (shared)
 
 
 def load_agent(spec: str) -> Any:
@@ -157,7 +160,8 @@ class AgentRollouts:
         group = AgentGroup(lease=lease, episodes=[], start_version=self.current_version)
         row = self._row(lease)
         for index in range(lease.group_size):
-            session = Session(id=secrets.token_hex(12), group_key=lease.lease_id, index=index)
+            session = Session(id=secrets.token_hex(12), group_key=lease.lease_id, index=index,
+                              served=group.served)  # the engine keeps each report in the group's evidence
             self.engine.open(session)
             episode = AgentEpisode(session=session, row=dict(row))
             if self.agent is None:
@@ -215,22 +219,11 @@ class AgentRollouts:
             if key in self.groups:
                 self.groups[key].generate_s += elapsed_s
         self.engine.pump()
-        self._note_served()
         return self._pop_finished()
 
     def poll(self) -> list[FinishedGroup]:
         self.engine.pump()
-        self._note_served()
         return self._pop_finished()
-
-    def _note_served(self) -> None:
-        """The evidence of each version the sessions' new tokens carry (resident: it just served them)."""
-        for group in self.groups.values():
-            for episode in group.episodes:
-                versions = episode.session.versions
-                for version in set(versions[episode.num_noted:]):
-                    self.backend.keep_served(group.served, self.backend.served(version))
-                episode.num_noted = len(versions)
 
     # -- episodes ----------------------------------------------------------------------------------------------
 

@@ -21,15 +21,19 @@ The prefix rule, applied to every call after the first (:meth:`Session.context`)
    ``worker.tito_divergence = "refuse"`` such a call is refused instead and the episode scores 0.
 
 The engine is fed exactly the held tokens plus the new context, so what the model saw is what is trained.
+Each call's record keeps the engine's report of what served it (``CallRecord.served``), and ``Session.served``
+the evidence of every version in the trajectory (kept by the engine; see its docstring).
 A session is owned by the worker's thread (see :mod:`rollout_worker.gateway.engine`); nothing else touches it.
 """
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass, field
 from typing import Any
 
 from common.chat import ChatFormat
+from common.protocol import ServedAdapter
 
 ACTIVE, FINISHED = "active", "finished"
 
@@ -53,6 +57,7 @@ class CallRecord:
     logprobs: list[float]
     version: int
     finish_reason: str
+    served: ServedAdapter  # what the engine reported it served this call's chunks with
 
 
 @dataclass(slots=True, kw_only=True)
@@ -72,6 +77,8 @@ class Session:
     turn_texts: list[str] = field(default_factory=list)  # each generated turn's text (end-of-turn token dropped)
     calls: list[CallRecord] = field(default_factory=list)
     divergences: dict[str, int] = field(default_factory=dict)
+    served: dict[int, ServedAdapter] = field(default_factory=dict)  # version -> the engine's evidence, kept by the
+    # engine as each report comes (Backend.keep_served); the sessions of one group share their group's dict
     in_flight: int = 0  # calls queued or generating
     last_finish_reason: str = ""
 
@@ -107,10 +114,11 @@ class Session:
         return self.held_ids, reason
 
     def record(self, chat: ChatFormat, *, prompt_ids: list[int], token_ids: list[int], logprobs: list[float],
-               version: int, finish_reason: str, turn_text: str) -> None:
-        """A call's generated tokens join the trajectory (loss mask 1)."""
+               version: int, finish_reason: str, turn_text: str, served: ServedAdapter) -> None:
+        """A call's generated tokens join the trajectory (loss mask 1), with the engine's report of the call."""
         self.calls.append(CallRecord(prompt_ids=list(prompt_ids), token_ids=list(token_ids),
-                                     logprobs=list(logprobs), version=version, finish_reason=finish_reason))
+                                     logprobs=list(logprobs), version=version, finish_reason=finish_reason,
+                                     served=served))
         self._append(token_ids, logprobs, version, trained=True)
         self.anchor_text += turn_text
         self.turn_texts.append(turn_text)
@@ -138,4 +146,5 @@ class Session:
                 "completion_ids": self.completion_ids, "logprobs": self.logprobs, "versions": self.versions,
                 "loss_mask": self.loss_mask, "tito_divergence": dict(self.divergences),
                 "calls": [{"prompt_ids": c.prompt_ids, "token_ids": c.token_ids, "logprobs": c.logprobs,
-                           "version": c.version, "finish_reason": c.finish_reason} for c in self.calls]}
+                           "version": c.version, "finish_reason": c.finish_reason,
+                           "served": dataclasses.asdict(c.served)} for c in self.calls]}

@@ -56,3 +56,10 @@ async def reports_odd_metrics(client: Any, row: dict[str, Any]) -> dict[str, Any
     model = (await client.models.list()).data[0].id
     await client.completions.create(model=model, prompt=str(row["prompt"]), max_tokens=4)
     return {"reward": 0.5, "steps": 3, "nan": float("nan"), "inf": float("inf"), 7: 1.0, "flag": True}
+
+
+async def one_call(client: Any, row: dict[str, Any]) -> float:
+    """A single completion call: every token of the episode is generated (no context tokens after the prompt)."""
+    model = (await client.models.list()).data[0].id
+    await client.completions.create(model=model, prompt=str(row["prompt"]), max_tokens=12)
+    return 1.0
