@@ -23,6 +23,7 @@ so no attention mask is needed and positions stay 0..L-1.
 from __future__ import annotations
 
 import collections
+import dataclasses
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -274,6 +275,7 @@ class MicroBatch:
     behaviour_logp: torch.Tensor  # [T] f32, behaviour log-probs of the selected targets (row-major order)
     advantages: torch.Tensor      # [T] f32, the advantage of each selected target's sample
     num_samples: int
+    rows: tuple[int, ...] = ()    # [B] the step batch's sample index of each row (set by rank_micro_batches)
 
     @property
     def num_tokens(self) -> int:
@@ -288,7 +290,7 @@ class MicroBatch:
     def to(self, device: torch.device) -> MicroBatch:
         return MicroBatch(input_ids=self.input_ids.to(device), targets=self.targets.to(device),
                           select=self.select.to(device), behaviour_logp=self.behaviour_logp.to(device),
-                          advantages=self.advantages.to(device), num_samples=self.num_samples)
+                          advantages=self.advantages.to(device), num_samples=self.num_samples, rows=self.rows)
 
 
 def collate(samples: Sequence[Sample], advantages: Sequence[float]) -> MicroBatch:
@@ -324,5 +326,6 @@ def rank_micro_batches(step: StepBatch, advantages: torch.Tensor, *, rank: int, 
                                                                    budget_tokens)]
              for samples in per_rank]
     num_micro = max((len(plan) for plan in plans), default=0)
-    out = [collate([step.samples[i] for i in mb], [float(advantages[i]) for i in mb]) for mb in plans[rank]]
+    out = [dataclasses.replace(collate([step.samples[i] for i in mb], [float(advantages[i]) for i in mb]),
+                               rows=tuple(mb)) for mb in plans[rank]]
     return out + [collate([], []) for _ in range(num_micro - len(out))]

@@ -259,25 +259,52 @@ class IntegrityCheck:
         self.history = AdapterHistory(policy.trainable_parameters(), keep=config.run.max_staleness + 1)
         self.lora_ids = LoraIds()
         self.seed = parallel.broadcast_int(secrets.randbits(62))  # collective: every rank builds one at start-up
+        self.current_version: int | None = None  # the version the parameters hold (None once a step changed them)
+        self.exact_training_forward = not stochastic_modules(policy.model)  # modes are set once, at build time
+        self.num_forwards = 0  # re-scoring forwards this rank ran (the free path runs none)
+        self.num_redone_steps = 0  # steps whose forward/backward ran again without a group the free path failed
 
     def record(self, version: int, sha256: str | None) -> None:
         """The parameters now hold ``version`` (call on every rank after each publish)."""
         if self.enabled:
             self.history.record(version, sha256)
+            self.current_version = version
 
-    def run(self, step: data.StepBatch) -> Verdict:
-        """Collective: the verdict on every group of ``step``."""
+    def watch(self, optimizer: torch.optim.Optimizer) -> None:
+        """Forget which version the parameters hold at every step of ``optimizer`` (they no longer hold any)."""
+        optimizer.register_step_post_hook(lambda *_: self._parameters_changed())
+
+    def _parameters_changed(self) -> None:
+        self.current_version = None
+
+    @property
+    def free_version(self) -> int | None:
+        """The version whose tokens the training forward itself checks (the one the parameters hold, when the
+        training forward computes what an engine does: no dropout in train mode); None: every version re-scored."""
+        return self.current_version if self.enabled and self.exact_training_forward else None
+
+    def run(self, step: data.StepBatch, *, defer_version: int | None = None) -> Verdict:
+        """Collective: the verdict on every group of ``step``: its evidence, and its chosen samples re-scored under
+        each version they claim, except ``defer_version``'s tokens, which :class:`TrainedCheck` checks from the
+        training forward (build it on the surviving groups)."""
         started = time.monotonic()
         if not self.enabled:
             return Verdict(keep=list(range(step.num_groups)))
         members = group_members(step)
         evidence = [self._evidence(step, g, group_versions(step, members[g])) for g in range(step.num_groups)]
         pairs, unverifiable = self._pairs(step, members)
-        results = self._rescore(step, pairs)
-        failures: dict[int, PolicyMismatch] = {}
-        for g, found in enumerate(evidence):
-            if found is not None:
-                failures[g] = found
+        pairs = [(i, version) for i, version in pairs if version != defer_version]
+        verdict = self.judge(step, evidence, pairs, self._rescore(step, pairs))
+        verdict.num_unverifiable_tokens = unverifiable
+        verdict.seconds = time.monotonic() - started
+        return verdict
+
+    def judge(self, step: data.StepBatch, evidence: Sequence[PolicyMismatch | None], pairs: list[tuple[int, int]],
+              results: torch.Tensor) -> Verdict:
+        """Collective: the verdict from each group's evidence failure (or None) and each (sample, version) pair's
+        comparison (``results`` [P, 4], summed over the ranks); every rank drops the groups any rank failed."""
+        members = group_members(step)
+        failures: dict[int, PolicyMismatch] = {g: found for g, found in enumerate(evidence) if found is not None}
         max_passing_diff = 0.0
         for (sample, version), row in zip(pairs, results.tolist(), strict=True):
             g = step.samples[sample].group
@@ -294,7 +321,7 @@ class IntegrityCheck:
                 f"than {self._tolerance(step, g, version):g} nats at temperature {self.temperature:g}")
         flags = torch.tensor([int(g in failures) for g in range(step.num_groups)], dtype=torch.int32)
         self.parallel.max(flags)  # rank 0 alone knows the published hashes: agree on its verdicts
-        verdict = Verdict(num_checked_tokens=int(results[:, 0].sum()), num_unverifiable_tokens=unverifiable,
+        verdict = Verdict(num_checked_tokens=int(results[:, 0].sum()) if len(pairs) else 0,
                           max_passing_diff=min(max_passing_diff, MAX_REPORTED_DIFF))
         for g, failed in enumerate(flags.tolist()):
             if not failed:
@@ -304,7 +331,6 @@ class IntegrityCheck:
                                                       detail="failed on another rank")
             found.group_id, found.worker_id = step.group_ids[g], step.worker_ids[g]
             verdict.mismatches.append(found)
-        verdict.seconds = time.monotonic() - started
         return verdict
 
     def _evidence(self, step: data.StepBatch, group: int, versions: list[int]) -> PolicyMismatch | None:
@@ -365,6 +391,7 @@ class IntegrityCheck:
                      out: torch.Tensor) -> None:
         """One no-grad forward of these rows under the applied version; each row's comparison into ``out``."""
         mb = data.collate(rows, [0.0] * len(rows)).to(self.parallel.device)
+        self.num_forwards += 1
         with torch.no_grad():
             logp, _ = self.policy.trained_logprobs(mb.input_ids, mb.select, mb.targets[mb.select], self.temperature,
                                                    with_entropy=False)
@@ -387,6 +414,79 @@ def _restricted(sample: data.Sample, version: int) -> data.Sample:
     return data.Sample(group=sample.group, tokens=sample.tokens, prompt_len=sample.prompt_len,
                        behaviour_logp=sample.behaviour_logp, loss_mask=sample.loss_mask & (sample.versions == version),
                        versions=sample.versions)
+
+
+class TrainedCheck:
+    """The chosen samples' tokens of the version the parameters hold, checked from the training forward's own
+    log-probs (detached, at worker.temperature): no extra forward. Build it on the step batch that is trained
+    (after :meth:`IntegrityCheck.run` dropped its failures), feed it every micro-batch's log-probs
+    (:meth:`observe`), then :meth:`finish` (collective) before the optimizer step."""
+
+    def __init__(self, check: IntegrityCheck, step: data.StepBatch, version: int) -> None:
+        started = time.monotonic()
+        self.check, self.step, self.version = check, step, version
+        members = group_members(step)
+        self.pairs: list[tuple[int, int]] = []
+        for g in range(step.num_groups):
+            if check._served(step, g, version) is not None:  # else failed as no_evidence already
+                for i in chosen_samples(step, g, members[g], check.seed, check.config.samples_per_group):
+                    sample = step.samples[i]
+                    if bool((sample.versions[sample.loss_mask] == version).any()):
+                        self.pairs.append((i, version))
+        self._watched = {i: k for k, (i, _) in enumerate(self.pairs)}
+        self._seen: list[tuple[int, torch.Tensor]] = []  # (pair, its sample's trained log-probs), on the device
+        self.seconds = time.monotonic() - started
+
+    def observe(self, rows: Sequence[int], logp: torch.Tensor) -> None:
+        """A micro-batch's rows (sample indices) and its trained tokens' log-probs [T] (row-major, as the loss)."""
+        started = time.monotonic()
+        if any(i in self._watched for i in rows):
+            pieces = logp.detach().split([self.step.samples[i].num_trained for i in rows])
+            self._seen.extend((self._watched[i], piece) for i, piece in zip(rows, pieces, strict=True)
+                              if i in self._watched)
+        self.seconds += time.monotonic() - started
+
+    def finish(self) -> Verdict:
+        """Collective: the verdict on this step batch's groups from the observed log-probs (the evidence was
+        judged by :meth:`IntegrityCheck.run`)."""
+        started = time.monotonic()
+        out = torch.zeros(len(self.pairs), 4, dtype=torch.float64)
+        if self._seen:
+            recomputed = torch.cat([piece for _, piece in self._seen]).float().cpu().split(
+                [piece.numel() for _, piece in self._seen])
+            for (k, _), mine in zip(self._seen, recomputed, strict=True):
+                sample = self.step.samples[self.pairs[k][0]]
+                claimed = sample.versions[sample.loss_mask] == self.version
+                result = integrity.compare(sample.behaviour_logp[sample.loss_mask][claimed].numpy(),
+                                           mine[claimed].numpy(),
+                                           token_tolerance=self.check._tolerance(self.step, sample.group,
+                                                                                 self.version),
+                                           max_off_fraction=self.check.config.max_off_fraction)
+                out[k] = torch.tensor([result.num_checked, result.num_off, result.max_abs_diff,
+                                       result.mean_abs_diff], dtype=torch.float64)
+        if self.pairs:  # every rank has the same pairs
+            self.check.parallel.sum(out)
+        verdict = self.check.judge(self.step, [None] * self.step.num_groups, self.pairs, out)
+        verdict.seconds = self.seconds + time.monotonic() - started
+        return verdict
+
+
+def merged(step: data.StepBatch, first: Verdict, survivors: Verdict) -> Verdict:
+    """One verdict on ``step`` from ``first`` (on ``step``) and ``survivors`` (on the groups ``first`` kept)."""
+    order = {group_id: g for g, group_id in enumerate(step.group_ids)}
+    return Verdict(keep=[first.keep[k] for k in survivors.keep],
+                   mismatches=sorted(first.mismatches + survivors.mismatches, key=lambda m: order[m.group_id]),
+                   seconds=first.seconds + survivors.seconds,
+                   num_checked_tokens=first.num_checked_tokens + survivors.num_checked_tokens,
+                   num_unverifiable_tokens=first.num_unverifiable_tokens + survivors.num_unverifiable_tokens,
+                   max_passing_diff=max(first.max_passing_diff, survivors.max_passing_diff))
+
+
+def stochastic_modules(model: nn.Module) -> list[str]:
+    """Modules in train mode whose forward is random (dropout with p > 0, attention dropout): then the training
+    forward is not what an engine computes, and the current version is re-scored like the others."""
+    return [name for name, m in model.named_modules() if m.training and (
+        (isinstance(m, nn.Dropout) and m.p > 0) or float(getattr(m, "attention_dropout", 0.0) or 0.0) > 0)]
 
 
 def log_mismatches(verdict: Verdict) -> None:

@@ -5,11 +5,13 @@
     wait     agree(stop?, batch ready?)  <-----------  poll the broker (long-poll, POLL_S slices);
              broadcast the batch's frames <-----------  select groups: skip trained / stale / invalid /
                                                         zero-variance ones (counted)
-    check    the policy check (learner.integrity): evidence, and chosen samples re-scored under the versions
-             they claim (no-grad forwards, collective); all ranks drop the same failed groups --> rank 0: skipped
-                                                        policy_mismatch, logged, in the BatchAck's mismatches
-    compute  own micro-batches: forward, token loss, backward (FSDP2 reduce-scatters the LoRA grads)
-             clip grad norm, AdamW step, LR schedule
+    check    the policy check (learner.integrity): evidence, and chosen samples re-scored under the older
+             versions they claim (no-grad forwards, collective); all ranks drop the same failed groups
+    compute  own micro-batches: forward, token loss, backward (FSDP2 reduce-scatters the LoRA grads); the
+             forward's log-probs check the chosen samples' tokens of the version the parameters hold; a group
+             failing there: gradients dropped, forward/backward again without it (learner.step.checked_train_step)
+             clip grad norm, AdamW step, LR schedule  ----> rank 0: failed groups skipped policy_mismatch, logged,
+                                                        in the BatchAck's mismatches
     publish  gather LoRA tensors (collective) ------->  AdapterUpdate v+1 to the broker, PEFT dir every N;
                                                         ask for the next batch right away
     checkpoint every n steps (DCP, collective)
@@ -63,7 +65,7 @@ from learner.metrics_log import MetricsLog
 from learner.model import Policy, build_policy
 from learner.parallel import Parallel, init_parallel
 from learner.session import BrokerSession
-from learner.step import make_optimizer, train_step
+from learner.step import checked_train_step, make_optimizer
 
 log = get_logger("learner")
 
@@ -123,6 +125,7 @@ class Learner:
         self.newest: publish.AdapterSnapshot | None = None
         self.written_version = 0
         self.integrity = integrity.IntegrityCheck(config, policy, parallel)  # collective (its seed)
+        self.integrity.watch(optimizer)
 
     def start_history(self, loaded_version: int) -> None:
         """Collective: the versions the parameters hold at start-up, for the policy check: v0 (the zero-B LoRA) on
@@ -227,13 +230,14 @@ class Learner:
             step_batch, received = got
             wait_s = time.monotonic() - waited
             self._mark("training")
-            step_batch, verdict = self.check(step_batch, received)
             computed = time.monotonic()
             trained_version = self.state.version
-            stats = train_step(self.policy, self.optimizer, self.scheduler, step_batch, parallel=self.parallel,
-                               config=self.config, loss_config=self.loss_config)
+            stats, step_batch, verdict = checked_train_step(
+                self.policy, self.optimizer, self.scheduler, step_batch, check=self.integrity,
+                parallel=self.parallel, config=self.config, loss_config=self.loss_config)
+            self.refuse(received, verdict)
             self.state.step += 1
-            compute_s = time.monotonic() - computed
+            compute_s = time.monotonic() - computed - verdict.seconds
             publish_s = checkpoint_s = 0.0
             if self.state.step % self.config.learner.publish_every == 0:
                 publish_s = self.publish()
@@ -254,19 +258,18 @@ class Learner:
         self.finish()
         return 0
 
-    def check(self, step_batch: data.StepBatch, received: Received | None) -> tuple[data.StepBatch, integrity.Verdict]:
-        """Collective: the policy check of a step batch; the batch of the groups that pass (learner.integrity)."""
-        verdict = self.integrity.run(step_batch)
-        if received is not None:
-            received.verdict = verdict
+    def refuse(self, received: Received | None, verdict: integrity.Verdict) -> None:
+        """Rank 0: the groups the policy check failed (learner.integrity) skipped as policy_mismatch, counted,
+        logged, left out of the BatchAck (their prompts are re-queued) and reported in its mismatches."""
+        if received is None:
+            return
+        received.verdict = verdict
         if not verdict.mismatches:
-            return step_batch, verdict
-        failed = sorted(set(range(step_batch.num_groups)) - set(verdict.keep))
-        if received is not None:
-            data.refuse_groups(received.selection, received.batch, failed, version=self.state.version)
-            self.metrics.inc("groups_skipped", len(failed), reason="policy_mismatch")
-            integrity.log_mismatches(verdict)
-        return data.keep_groups(step_batch, verdict.keep), verdict
+            return
+        failed = sorted(set(range(len(received.selection.train))) - set(verdict.keep))
+        data.refuse_groups(received.selection, received.batch, failed, version=self.state.version)
+        self.metrics.inc("groups_skipped", len(failed), reason="policy_mismatch")
+        integrity.log_mismatches(verdict)
 
     def _record(self, received: Received, trained_version: int) -> None:
         """The step's ledger line (before its checkpoint and BatchAck, see learner.ledger)."""
