@@ -21,79 +21,26 @@ async is faster). A run that misses the target is an error (raise ``--max-durati
 from __future__ import annotations
 
 import argparse
-import os
-import subprocess
 import sys
-import tempfile
-from dataclasses import dataclass
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
+from bench.accuracy_runs import REPO, child_env, compare, run_loraflow  # noqa: E402
 from bench.report import report  # noqa: E402
-from common.config import load_config  # noqa: E402
-from deploy import rundir  # noqa: E402
+from common.config import Config, load_config  # noqa: E402
 from deploy.agent_base import ensure_agent_base  # noqa: E402
 
-REPO = Path(__file__).resolve().parent.parent
 CONFIG = REPO / "deploy" / "configs" / "agent-demo.toml"
 
 
-@dataclass(slots=True, kw_only=True)
-class Outcome:
-    max_staleness: int
-    seconds_to_target: float | None
-    version_at_target: int | None
-    accuracies: dict[int, float]  # version -> held-out accuracy, the adapters evaluated
-    steps: int
-    seconds_per_step: float
-
-
-def child_env(args: argparse.Namespace) -> dict[str, str]:
-    return dict(os.environ, PYTHONUNBUFFERED="1", OMP_NUM_THREADS="1", TOKENIZERS_PARALLELISM="false",
-                LORAFLOW_AGENT_TOOL_MEDIAN_S=str(args.tool_median_s), LORAFLOW_AGENT_TOOL_SIGMA=str(args.tool_sigma))
-
-
 def run_demo(run_dir: Path, args: argparse.Namespace, max_staleness: int) -> None:
-    argv = [sys.executable, "-m", "deploy.cli", "run", str(CONFIG), "--run-dir", str(run_dir), "--seed",
-            str(args.seed), "--max-staleness", str(max_staleness), "--max-duration", str(args.max_duration),
-            "--set", f"learner.save_adapter_every={args.adapter_every}", "--set", "eval.num_prompts=0",
-            "--set", "run.num_steps=0"]
-    result = subprocess.run(argv, env=child_env(args), cwd=REPO, capture_output=True, text=True,
-                            timeout=args.max_duration + 300)
-    if result.returncode != 0:
-        raise SystemExit(f"loraflow run (max_staleness {max_staleness}) failed:\n{result.stdout}\n{result.stderr}")
-    stopped = [line for line in result.stdout.splitlines() if line.startswith("stopping:")]
-    print(f"max_staleness {max_staleness}: {'; '.join(stopped)}", flush=True)
-
-
-def time_to_target(run_dir: Path, args: argparse.Namespace, max_staleness: int) -> Outcome:
-    """Evaluate the saved adapters in order; the first to reach the target, timed from the first process start."""
-    from deploy.agent_eval import evaluate_agent
-
-    config = load_config(run_dir / "config.toml")
-    starts = [e["t"] for e in rundir.read_jsonl(rundir.processes_path(run_dir)) if e["event"] == "start"]
-    steps = rundir.read_jsonl(rundir.metrics_path(run_dir))
-    made_at = {s["version"]: s["time_unix"] for s in steps}
-    adapters = sorted((int(p.name[1:]), p) for p in rundir.adapters_root(run_dir).glob("v*")
-                      if (p / "adapter_config.json").is_file())
-    accuracies: dict[int, float] = {}
-    outcome = Outcome(max_staleness=max_staleness, seconds_to_target=None, version_at_target=None,
-                      accuracies=accuracies, steps=len(steps), seconds_per_step=step_s(steps))
-    for version, path in adapters:
-        accuracies[version] = evaluate_agent(config, path, num_prompts=args.num_prompts, device="cpu").accuracy
-        print(f"  max_staleness {max_staleness} v{version}: {accuracies[version]:.1%}", flush=True)
-        if accuracies[version] >= args.target and version in made_at:
-            outcome.seconds_to_target = made_at[version] - min(starts)
-            outcome.version_at_target = version
-            break
-    return outcome
-
-
-def step_s(steps: list[dict]) -> float:
-    if len(steps) < 2:
-        return float("nan")
-    return (steps[-1]["time_unix"] - steps[0]["time_unix"]) / (len(steps) - 1)
+    argv = [str(CONFIG), "--run-dir", str(run_dir), "--seed", str(args.seed), "--max-staleness", str(max_staleness),
+            "--max-duration", str(args.max_duration), "--set", f"learner.save_adapter_every={args.adapter_every}",
+            "--set", "eval.num_prompts=0", "--set", "run.num_steps=0"]
+    env = child_env(OMP_NUM_THREADS="1", LORAFLOW_AGENT_TOOL_MEDIAN_S=str(args.tool_median_s),
+                    LORAFLOW_AGENT_TOOL_SIGMA=str(args.tool_sigma))
+    run_loraflow(argv, max_staleness=max_staleness, env=env, timeout_s=args.max_duration + 300)
 
 
 def main() -> None:
@@ -108,20 +55,15 @@ def main() -> None:
     args = parser.parse_args()
     demo = load_config(CONFIG)
     print(f"agent demo base for seed {args.seed}: {ensure_agent_base(args.seed)}", flush=True)
-    outcomes = []
-    with tempfile.TemporaryDirectory(prefix="bench-agent-demo-") as tmp:
-        for max_staleness in (0, demo.run.max_staleness):
-            run_dir = Path(tmp) / f"staleness-{max_staleness}"
-            run_demo(run_dir, args, max_staleness)
-            outcomes.append(time_to_target(run_dir, args, max_staleness))
-            o = outcomes[-1]
-            reached = (f"{o.seconds_to_target:.1f} s (v{o.version_at_target})" if o.seconds_to_target is not None
-                       else f"not reached in {args.max_duration:.0f} s (best {max(o.accuracies.values(), default=0):.1%})")
-            print(f"max_staleness {max_staleness}: target {args.target:.0%} {reached}; {o.steps} steps, "
-                  f"{o.seconds_per_step:.2f} s/step", flush=True)
-    sync, async_ = outcomes
-    if sync.seconds_to_target is None or async_.seconds_to_target is None:
-        raise SystemExit("a run did not reach the target; raise --max-duration or lower --target")
+
+    def evaluate(config: Config, version: int, path: Path) -> float:
+        from deploy.agent_eval import evaluate_agent
+
+        return evaluate_agent(config, path, num_prompts=args.num_prompts, device="cpu").accuracy
+
+    sync, async_ = compare((0, demo.run.max_staleness), prefix="bench-agent-demo-",
+                           run=lambda run_dir, m: run_demo(run_dir, args, m), target=args.target,
+                           max_duration_s=args.max_duration, evaluate=evaluate, show_each=True)
     report("agent_demo", f"seconds_to_{args.target:.2f}_staleness_{async_.max_staleness}",
            async_.seconds_to_target, "s", sync.seconds_to_target,
            ratio=async_.seconds_to_target / sync.seconds_to_target, seed=args.seed,

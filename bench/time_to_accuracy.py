@@ -16,75 +16,37 @@ Last line: value = async seconds to target, reference = sync seconds to target (
 from __future__ import annotations
 
 import argparse
-import subprocess
 import sys
-import tempfile
-from dataclasses import dataclass
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
+from bench.accuracy_runs import child_env, compare, run_loraflow  # noqa: E402
 from bench.report import report  # noqa: E402
-from common.config import load_config  # noqa: E402
+from common.config import Config, load_config  # noqa: E402
 from common.tasks import load_task  # noqa: E402
-from deploy import rundir  # noqa: E402
 from deploy.demo_base import ensure_demo_base  # noqa: E402
 from deploy.launcher import DEMO_CONFIG  # noqa: E402
-from tests.support import child_env  # noqa: E402
-
-
-@dataclass(slots=True, kw_only=True)
-class Outcome:
-    max_staleness: int
-    seconds_to_target: float | None
-    version_at_target: int | None
-    best_accuracy: float
-    steps: int
-    seconds_per_step: float
 
 
 def run_demo(run_dir: Path, args: argparse.Namespace, max_staleness: int) -> None:
-    argv = [sys.executable, "-m", "deploy.cli", "run", "--run-dir", str(run_dir), "--seed", str(args.seed),
-            "--max-staleness", str(max_staleness), "--target-accuracy", str(args.target),
-            "--max-duration", str(args.max_duration), "--set", f"learner.save_adapter_every={args.adapter_every}",
-            "--set", "eval.every_s=10", "--set", "run.num_steps=0"]
-    result = subprocess.run(argv, env=child_env(), capture_output=True, text=True, timeout=args.max_duration + 300)
-    if result.returncode != 0:
-        raise SystemExit(f"loraflow run (max_staleness {max_staleness}) failed:\n{result.stdout}\n{result.stderr}")
-    lines = [line for line in result.stdout.splitlines() if line.startswith(("stopping:", "base accuracy:",
-                                                                            "final accuracy:"))]
-    print(f"max_staleness {max_staleness}: " + "; ".join(lines), flush=True)
+    argv = ["--run-dir", str(run_dir), "--seed", str(args.seed), "--max-staleness", str(max_staleness),
+            "--target-accuracy", str(args.target), "--max-duration", str(args.max_duration),
+            "--set", f"learner.save_adapter_every={args.adapter_every}", "--set", "eval.every_s=10",
+            "--set", "run.num_steps=0"]
+    run_loraflow(argv, max_staleness=max_staleness, env=child_env(), timeout_s=args.max_duration + 300,
+                 show=("stopping:", "base accuracy:", "final accuracy:"))
 
 
-def time_to_target(run_dir: Path, args: argparse.Namespace, max_staleness: int) -> Outcome:
-    """Evaluate every saved adapter; the first to reach the target, timed from the run's first process start."""
-    from deploy.evaluate import evaluate, load_model
+def evaluate(config: Config, version: int, path: Path) -> float:
+    """Greedy accuracy of one saved adapter on the demo's held-out prompts."""
+    from deploy.evaluate import evaluate as evaluate_model
+    from deploy.evaluate import load_model
 
-    config = load_config(run_dir / "config.toml")
     task = load_task(config.run.task, config.run.seed, config.data)
-    starts = [e["t"] for e in rundir.read_jsonl(rundir.processes_path(run_dir)) if e["event"] == "start"]
-    steps = rundir.read_jsonl(rundir.metrics_path(run_dir))
-    made_at = {s["version"]: s["time_unix"] for s in steps}
-    adapters = sorted((int(p.name[1:]), p) for p in rundir.adapters_root(run_dir).glob("v*")
-                      if (p / "adapter_config.json").is_file())
-    best = 0.0
-    for version, path in adapters:
-        model, tokenizer = load_model(config.model.path, path)
-        accuracy = evaluate(model, tokenizer, task, num_prompts=config.eval.num_prompts,
-                            max_new_tokens=config.worker.max_new_tokens).accuracy
-        best = max(best, accuracy)
-        if accuracy >= args.target and version in made_at:
-            return Outcome(max_staleness=max_staleness, seconds_to_target=made_at[version] - min(starts),
-                           version_at_target=version, best_accuracy=accuracy, steps=len(steps),
-                           seconds_per_step=_step_s(steps))
-    return Outcome(max_staleness=max_staleness, seconds_to_target=None, version_at_target=None, best_accuracy=best,
-                   steps=len(steps), seconds_per_step=_step_s(steps))
-
-
-def _step_s(steps: list[dict]) -> float:
-    if len(steps) < 2:
-        return float("nan")
-    return (steps[-1]["time_unix"] - steps[0]["time_unix"]) / (len(steps) - 1)
+    model, tokenizer = load_model(config.model.path, path)
+    return evaluate_model(model, tokenizer, task, num_prompts=config.eval.num_prompts,
+                          max_new_tokens=config.worker.max_new_tokens).accuracy
 
 
 def main() -> None:
@@ -96,20 +58,9 @@ def main() -> None:
     args = parser.parse_args()
     demo = load_config(DEMO_CONFIG)
     print(f"demo base for seed {args.seed}: {ensure_demo_base(args.seed)}", flush=True)
-    outcomes = []
-    with tempfile.TemporaryDirectory(prefix="bench-tta-") as tmp:
-        for max_staleness in (0, demo.run.max_staleness):
-            run_dir = Path(tmp) / f"staleness-{max_staleness}"
-            run_demo(run_dir, args, max_staleness)
-            outcomes.append(time_to_target(run_dir, args, max_staleness))
-            o = outcomes[-1]
-            reached = (f"{o.seconds_to_target:.1f} s (v{o.version_at_target})" if o.seconds_to_target is not None
-                       else f"not reached in {args.max_duration:.0f} s (best {o.best_accuracy:.1%})")
-            print(f"max_staleness {max_staleness}: target {args.target:.0%} {reached}; {o.steps} steps, "
-                  f"{o.seconds_per_step:.2f} s/step", flush=True)
-    sync, async_ = outcomes
-    if sync.seconds_to_target is None or async_.seconds_to_target is None:
-        raise SystemExit("a run did not reach the target; raise --max-duration or lower --target")
+    sync, async_ = compare((0, demo.run.max_staleness), prefix="bench-tta-",
+                           run=lambda run_dir, m: run_demo(run_dir, args, m), target=args.target,
+                           max_duration_s=args.max_duration, evaluate=evaluate)
     report("time_to_accuracy", f"seconds_to_{args.target:.2f}_staleness_{async_.max_staleness}",
            async_.seconds_to_target, "s", sync.seconds_to_target, seed=args.seed,
            sync_seconds_per_step=round(sync.seconds_per_step, 3),
