@@ -15,12 +15,28 @@ So the learner checks the very tokens it is about to train:
    version (``adapter_sha256``) and refuses an int id that named another version earlier in the same worker
    process (``lora_id_reused``). A version without evidence is ``no_evidence``. Cost: a dict lookup.
 2. *Exact re-scoring* (``logprobs``): ``integrity.samples_per_group`` samples of each group, chosen by the
-   learner at random (a worker cannot know which), are re-scored under the exact adapter version each token
+   learner at random (a worker cannot know which), are scored under the exact adapter version each token
    claims (the learner keeps the LoRA tensors of the last ``max_staleness + 1`` versions: a few MB), at the run's
    sampling temperature, and compared token by token with the behaviour log-probs (:func:`compare`). This
    catches every fault above, including ones the evidence cannot see (a wrong temperature, made-up numbers,
-   weights that differ from the file). Cost: one no-grad forward of 1/group_size of the batch per claimed
-   version, against a training step's forward + backward of all of it (measured by ``bench/integrity.py``).
+   weights that differ from the file). Two ways to the same numbers:
+
+   - tokens of the version the parameters hold (the one the learner is about to train from): the training
+     forward already computes their log-probs, at the sampling temperature, for the loss. Detached, they *are*
+     the check, at no extra forward (:class:`learner.integrity.TrainedCheck`). The step is optimistic: the
+     comparison runs after backward and before ``optimizer.step()``; a group that fails is dropped and
+     forward/backward run again without it (failures are rare, a failing worker is quarantined within
+     ``quarantine_after`` groups). Exact only when the training forward computes what an engine does: with
+     dropout in train mode (``learner.lora_dropout > 0``) every version is re-scored as below. Training vs
+     re-scoring forward, fp32: 9.5e-7 nats at most (``tests/learner/test_integrity_free.py``);
+   - tokens of older versions: one no-grad forward of the chosen samples per older version present, with its
+     LoRA tensors swapped in, before the step (failures are dropped before anything is trained). With
+     ``max_staleness = 1`` (the demo) there is at most one such version.
+
+   Cost: the free path is bookkeeping (~0.3 ms a step on the tiny model); what is left is the re-scoring forward
+   of older versions, which on an overhead-bound model costs nearly what a forward of the whole batch does
+   whatever its rows (measured, with where the time goes: ``bench/integrity.py``, BENCHMARKS.md "Policy
+   integrity").
 
 **Tolerances.** An fp32 engine and an fp32 learner agree to ~1e-5 nats per token (FACTS.md: vLLM 5e-6, hf 1e-6);
 bf16 on either side drifts by up to a few tenths on low-probability tokens. :func:`tolerance` gives 0.01 nats

@@ -243,6 +243,10 @@ class Verdict:
     num_unverifiable_tokens: int = 0  # tokens of chosen samples whose version the history no longer holds
     max_passing_diff: float = 0.0  # the largest |behaviour - recomputed| of a sample that passed: the engine's
                                    # agreement with the learner, what the tolerance must cover
+    num_free_tokens: int = 0  # checked tokens whose log-probs came from the training forward (no extra forward)
+    free_seconds: float = 0.0  # the part of ``seconds`` those took (their comparison, and a redo)
+    num_forwards: int = 0     # re-scoring forwards run on this rank (one per version and micro-batch)
+    redone: bool = False      # forward/backward ran again without a group the training forward failed
 
 
 class IntegrityCheck:
@@ -294,8 +298,10 @@ class IntegrityCheck:
         evidence = [self._evidence(step, g, group_versions(step, members[g])) for g in range(step.num_groups)]
         pairs, unverifiable = self._pairs(step, members)
         pairs = [(i, version) for i, version in pairs if version != defer_version]
+        forwards = self.num_forwards
         verdict = self.judge(step, evidence, pairs, self._rescore(step, pairs))
         verdict.num_unverifiable_tokens = unverifiable
+        verdict.num_forwards = self.num_forwards - forwards
         verdict.seconds = time.monotonic() - started
         return verdict
 
@@ -320,7 +326,7 @@ class IntegrityCheck:
                 detail=f"sample {sample - members[g][0]}: {num_off} of {num_checked} tokens off by more "
                 f"than {self._tolerance(step, g, version):g} nats at temperature {self.temperature:g}")
         flags = torch.tensor([int(g in failures) for g in range(step.num_groups)], dtype=torch.int32)
-        self.parallel.max(flags)  # rank 0 alone knows the published hashes: agree on its verdicts
+        self.reduce(flags, "max")  # rank 0 alone knows the published hashes: agree on its verdicts
         verdict = Verdict(num_checked_tokens=int(results[:, 0].sum()) if len(pairs) else 0,
                           max_passing_diff=min(max_passing_diff, MAX_REPORTED_DIFF))
         for g, failed in enumerate(flags.tolist()):
@@ -332,6 +338,12 @@ class IntegrityCheck:
             found.group_id, found.worker_id = step.group_ids[g], step.worker_ids[g]
             verdict.mismatches.append(found)
         return verdict
+
+    def reduce(self, tensor: torch.Tensor, op: str) -> None:
+        """Collective (under several ranks): ``tensor`` summed or maxed over the ranks, in place. One rank: as it
+        is (a gloo all_reduce of one process still costs ~0.5 ms, a share of a small step)."""
+        if self.parallel.world_size > 1:
+            (self.parallel.sum if op == "sum" else self.parallel.max)(tensor)
 
     def _evidence(self, step: data.StepBatch, group: int, versions: list[int]) -> PolicyMismatch | None:
         process = f"{step.worker_ids[group]}#{step.worker_sessions[group] if step.worker_sessions else ''}"
@@ -371,10 +383,11 @@ class IntegrityCheck:
             by_version.setdefault(version, []).append(k)
         for version, ks in sorted(by_version.items()):
             rows = [_restricted(step.samples[pairs[k][0]], version) for k in ks]
-            with eval_mode(self.policy.model), self.history.applied(version):
+            modes = contextlib.nullcontext() if self.exact_training_forward else eval_mode(self.policy.model)
+            with modes, self.history.applied(version):
                 for micro in self._micro_batches([r.input_len for r in rows]):
                     self._score_micro(step, [ks[i] for i in micro], [rows[i] for i in micro], version, out)
-        self.parallel.sum(out)
+        self.reduce(out, "sum")
         return out
 
     def _micro_batches(self, input_lens: list[int]) -> list[list[int]]:
@@ -465,9 +478,10 @@ class TrainedCheck:
                 out[k] = torch.tensor([result.num_checked, result.num_off, result.max_abs_diff,
                                        result.mean_abs_diff], dtype=torch.float64)
         if self.pairs:  # every rank has the same pairs
-            self.check.parallel.sum(out)
+            self.check.reduce(out, "sum")
         verdict = self.check.judge(self.step, [None] * self.step.num_groups, self.pairs, out)
-        verdict.seconds = self.seconds + time.monotonic() - started
+        verdict.num_free_tokens = verdict.num_checked_tokens
+        verdict.seconds = verdict.free_seconds = self.seconds + time.monotonic() - started
         return verdict
 
 
@@ -479,7 +493,10 @@ def merged(step: data.StepBatch, first: Verdict, survivors: Verdict) -> Verdict:
                    seconds=first.seconds + survivors.seconds,
                    num_checked_tokens=first.num_checked_tokens + survivors.num_checked_tokens,
                    num_unverifiable_tokens=first.num_unverifiable_tokens + survivors.num_unverifiable_tokens,
-                   max_passing_diff=max(first.max_passing_diff, survivors.max_passing_diff))
+                   max_passing_diff=max(first.max_passing_diff, survivors.max_passing_diff),
+                   num_free_tokens=first.num_free_tokens + survivors.num_free_tokens,
+                   free_seconds=first.free_seconds + survivors.free_seconds,
+                   num_forwards=first.num_forwards + survivors.num_forwards)
 
 
 def stochastic_modules(model: nn.Module) -> list[str]:

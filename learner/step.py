@@ -103,7 +103,10 @@ def checked_train_step(policy: Policy, optimizer: torch.optim.Optimizer, schedul
             optimizer.zero_grad(set_to_none=True)
             trained = data.keep_groups(trained, late.keep)
             computed = forward_backward(policy, trained, parallel=parallel, config=config, loss_config=loss_config)
-            verdict.seconds += time.monotonic() - redone  # the redo is the check's cost
+            redo_s = time.monotonic() - redone  # the redo is the check's cost
+            verdict.seconds += redo_s
+            verdict.free_seconds += redo_s
+            verdict.redone = True
             check.num_redone_steps += 1
     stats = optimizer_step(policy, optimizer, scheduler, trained, computed, parallel=parallel, learner=config.learner)
     return stats, trained, verdict

@@ -100,6 +100,10 @@ class Audit:
     busy_s: float = 0.0       # check + compute + publish + checkpoint, summed
     wall_s: float = 0.0       # first to last step line
     max_passing_diff: float = 0.0  # the largest log-prob difference of a sample that passed (engine agreement)
+    free_tokens: int = 0      # checked tokens whose log-probs came from the training forward
+    free_s: float = 0.0       # the check's seconds spent on those (comparison, redo)
+    forwards: int = 0         # re-scoring forwards (older versions), summed over steps
+    redone_steps: int = 0     # steps redone without a group the training forward failed
 
     @property
     def steps_to_detect(self) -> int | None:
@@ -133,6 +137,10 @@ def audit(run_dir: Path, learner_log: Path) -> Audit:
         out.integrity_s += float(line.get("integrity_s", 0.0))
         out.compute_s += float(line.get("compute_s", 0.0))
         out.max_passing_diff = max(out.max_passing_diff, float(line.get("integrity_max_passing_diff", 0.0)))
+        out.free_tokens += int(line.get("integrity_free_tokens", 0))
+        out.free_s += float(line.get("integrity_free_s", 0.0))
+        out.forwards += int(line.get("integrity_forwards", 0))
+        out.redone_steps += int(line.get("integrity_redone", 0))
         out.busy_s += sum(float(line.get(k, 0.0)) for k in ("integrity_s", "compute_s", "publish_s", "checkpoint_s"))
         if line.get("skipped", {}).get("policy_mismatch") and out.first_mismatch_step is None:
             out.first_mismatch_step = line["step"]
