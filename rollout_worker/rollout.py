@@ -11,19 +11,25 @@
                   every sample of a group done -> TRL-style rewards, if any: one guarded call per function
                                                   (rewards/group.py) -> FinishedGroup (header + 5 tensors)
 
-One round generates one chunk for every ready sample of every group at once, so samples of different lengths
-and groups leased at different times share batches: a sample that ends leaves at the next chunk boundary, one
-whose environment step returned joins the next round. A slow environment step holds up only its own sample.
+A streaming backend (``backend.streaming``: vllm) is fed continuously: each ready sample's turn goes into the
+running engine as one request (its whole budget: ``worker.max_new_tokens``, the context), and each :meth:`step`
+submits what became ready, takes one engine step's new tokens (the engine core keeps stepping meanwhile) and
+ends the turns that ended. New leases and samples back from their environment join the running batch; a sample
+is split only where an adapter swap requires it. Other backends (hf, sim) run rounds instead: one round
+generates one chunk (``worker.chunk_tokens``) for every ready sample of every group at once. Either way samples
+of different lengths and groups leased at different times share batches, and a slow environment step holds up
+only its own sample.
 
 Versions and partial rollouts. ``current_version`` is the newest adapter the backend holds (read from the
 backend, which owns it). Every generated token records the version that produced it; environment tokens record
 the current version when they are appended (never older than the sample's own tokens, so they never make a
 group look staler). When a new version arrives while a sample is under way, ``worker.partial_policy`` decides
-at the sample's next chunk boundary:
+at the sample's next chunk boundary, or, streaming, at the first step after the load (the sample's request is
+aborted at the tokens it has and resubmitted: ``requests_moved``):
 
 - ``finish``: the sample keeps the version of its first token to the end (that version stays resident:
   :meth:`versions_in_use`);
-- ``continue``: later chunks use the new version; the prefix is kept and re-read by the new adapter, so one
+- ``continue``: later tokens use the new version; the prefix is kept and re-read by the new adapter, so one
   sample may span versions;
 - ``abort``: the sample's tokens are dropped and it starts again from the prompt under the new version
   (counter ``samples_aborted``); samples already done are kept. After ``worker.max_aborts`` restarts a sample
@@ -69,7 +75,7 @@ from rollout_worker.rewards.group import GroupScore, GroupScoring, inputs_for
 
 log = get_logger("rollout")
 
-READY, IN_ENV, DONE = "ready", "env", "done"
+READY, GENERATING, IN_ENV, DONE = "ready", "generating", "env", "done"
 
 
 @dataclass(slots=True, kw_only=True)
@@ -95,6 +101,8 @@ class Sample:
     finish_reason: str = ""
     reward: float = 0.0
     num_aborts: int = 0
+    request_id: str = ""  # the request streaming this sample's turn (status GENERATING)
+    request_version: int = 0  # the version that request runs under
 
     def append(self, token_ids: list[int], logprobs: list[float], version: int, trained: bool) -> None:
         self.completion_ids += token_ids
@@ -155,6 +163,8 @@ class Rollouts:
         self.greedy = greedy
         self.last_failure = ""  # what the newest failure of user code said (the worker's stop message names it)
         self.groups: dict[str, GroupRollout] = {}  # by lease id, in lease order
+        self._streams: dict[str, tuple[GroupRollout, Sample]] = {}  # request id in the engine -> its sample
+        self._num_requests = 0  # request ids handed out (each is used once)
 
     @property
     def current_version(self) -> int:
@@ -177,15 +187,19 @@ class Rollouts:
         self.groups[lease.lease_id] = group
 
     def remove(self, lease_id: str) -> GroupRollout:
-        """Stop a group (its lease is being returned); its environment calls are abandoned."""
-        return self.groups.pop(lease_id)
+        """Stop a group (its lease is being returned); its requests leave the engine, its environment calls are
+        abandoned."""
+        group = self.groups.pop(lease_id)
+        self._abort([s for s in group.samples if s.status == GENERATING])
+        return group
 
     @property
     def num_groups(self) -> int:
         return len(self.groups)
 
     def has_ready(self) -> bool:
-        return any(s.status == READY for g in self.groups.values() for s in g.samples)
+        """Whether a sample waits for the engine or is in it (then :meth:`step` generates)."""
+        return bool(self._streams) or any(s.status == READY for g in self.groups.values() for s in g.samples)
 
     def next_deadline(self) -> float | None:
         """Monotonic time of the earliest environment-step or group-reward deadline, if any is in flight."""
@@ -195,21 +209,28 @@ class Rollouts:
         return min(deadlines, default=None)
 
     def versions_in_use(self) -> set[int]:
-        """Versions pinned by samples under way (``finish`` policy); the backend must keep them."""
+        """Versions the backend must keep: those of requests in the engine, and those pinned by samples under way
+        (``finish`` policy)."""
+        streaming = {s.request_version for _, s in self._streams.values()}
         if self.config.partial_policy != "finish":
-            return set()
-        return {s.version for g in self.groups.values() for s in g.samples
-                if s.status != DONE and s.version is not None}
+            return streaming
+        return streaming | {s.version for g in self.groups.values() for s in g.samples
+                            if s.status != DONE and s.version is not None}
 
     # -- one round ---------------------------------------------------------------------------------------------
 
     def step(self) -> list[FinishedGroup]:
-        """Collect finished environment steps, generate one chunk for every ready sample, collect again."""
+        """Collect finished environment steps, generate (one engine step of the stream, or one chunk for every
+        ready sample), collect again."""
         self._collect()
-        ready = [(g, s) for g in self.groups.values() for s in g.samples if s.status == READY]
-        if ready:
-            self._generate(ready)
+        if self.backend.streaming:
+            self._stream()
             self._collect()
+        else:
+            ready = [(g, s) for g in self.groups.values() for s in g.samples if s.status == READY]
+            if ready:
+                self._generate(ready)
+                self._collect()
         return self._pop_finished()
 
     def poll(self) -> list[FinishedGroup]:
@@ -223,8 +244,7 @@ class Rollouts:
         requests = []
         for group, sample in ready:
             version = self._version_for(group, sample)
-            room = self.max_seq_len - len(group.prompt_ids) - len(sample.completion_ids)
-            budget = min(chunk, self.config.max_new_tokens - sample.turn_tokens, room)
+            budget = min(chunk, self._budget(group, sample))
             if budget <= 0:
                 self._end_turn(group, sample, "length")
                 continue
@@ -243,25 +263,103 @@ class Rollouts:
         for (group, sample, version), output in zip(batch, outputs, strict=True):
             if sample.version is None:
                 sample.version = version
-            chunk_start = len(sample.completion_ids)
-            sample.append(output.token_ids, output.logprobs, version, trained=True)
             assert output.served is not None  # Backend.generate fills it
-            self.backend.keep_served(group.served, output.served)
-            sample.turn_tokens += len(output.token_ids)
-            end = ""
-            if output.finished:
-                end = "eos"
-            elif self.config.stop_strings and self._cut_at_stop(self.config.stop_strings, sample, chunk_start):
-                end = "stop_string"
-            elif group.env.stop_strings and self._cut_at_stop(group.env.stop_strings, sample, chunk_start):
-                end = "stop"
-            elif (sample.turn_tokens >= self.config.max_new_tokens
-                  or len(group.prompt_ids) + len(sample.completion_ids) >= self.max_seq_len):
-                end = "length"
-            num_tokens += len(sample.completion_ids) - chunk_start
+            added, end = self._append(group, sample, version, output.token_ids, output.logprobs, output.finished,
+                                      output.served)
+            num_tokens += added
             if end:
                 self._end_turn(group, sample, end)
         self.metrics.inc("tokens_generated", num_tokens)
+
+    def _budget(self, group: GroupRollout, sample: Sample) -> int:
+        """Tokens the sample's turn may still generate (worker.max_new_tokens, the context)."""
+        room = self.max_seq_len - len(group.prompt_ids) - len(sample.completion_ids)
+        return min(self.config.max_new_tokens - sample.turn_tokens, room)
+
+    def _append(self, group: GroupRollout, sample: Sample, version: int, token_ids: list[int],
+                logprobs: list[float], eos: bool, served: ServedAdapter) -> tuple[int, str]:
+        """Add generated tokens of ``version`` to the sample; returns how many it kept and how its turn ended
+        ("": not yet): eos, stop_string (worker.stop_strings), stop (the environment's) or length."""
+        start = len(sample.completion_ids)
+        sample.append(token_ids, logprobs, version, trained=True)
+        self.backend.keep_served(group.served, served)
+        sample.turn_tokens += len(token_ids)
+        end = ""
+        if eos:
+            end = "eos"
+        elif self.config.stop_strings and self._cut_at_stop(self.config.stop_strings, sample, start):
+            end = "stop_string"
+        elif group.env.stop_strings and self._cut_at_stop(group.env.stop_strings, sample, start):
+            end = "stop"
+        elif self._budget(group, sample) <= 0:
+            end = "length"
+        return len(sample.completion_ids) - start, end
+
+    # -- the stream (a backend whose engine is fed continuously) -----------------------------------------------
+
+    def _stream(self) -> None:
+        """Move samples whose version the partial policy changes, submit every ready sample's turn whole, and
+        take one engine step's tokens (see the module docstring)."""
+        newest = self.current_version
+        moved = [s for _, s in self._streams.values() if s.request_version != newest
+                 and (self.config.partial_policy != "finish" or not self.backend.has_version(s.request_version))]
+        if moved:  # aborted at their current tokens; resubmitted below under the version _version_for picks
+            self.metrics.inc("requests_moved", len(moved))
+            self._abort(moved)
+        for group in self.groups.values():
+            for sample in group.samples:
+                if sample.status == READY:
+                    self._submit(group, sample)
+        if not self._streams:
+            return
+        started = time.monotonic()
+        deltas = self.backend.advance()
+        elapsed_s = time.monotonic() - started
+        for group in {id(g): g for g, _ in self._streams.values()}.values():
+            group.generate_s += elapsed_s
+        num_tokens = 0
+        for delta in deltas:
+            group, sample = self._streams[delta.request_id]
+            if sample.version is None:
+                sample.version = sample.request_version
+            assert delta.served is not None  # Backend.advance fills it
+            added, end = self._append(group, sample, sample.request_version, delta.token_ids, delta.logprobs,
+                                      delta.finished, delta.served)
+            num_tokens += added
+            if delta.done:
+                self._left_engine(sample)
+                sample.status = READY  # resubmitted next step if the turn goes on (an engine's own limit)
+            elif end:  # a stop string: the engine would go on
+                self._abort([sample])
+            if end:
+                self._end_turn(group, sample, end)
+        self.metrics.inc("tokens_generated", num_tokens)
+
+    def _submit(self, group: GroupRollout, sample: Sample) -> None:
+        version = self._version_for(group, sample)
+        budget = self._budget(group, sample)
+        if budget <= 0:
+            self._end_turn(group, sample, "length")
+            return
+        self._num_requests += 1
+        request_id = f"{group.lease.group_id}/{sample.index}/{self._num_requests}"
+        self.backend.submit(request_id, GenRequest(
+            token_ids=group.prompt_ids + sample.completion_ids, max_tokens=budget, version=version,
+            num_generated=sample.turn_tokens, key=f"{group.lease.group_id}/{sample.index}/{sample.num_aborts}/"
+            f"{sample.turn}/{len(sample.completion_ids)}"), greedy=self.greedy)
+        sample.status, sample.request_id, sample.request_version = GENERATING, request_id, version
+        self._streams[request_id] = (group, sample)
+
+    def _left_engine(self, sample: Sample) -> None:
+        del self._streams[sample.request_id]
+        sample.request_id = ""
+
+    def _abort(self, samples: list[Sample]) -> None:
+        """Take samples' requests out of the engine where they are; the samples are ready again."""
+        self.backend.abort([s.request_id for s in samples])
+        for sample in samples:
+            self._left_engine(sample)
+            sample.status = READY
 
     def _version_for(self, group: GroupRollout, sample: Sample) -> int:
         """The version that generates the sample's next chunk (the partial policy; see the module docstring)."""

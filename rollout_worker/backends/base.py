@@ -8,6 +8,17 @@ from one thread::
     backend.generate(requests)       one chunk per request, each request under its own version
     backend.served(version)          what the engine serves a version with (the evidence, below)
 
+and, on a backend whose ``streaming`` is True (vllm), a continuously fed engine::
+
+    backend.submit(id, request)      add a request to the running batch (a whole turn: max_tokens is its budget)
+    backend.advance()                wait for the engine's next step: the new tokens of each request it advanced
+    backend.abort(ids)               stop requests where they are (an adapter swap, a returned lease)
+
+The engine keeps stepping between calls (vLLM's engine core runs in its own process), so it never waits for the
+caller's scoring or bookkeeping while a request is in it. A streamed request reports its tokens, behaviour
+log-probs and evidence exactly as ``generate`` does, a few at a time (:class:`GenDelta`); ``generate`` must not
+be called while requests stream.
+
 :meth:`Backend.generate` samples at most ``request.max_tokens`` new tokens after ``request.token_ids`` (the whole
 sequence so far: prompt, earlier chunks, environment replies) and returns, per request, the new token ids,
 their behaviour log-probs and whether the chunk ended the turn with one of the model's end-of-turn ids
@@ -64,6 +75,18 @@ class GenOutput:
     served: ServedAdapter | None = None  # what the engine reports it served the request with (None: served())
 
 
+@dataclass(slots=True, kw_only=True)
+class GenDelta:
+    """What one engine step added to a streamed request (:meth:`Backend.advance`)."""
+
+    request_id: str
+    token_ids: list[int]  # the new tokens (possibly none)
+    logprobs: list[float]
+    done: bool  # the request left the engine: an end-of-turn id, or its max_tokens
+    finished: bool  # ended with end-of-sequence (the last token is EOS)
+    served: ServedAdapter | None = None  # what the engine reports it served the request with
+
+
 @dataclass(frozen=True, slots=True, kw_only=True)
 class Sampling:
     """How tokens are drawn (from ``worker.temperature`` / ``worker.top_p``)."""
@@ -76,6 +99,7 @@ class Backend(abc.ABC):
     """A model that generates under any resident adapter version."""
 
     name: ClassVar[str]
+    streaming: ClassVar[bool] = False  # submit / advance / abort work (a continuously fed engine)
     eos_token_id: int  # the tokenizer's own eos (the first of eos_token_ids)
     eos_token_ids: tuple[int, ...]  # every id that ends a turn
     vocab_size: int  # the model's (may exceed the tokenizer's: a padded vocabulary)
@@ -88,6 +112,7 @@ class Backend(abc.ABC):
         self._loaded: dict[int, ServedAdapter] = {}  # resident version -> what the engine loaded for it
         self._disputed: dict[int, ServedAdapter] = {}  # version -> the first engine report that disagreed
         self._lora_ids = itertools.count(1)
+        self._streams: dict[str, tuple[GenRequest, bool]] = {}  # request id -> (request, greedy) while streaming
 
     # -- tokens ------------------------------------------------------------------------------------------------
 
@@ -171,24 +196,86 @@ class Backend(abc.ABC):
 
     # -- generation --------------------------------------------------------------------------------------------
 
+    def _check(self, request: GenRequest) -> None:
+        if not self.has_version(request.version):
+            raise KeyError(f"adapter version {request.version} is not resident in the {self.name} backend "
+                           f"(resident: {sorted(self.adapters)})")
+        if request.max_tokens < 1:
+            raise ValueError(f"max_tokens must be >= 1, got {request.max_tokens}")
+
+    def _evidence(self, version: int, reported: ServedAdapter | None) -> ServedAdapter:
+        """The evidence of one engine report for a request of ``version`` (None: the engine reports nothing); a
+        report that disagrees with the load record becomes the version's evidence (see the module docstring)."""
+        assert reported is None or reported.version == version, "evidence of another version"
+        if reported is None:
+            return self.served(version)
+        if reported != self._recorded(version):
+            self._disputed.setdefault(version, reported)
+        return reported
+
     def generate(self, requests: Sequence[GenRequest], *, greedy: bool = False) -> list[GenOutput]:
         """One chunk per request (see the module docstring); outputs in request order."""
         for request in requests:
-            if not self.has_version(request.version):
-                raise KeyError(f"adapter version {request.version} is not resident in the {self.name} backend "
-                               f"(resident: {sorted(self.adapters)})")
-            if request.max_tokens < 1:
-                raise ValueError(f"max_tokens must be >= 1, got {request.max_tokens}")
+            self._check(request)
         if not requests:
             return []
         outputs = self._generate(requests, greedy)
         for request, output in zip(requests, outputs, strict=True):
-            assert output.served is None or output.served.version == request.version, "evidence of another version"
-            if output.served is None:
-                output.served = self.served(request.version)
-            elif output.served != self._recorded(request.version):
-                self._disputed.setdefault(request.version, output.served)
+            output.served = self._evidence(request.version, output.served)
         return outputs
+
+    # -- streaming (a continuously fed engine; see the module docstring) ---------------------------------------
+
+    def submit(self, request_id: str, request: GenRequest, *, greedy: bool = False) -> None:
+        """Add one request to the running engine; its tokens come back from :meth:`advance`."""
+        if not self.streaming:
+            raise NotImplementedError(f"the {self.name} backend does not stream (use generate)")
+        if request_id in self._streams:
+            raise ValueError(f"request {request_id!r} is already in the engine")
+        self._check(request)
+        self._streams[request_id] = (request, greedy)
+        try:
+            self._submit(request_id, request, greedy)
+        except BaseException:
+            del self._streams[request_id]
+            raise
+
+    def abort(self, request_ids: Collection[str]) -> None:
+        """Stop requests in the engine; the tokens :meth:`advance` reported for them are all they generated."""
+        ids = [r for r in request_ids if self._streams.pop(r, None) is not None]
+        if ids:
+            self._abort(ids)
+
+    def abort_all(self) -> None:
+        """Stop every request in the engine (a caller that drops its rollouts)."""
+        self.abort(list(self._streams))
+
+    @property
+    def num_streams(self) -> int:
+        """Requests in the engine (submitted, not finished or aborted)."""
+        return len(self._streams)
+
+    def advance(self) -> list[GenDelta]:
+        """Wait for the engine's next step and return the new tokens of every request it advanced (at least one
+        step's worth while any request is in the engine; nothing, at once, when none is)."""
+        if not self._streams:
+            return []
+        deltas = [d for d in self._advance() if d.request_id in self._streams]  # an aborted request's: dropped
+        for delta in deltas:
+            request, _ = self._streams[delta.request_id]
+            delta.served = self._evidence(request.version, delta.served)
+            if delta.done:
+                del self._streams[delta.request_id]
+        return deltas
+
+    def _submit(self, request_id: str, request: GenRequest, greedy: bool) -> None:
+        raise NotImplementedError
+
+    def _abort(self, request_ids: list[str]) -> None:
+        raise NotImplementedError
+
+    def _advance(self) -> list[GenDelta]:
+        raise NotImplementedError
 
     @abc.abstractmethod
     def _generate(self, requests: Sequence[GenRequest], greedy: bool) -> list[GenOutput]: ...

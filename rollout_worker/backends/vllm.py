@@ -22,8 +22,15 @@ fixed when the engine starts:
   with the temperature (:func:`rescale_logprob`). Exact but slow for large vocabularies.
 
 Every end-of-turn id (:func:`common.chat.end_of_turn_ids`) is passed as ``stop_token_ids``, and a completion whose
-``finish_reason`` is ``"stop"`` ended its turn (the stop id is its last token). Each ``generate`` call continues every request from its full token sequence (``prompt_token_ids``), so a later
-chunk may run under another adapter; vLLM's prefix cache is keyed by adapter, never mixing versions.
+``finish_reason`` is ``"stop"`` ended its turn (the stop id is its last token). Each request continues from its
+full token sequence (``prompt_token_ids``), so a later one may run under another adapter; vLLM's prefix cache
+is keyed by adapter, never mixing versions.
+
+Streaming (:mod:`.base`): ``submit`` is ``LLMEngine.add_request`` with ``RequestOutputKind.DELTA`` (each output
+carries only the new tokens and their log-probs), ``advance`` one ``LLMEngine.step`` (it waits for the next
+outputs of the engine core, which runs in its own process and keeps stepping in between), ``abort``
+``LLMEngine.abort_request`` (outputs the core had already sent for it are dropped by the engine). The evidence
+of each delta is the ``lora_request`` its ``RequestOutput`` names, as for ``generate``.
 """
 
 from __future__ import annotations
@@ -37,7 +44,7 @@ from typing import Any
 from common.logging import get_logger
 from common.protocol import ServedAdapter
 from rollout_worker.adapters import WEIGHTS_FILE, ReceivedAdapter, tensors_sha256
-from rollout_worker.backends.base import Backend, GenOutput, GenRequest, Sampling, TokenizerMixin
+from rollout_worker.backends.base import Backend, GenDelta, GenOutput, GenRequest, Sampling, TokenizerMixin
 
 log = get_logger("backend.vllm")
 
@@ -71,6 +78,7 @@ def lora_rank_cap(rank: int) -> int:
 
 class VllmBackend(TokenizerMixin, Backend):
     name = "vllm"
+    streaming = True
 
     def __init__(self, model_dir: str | Path, *, sampling: Sampling, max_loras: int, max_lora_rank: int,
                  dtype: str = "float32", max_model_len: int = 512, max_num_seqs: int = 64,
@@ -100,7 +108,7 @@ class VllmBackend(TokenizerMixin, Backend):
         self._stop_token_ids = list(self.eos_token_ids)
         self._requests: dict[int, Any] = {}  # resident version -> LoRARequest
         self._loads: dict[int, ServedAdapter] = {}  # LoRA int id -> what that load put in the engine
-        self._params: dict[tuple[int, bool], Any] = {}
+        self._params: dict[tuple[int, bool, bool], Any] = {}
 
     # -- adapters ----------------------------------------------------------------------------------------------
 
@@ -147,42 +155,76 @@ class VllmBackend(TokenizerMixin, Backend):
 
     # -- generation --------------------------------------------------------------------------------------------
 
-    def _params_for(self, max_tokens: int, greedy: bool) -> Any:
-        key = (max_tokens, greedy)
+    def _params_for(self, max_tokens: int, greedy: bool, stream: bool = False) -> Any:
+        key = (max_tokens, greedy, stream)
         if key not in self._params:
+            from vllm.sampling_params import RequestOutputKind
+
+            kind = {"output_kind": RequestOutputKind.DELTA} if stream else {}
             if greedy:
                 params = self._sampling_params_cls(temperature=0.0, max_tokens=max_tokens, logprobs=0,
-                                                   detokenize=False, stop_token_ids=self._stop_token_ids)
+                                                   detokenize=False, stop_token_ids=self._stop_token_ids, **kind)
             else:
                 params = self._sampling_params_cls(temperature=self.sampling.temperature, top_p=self.sampling.top_p,
                                                    top_k=0, max_tokens=max_tokens, logprobs=self._num_logprobs,
-                                                   detokenize=False, stop_token_ids=self._stop_token_ids)
+                                                   detokenize=False, stop_token_ids=self._stop_token_ids, **kind)
             self._params[key] = params
         return self._params[key]
 
+    def _logprobs(self, ids: Sequence[int], entries: Sequence[Any], greedy: bool) -> list[float]:
+        """The behaviour log-probs of the sampled ``ids`` from vLLM's per-token logprob entries."""
+        if greedy or self._num_logprobs != -1:
+            return [float(entry[token].logprob) for token, entry in zip(ids, entries, strict=True)]
+        return [rescale_logprob([entry[i].logprob for i in range(self.vocab_size)], token, self.sampling.temperature)
+                for token, entry in zip(ids, entries, strict=True)]
+
     def _generate(self, requests: Sequence[GenRequest], greedy: bool) -> list[GenOutput]:
+        if self._streams:
+            raise RuntimeError(f"generate() while {len(self._streams)} requests stream through the engine")
         prompts = [{"prompt_token_ids": list(r.token_ids)} for r in requests]
         params = [self._params_for(r.max_tokens, greedy) for r in requests]
         loras = [self._requests[r.version] if r.version else None for r in requests]
         results = self.llm.generate(prompts, params, lora_request=loras, use_tqdm=False)
-        rescale = not greedy and self._num_logprobs == -1
         outputs = []
         for request, result in zip(requests, results, strict=True):
             completion = result.outputs[0]
             ids = list(completion.token_ids)
-            logprobs = []
-            for token, entry in zip(ids, completion.logprobs, strict=True):
-                if rescale:
-                    raw = [entry[i].logprob for i in range(self.vocab_size)]
-                    logprobs.append(rescale_logprob(raw, token, self.sampling.temperature))
-                else:
-                    logprobs.append(float(entry[token].logprob))
             finished = completion.finish_reason == "stop"  # an end-of-turn id (no stop strings are passed)
-            outputs.append(GenOutput(token_ids=ids, logprobs=logprobs, finished=finished,
+            outputs.append(GenOutput(token_ids=ids, logprobs=self._logprobs(ids, completion.logprobs, greedy),
+                                     finished=finished,
                                      served=self._engine_report(request.version, result.lora_request)))
         return outputs
 
+    # -- streaming: the engine's request API (LLMEngine.add_request / step / abort_request) --------------------
+
+    def _submit(self, request_id: str, request: GenRequest, greedy: bool) -> None:
+        self.llm.llm_engine.add_request(request_id, {"prompt_token_ids": list(request.token_ids)},
+                                        self._params_for(request.max_tokens, greedy, stream=True),
+                                        lora_request=self._requests[request.version] if request.version else None)
+
+    def _abort(self, request_ids: list[str]) -> None:
+        self.llm.llm_engine.abort_request(request_ids)
+
+    def _advance(self) -> list[GenDelta]:
+        engine = self.llm.llm_engine
+        if not engine.has_unfinished_requests():  # step() would wait for ever
+            raise RuntimeError(f"{len(self._streams)} requests streaming, but the engine holds none")
+        deltas = []
+        for result in engine.step():  # blocks until the engine core sends its next step's outputs
+            held = self._streams.get(result.request_id)
+            if held is None:
+                continue  # aborted after the engine had sent it
+            request, greedy = held
+            completion = result.outputs[0]
+            ids = list(completion.token_ids)
+            deltas.append(GenDelta(request_id=result.request_id, token_ids=ids,
+                                   logprobs=self._logprobs(ids, completion.logprobs or [], greedy),
+                                   done=result.finished, finished=completion.finish_reason == "stop",
+                                   served=self._engine_report(request.version, result.lora_request)))
+        return deltas
+
     def close(self) -> None:
+        self.abort_all()
         engine = getattr(self.llm, "llm_engine", None)
         shutdown = getattr(engine, "engine_core", None)
         if shutdown is not None and hasattr(shutdown, "shutdown"):

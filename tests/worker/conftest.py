@@ -67,6 +67,7 @@ def vllm_session_backend(tiny_model_dir: Path) -> Iterator[Backend]:
 def backend(request: pytest.FixtureRequest) -> Backend:
     """Each backend in turn, with no adapter resident."""
     instance: Backend = request.getfixturevalue(f"{request.param}_session_backend")
+    instance.abort_all()  # requests an earlier test left streaming
     instance.retain(set())
     return instance
 

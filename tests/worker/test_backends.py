@@ -111,20 +111,28 @@ def test_token_versions_across_a_mid_generation_swap(backend: Backend, store: Ad
     config = WorkerConfig(chunk_tokens=4, max_new_tokens=12, partial_policy="continue")
     rollouts = Rollouts(backend, EnvResolver(), config, worker_id="w", max_seq_len=256, greedy=True)
     rollouts.add(lease("3:5", prompt=PROMPTS[0], group_size=2))
-    assert rollouts.step() == []
+    samples = rollouts.groups["lease-3:5"].samples
+    while not all(s.completion_ids for s in samples):  # one chunk; streaming, the engine's first token
+        assert rollouts.step() == []
+    before = [len(s.completion_ids) for s in samples]
+    assert all(1 <= k <= 4 for k in before) and (backend.streaming or before == [4, 4])
     backend.add_adapter(receive(store, adapters[0]))  # v1: the rollouts follow the backend's newest
     finished = []
     while not finished:
         finished = rollouts.step() or rollouts.poll()
     (group,) = finished
     prompt = backend.encode(PROMPTS[0])
-    first = expected_greedy(backend, reference, None, prompt, 4, key="3:5/0/0/0")
-    rest = expected_greedy(backend, reference, adapters[0], prompt + first, 8, key="3:5/0/0/0", start=4)
     tensors = dict(group.tensors)
-    num = len(first) + len(rest)
-    assert group.group.completion_lens == [num, num]
-    assert tensors["completion_ids"][:num].tolist() == first + rest
-    assert tensors["versions"].tolist() == ([0] * len(first) + [1] * len(rest)) * 2
+    offset = 0
+    for index, k in enumerate(before):
+        first = expected_greedy(backend, reference, None, prompt, k, key=f"3:5/{index}/0/0")
+        rest = expected_greedy(backend, reference, adapters[0], prompt + first, 12 - k, key=f"3:5/{index}/0/0",
+                               start=k)
+        num = len(first) + len(rest)
+        assert group.group.completion_lens[index] == num
+        assert tensors["completion_ids"][offset:offset + num].tolist() == first + rest
+        assert tensors["versions"][offset:offset + num].tolist() == [0] * len(first) + [1] * len(rest)
+        offset += num
     assert (group.group.min_version, group.group.max_version) == (0, 1)
 
 

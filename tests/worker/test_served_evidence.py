@@ -50,9 +50,15 @@ def test_a_group_across_two_swaps_carries_the_evidence_of_each_version(backend: 
     config = WorkerConfig(chunk_tokens=3, max_new_tokens=9, partial_policy="continue")
     rollouts = Rollouts(backend, EnvResolver(), config, worker_id="w", max_seq_len=256, greedy=True)
     rollouts.add(lease("7:1", prompt=PROMPT, group_size=2))
-    assert rollouts.step() == []  # the first chunk under v0
+    samples = rollouts.groups["lease-7:1"].samples
+
+    def generate_under(version: int) -> None:  # a chunk; streaming, engine steps until a token of it
+        while not all(version in s.versions for s in samples):
+            assert rollouts.step() == []
+
+    generate_under(0)
     backend.add_adapter(receive(store, adapters[0]))
-    assert rollouts.step() == []  # the second under v1
+    generate_under(1)
     backend.add_adapter(receive(store, adapters[1]))
     finished = finish(rollouts)  # the rest under v2
 

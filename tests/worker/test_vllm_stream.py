@@ -1,0 +1,171 @@
+"""The vLLM backend as a continuously fed engine (``submit`` / ``advance`` / ``abort``) and the rollouts on it.
+
+- streamed requests give exactly the tokens, log-probs and evidence of one ``generate`` call; an aborted one
+  keeps a prefix of them and leaves the engine;
+- a lease granted while others generate joins the running batch (no round boundary in between);
+- an adapter swap under each partial policy: ``continue`` splits each sample once, at the tokens it had, and the
+  rest is the new adapter's greedy continuation of them (the reference says so token by token, with log-probs);
+  ``finish`` keeps the old version to the end; ``abort`` restarts under the new one;
+- a stop string ends a turn mid-stream and takes the request out of the engine; a returned lease does too.
+
+All tests share the session's one engine (tests/worker/conftest.py): it starts in ~25 s.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+import pytest
+
+from common.config import WorkerConfig
+from rollout_worker.adapters import AdapterStore
+from rollout_worker.backends.base import Backend, GenRequest
+from rollout_worker.envs import EnvResolver
+from rollout_worker.rollout import GENERATING, Rollouts
+from tests.worker.helpers import Adapter, Reference, lease, receive
+
+pytestmark = pytest.mark.vllm
+
+PROMPTS = ["12+34=", "7+8=", "99+1="]
+MAX_STEPS = 2000  # bounds every loop on a misbehaving engine
+
+
+@pytest.fixture
+def vllm(vllm_session_backend: Backend) -> Iterator[Backend]:
+    vllm_session_backend.abort_all()
+    vllm_session_backend.retain(set())
+    yield vllm_session_backend
+    vllm_session_backend.abort_all()
+
+
+def drain(backend: Backend, request_ids: list[str]) -> dict[str, tuple[list[int], list[float], bool]]:
+    got: dict[str, tuple[list[int], list[float], bool]] = {r: ([], [], False) for r in request_ids}
+    for _ in range(MAX_STEPS):
+        if not backend.num_streams:
+            break
+        for delta in backend.advance():
+            ids, logprobs, _ = got[delta.request_id]
+            got[delta.request_id] = (ids + delta.token_ids, logprobs + delta.logprobs, delta.finished)
+    assert backend.num_streams == 0
+    return got
+
+
+def run(rollouts: Rollouts) -> list:
+    finished = []
+    for _ in range(MAX_STEPS):
+        if not rollouts.num_groups:
+            return finished
+        finished += rollouts.step() if rollouts.has_ready() else rollouts.poll()
+    raise AssertionError("the rollouts did not finish")
+
+
+def test_streamed_requests_equal_one_generate_call(vllm: Backend, store: AdapterStore,
+                                                   adapters: list[Adapter]) -> None:
+    vllm.add_adapter(receive(store, adapters[0]))
+    requests = [GenRequest(token_ids=vllm.encode(p), max_tokens=n, version=v)
+                for p, n, v in zip(PROMPTS, (7, 20, 30), (1, 0, 1), strict=True)]
+    expected = vllm.generate(requests, greedy=True)
+    for i, request in enumerate(requests):
+        vllm.submit(f"r{i}", request, greedy=True)
+    with pytest.raises(ValueError, match="already in the engine"):
+        vllm.submit("r0", requests[0])
+    with pytest.raises(RuntimeError, match="stream"):
+        vllm.generate(requests[:1])
+    got = drain(vllm, ["r0", "r1", "r2"])
+    for i, output in enumerate(expected):
+        ids, logprobs, finished = got[f"r{i}"]
+        assert ids == output.token_ids and finished == output.finished
+        assert max(abs(a - b) for a, b in zip(logprobs, output.logprobs, strict=True)) < 1e-5
+    # the evidence: the load of each request's version, as the engine's outputs name it
+    assert vllm.served(1).lora_id and vllm.served(1).sha256 == adapters[0].update.sha256
+
+    vllm.submit("cut", requests[2], greedy=True)
+    ids: list[int] = []
+    while len(ids) < 3:
+        ids += [t for d in vllm.advance() for t in d.token_ids]
+    vllm.abort(["cut"])
+    assert vllm.num_streams == 0 and vllm.advance() == []
+    assert ids == expected[2].token_ids[:len(ids)]
+    assert not vllm.llm.llm_engine.has_unfinished_requests()
+
+
+def test_a_new_lease_joins_the_running_batch(vllm: Backend) -> None:
+    config = WorkerConfig(max_new_tokens=64, chunk_tokens=4)
+    rollouts = Rollouts(vllm, EnvResolver(), config, worker_id="w", max_seq_len=256, greedy=True)
+    rollouts.add(lease("1:0", prompt=PROMPTS[0], group_size=2))
+    while not all(s.completion_ids for s in rollouts.groups["lease-1:0"].samples):
+        rollouts.step()
+    rollouts.add(lease("1:1", prompt=PROMPTS[1], group_size=1))
+    rollouts.step()
+    generating = [s for g in rollouts.groups.values() for s in g.samples if s.status == GENERATING]
+    first = rollouts.groups["lease-1:0"].samples
+    # the first lease's samples kept their requests: never resubmitted while the second joined
+    assert all(s.request_id.endswith(("/1", "/2")) for s in first if s.status == GENERATING)
+    assert vllm.num_streams == len(generating) >= 2
+    rollouts.remove("lease-1:0")
+    assert vllm.num_streams == len([s for s in rollouts.groups["lease-1:1"].samples if s.status == GENERATING])
+    finished = run(rollouts)
+    assert [f.group.group_id for f in finished] == ["1:1"]
+    assert vllm.num_streams == 0
+
+
+@pytest.mark.parametrize("policy", ["continue", "finish", "abort"])
+def test_an_adapter_swap_under_each_partial_policy(vllm: Backend, store: AdapterStore, adapters: list[Adapter],
+                                                   reference: Reference, policy: str) -> None:
+    a1, a2 = adapters[0], adapters[1]
+    vllm.add_adapter(receive(store, a1))
+    config = WorkerConfig(max_new_tokens=24, chunk_tokens=4, partial_policy=policy)
+    rollouts = Rollouts(vllm, EnvResolver(), config, worker_id="w", max_seq_len=256, greedy=True)
+    rollouts.add(lease("2:0", prompt=PROMPTS[2], group_size=2))
+    samples = rollouts.groups["lease-2:0"].samples
+    while min(len(s.completion_ids) for s in samples) < 2:
+        rollouts.step()
+    before = [len(s.completion_ids) for s in samples]
+    vllm.add_adapter(receive(store, a2))
+    vllm.retain({2} | rollouts.versions_in_use())  # as the worker does after a load
+    assert 1 in vllm.adapters or policy != "finish"
+    (group,) = run(rollouts)
+    tensors = dict(group.tensors)
+    prompt = vllm.encode(PROMPTS[2])
+    eos = vllm.eos_token_id
+    offset = 0
+    for index, k in enumerate(before):
+        num = group.group.completion_lens[index]
+        ids = tensors["completion_ids"][offset:offset + num].tolist()
+        versions = tensors["versions"][offset:offset + num].tolist()
+        logprobs = tensors["logprobs"][offset:offset + num].tolist()
+        if policy == "finish":
+            assert ids == reference.greedy(a1, prompt, 24, eos) and versions == [1] * num
+        elif policy == "abort":
+            assert ids == reference.greedy(a2, prompt, 24, eos) and versions == [2] * num
+        else:
+            head = reference.greedy(a1, prompt, k, eos)
+            tail = reference.greedy(a2, prompt + head, 24 - k, eos)
+            assert ids == head + tail and versions == [1] * k + [2] * len(tail)
+            expected = reference.logprobs(a1, prompt, head) + reference.logprobs(a2, prompt + head, tail)
+            assert max(abs(a - b) for a, b in zip(logprobs, expected, strict=True)) < 1e-4
+        offset += num
+    served = {s.version: s for s in group.group.served}
+    assert set(served) == set(tensors["versions"].tolist())
+    for version, served_as in served.items():
+        assert served_as == vllm.served(version) and served_as.sha256 == adapters[version - 1].update.sha256
+    moved = rollouts.metrics.total("requests_moved")
+    assert (moved == 0) if policy == "finish" else (moved == 2)
+    assert rollouts.metrics.total("samples_aborted") == (2 if policy == "abort" else 0)
+
+
+def test_a_stop_string_ends_the_turn_mid_stream(vllm: Backend, store: AdapterStore, adapters: list[Adapter],
+                                                reference: Reference) -> None:
+    vllm.add_adapter(receive(store, adapters[0]))
+    prompt = vllm.encode(PROMPTS[0])
+    greedy = reference.greedy(adapters[0], prompt, 40, vllm.eos_token_id)
+    # a character the greedy turn first shows a few tokens in: the turn must end right after that token
+    end = next(i for i in range(2, len(greedy)) if (c := vllm.decode(greedy[i:i + 1])).isascii() and c.isalnum()
+               and c not in vllm.decode(greedy[:i]))
+    stop = vllm.decode(greedy[end:end + 1])
+    config = WorkerConfig(max_new_tokens=40, chunk_tokens=4, stop_strings=(stop,))
+    rollouts = Rollouts(vllm, EnvResolver(), config, worker_id="w", max_seq_len=256, greedy=True)
+    rollouts.add(lease("3:0", prompt=PROMPTS[0], group_size=1))
+    (group,) = run(rollouts)
+    assert dict(group.tensors)["completion_ids"].tolist() == greedy[:end + 1]
+    assert vllm.num_streams == 0 and not vllm.llm.llm_engine.has_unfinished_requests()
