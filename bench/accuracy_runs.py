@@ -9,7 +9,6 @@ run.
 
 from __future__ import annotations
 
-import os
 import subprocess
 import sys
 import tempfile
@@ -20,6 +19,7 @@ from typing import Any
 
 from common.config import Config, load_config
 from deploy import rundir
+from tests.support import child_env  # noqa: F401 - the benches' child environment, as before
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -38,17 +38,6 @@ class Outcome:
     @property
     def best_accuracy(self) -> float:
         return max(self.accuracies.values(), default=0.0)
-
-
-def child_env(**extra: str) -> dict[str, str]:
-    """The environment of a ``loraflow run`` child: this checkout importable, one OpenMP thread, unbuffered."""
-    env = dict(os.environ)
-    env["PYTHONPATH"] = str(REPO) + os.pathsep + env.get("PYTHONPATH", "")
-    env.setdefault("OMP_NUM_THREADS", "1")
-    env.setdefault("TOKENIZERS_PARALLELISM", "false")
-    env["PYTHONUNBUFFERED"] = "1"
-    env.update(extra)
-    return env
 
 
 def run_loraflow(argv: Sequence[str], *, max_staleness: int, env: dict[str, str], timeout_s: float,
