@@ -115,13 +115,139 @@ def run_clean(root: Path, model_dir: Path, minutes: float, use_vllm: bool) -> di
             "redone_steps": found.redone_steps}
 
 
+def honest_batch(policy: Any, check: Any, rng: Any, *, versions: list[int], groups: int, group_size: int,
+                 prompt_len: int, completion_len: int, sha256: dict[int, str]) -> Any:
+    """A step batch whose log-probs are the policy's own under each group's version (random tokens): what an
+    honest fp32 engine would send. Group g claims ``versions[g % len(versions)]``."""
+    import torch
+
+    from common.protocol import ServedAdapter
+    from learner import data
+
+    samples, rewards = [], []
+    for g in range(groups):
+        version = versions[g % len(versions)]
+        tokens = torch.as_tensor(rng.integers(3, policy.vocab_size, (group_size, prompt_len + completion_len)))
+        select = torch.zeros(group_size, prompt_len + completion_len - 1, dtype=torch.bool)
+        select[:, prompt_len - 1:] = True
+        with torch.no_grad(), check.history.applied(version):
+            logp, _ = policy.trained_logprobs(tokens[:, :-1], select, tokens[:, 1:][select], with_entropy=False)
+        for k, row in enumerate(logp.reshape(group_size, completion_len)):
+            samples.append(data.Sample(group=g, tokens=tokens[k], prompt_len=prompt_len, behaviour_logp=row.clone(),
+                                       loss_mask=torch.ones(completion_len, dtype=torch.bool),
+                                       versions=torch.full((completion_len,), version, dtype=torch.int64)))
+            rewards.append(float(k % 2))
+    served = [[ServedAdapter(version=versions[g % len(versions)], adapter="a", lora_id=versions[g % len(versions)],
+                             sha256=sha256[versions[g % len(versions)]])] for g in range(groups)]
+    return data.StepBatch(batch_id="bench", group_ids=[f"g{g}" for g in range(groups)],
+                          min_versions=[versions[g % len(versions)] for g in range(groups)], samples=samples,
+                          rewards=torch.tensor(rewards), group_index=torch.tensor([s.group for s in samples]),
+                          worker_ids=["w"] * groups, served=served, worker_sessions=[""] * groups)
+
+
+def run_isolated(shape: str, repeats: int) -> dict[str, Any]:
+    """The check's cost in one process, without a run around it: the learner's forward/backward of one step
+    batch (no optimizer step, so the parameters keep holding the version the check knows) with and without the
+    check, for a batch of the current version only (the free path) and one of the previous version only (one
+    re-scoring forward). Min of ``repeats`` interleaved timings (the box is shared: the min is the least
+    disturbed)."""
+    import numpy as np
+    import torch
+
+    from common.config import load_config
+    from common.tiny_model import resolve_model
+    from learner import integrity, publish
+    from learner.loss import LossConfig
+    from learner.model import build_policy
+    from learner.parallel import init_parallel
+    from learner.step import forward_backward, make_optimizer, train_step
+
+    groups, group_size, prompt_len, completion_len = SHAPES[shape]
+    torch.set_num_threads(1)
+    parallel = init_parallel("cpu")
+    config = load_config(None, ["learner.lora_rank=16", "learner.warmup_steps=0", "learner.lr=0.01"])
+    policy = build_policy(Path(resolve_model("builtin:tiny")), config.learner, parallel, seed=0)
+    optimizer, scheduler = make_optimizer(policy, config.learner)
+    check = integrity.IntegrityCheck(config, policy, parallel)
+    check.watch(optimizer)
+    check.record(0, "")
+    loss_config = LossConfig.from_learner(config.learner)
+    rng = np.random.default_rng(0)
+    warm = honest_batch(policy, check, rng, versions=[0], groups=groups, group_size=group_size,
+                        prompt_len=prompt_len, completion_len=completion_len, sha256={0: ""})
+    train_step(policy, optimizer, scheduler, warm, parallel=parallel, config=config, loss_config=loss_config)
+    snap = publish.snapshot(policy, version=1, step=1, is_main=True)
+    check.record(1, snap.sha256)
+    sha = {0: "", 1: snap.sha256}
+    batches = {name: honest_batch(policy, check, rng, versions=versions, groups=groups, group_size=group_size,
+                                  prompt_len=prompt_len, completion_len=completion_len, sha256=sha)
+               for name, versions in (("current", [1]), ("previous", [0]))}
+
+    def plain(step: Any) -> float:
+        started = time.perf_counter()
+        forward_backward(policy, step, parallel=parallel, config=config, loss_config=loss_config)
+        optimizer.zero_grad(set_to_none=True)
+        return time.perf_counter() - started
+
+    def checked(step: Any) -> tuple[float, float]:
+        started = time.perf_counter()
+        verdict = check.run(step, defer_version=check.free_version)
+        assert not verdict.mismatches
+        watch = integrity.TrainedCheck(check, step, 1)
+        forward_backward(policy, step, parallel=parallel, config=config, loss_config=loss_config,
+                         observe=watch.observe)
+        late = watch.finish()
+        assert not late.mismatches and verdict.num_checked_tokens + late.num_checked_tokens > 0
+        optimizer.zero_grad(set_to_none=True)
+        return time.perf_counter() - started, verdict.seconds + late.seconds
+
+    times: dict[str, list[float]] = {k: [] for k in ("plain", "current", "current_check", "previous",
+                                                     "previous_check")}
+    for _ in range(repeats):
+        times["plain"].append(plain(batches["current"]))
+        for name in ("current", "previous"):
+            total, seconds = checked(batches[name])
+            times[name].append(total)
+            times[f"{name}_check"].append(seconds)
+    best = {k: min(v) for k, v in times.items()}
+    parallel.close()
+    return {"shape": shape, "groups": groups, "group_size": group_size, "tokens": prompt_len + completion_len,
+            "plain_ms": 1000 * best["plain"],
+            "free_check_ms": 1000 * best["current_check"], "free_total_ms": 1000 * best["current"],
+            "previous_check_ms": 1000 * best["previous_check"], "previous_total_ms": 1000 * best["previous"],
+            "free_share": best["current_check"] / best["plain"],
+            "previous_share": best["previous_check"] / best["plain"]}
+
+
+#: groups, samples per group, prompt tokens, completion tokens: the harness's batches and the demo's
+SHAPES = {"harness": (4, 4, 6, 12), "demo": (16, 8, 8, 6)}
+
+
+def main_isolated(repeats: int) -> None:
+    results = [run_isolated(shape, repeats) for shape in SHAPES]
+    for r in results:
+        print(f"{r['shape']:8s} {r['groups']} groups x {r['group_size']}, {r['tokens']} tokens: forward+backward "
+              f"{r['plain_ms']:.1f} ms; current version (free path): check {r['free_check_ms']:.2f} ms = "
+              f"{r['free_share']:.2%}; previous version (one re-scoring forward): check {r['previous_check_ms']:.2f} ms "
+              f"= {r['previous_share']:.1%} (min of {repeats})")
+    worst = max(r["free_share"] for r in results)
+    report("integrity_isolated", "free_path_share", worst, "share", 0.02,
+           **{f"{r['shape']}_{k}": round(r[k], 4) for r in results
+              for k in ("plain_ms", "free_check_ms", "previous_check_ms", "free_share", "previous_share")})
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--clean-minutes", type=float, default=10.0)
     parser.add_argument("--no-vllm", action="store_true", help="skip the vLLM fault and the vLLM clean worker")
     parser.add_argument("--faults", default="all", help="comma-separated faults to inject (all, or none: the "
                         "clean run alone, for the cost figures)")
+    parser.add_argument("--isolated", type=int, default=0, metavar="REPEATS",
+                        help="instead: the check's cost in one process (no run), min of REPEATS timings")
     args = parser.parse_args()
+    if args.isolated:
+        main_isolated(args.isolated)
+        return
     from common.tiny_model import resolve_model
 
     model_dir = resolve_model("builtin:tiny")

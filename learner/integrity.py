@@ -48,6 +48,7 @@ import time
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 
+import numpy as np
 import torch
 from torch import nn
 from torch.distributed.tensor import DTensor
@@ -179,13 +180,42 @@ def group_members(step: data.StepBatch) -> list[list[int]]:
     return members
 
 
-def group_versions(step: data.StepBatch, members: Sequence[int]) -> list[int]:
-    """The distinct versions of the completion tokens of these samples (one group's)."""
-    found: set[int] = set()
-    for i in members:
-        if step.samples[i].versions is not None:
-            found.update(int(v) for v in torch.unique(step.samples[i].versions))
-    return sorted(found)
+@dataclass(slots=True, kw_only=True)
+class StepFacts:
+    """What the check reads of a step batch's samples, in one vectorised pass (a per-sample tensor op costs
+    ~5 us: a few per sample of a 128-sample batch would be a millisecond, a share of a small step)."""
+
+    members: list[list[int]]        # [G] each group's sample indices
+    num_trained: list[int]          # [N]
+    group_versions: list[list[int]]  # [G] the distinct versions of each group's completion tokens
+    versions: np.ndarray            # every sample's token versions, concatenated (-1 where a sample has none)
+    masks: np.ndarray               # every sample's loss mask, concatenated
+    starts: np.ndarray              # [N + 1] where each sample's tokens start in those
+
+    def trained_versions(self, i: int) -> tuple[np.ndarray, np.ndarray]:
+        """(distinct versions, token count of each) of sample ``i``'s trained tokens."""
+        trained = self.versions[self.starts[i]:self.starts[i + 1]][self.masks[self.starts[i]:self.starts[i + 1]]]
+        return np.unique(trained[trained >= 0], return_counts=True)
+
+
+def step_facts(step: data.StepBatch) -> StepFacts:
+    members = group_members(step)
+    lens = [s.loss_mask.numel() for s in step.samples]
+    starts = np.concatenate([[0], np.cumsum(lens, dtype=np.int64)]).astype(np.int64)
+    if step.samples:
+        masks = torch.cat([s.loss_mask for s in step.samples]).numpy()
+        versions = torch.cat([s.versions if s.versions is not None else torch.full((n,), -1, dtype=torch.int64)
+                              for s, n in zip(step.samples, lens, strict=True)]).numpy()
+    else:
+        masks, versions = np.zeros(0, dtype=bool), np.zeros(0, dtype=np.int64)
+    counts = np.concatenate([[0], np.cumsum(masks, dtype=np.int64)])
+    num_trained = (counts[starts[1:]] - counts[starts[:-1]]).tolist()
+    found = []
+    for group in members:  # a group's samples are contiguous
+        span = versions[starts[group[0]]:starts[group[-1] + 1]] if group else versions[:0]
+        found.append([int(v) for v in np.unique(span) if v >= 0])
+    return StepFacts(members=members, num_trained=num_trained, group_versions=found, versions=versions,
+                     masks=masks, starts=starts)
 
 
 def check_evidence(versions: Sequence[int], served: Sequence[ServedAdapter], worker: str,
@@ -220,14 +250,17 @@ def check_evidence(versions: Sequence[int], served: Sequence[ServedAdapter], wor
 # -- the check -------------------------------------------------------------------------------------------------
 
 
-def chosen_samples(step: data.StepBatch, group: int, members: Sequence[int], seed: int, count: int) -> list[int]:
+def chosen_samples(step: data.StepBatch, group: int, members: Sequence[int], seed: int, count: int,
+                   num_trained: Sequence[int] | None = None) -> list[int]:
     """Indices (into ``step.samples``) of the group's samples (``members``) to re-score: those with trained tokens
-    first, then by a keyed hash of (seed, group id, position in the group)."""
+    first, then by a keyed hash of (seed, group id, position in the group). ``num_trained``: of every sample of
+    ``step``, when known."""
     group_id = step.group_ids[group]
 
     def key(k: int) -> tuple[bool, bytes]:
         digest = hashlib.blake2b(f"{seed}:{group_id}:{k}".encode(), digest_size=8).digest()
-        return step.samples[members[k]].num_trained == 0, digest
+        trained = num_trained[members[k]] if num_trained is not None else step.samples[members[k]].num_trained
+        return trained == 0, digest
 
     return sorted(members[k] for k in sorted(range(len(members)), key=key)[:count])
 
@@ -267,6 +300,7 @@ class IntegrityCheck:
         self.exact_training_forward = not stochastic_modules(policy.model)  # modes are set once, at build time
         self.num_forwards = 0  # re-scoring forwards this rank ran (the free path runs none)
         self.num_redone_steps = 0  # steps whose forward/backward ran again without a group the free path failed
+        self._chosen: dict[str, list[int]] = {}  # group id -> positions of its chosen samples (this step's)
 
     def record(self, version: int, sha256: str | None) -> None:
         """The parameters now hold ``version`` (call on every rank after each publish)."""
@@ -294,9 +328,9 @@ class IntegrityCheck:
         started = time.monotonic()
         if not self.enabled:
             return Verdict(keep=list(range(step.num_groups)))
-        members = group_members(step)
-        evidence = [self._evidence(step, g, group_versions(step, members[g])) for g in range(step.num_groups)]
-        pairs, unverifiable = self._pairs(step, members)
+        facts = step_facts(step)
+        evidence = [self._evidence(step, g, facts.group_versions[g]) for g in range(step.num_groups)]
+        pairs, unverifiable = self._pairs(step, facts)
         pairs = [(i, version) for i, version in pairs if version != defer_version]
         forwards = self.num_forwards
         verdict = self.judge(step, evidence, pairs, self._rescore(step, pairs))
@@ -357,18 +391,29 @@ class IntegrityCheck:
         engine_dtype = served.dtype if served is not None else "float32"
         return integrity.tolerance(engine_dtype, self.learner_dtype, self.config.token_tolerance)
 
-    def _pairs(self, step: data.StepBatch, members: list[list[int]]) -> tuple[list[tuple[int, int]], int]:
+    def chosen(self, step: data.StepBatch, facts: StepFacts, group: int) -> list[int]:
+        """:func:`chosen_samples` of a group, as positions in the group are remembered by group id until the next
+        :meth:`run` (the free path asks again on the batch of the surviving groups)."""
+        group_id = step.group_ids[group]
+        members = facts.members[group]
+        positions = self._chosen.get(group_id)
+        if positions is None or any(k >= len(members) for k in positions):
+            chosen = chosen_samples(step, group, members, self.seed, self.config.samples_per_group,
+                                    facts.num_trained)
+            positions = self._chosen[group_id] = [members.index(i) for i in chosen]
+        return [members[k] for k in positions]
+
+    def _pairs(self, step: data.StepBatch, facts: StepFacts) -> tuple[list[tuple[int, int]], int]:
         """(sample, version) pairs to re-score, from what every rank knows alike; and the tokens of chosen samples
         whose version is not held (unverifiable)."""
         pairs: list[tuple[int, int]] = []
         unverifiable = 0
+        self._chosen = {}
         for g in range(step.num_groups):
-            for i in chosen_samples(step, g, members[g], self.seed, self.config.samples_per_group):
-                sample = step.samples[i]
-                trained = sample.versions[sample.loss_mask]
-                for version in sorted(int(v) for v in torch.unique(trained)):
+            for i in self.chosen(step, facts, g):
+                for version, count in zip(*(a.tolist() for a in facts.trained_versions(i)), strict=True):
                     if not self.history.holds(version):
-                        unverifiable += int((trained == version).sum())
+                        unverifiable += count
                     elif self._served(step, g, version) is not None:  # else failed as no_evidence already
                         pairs.append((i, version))
         return pairs, unverifiable
@@ -438,13 +483,12 @@ class TrainedCheck:
     def __init__(self, check: IntegrityCheck, step: data.StepBatch, version: int) -> None:
         started = time.monotonic()
         self.check, self.step, self.version = check, step, version
-        members = group_members(step)
+        self.facts = facts = step_facts(step)
         self.pairs: list[tuple[int, int]] = []
         for g in range(step.num_groups):
             if check._served(step, g, version) is not None:  # else failed as no_evidence already
-                for i in chosen_samples(step, g, members[g], check.seed, check.config.samples_per_group):
-                    sample = step.samples[i]
-                    if bool((sample.versions[sample.loss_mask] == version).any()):
+                for i in check.chosen(step, facts, g):
+                    if version in facts.trained_versions(i)[0]:
                         self.pairs.append((i, version))
         self._watched = {i: k for k, (i, _) in enumerate(self.pairs)}
         self._seen: list[tuple[int, torch.Tensor]] = []  # (pair, its sample's trained log-probs), on the device
@@ -454,7 +498,7 @@ class TrainedCheck:
         """A micro-batch's rows (sample indices) and its trained tokens' log-probs [T] (row-major, as the loss)."""
         started = time.monotonic()
         if any(i in self._watched for i in rows):
-            pieces = logp.detach().split([self.step.samples[i].num_trained for i in rows])
+            pieces = logp.detach().split([self.facts.num_trained[i] for i in rows])
             self._seen.extend((self._watched[i], piece) for i, piece in zip(rows, pieces, strict=True)
                               if i in self._watched)
         self.seconds += time.monotonic() - started
