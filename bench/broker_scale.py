@@ -1,0 +1,461 @@
+"""The broker at fleet size: 256, 1,024 and 4,096 connected workers heartbeating, 16 of them leasing and submitting.
+
+    .venv/bin/python bench/broker_scale.py [--fleets 256,1024,4096] [--seconds 10] [--fanout 64,256] [--mb 50]
+
+A few "fleet" processes each hold many DEALER sockets, one per worker: each says Hello as a worker and then
+heartbeats at the broker's interval (spread over it, as independent workers would) and reads everything the
+broker sends. The fleet grows to each size in turn on one broker process; at each size, in the same run:
+
+- idle: the broker's CPU (all threads, /proc) over ``--seconds`` while the fleet only heartbeats, as a share of
+  one core, and its RSS: the growth from the empty broker divided by the workers gives KB per worker;
+- active: 16 more workers (one process) each long-poll for one lease, "generate" for ``--generate-ms``, submit a
+  16 KB group and ask again (160 leases/s at the default 100 ms: a busy fleet's rate, not a flood), while a
+  learner whose steps take 1 s takes batches of 256 groups (no backpressure), acks them and publishes a tiny
+  adapter per step (an AdapterNotice to every connected worker): lease-grant latency p50 / p99 (request sent ->
+  grant with a lease received), groups/s, and the broker's CPU per group above its idle load, hence the groups/s
+  one broker core carries at that fleet size, also as the fleet of H100s that would produce them;
+- death: one fleet process is SIGKILLed at the largest size; the time until the broker's stats no longer count
+  its workers, next to the configured heartbeat timeout (interval x misses).
+
+Adapter fan-out at fleet size (``--fanout``): N fetchers (in a few processes) hold Hello sessions; a learner
+publishes one ``--mb`` MB adapter; each fetcher gets the AdapterNotice, fetches, and records when the whole
+AdapterUpdate arrived. Next to it: the broker's bytes sent (N x the adapter) and the same bytes sent once over a
+direct PUSH -> PULL pair, so the ratio says what the star costs against the wire's floor.
+
+Targets (issue 16): idle overhead <= 25 % of one core at 4,096 workers, lease p99 <= 20 ms, RSS per worker small
+and linear. The JSON line: ``idle_core_share``, ``lease_p99_ms`` and ``kb_per_worker`` at the largest size
+(value = idle core share, reference = the 0.25 target).
+"""
+
+from __future__ import annotations
+
+import argparse
+import multiprocessing as mp
+import os
+import signal
+import statistics
+import sys
+import tempfile
+import time
+import uuid
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+import msgpack  # noqa: E402
+import numpy as np  # noqa: E402
+import zmq  # noqa: E402
+
+from bench.adapter_fanout import adapter_tensors, direct_time  # noqa: E402
+from bench.broker_proc import RUN_TOKEN, start_broker  # noqa: E402
+from bench.broker_throughput import adapter_message as tiny_adapter  # noqa: E402
+from bench.broker_throughput import cpu_seconds, group_record, group_tensors, hello  # noqa: E402
+from bench.report import report  # noqa: E402
+from common import framing, protocol  # noqa: E402
+from common.protocol import (  # noqa: E402
+    AdapterFetch,
+    AdapterUpdate,
+    BatchAck,
+    BatchRequest,
+    Heartbeat,
+    Hello,
+    Kind,
+    LeaseRequest,
+)
+from common.transport import fetch_stats  # noqa: E402
+
+PER_PROCESS = 1024  # worker sockets per fleet process
+ACTIVE_WORKERS = 16
+GROUPS_PER_STEP = 256  # the learner's batch: more than the active workers offer per step, so no backpressure
+STEP_S = 1.0  # the learner's step time: one adapter version (and one notice per worker) per second
+GROUP_BYTES = 16 << 10
+H100_TOKENS_PER_S = 6300  # a 7 B model generating on one H100 (issue 16)
+WIRE_BYTES_PER_TOKEN = 4 + 4 + 4 + 1  # completion id int32, log-prob f32, version int32, loss mask u8
+
+
+def kind_of(frames: list) -> int:
+    return framing.PREAMBLE.unpack(frames[0].buffer)[2]
+
+
+def connect_workers(ctx: zmq.Context, endpoint: str, names: list[str]) -> list[zmq.Socket]:
+    """One DEALER per name, each welcomed by the broker as a worker."""
+    socks = []
+    for name in names:
+        sock = ctx.socket(zmq.DEALER)
+        sock.setsockopt(zmq.LINGER, 0)
+        sock.connect(endpoint)
+        sock.send_multipart(protocol.encode(Hello(role="worker", client_id=name, backend="sim",
+                                                  session=uuid.uuid4().hex[:8], batched_acks=True)))
+        socks.append(sock)
+    poller = zmq.Poller()
+    for sock in socks:
+        poller.register(sock, zmq.POLLIN)
+    waiting = set(range(len(socks)))
+    index = {sock: i for i, sock in enumerate(socks)}
+    deadline = time.monotonic() + 120
+    while waiting:
+        if time.monotonic() > deadline:
+            raise SystemExit(f"fleet: {len(waiting)} of {len(socks)} workers never welcomed")
+        for sock, _ in poller.poll(1000):
+            frames = sock.recv_multipart(copy=False)
+            if kind_of(frames) == Kind.WELCOME:
+                waiting.discard(index[sock])
+            elif kind_of(frames) == Kind.ERROR:
+                raise SystemExit(f"fleet: refused: {msgpack.unpackb(frames[1].buffer)}")
+    return socks
+
+
+def fleet(endpoint: str, prefix: str, n: int, interval_s: float, ready: mp.Queue, stop: mp.Event) -> None:
+    """``n`` workers that heartbeat every ``interval_s`` (spread over the interval) and drain what arrives."""
+    ctx = zmq.Context()
+    ctx.set(zmq.MAX_SOCKETS, n + 64)  # a context option (setsockopt would set a socket default)
+    socks = connect_workers(ctx, endpoint, [f"{prefix}-{i}" for i in range(n)])
+    ready.put(n)
+    beat = protocol.encode(Heartbeat(state="idle"))
+    poller = zmq.Poller()
+    for sock in socks:
+        poller.register(sock, zmq.POLLIN)
+    start = time.monotonic()
+    due = [start + interval_s * i / n for i in range(n)]
+    turn = 0  # the next socket to beat, in order
+    while not stop.is_set():
+        now = time.monotonic()
+        while due[turn] <= now:
+            socks[turn].send_multipart(beat)
+            due[turn] += interval_s
+            turn = (turn + 1) % n
+        for sock, _ in poller.poll(max(0, min(50, int((due[turn] - time.monotonic()) * 1000)))):
+            while sock.poll(0):
+                sock.recv_multipart(copy=False)
+    for sock in socks:
+        sock.close(0)
+    ctx.term()
+
+
+def active(endpoint: str, seconds: float, interval_s: float, generate_s: float, results: mp.Queue) -> None:
+    """ACTIVE_WORKERS workers each leasing one prompt at a time, "generating" for ``generate_s`` and then
+    submitting a 16 KB group and asking again; puts (latencies in ms from a request to the grant carrying its
+    lease, groups accepted, grants without a lease by reason, seconds)."""
+    ctx = zmq.Context()
+    names = [f"active-{os.getpid()}-{i}" for i in range(ACTIVE_WORKERS)]
+    socks = connect_workers(ctx, endpoint, names)
+    tensors = group_tensors(GROUP_BYTES)
+    template = protocol.encode(group_record("0:0", "L", names[0], tensors), tensors)
+    header = msgpack.unpackb(template[1])
+    packer = msgpack.Packer(use_bin_type=True)
+    ask = protocol.encode(LeaseRequest(max_leases=1, wait_ms=1000))
+    beat = protocol.encode(Heartbeat(state="generating"))
+    poller = zmq.Poller()
+    asked_at: dict[int, float] = {}  # worker -> when its outstanding request was sent
+    generating: list[tuple[float, int, dict]] = []  # (done at, worker, lease)
+    for i, sock in enumerate(socks):
+        poller.register(sock, zmq.POLLIN)
+        sock.send_multipart(ask)
+        asked_at[i] = time.perf_counter()
+    index = {sock: i for i, sock in enumerate(socks)}
+    latencies: list[float] = []
+    accepted = 0
+    empty: dict[str, int] = {}  # reason -> grants without a lease
+    start = time.perf_counter()
+    next_beat = time.monotonic() + interval_s
+    while (now := time.perf_counter()) - start < seconds:
+        if time.monotonic() >= next_beat:
+            for sock in socks:
+                sock.send_multipart(beat)
+            next_beat += interval_s
+        while generating and generating[0][0] <= now:
+            _, i, lease = generating.pop(0)
+            header["group_id"], header["lease_id"], header["worker_id"] = lease["group_id"], lease["lease_id"], names[i]
+            socks[i].send_multipart([template[0], packer.pack(header), *template[2:]], copy=False)
+            socks[i].send_multipart(ask)
+            asked_at[i] = time.perf_counter()
+        wait_ms = 50 if not generating else max(0, min(50, int((generating[0][0] - now) * 1000)))
+        for sock, _ in poller.poll(wait_ms):
+            frames = sock.recv_multipart(copy=False)
+            kind, i = kind_of(frames), index[sock]
+            if kind == Kind.LEASE_GRANT:
+                grant = msgpack.unpackb(frames[1].buffer)
+                if not grant["leases"]:
+                    empty[grant["reason"]] = empty.get(grant["reason"], 0) + 1
+                    sock.send_multipart(ask)
+                    asked_at[i] = time.perf_counter()
+                    continue
+                latencies.append((time.perf_counter() - asked_at[i]) * 1000)
+                generating.append((time.perf_counter() + generate_s, i, grant["leases"][0]))
+            elif kind == Kind.ACK:
+                accepted += len(msgpack.unpackb(frames[1].buffer).get("ref_ids") or [None])
+    results.put((latencies, accepted, empty, now - start))
+    for sock in socks:
+        sock.close(0)
+    ctx.term()
+
+
+def learner(endpoint: str, groups_per_step: int, step_s: float, ready: mp.Queue, stop: mp.Event) -> None:
+    """A learner whose step takes ``step_s``: it takes a batch, waits, acknowledges it and publishes a tiny
+    adapter version, so every connected worker gets one AdapterNotice per step, as in a run."""
+    ctx = zmq.Context()
+    sock = ctx.socket(zmq.DEALER)
+    sock.setsockopt(zmq.LINGER, 0)
+    sock.connect(endpoint)
+    hello(sock, "learner", "scale")
+    ready.put("learner")
+    version = 0
+    sock.send_multipart(protocol.encode(BatchRequest(num_groups=groups_per_step, wait_ms=1000)))
+    while not stop.is_set():
+        if not sock.poll(100):
+            continue
+        frames = sock.recv_multipart(copy=False)
+        if kind_of(frames) != Kind.BATCH:
+            continue
+        batch = msgpack.unpackb(frames[1].buffer)
+        if batch["groups"]:
+            time.sleep(step_s)
+            version += 1
+            sock.send_multipart(tiny_adapter(version), copy=False)
+            sock.send_multipart(protocol.encode(BatchAck(
+                batch_id=batch["batch_id"], step=version, trained_version=version - 1,
+                group_ids=[e["group"]["group_id"] for e in batch["groups"]], checkpoint_version=version)))
+        sock.send_multipart(protocol.encode(BatchRequest(num_groups=groups_per_step, wait_ms=1000,
+                                                         learner_version=version)))
+    sock.close(0)
+    ctx.term()
+
+
+def fetchers(endpoint: str, n: int, ready: mp.Queue, results: mp.Queue, stop: mp.Event) -> None:
+    """``n`` workers that fetch the adapter each AdapterNotice announces; put the monotonic time each one had
+    the whole AdapterUpdate (fetched on notice, one fetch per worker)."""
+    ctx = zmq.Context()
+    ctx.set(zmq.MAX_SOCKETS, n + 64)  # a context option (setsockopt would set a socket default)
+    socks = connect_workers(ctx, endpoint, [f"fetch-{os.getpid()}-{i}" for i in range(n)])
+    ready.put(n)
+    poller = zmq.Poller()
+    for sock in socks:
+        poller.register(sock, zmq.POLLIN)
+    fetch = protocol.encode(AdapterFetch(version=0))
+    done: list[float] = []
+    while len(done) < n and not stop.is_set():
+        for sock, _ in poller.poll(100):
+            frames = sock.recv_multipart(copy=False)
+            kind = kind_of(frames)
+            if kind == Kind.ADAPTER_NOTICE:
+                sock.send_multipart(fetch)
+            elif kind == Kind.ADAPTER_UPDATE:
+                done.append(time.monotonic())
+            del frames  # the 50 MB are dropped at once
+    results.put(done)
+    for sock in socks:
+        sock.close(0)
+    ctx.term()
+
+
+def adapter_message(num_bytes: int) -> tuple[list, int]:
+    """(the frames of a version-1 AdapterUpdate of about ``num_bytes``, its exact tensor bytes)."""
+    tensors = adapter_tensors(num_bytes)
+    update = AdapterUpdate(version=1, step=1, sha256=framing.frames_sha256([t for _, t in tensors]),
+                           adapter_config={"r": 8, "lora_alpha": 16, "peft_type": "LORA"})
+    return protocol.encode(update, tensors), sum(t.nbytes for _, t in tensors)
+
+
+def publish(endpoint: str, message: list) -> float:
+    """Publish ``message`` as the learner; the monotonic time it was sent (after the broker's Welcome)."""
+    ctx = zmq.Context()
+    sock = ctx.socket(zmq.DEALER)
+    sock.connect(endpoint)
+    sock.send_multipart(protocol.encode(Hello(role="learner", client_id="learner", session=uuid.uuid4().hex[:8],
+                                              token=RUN_TOKEN)))
+    while kind_of(sock.recv_multipart(copy=False)) != Kind.WELCOME:
+        pass
+    sent = time.monotonic()
+    sock.send_multipart(message, copy=False)
+    while kind_of(sock.recv_multipart(copy=False)) != Kind.ACK:
+        pass
+    sock.close(0)
+    ctx.term()
+    return sent
+
+
+def rss_kb(pid: int) -> int:
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith("VmRSS:"):
+            return int(line.split()[1])
+    raise RuntimeError(f"no VmRSS for {pid}")
+
+
+def workers_counted(endpoint: str) -> int:
+    return int(fetch_stats(endpoint, timeout_s=10)["num_workers"])
+
+
+def wait_until(predicate, timeout_s: float, what: str, poll_s: float = 0.1) -> float:
+    """Seconds until ``predicate()`` held."""
+    start = time.monotonic()
+    while not predicate():
+        if time.monotonic() - start > timeout_s:
+            raise SystemExit(f"timed out after {timeout_s} s waiting for {what}")
+        time.sleep(poll_s)
+    return time.monotonic() - start
+
+
+def broker_cpu(pid: int, seconds: float) -> float:
+    """The broker's CPU over ``seconds`` of wall time, as a share of one core."""
+    before, start = cpu_seconds(pid), time.monotonic()
+    time.sleep(seconds)
+    return (cpu_seconds(pid) - before) / (time.monotonic() - start)
+
+
+def fleet_sizes(workdir: Path, sizes: list[int], seconds: float, generate_s: float) -> dict[int, dict]:
+    """Grow one broker's fleet to each size; measure idle CPU, RSS, the active path; kill a fleet at the end."""
+    spawn = mp.get_context("spawn")
+    stop, ready, results = spawn.Event(), spawn.Queue(), spawn.Queue()
+    interval, misses = 1.0, 5  # the broker's defaults (common/config.py)
+    (workdir / "fleet").mkdir()
+    broker, endpoint = start_broker(workdir / "fleet", f"broker.max_workers={max(sizes) + 2 * ACTIVE_WORKERS + 8}",
+                                    f"broker.heartbeat_interval_s={interval}", f"broker.heartbeat_misses={misses}",
+                                    "run.group_size=8", f"run.groups_per_step={GROUPS_PER_STEP}",
+                                    "run.max_staleness=1000", f"broker.capacity_groups={4 * GROUPS_PER_STEP}",
+                                    "broker.max_leases_per_worker=4")
+    fleets: list = []
+    out: dict[int, dict] = {}
+    trainer = None
+    try:
+        time.sleep(1.0)
+        empty_rss = rss_kb(broker.pid)
+        empty_cpu = broker_cpu(broker.pid, seconds / 2)
+        print(f"empty broker: RSS {empty_rss / 1024:.1f} MB, idle CPU {empty_cpu:.1%} of a core", flush=True)
+        trainer = spawn.Process(target=learner, args=(endpoint, GROUPS_PER_STEP, STEP_S, ready, stop))
+        trainer.start()
+        ready.get(timeout=30)
+        connected = 0
+        for size in sizes:
+            while connected < size:
+                n = min(PER_PROCESS, size - connected)
+                child = spawn.Process(target=fleet, args=(endpoint, f"f{len(fleets)}", n, interval, ready, stop))
+                child.start()
+                fleets.append((child, n))
+                ready.get(timeout=180)
+                connected += n
+            wait_until(lambda: workers_counted(endpoint) >= size, 60, f"{size} workers counted", poll_s=0.5)
+            time.sleep(interval * 2)  # every worker has beaten at least once
+            idle = broker_cpu(broker.pid, seconds)
+            rss = rss_kb(broker.pid)
+            worker = spawn.Process(target=active, args=(endpoint, seconds, interval, generate_s, results))
+            worker.start()
+            busy_before, busy_start = cpu_seconds(broker.pid), time.monotonic()
+            latencies, accepted, empty, elapsed = results.get(timeout=seconds + 120)
+            busy = (cpu_seconds(broker.pid) - busy_before) / (time.monotonic() - busy_start)
+            # the broker's CPU per group above its idle load: what one core of it can carry at this fleet size
+            # (None when the difference drowns in the noise of a busy machine: busy not above idle)
+            us_per_group = (busy - idle) / max(accepted / elapsed, 1e-9) * 1e6 if busy > idle else None
+            worker.join(10)
+            p50, p99 = np.percentile(latencies, [50, 99]) if latencies else (float("nan"),) * 2
+            out[size] = {"idle_core_share": round(idle, 4), "rss_mb": round(rss / 1024, 1),
+                         "kb_per_worker": round((rss - empty_rss) / size, 2), "lease_p50_ms": round(float(p50), 2),
+                         "lease_p99_ms": round(float(p99), 2), "grants": len(latencies), "empty_grants": empty,
+                         "groups_per_s": round(accepted / elapsed, 1), "active_core_share": round(busy, 4),
+                         "us_per_group": round(us_per_group, 1) if us_per_group else None,
+                         "capacity_groups_per_s": round((1 - idle) / us_per_group * 1e6) if us_per_group else None}
+            print(f"{size:>5} workers: idle CPU {idle:6.1%} of a core  RSS {rss / 1024:7.1f} MB "
+                  f"({out[size]['kb_per_worker']:.1f} KB/worker)  lease p50 {p50:6.2f} ms  p99 {p99:6.2f} ms "
+                  f"({len(latencies)} grants, empty: {empty or 'none'})  {out[size]['groups_per_s']:.0f} groups/s accepted, broker CPU {busy:.1%} "
+                  + (f"({us_per_group:.0f} us per group above idle: one core carries "
+                     f"{out[size]['capacity_groups_per_s']} groups/s at this fleet size)" if us_per_group else
+                     "(not above idle: too noisy to price a group)"), flush=True)
+        victim, victim_n = fleets[-1]
+        before = workers_counted(endpoint)
+        os.kill(victim.pid, signal.SIGKILL)
+        killed = time.monotonic()
+        wait_until(lambda: workers_counted(endpoint) <= before - victim_n, 60, "the killed workers to be dropped",
+                   poll_s=0.05)
+        death_s = time.monotonic() - killed
+        print(f"death: {victim_n} workers SIGKILLed, gone from the broker's stats after {death_s:.2f} s "
+              f"(configured timeout {interval * misses:.1f} s = {interval:g} s x {misses})", flush=True)
+        out[max(sizes)]["death_detect_s"] = round(death_s, 2)
+        out[max(sizes)]["heartbeat_timeout_s"] = interval * misses
+        return out
+    finally:
+        stop.set()
+        if trainer is not None:
+            trainer.join(timeout=10)
+        for child, _ in fleets:
+            child.join(timeout=10)
+            if child.is_alive():
+                child.kill()
+        broker.terminate()
+        broker.wait(timeout=30)
+
+
+def fanout(workdir: Path, counts: list[int], mb: float) -> dict[int, dict]:
+    """Time until N fetchers hold one new ``mb`` MB adapter, against one direct send of its bytes."""
+    spawn = mp.get_context("spawn")
+    out: dict[int, dict] = {}
+    message, num_bytes = adapter_message(int(mb * (1 << 20)))
+    direct = direct_time(message, repeats=3)
+    for count in counts:
+        stop, ready, results = spawn.Event(), spawn.Queue(), spawn.Queue()
+        (workdir / f"fanout-{count}").mkdir()
+        broker, endpoint = start_broker(workdir / f"fanout-{count}", f"broker.max_workers={count + 8}")
+        procs = []
+        try:
+            per = max(1, -(-count // 4))
+            left = count
+            while left:
+                n = min(per, left)
+                child = spawn.Process(target=fetchers, args=(endpoint, n, ready, results, stop))
+                child.start()
+                procs.append(child)
+                left -= n
+            for _ in procs:
+                ready.get(timeout=180)
+            sent = publish(endpoint, message)
+            done = [t for _ in procs for t in results.get(timeout=600)]
+            last = max(done) - sent
+            out[count] = {"seconds": round(last, 3), "median_s": round(statistics.median(done) - sent, 3),
+                          "broker_bytes_sent": num_bytes * count, "direct_s": round(direct, 4),
+                          "ratio_to_direct": round(last / direct, 1), "gb_per_s": round(num_bytes * count / last / 1e9, 2)}
+            print(f"fan-out {count:>4} workers x {num_bytes / 1e6:.0f} MB: all hold it after {last:.2f} s (median "
+                  f"{out[count]['median_s']:.2f} s); the broker sent {num_bytes * count / 1e9:.1f} GB at "
+                  f"{out[count]['gb_per_s']:.2f} GB/s; one direct send {direct:.3f} s -> {last / direct:.0f}x "
+                  f"(the star's floor is {count}x)", flush=True)
+        finally:
+            stop.set()
+            for child in procs:
+                child.join(timeout=10)
+                if child.is_alive():
+                    child.kill()
+            broker.terminate()
+            broker.wait(timeout=30)
+    return out
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--fleets", default="256,1024,4096", help="connected workers, comma-separated, ascending")
+    parser.add_argument("--seconds", type=float, default=10.0, help="measured seconds per phase")
+    parser.add_argument("--generate-ms", type=float, default=100.0, help="active workers: time from a grant to "
+                        "its group's submission")
+    parser.add_argument("--fanout", default="64,256", help="fetchers for the adapter fan-out ('' for none)")
+    parser.add_argument("--mb", type=float, default=50.0, help="adapter size for the fan-out")
+    args = parser.parse_args(argv)
+    sizes = sorted(int(s) for s in args.fleets.split(","))
+    with tempfile.TemporaryDirectory(prefix="bench-scale-", dir=Path(__file__).resolve().parent.parent) as tmp:
+        scale = fleet_sizes(Path(tmp), sizes, args.seconds, args.generate_ms / 1000)
+        fan = fanout(Path(tmp), [int(c) for c in args.fanout.split(",") if c], args.mb) if args.fanout else {}
+    top = scale[max(sizes)]
+    group_tokens = GROUP_BYTES / WIRE_BYTES_PER_TOKEN
+    capacity = top["capacity_groups_per_s"]
+    h100s = capacity * group_tokens / H100_TOKENS_PER_S if capacity else None
+    if capacity:
+        print(f"as a fleet: with {max(sizes)} workers connected one broker core carries {capacity} groups/s of 16 KB "
+              f"= {capacity * GROUP_BYTES / 1e6:.0f} MB/s of tokens ({WIRE_BYTES_PER_TOKEN} B per token on the wire): "
+              f"what {h100s:.0f} H100s generating a 7 B model at {H100_TOKENS_PER_S} tokens/s each produce", flush=True)
+    print(f"targets at {max(sizes)} workers: idle {top['idle_core_share']:.1%} of a core (<= 25 %), lease p99 "
+          f"{top['lease_p99_ms']:.1f} ms (<= 20 ms), {top['kb_per_worker']:.1f} KB per worker", flush=True)
+    report("broker_scale", f"broker idle CPU at {max(sizes)} workers (share of one core)", top["idle_core_share"],
+           "cores", 0.25, idle_core_share=top["idle_core_share"], lease_p99_ms=top["lease_p99_ms"],
+           kb_per_worker=top["kb_per_worker"], death_detect_s=top.get("death_detect_s"),
+           heartbeat_timeout_s=top.get("heartbeat_timeout_s"), h100_equivalent=round(h100s) if h100s else None,
+           by_fleet={str(k): v for k, v in scale.items()}, fanout={str(k): v for k, v in fan.items()})
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
