@@ -333,7 +333,7 @@ def fleet_sizes(workdir: Path, sizes: list[int], seconds: float, generate_s: flo
                 fleets.append((child, n))
                 ready.get(timeout=180)
                 connected += n
-            wait_until(lambda: workers_counted(endpoint) >= size, 60, f"{size} workers counted", poll_s=0.5)
+            wait_until(lambda size=size: workers_counted(endpoint) >= size, 60, f"{size} workers counted", poll_s=0.5)
             time.sleep(interval * 2)  # every worker has beaten at least once
             idle = broker_cpu(broker.pid, seconds)
             rss = rss_kb(broker.pid)
