@@ -1,25 +1,31 @@
 """The agent gateway's cost: per-request latency and tokens/s through HTTP vs the same engine driven directly.
 
     .venv/bin/python -m bench.gateway [--tokens 32] [--calls 4] [--sessions 1,8,64] [--latency-requests 40]
-                                      [--repeats 3]
+                                      [--repeats 3] [--no-pin]
 
-One hf backend on the tiny model (one torch thread), one engine thread owning it, as in a worker:
+One hf backend on the tiny model (one torch thread), one engine thread owning it, as in a worker. Each of ``N``
+sessions plays an episode of ``--calls`` text completions of ``--tokens`` tokens, each call's prompt the whole
+conversation so far (the previous prompt, the text the model returned, a new turn ``TURN``), as an agent sends it:
 
-- ``direct``: the worker's own path without HTTP: ``N`` sequences, each encoded from its prompt, generated in
-  ``worker.chunk_tokens`` rounds that batch every sequence (one ``Backend.generate`` per round) until each has
-  ``--tokens`` tokens, decoded; ``--calls`` such calls per sequence, one after another;
-- ``gateway``: ``N`` concurrent sessions, each an ``openai.AsyncOpenAI`` client in a separate client process
-  making ``--calls`` completion calls of ``--tokens`` tokens one after another through the gateway
-  (GatewayEngine + GatewayServer, the engine pumped and rounded by the engine thread as the worker loop does).
+- ``direct``: the worker's own path without HTTP: ``N`` sequences generated in ``worker.chunk_tokens`` rounds
+  that batch every sequence (one ``Backend.generate`` per round), decoded, the turn's tokens appended;
+- ``gateway``: ``N`` concurrent recorded sessions (``/sessions/<id>/v1``: trajectory, prefix check), each with an
+  ``openai.AsyncOpenAI`` client of its own, as the worker gives each episode (``rollout_worker.gateway.episodes``),
+  in a client process (GatewayEngine + GatewayServer in this one, the engine pumped and rounded by the engine
+  thread as the worker loop does). Each count also runs with plain aiohttp POSTs as the clients
+  (``plain HTTP``), which leaves out the openai client's own CPU (httpx, pydantic).
 
-Each count is also run with plain aiohttp POSTs as the clients (``plain HTTP``), which takes the openai
-client's own CPU (pydantic models, httpx) out of the figure: on a 2-core machine the client process competes
-with the engine for the same cores.
+With ``--pin`` (the default on a machine with 2+ cores) this process (engine + HTTP server, and the direct run)
+is pinned to CPU 0 and the client process to CPU 1, so the clients' own CPU does not run on the engine's core:
+the harness is not the gateway's cost, and on a 2-core machine it would otherwise be charged to the gateway.
 
-Latency: one session, one request of ``--tokens`` tokens at a time, median and p99 of the gateway's
-end-to-end time (client to reply), next to the direct call's. Throughput runs alternate direct and gateway
-``--repeats`` times per session count and report the medians. Tokens/s counts the tokens
-actually generated (a sequence may end early at EOS). The JSON line's value is gateway / direct tokens/s at the
+Per run it prints where the time goes: the client process's CPU per call, the engine thread's CPU and its busy
+share of the wall time, the number of chunk rounds and their mean batch (direct: every sequence in every round).
+
+Latency: ``--latency-requests`` sessions one after another, one request of ``--tokens`` tokens each, median and
+p99 of the gateway's end-to-end time (client to reply), next to the direct call's. Throughput runs alternate direct and gateway
+``--repeats`` times per session count and report the medians. Tokens/s counts the tokens actually generated
+(a sequence may end early at EOS). The JSON line's value is gateway (openai clients) / direct tokens/s at the
 largest session count, reference 0.9 (the target: at most 10 % throughput cost at 64 sessions).
 """
 
@@ -28,116 +34,278 @@ from __future__ import annotations
 import argparse
 import asyncio
 import multiprocessing as mp
+import os
 import statistics
 import threading
 import time
+from dataclasses import dataclass, field
 from typing import Any
 
 PROMPT = "12+34="
+TURN = "\n56+78="  # what the agent adds after each reply
 
 
-def drive(engine: Any, stop: threading.Event) -> None:
-    """The worker loop's part: pump requests, run chunk rounds while any call is in flight."""
-    while not stop.is_set():
-        engine.wake.clear()
-        engine.pump(gather=True)
-        if engine.calls:
-            engine.round()
-            engine.pump()
-        else:
-            engine.wake.wait(0.05)
+@dataclass(slots=True, kw_only=True)
+class Run:
+    """One measured run: tokens/s and where the time went."""
+
+    tok_s: float
+    wall_s: float
+    rounds: list[int] = field(default_factory=list)  # batch size of each chunk round
+    generate_cpu_s: float = 0.0  # the engine thread's CPU inside Backend.generate
+    engine_cpu_s: float = 0.0  # the engine thread's CPU in all (gateway: + admission, calls, replies)
+    server_cpu_s: float = 0.0  # the HTTP server thread's CPU (gateway: HTTP, JSON, request checks)
+    client_cpu_s: float = 0.0
+    num_calls: int = 0
+    latencies: list[float] = field(default_factory=list)
+
+    def describe(self) -> str:
+        batch = statistics.mean(self.rounds) if self.rounds else 0.0
+        per_call = 1e3 / self.num_calls
+        text = f"{self.tok_s:7.0f} tok/s in {self.wall_s:5.2f} s, {len(self.rounds):2d} rounds of mean batch " \
+               f"{batch:4.1f}; CPU: generate {self.generate_cpu_s:.2f} s"
+        if self.client_cpu_s:
+            text += f", engine thread besides {self.bookkeeping_cpu_s * per_call:.2f} ms/call, HTTP server " \
+                    f"{self.server_cpu_s * per_call:.2f} ms/call, clients {self.client_cpu_s * per_call:.2f} ms/call"
+        return text
+
+    @property
+    def bookkeeping_cpu_s(self) -> float:
+        return max(0.0, self.engine_cpu_s - self.generate_cpu_s)
 
 
-def direct(backend: Any, chunk: int, sessions: int, tokens: int, calls: int) -> tuple[float, list[float]]:
-    """(tokens/s, per-call latencies) of the direct path."""
+class GenerateCpu:
+    """Wraps ``backend.generate``: the CPU seconds of the calling thread inside it, summed."""
+
+    def __init__(self) -> None:
+        self.seconds = 0.0
+
+    def install(self, backend: Any) -> None:
+        inner = backend.generate
+
+        def generate(*args: Any, **kwargs: Any) -> Any:
+            cpu0 = time.thread_time()
+            try:
+                return inner(*args, **kwargs)
+            finally:
+                self.seconds += time.thread_time() - cpu0
+
+        backend.generate = generate
+
+
+GENERATE_CPU = GenerateCpu()
+
+
+def thread_cpu_s(thread: threading.Thread) -> float:
+    assert thread.ident is not None
+    return time.clock_gettime(time.pthread_getcpuclockid(thread.ident))
+
+
+class Driver:
+    """The worker loop's part on a thread of its own: pump requests, run chunk rounds while any call is in
+    flight; notes each round's batch size."""
+
+    def __init__(self, engine: Any) -> None:
+        self.engine = engine
+        self.stop = threading.Event()
+        self.rounds: list[int] = []
+        self.thread = threading.Thread(target=self._loop, daemon=True, name="bench-engine")
+        self.thread.start()
+
+    def _loop(self) -> None:
+        engine = self.engine
+        while not self.stop.is_set():
+            engine.wake.clear()
+            engine.pump(gather=True)
+            if engine.calls:
+                self.rounds.append(len(engine.calls))
+                engine.round()
+                engine.pump()
+            else:
+                engine.wake.wait(0.05)
+
+    def close(self) -> None:
+        self.stop.set()
+        self.engine.wake.set()
+        self.thread.join()
+
+
+def direct(backend: Any, chunk: int, sessions: int, tokens: int, calls: int) -> Run:
+    """The direct path: ``sessions`` sequences, ``calls`` turns each, all sequences in every round."""
     from rollout_worker.backends.base import GenRequest
 
-    generated, latencies = 0, []
-    started = time.perf_counter()
+    generated, latencies, rounds = 0, [], []
+    cpu0, generate0, started = time.thread_time(), GENERATE_CPU.seconds, time.perf_counter()
+    seqs = [backend.encode(PROMPT) for _ in range(sessions)]
     for _ in range(calls):
         t0 = time.perf_counter()
-        prompts = [backend.encode(PROMPT) for _ in range(sessions)]
         outs: list[list[int]] = [[] for _ in range(sessions)]
         live = set(range(sessions))
         while live:
             order = sorted(live)
-            results = backend.generate([GenRequest(token_ids=prompts[i] + outs[i], version=0, key=f"d{i}",
+            rounds.append(len(order))
+            results = backend.generate([GenRequest(token_ids=seqs[i] + outs[i], version=0, key=f"d{i}",
                                                    max_tokens=min(chunk, tokens - len(outs[i])),
                                                    num_generated=len(outs[i])) for i in order])
             for i, r in zip(order, results, strict=True):
                 outs[i] += r.token_ids
                 if r.finished or len(outs[i]) >= tokens:
                     live.discard(i)
-        for ids in outs:
+        for i, ids in enumerate(outs):
             backend.decode(ids)
+            seqs[i] += ids + backend.encode_continuation(TURN)
         generated += sum(len(o) for o in outs)
         latencies.append(time.perf_counter() - t0)
-    return generated / (time.perf_counter() - started), latencies
+    wall = time.perf_counter() - started
+    return Run(tok_s=generated / wall, wall_s=wall, rounds=rounds, generate_cpu_s=GENERATE_CPU.seconds - generate0,
+               engine_cpu_s=time.thread_time() - cpu0,
+               num_calls=sessions * calls, latencies=latencies)
 
 
-def clients(url: str, sessions: int, tokens: int, calls: int, out: Any, kind: str = "openai") -> None:
-    """In a child process: ``sessions`` concurrent clients, ``calls`` completions each; puts (tokens, elapsed,
-    latencies) on ``out``. ``kind`` "raw": plain aiohttp POSTs instead of the openai client (its own CPU cost
-    out of the picture)."""
-    if kind == "raw":
-        out.put(asyncio.run(raw_clients(url, sessions, tokens, calls)))
-        return
+@dataclass(slots=True, kw_only=True)
+class Plan:
+    """What a client process plays, and the two events that start the clock on both sides."""
+
+    urls: list[str]
+    tokens: int
+    calls: int
+    serial: bool  # one session after another (latency), else all at once
+    ready: Any  # set by the clients: imported, connected, waiting for ``go``
+    go: Any
+
+    async def start(self) -> float:
+        self.ready.set()
+        await asyncio.to_thread(self.go.wait, 600)
+        return time.perf_counter()
+
+
+def clients(plan: Plan, out: Any, kind: str, cpu: int | None) -> None:
+    """In a child process: one client per session URL, ``calls`` completions each; puts (tokens, elapsed,
+    latencies, CPU seconds of the measured window) on ``out``. ``kind`` "raw": plain aiohttp POSTs instead of
+    openai clients."""
+    if cpu is not None:
+        os.sched_setaffinity(0, {cpu})
+    run = raw_clients if kind == "raw" else openai_clients
+    out.put(asyncio.run(run(plan)))
+
+
+async def together(plan: Plan, work: list[Any]) -> tuple[int, float, float]:
+    """(tokens, seconds, CPU seconds) of the sessions' work, all at once or one after another."""
+    started, cpu0 = await plan.start(), time.process_time()
+    counts = await asyncio.gather(*work) if not plan.serial else [await w for w in work]
+    return sum(counts), time.perf_counter() - started, time.process_time() - cpu0
+
+
+async def openai_clients(plan: Plan) -> tuple[int, float, list[float], float]:
     import openai
 
-    async def one(client: Any, latencies: list[float]) -> int:
-        n = 0
-        for _ in range(calls):
-            t0 = time.perf_counter()
-            reply = await client.completions.create(model="loraflow", prompt=PROMPT, max_tokens=tokens)
-            latencies.append(time.perf_counter() - t0)
-            n += reply.usage.completion_tokens
-        return n
-
-    async def main() -> tuple[int, float, list[float]]:
-        latencies: list[float] = []
-        async with openai.AsyncOpenAI(base_url=f"{url}/v1", api_key="x", max_retries=0, timeout=600) as client:
-            await client.models.list()  # connection warm
-            started = time.perf_counter()
-            counts = await asyncio.gather(*(one(client, latencies) for _ in range(sessions)))
-            return sum(counts), time.perf_counter() - started, latencies
-
-    out.put(asyncio.run(main()))
-
-
-async def raw_clients(url: str, sessions: int, tokens: int, calls: int) -> tuple[int, float, list[float]]:
-    import aiohttp
-
-    body = {"model": "loraflow", "prompt": PROMPT, "max_tokens": tokens}
     latencies: list[float] = []
 
-    async def one(http: Any) -> int:
-        n = 0
-        for _ in range(calls):
+    async def one(client: Any) -> int:
+        n, prompt = 0, PROMPT
+        for _ in range(plan.calls):
             t0 = time.perf_counter()
-            async with http.post(f"{url}/v1/completions", json=body) as response:
-                n += (await response.json())["usage"]["completion_tokens"]
+            reply = await client.completions.create(model="loraflow", prompt=prompt, max_tokens=plan.tokens)
             latencies.append(time.perf_counter() - t0)
+            n += reply.usage.completion_tokens
+            prompt += reply.choices[0].text + TURN
+        return n
+
+    # one client per session, as the worker gives each episode (rollout_worker.gateway.episodes)
+    sessions = [openai.AsyncOpenAI(base_url=f"{url}/v1", api_key="x", max_retries=0, timeout=600,
+                                   http_client=openai.DefaultAsyncHttpxClient(verify=False)) for url in plan.urls]
+    try:
+        await asyncio.gather(*(c.models.list() for c in sessions))  # connections warm
+        num_tokens, elapsed, cpu_s = await together(plan, [one(c) for c in sessions])
+        return num_tokens, elapsed, latencies, cpu_s
+    finally:
+        await asyncio.gather(*(c.close() for c in sessions))
+
+
+async def raw_clients(plan: Plan) -> tuple[int, float, list[float], float]:
+    import aiohttp
+
+    latencies: list[float] = []
+
+    async def one(http: Any, url: str) -> int:
+        n, prompt = 0, PROMPT
+        for _ in range(plan.calls):
+            t0 = time.perf_counter()
+            body = {"model": "loraflow", "prompt": prompt, "max_tokens": plan.tokens}
+            async with http.post(f"{url}/v1/completions", json=body) as response:
+                reply = await response.json()
+            latencies.append(time.perf_counter() - t0)
+            n += reply["usage"]["completion_tokens"]
+            prompt += reply["choices"][0]["text"] + TURN
         return n
 
     async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0)) as http:
-        started = time.perf_counter()
-        counts = await asyncio.gather(*(one(http) for _ in range(sessions)))
-        return sum(counts), time.perf_counter() - started, latencies
+        for response in await asyncio.gather(*(http.get(f"{url}/v1/models") for url in plan.urls)):
+            response.release()  # connections warm
+        num_tokens, elapsed, cpu_s = await together(plan, [one(http, url) for url in plan.urls])
+        return num_tokens, elapsed, latencies, cpu_s
 
 
-def through_gateway(url: str, sessions: int, tokens: int, calls: int, kind: str = "openai") -> tuple[float, list[float]]:
-    ctx = mp.get_context("spawn")
-    out = ctx.Queue()
-    proc = ctx.Process(target=clients, args=(url, sessions, tokens, calls, out, kind))
-    proc.start()
-    num_tokens, elapsed, latencies = out.get(timeout=900)
-    proc.join(30)
-    return num_tokens / elapsed, latencies
+class Gateway:
+    """The gateway under test: engine + HTTP server in this process; sessions opened per run."""
+
+    def __init__(self, backend: Any, chunk: int, tokens: int, client_cpu: int | None) -> None:
+        from common.config import WorkerConfig
+        from common.metrics import Metrics
+        from rollout_worker.gateway.engine import GatewayEngine
+        from rollout_worker.gateway.server import GatewayServer
+
+        config = WorkerConfig(chunk_tokens=chunk, max_new_tokens=tokens)
+        self.engine = GatewayEngine(backend, config, max_seq_len=512, models=["loraflow"], metrics=Metrics(),
+                                    wake=threading.Event())
+        self.server = GatewayServer(self.engine, host="127.0.0.1", port=0, max_request_bytes=1 << 20,
+                                    metrics=Metrics()).start()
+        self.client_cpu = client_cpu
+        self._num_runs = 0
+
+    def run(self, sessions: int, tokens: int, calls: int, kind: str = "openai", serial: bool = False) -> Run:
+        from rollout_worker.gateway.session import Session
+
+        self._num_runs += 1
+        ids = [f"r{self._num_runs}s{i}" for i in range(sessions)]
+        for sid in ids:  # before the engine thread starts: the engine's state is its thread's
+            self.engine.open(Session(id=sid))
+        ctx = mp.get_context("spawn")
+        out = ctx.Queue()
+        plan = Plan(urls=[f"{self.server.url}/sessions/{sid}" for sid in ids], tokens=tokens, calls=calls,
+                    serial=serial, ready=ctx.Event(), go=ctx.Event())
+        proc = ctx.Process(target=clients, args=(plan, out, kind, self.client_cpu))
+        proc.start()
+        if not plan.ready.wait(600):
+            raise RuntimeError("the client process did not start")
+        driver = Driver(self.engine)  # the clients are imported and connected: the clock starts
+        cpu0, server0, generate0 = thread_cpu_s(driver.thread), self.server_cpu_s(), GENERATE_CPU.seconds
+        plan.go.set()
+        num_tokens, elapsed, latencies, client_cpu_s = out.get(timeout=900)
+        engine_cpu_s, server_cpu_s = thread_cpu_s(driver.thread) - cpu0, self.server_cpu_s() - server0
+        generate_cpu_s = GENERATE_CPU.seconds - generate0
+        proc.join(30)
+        driver.close()
+        for sid in ids:
+            self.engine.close(sid)
+        return Run(tok_s=num_tokens / elapsed, wall_s=elapsed, rounds=driver.rounds, generate_cpu_s=generate_cpu_s,
+                   engine_cpu_s=engine_cpu_s, server_cpu_s=server_cpu_s, client_cpu_s=client_cpu_s,
+                   num_calls=sessions * calls, latencies=latencies)
+
+    def server_cpu_s(self) -> float:
+        return thread_cpu_s(self.server._thread)
+
+    def close(self) -> None:
+        self.server.close()
 
 
 def pct(values: list[float], q: float) -> float:
     ordered = sorted(values)
     return ordered[min(len(ordered) - 1, int(q * len(ordered)))]
+
+
+def median_run(runs: list[Run]) -> Run:
+    return sorted(runs, key=lambda r: r.tok_s)[len(runs) // 2]
 
 
 def main() -> None:
@@ -148,69 +316,67 @@ def main() -> None:
     parser.add_argument("--latency-requests", type=int, default=40)
     parser.add_argument("--chunk", type=int, default=16)
     parser.add_argument("--repeats", type=int, default=3, help="interleaved direct/gateway runs per count (median)")
+    parser.add_argument("--pin", action="store_true", help="engine on CPU 0, clients on CPU 1 (a quiet machine only: "
+                        "on a shared one, whatever else runs on CPU 0 starves the engine)")
     args = parser.parse_args()
+    if args.pin:
+        os.sched_setaffinity(0, {0})
+    from common.logging import setup_logging
+
+    setup_logging("bench", level="warning")
 
     import torch
 
     torch.set_num_threads(1)
     from bench.report import report
-    from common.config import WorkerConfig
-    from common.metrics import Metrics
     from common.tiny_model import resolve_model
     from rollout_worker.backends.base import Sampling
     from rollout_worker.backends.hf import HfBackend
-    from rollout_worker.gateway.engine import GatewayEngine
-    from rollout_worker.gateway.server import GatewayServer
 
     backend = HfBackend(resolve_model("builtin:tiny"), sampling=Sampling(), device="cpu", seed=0)
-    config = WorkerConfig(chunk_tokens=args.chunk, max_new_tokens=args.tokens)
-    wake = threading.Event()
-    engine = GatewayEngine(backend, config, max_seq_len=512, models=["loraflow"], metrics=Metrics(), wake=wake)
-    engine.wake = wake
-    server = GatewayServer(engine, host="127.0.0.1", port=0, max_request_bytes=1 << 20, metrics=Metrics()).start()
-    stop = threading.Event()
-    direct(backend, args.chunk, 1, args.tokens, 2)  # warm-up
+    GENERATE_CPU.install(backend)
+    gateway = Gateway(backend, args.chunk, args.tokens, 1 if args.pin else None)
+    direct(backend, args.chunk, 2, args.tokens, 2)  # warm-up
+    print(f"pinned: {'engine CPU 0, clients CPU 1' if args.pin else 'no'}; {args.calls} calls of {args.tokens} "
+          f"tokens per session, chunk {args.chunk}")
 
     # latency: one request at a time
-    _, direct_lat = direct(backend, args.chunk, 1, args.tokens, args.latency_requests)
-    thread = threading.Thread(target=drive, args=(engine, stop), daemon=True)
-    thread.start()
-    _, gateway_lat = through_gateway(server.url, 1, args.tokens, args.latency_requests)
+    direct_lat = [direct(backend, args.chunk, 1, args.tokens, 1).wall_s for _ in range(args.latency_requests)]
+    gateway_lat = gateway.run(args.latency_requests, args.tokens, 1, serial=True).latencies
     print(f"latency, 1 session, {args.tokens} tokens: direct median {statistics.median(direct_lat) * 1e3:.1f} ms "
           f"p99 {pct(direct_lat, 0.99) * 1e3:.1f} ms | gateway median {statistics.median(gateway_lat) * 1e3:.1f} ms "
           f"p99 {pct(gateway_lat, 0.99) * 1e3:.1f} ms | overhead median "
           f"{(statistics.median(gateway_lat) - statistics.median(direct_lat)) * 1e3:.1f} ms")
 
-    rates, raw = {}, {}
+    results: dict[int, tuple[Run, Run, Run]] = {}
     for n in [int(x) for x in args.sessions.split(",")]:
-        d_rates, g_rates, r_rates = [], [], []
+        d_runs, g_runs, r_runs = [], [], []
         for _ in range(args.repeats):  # interleaved: a shared machine's load hits both alike
-            stop.set()
-            thread.join()
-            d_rates.append(direct(backend, args.chunk, n, args.tokens, args.calls)[0])
-            stop.clear()
-            thread = threading.Thread(target=drive, args=(engine, stop), daemon=True)
-            thread.start()
-            g_rates.append(through_gateway(server.url, n, args.tokens, args.calls)[0])
-            r_rates.append(through_gateway(server.url, n, args.tokens, args.calls, "raw")[0])
-        d_rate, g_rate, r_rate = (statistics.median(x) for x in (d_rates, g_rates, r_rates))
-        rates[n] = (d_rate, g_rate)
-        raw[n] = r_rate / d_rate
-        print(f"{n:3d} sessions: direct {d_rate:8.0f} tok/s | gateway {g_rate:8.0f} tok/s (openai clients), ratio "
-              f"{g_rate / d_rate:.3f} | {r_rate:8.0f} tok/s (plain HTTP clients), ratio {r_rate / d_rate:.3f}")
-    stop.set()
-    thread.join()
-    server.close()
-    top = max(rates)
-    d_rate, g_rate = rates[top]
-    report("gateway", f"tokens_per_s_ratio_at_{top}_sessions", g_rate / d_rate, "ratio", 0.9, ratio=g_rate / d_rate,
-           gateway_tok_s=round(g_rate, 1), direct_tok_s=round(d_rate, 1),
-           latency_median_ms=round(statistics.median(gateway_lat) * 1e3, 2),
+            d_runs.append(direct(backend, args.chunk, n, args.tokens, args.calls))
+            g_runs.append(gateway.run(n, args.tokens, args.calls))
+            r_runs.append(gateway.run(n, args.tokens, args.calls, "raw"))
+        d, g, r = (median_run(x) for x in (d_runs, g_runs, r_runs))
+        results[n] = (d, g, r)
+        print(f"{n:3d} sessions: direct  {d.describe()}\n"
+              f"              gateway {g.describe()} (openai clients), ratio {g.tok_s / d.tok_s:.3f}\n"
+              f"              gateway {r.describe()} (plain HTTP clients), ratio {r.tok_s / d.tok_s:.3f}")
+    gateway.close()
+    top = max(results)
+    d, g, r = results[top]
+    report("gateway", f"tokens_per_s_ratio_at_{top}_sessions", g.tok_s / d.tok_s, "ratio", 0.9,
+           ratio=g.tok_s / d.tok_s, gateway_tok_s=round(g.tok_s, 1), direct_tok_s=round(d.tok_s, 1),
+           pinned=args.pin, latency_median_ms=round(statistics.median(gateway_lat) * 1e3, 2),
            latency_p99_ms=round(pct(gateway_lat, 0.99) * 1e3, 2),
            direct_latency_median_ms=round(statistics.median(direct_lat) * 1e3, 2),
            direct_latency_p99_ms=round(pct(direct_lat, 0.99) * 1e3, 2),
-           ratios={str(n): round(g / d, 3) for n, (d, g) in rates.items()},
-           plain_http_ratios={str(n): round(r, 3) for n, r in raw.items()})
+           ratios={str(n): round(g.tok_s / d.tok_s, 3) for n, (d, g, _) in results.items()},
+           plain_http_ratios={str(n): round(r.tok_s / d.tok_s, 3) for n, (d, _, r) in results.items()},
+           rounds_direct_openai_plain={str(n): [len(x.rounds) for x in runs] for n, runs in results.items()},
+           generate_cpu_s_direct_openai_plain=[round(x.generate_cpu_s, 3) for x in results[top]],
+           ms_per_call_at_top={kind: {"engine_besides_generate": round(x.bookkeeping_cpu_s / x.num_calls * 1e3, 3),
+                                      "http_server": round(x.server_cpu_s / x.num_calls * 1e3, 3),
+                                      "clients": round(x.client_cpu_s / x.num_calls * 1e3, 3)}
+                               for kind, x in (("openai", g), ("plain", r))})
 
 
 if __name__ == "__main__":

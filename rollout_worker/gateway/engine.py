@@ -12,9 +12,12 @@ a tokenizer or a trajectory; handlers only parse JSON and wait for their reply. 
 (and of several groups) share one generate call per round, as Rollouts' samples do, and a call that ends
 leaves at the next chunk boundary. Before a round, a burst of arriving requests is gathered for up to 20 ms
 (until 2 ms pass without one), so the calls a previous round answered start together again instead of
-splitting into two half batches (measured in bench/gateway.py: without it, 64 sessions ran at half the batch). Each call runs under the newest adapter version when it was admitted, for all
-its chunks (those versions are pinned: :meth:`GatewayEngine.versions_in_use`); the next call of the same
-episode may run under a newer one, so a trajectory's per-token versions can change between turns.
+splitting into two half batches (measured in bench/gateway.py: without it, 64 sessions ran at half the batch).
+Replies leave through an :class:`Outbox`: one wake-up of the server's loop per round, not one per call.
+
+Each call runs under the newest adapter version when it was admitted, for all its chunks (those versions are
+pinned: :meth:`GatewayEngine.versions_in_use`); the next call of the same episode may run under a newer one, so
+a trajectory's per-token versions can change between turns.
 A call's ``max_tokens`` defaults to ``worker.max_new_tokens`` and is capped by it (``gateway_max_tokens_capped``)
 and by the room left under ``model.max_seq_len``.
 
@@ -39,7 +42,7 @@ from common.config import WorkerConfig
 from common.logging import get_logger
 from common.metrics import Metrics
 from common.protocol import ServedAdapter
-from rollout_worker.backends.base import Backend, GenRequest
+from rollout_worker.backends.base import Backend, GenOutput, GenRequest
 from rollout_worker.gateway import openai_api as api
 from rollout_worker.gateway.session import ACTIVE, FINISHED, PrefixDivergence, Session
 from rollout_worker.gateway.tools import PARSERS, template_messages
@@ -63,20 +66,46 @@ class Job:
     future: asyncio.Future
     events: asyncio.Queue | None = None  # streaming: text deltas, then the final reply
 
-    def reply(self, status: int, body: dict[str, Any]) -> None:
+    def reply(self, status: int, body: dict[str, Any], outbox: Outbox | None = None) -> None:
         def deliver() -> None:
             if self.events is not None:
                 self.events.put_nowait(("done", status, body))
             elif not self.future.done():
                 self.future.set_result((status, body))
-        self.loop.call_soon_threadsafe(deliver)
+        (outbox or Outbox()).post(self.loop, deliver)
 
     def fail(self, error: api.ApiError) -> None:
         self.reply(error.status, error.body())
 
-    def delta(self, text: str) -> None:
+    def delta(self, text: str, outbox: Outbox | None = None) -> None:
         if self.events is not None and text:
-            self.loop.call_soon_threadsafe(self.events.put_nowait, ("delta", text))
+            (outbox or Outbox()).post(self.loop, lambda: self.events.put_nowait(("delta", text)))
+
+
+class Outbox:
+    """Replies for the server's event loop, handed over in one ``call_soon_threadsafe`` per loop: a round that
+    answers 64 calls wakes the server's loop once, not 64 times (each a write to its self-pipe, on the worker's
+    thread). Without a :meth:`flush` (a throwaway outbox) every reply goes at once."""
+
+    def __init__(self, *, hold: bool = False) -> None:
+        self.hold = hold
+        self._held: dict[asyncio.AbstractEventLoop, list[Callable[[], None]]] = {}
+
+    def post(self, loop: asyncio.AbstractEventLoop, deliver: Callable[[], None]) -> None:
+        if not self.hold:
+            loop.call_soon_threadsafe(deliver)
+        else:
+            self._held.setdefault(loop, []).append(deliver)
+
+    def flush(self) -> None:
+        held, self._held = self._held, {}
+        for loop, delivers in held.items():
+            loop.call_soon_threadsafe(_deliver_all, delivers)
+
+
+def _deliver_all(delivers: list[Callable[[], None]]) -> None:
+    for deliver in delivers:
+        deliver()
 
 
 @dataclass(slots=True, kw_only=True)
@@ -256,6 +285,14 @@ class GatewayEngine:
                                max_tokens=min(chunk, c.max_tokens - len(c.token_ids)), num_generated=len(c.token_ids))
                     for c in calls]
         outputs = self.backend.generate(requests)
+        outbox = Outbox(hold=True)
+        try:
+            self._take(calls, outputs, outbox)
+        finally:
+            outbox.flush()
+
+    def _take(self, calls: list[Call], outputs: list[GenOutput], outbox: Outbox) -> None:
+        """Each call's new chunk: finished calls are recorded and answered (through ``outbox``)."""
         num_tokens = 0
         for call, output in zip(calls, outputs, strict=True):
             start = len(call.token_ids)
@@ -274,11 +311,11 @@ class GatewayEngine:
             num_tokens += len(call.token_ids) - start
             if end:
                 self.calls.remove(call)
-                self._finish(call, end)
+                self._finish(call, end, outbox)
             elif call.job.events is not None and not params.parse_tools:
                 text = self.backend.decode(call.token_ids)
                 if not text.endswith("\ufffd"):  # a character split across tokens waits for its rest
-                    call.job.delta(text[call.sent:])
+                    call.job.delta(text[call.sent:], outbox)
                     call.sent = len(text)
         self.metrics.inc("gateway_tokens_generated", num_tokens)
 
@@ -292,7 +329,7 @@ class GatewayEngine:
                 return True
         return True
 
-    def _finish(self, call: Call, end: str) -> None:
+    def _finish(self, call: Call, end: str, outbox: Outbox) -> None:
         params, session, ids = call.job.params, call.session, call.token_ids
         assert params is not None
         text = self.backend.decode(ids[:-1] if end == "stop" else ids)
@@ -326,8 +363,8 @@ class GatewayEngine:
                 logprobs=api.chat_logprobs(tokens, call.logprobs) if params.logprobs else None,
                 prompt_tokens=len(call.prompt_ids), completion_tokens=len(ids))
         if call.job.events is not None and not params.parse_tools:
-            call.job.delta(text[call.sent:])
-        call.job.reply(200, body)
+            call.job.delta(text[call.sent:], outbox)
+        call.job.reply(200, body, outbox)
 
     def fail_all(self, message: str) -> None:
         """Answer every queued and admitted request with an error (the worker is stopping)."""
