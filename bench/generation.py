@@ -132,6 +132,7 @@ def main() -> None:
     parser.add_argument("--chunk", type=int, default=16, help="tokens per round of a backend that does not stream")
     parser.add_argument("--backends", default="vllm", help="comma-separated: vllm, hf")
     parser.add_argument("--max-num-seqs", type=int, default=64)
+    parser.add_argument("--max-num-batched-tokens", type=int, default=0, help="vLLM's per-step budget (0: its own)")
     parser.add_argument("--seed", type=int, default=0)
     args = parser.parse_args()
 
@@ -163,7 +164,8 @@ def main() -> None:
             from rollout_worker.backends.vllm import VllmBackend
 
             backend = VllmBackend(model_dir, sampling=Sampling(), max_loras=3, max_lora_rank=16, max_model_len=512,
-                                  max_num_seqs=args.max_num_seqs, seed=args.seed)
+                                  max_num_seqs=args.max_num_seqs, seed=args.seed,
+                                  max_num_batched_tokens=args.max_num_batched_tokens or None)
         else:
             from rollout_worker.backends.hf import HfBackend
 

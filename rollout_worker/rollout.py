@@ -388,9 +388,12 @@ class Rollouts:
 
     def _cut_at_stop(self, stop_strings: Sequence[str], sample: Sample, chunk_start: int) -> bool:
         """End the turn right after a stop string that appeared in this chunk; True if one did."""
-        turn_ids = sample.completion_ids[sample.turn_start:]
-        if not any(stop in self.backend.decode(turn_ids) for stop in stop_strings):
+        # one ending in the new tokens starts in the last 4 tokens per character (a byte-level vocabulary) before
+        # them: decode only that tail (a streamed turn is checked at every token)
+        tail = sample.completion_ids[max(sample.turn_start, chunk_start - 4 * max(map(len, stop_strings)) - 8):]
+        if not any(stop in self.backend.decode(tail) for stop in stop_strings):
             return False
+        turn_ids = sample.completion_ids[sample.turn_start:]
         first = max(1, chunk_start - sample.turn_start)
         for length in range(first, len(turn_ids) + 1):  # the shortest prefix holding a stop string
             if any(stop in self.backend.decode(turn_ids[:length]) for stop in stop_strings):

@@ -84,7 +84,7 @@ class VllmBackend(TokenizerMixin, Backend):
                  dtype: str = "float32", max_model_len: int = 512, max_num_seqs: int = 64,
                  kv_cache_gib: float = 1.0, gpu_memory_utilization: float = 0.85, enforce_eager: bool = True,
                  seed: int = 0, chat_template_kwargs: Mapping[str, Any] | None = None,
-                 stop_token_ids: Sequence[int] = ()) -> None:
+                 stop_token_ids: Sequence[int] = (), max_num_batched_tokens: int | None = None) -> None:
         super().__init__(sampling)
         os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", str(max(1, math.ceil(kv_cache_gib))))
         from vllm import LLM, SamplingParams
@@ -98,7 +98,8 @@ class VllmBackend(TokenizerMixin, Backend):
         self.llm = LLM(model=str(model_dir), tokenizer=str(model_dir), dtype=dtype, enable_lora=True,
                        max_lora_rank=self.max_lora_rank, max_loras=max_loras, max_cpu_loras=max_loras + 2,
                        max_model_len=max_model_len, max_num_seqs=max_num_seqs, enforce_eager=enforce_eager,
-                       gpu_memory_utilization=gpu_memory_utilization, seed=seed, logprobs_mode=self.logprobs_mode)
+                       gpu_memory_utilization=gpu_memory_utilization, seed=seed, logprobs_mode=self.logprobs_mode,
+                       **({"max_num_batched_tokens": max_num_batched_tokens} if max_num_batched_tokens else {}))
         self.tokenizer = self.llm.get_tokenizer()
         self.engine_dtype = str(self.llm.llm_engine.model_config.dtype).removeprefix("torch.")
         config = self.llm.llm_engine.model_config.hf_config
