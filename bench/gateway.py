@@ -1,7 +1,7 @@
 """The agent gateway's cost: per-request latency and tokens/s through HTTP vs the same engine driven directly.
 
     .venv/bin/python -m bench.gateway [--tokens 32] [--calls 4] [--sessions 1,8,64] [--latency-requests 40]
-                                      [--repeats 3] [--no-pin]
+                                      [--repeats 3] [--pin]
 
 One hf backend on the tiny model (one torch thread), one engine thread owning it, as in a worker. Each of ``N``
 sessions plays an episode of ``--calls`` text completions of ``--tokens`` tokens, each call's prompt the whole
@@ -15,16 +15,24 @@ conversation so far (the previous prompt, the text the model returned, a new tur
   thread as the worker loop does). Each count also runs with plain aiohttp POSTs as the clients
   (``plain HTTP``), which leaves out the openai client's own CPU (httpx, pydantic).
 
-With ``--pin`` (the default on a machine with 2+ cores) this process (engine + HTTP server, and the direct run)
-is pinned to CPU 0 and the client process to CPU 1, so the clients' own CPU does not run on the engine's core:
-the harness is not the gateway's cost, and on a 2-core machine it would otherwise be charged to the gateway.
+The clients' own CPU is the harness's, not the gateway's; on a 2-core machine it still competes with the engine.
+``--pin`` (for a quiet machine) puts this process (engine + HTTP server, and the direct run) on CPU 0 and the
+client process on CPU 1; on a shared machine whatever else runs on CPU 0 would starve the engine instead.
+On the random tiny model the sampled bytes often re-encode otherwise (invalid UTF-8, special ids), so most
+calls after the first take the prefix check's divergence path (``tito_divergence{reason="tokens"}``): the
+check's slower case is what is measured.
 
-Per run it prints where the time goes: the client process's CPU per call, the engine thread's CPU and its busy
-share of the wall time, the number of chunk rounds and their mean batch (direct: every sequence in every round).
+Per run it prints where the time goes: the number of chunk rounds and their mean batch (direct: every sequence in
+every round), and the CPU split: the engine thread inside ``Backend.generate``, the engine thread besides it
+(admission: rendering, encoding, the prefix check; a call's bookkeeping and reply), the HTTP server thread (HTTP,
+JSON, request checks) and the client process, per call. ``worker CPU per token`` (engine + server threads, the
+worker's process) direct / gateway is the gateway's cost that a loaded machine distorts least: on a shared machine
+the wall-clock ratio also measures how the scheduler shares the cores between one process (direct) and two
+(gateway + clients), which favours the gateway.
 
 Latency: ``--latency-requests`` sessions one after another, one request of ``--tokens`` tokens each, median and
-p99 of the gateway's end-to-end time (client to reply), next to the direct call's. Throughput runs alternate direct and gateway
-``--repeats`` times per session count and report the medians. Tokens/s counts the tokens actually generated
+p99 of the gateway's end-to-end time (client to reply), next to the direct call's. Throughput runs alternate
+direct and gateway ``--repeats`` times per session count and report the medians (the run of median tokens/s). Tokens/s counts the tokens actually generated
 (a sequence may end early at EOS). The JSON line's value is gateway (openai clients) / direct tokens/s at the
 largest session count, reference 0.9 (the target: at most 10 % throughput cost at 64 sessions).
 """
@@ -68,6 +76,11 @@ class Run:
             text += f", engine thread besides {self.bookkeeping_cpu_s * per_call:.2f} ms/call, HTTP server " \
                     f"{self.server_cpu_s * per_call:.2f} ms/call, clients {self.client_cpu_s * per_call:.2f} ms/call"
         return text
+
+    @property
+    def worker_cpu_per_token_ms(self) -> float:
+        """CPU of the worker's process (engine thread + HTTP server thread) per generated token."""
+        return (self.engine_cpu_s + self.server_cpu_s) / max(1.0, self.tok_s * self.wall_s) * 1e3
 
     @property
     def bookkeeping_cpu_s(self) -> float:
@@ -359,7 +372,11 @@ def main() -> None:
         results[n] = (d, g, r)
         print(f"{n:3d} sessions: direct  {d.describe()}\n"
               f"              gateway {g.describe()} (openai clients), ratio {g.tok_s / d.tok_s:.3f}\n"
-              f"              gateway {r.describe()} (plain HTTP clients), ratio {r.tok_s / d.tok_s:.3f}")
+              f"              gateway {r.describe()} (plain HTTP clients), ratio {r.tok_s / d.tok_s:.3f}\n"
+              f"              worker CPU per token: direct {d.worker_cpu_per_token_ms:.3f} ms, gateway "
+              f"{g.worker_cpu_per_token_ms:.3f} ms (openai) / {r.worker_cpu_per_token_ms:.3f} ms (plain), ratios "
+              f"{d.worker_cpu_per_token_ms / g.worker_cpu_per_token_ms:.3f} / "
+              f"{d.worker_cpu_per_token_ms / r.worker_cpu_per_token_ms:.3f}")
     gateway.close()
     top = max(results)
     d, g, r = results[top]
@@ -371,6 +388,8 @@ def main() -> None:
            direct_latency_p99_ms=round(pct(direct_lat, 0.99) * 1e3, 2),
            ratios={str(n): round(g.tok_s / d.tok_s, 3) for n, (d, g, _) in results.items()},
            plain_http_ratios={str(n): round(r.tok_s / d.tok_s, 3) for n, (d, _, r) in results.items()},
+           worker_cpu_ratios={str(n): [round(d.worker_cpu_per_token_ms / x.worker_cpu_per_token_ms, 3) for x in (g, r)]
+                              for n, (d, g, r) in results.items()},
            rounds_direct_openai_plain={str(n): [len(x.rounds) for x in runs] for n, runs in results.items()},
            generate_cpu_s_direct_openai_plain=[round(x.generate_cpu_s, 3) for x in results[top]],
            ms_per_call_at_top={kind: {"engine_besides_generate": round(x.bookkeeping_cpu_s / x.num_calls * 1e3, 3),
