@@ -301,6 +301,7 @@ class IntegrityCheck:
         self.num_forwards = 0  # re-scoring forwards this rank ran (the free path runs none)
         self.num_redone_steps = 0  # steps whose forward/backward ran again without a group the free path failed
         self._chosen: dict[str, list[int]] = {}  # group id -> positions of its chosen samples (this step's)
+        self._facts: tuple[data.StepBatch, StepFacts] | None = None  # of the batch run() saw last
 
     def record(self, version: int, sha256: str | None) -> None:
         """The parameters now hold ``version`` (call on every rank after each publish)."""
@@ -328,7 +329,7 @@ class IntegrityCheck:
         started = time.monotonic()
         if not self.enabled:
             return Verdict(keep=list(range(step.num_groups)))
-        facts = step_facts(step)
+        facts = self.facts(step, fresh=True)
         evidence = [self._evidence(step, g, facts.group_versions[g]) for g in range(step.num_groups)]
         pairs, unverifiable = self._pairs(step, facts)
         pairs = [(i, version) for i, version in pairs if version != defer_version]
@@ -390,6 +391,12 @@ class IntegrityCheck:
         served = self._served(step, group, version)
         engine_dtype = served.dtype if served is not None else "float32"
         return integrity.tolerance(engine_dtype, self.learner_dtype, self.config.token_tolerance)
+
+    def facts(self, step: data.StepBatch, *, fresh: bool = False) -> StepFacts:
+        """:func:`step_facts` of ``step``, kept for the free path's look at the same batch object."""
+        if fresh or self._facts is None or self._facts[0] is not step:
+            self._facts = (step, step_facts(step))
+        return self._facts[1]
 
     def chosen(self, step: data.StepBatch, facts: StepFacts, group: int) -> list[int]:
         """:func:`chosen_samples` of a group, as positions in the group are remembered by group id until the next
@@ -483,7 +490,7 @@ class TrainedCheck:
     def __init__(self, check: IntegrityCheck, step: data.StepBatch, version: int) -> None:
         started = time.monotonic()
         self.check, self.step, self.version = check, step, version
-        self.facts = facts = step_facts(step)
+        self.facts = facts = check.facts(step)
         self.pairs: list[tuple[int, int]] = []
         for g in range(step.num_groups):
             if check._served(step, g, version) is not None:  # else failed as no_evidence already
@@ -507,6 +514,9 @@ class TrainedCheck:
         """Collective: the verdict on this step batch's groups from the observed log-probs (the evidence was
         judged by :meth:`IntegrityCheck.run`)."""
         started = time.monotonic()
+        if not self.pairs:  # alike on every rank: nothing to agree on
+            return Verdict(keep=list(range(self.step.num_groups)), seconds=self.seconds,
+                           free_seconds=self.seconds)
         out = torch.zeros(len(self.pairs), 4, dtype=torch.float64)
         if self._seen:
             recomputed = torch.cat([piece for _, piece in self._seen]).float().cpu().split(
@@ -521,8 +531,7 @@ class TrainedCheck:
                                            max_off_fraction=self.check.config.max_off_fraction)
                 out[k] = torch.tensor([result.num_checked, result.num_off, result.max_abs_diff,
                                        result.mean_abs_diff], dtype=torch.float64)
-        if self.pairs:  # every rank has the same pairs
-            self.check.reduce(out, "sum")
+        self.check.reduce(out, "sum")
         verdict = self.check.judge(self.step, [None] * self.step.num_groups, self.pairs, out)
         verdict.num_free_tokens = verdict.num_checked_tokens
         verdict.seconds = verdict.free_seconds = self.seconds + time.monotonic() - started

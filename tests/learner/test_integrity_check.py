@@ -259,6 +259,10 @@ def test_the_learner_loop_drops_a_failed_group_reports_it_and_trains_the_rest(ti
     assert [m["skipped"] for m in lines] == [{"policy_mismatch": 1}] * 2
     assert all(m["num_groups_trained"] == 2 and m["integrity_s"] > 0 and m["integrity_tokens"] == 3 * 12  # one sample of each group (integrity.samples_per_group = 1)
                for m in lines)
+    # step 1 trains from v0, the groups' version: the training forward checks them, the step is redone without the
+    # made-up group; step 2 trains from v1: the v0 groups are re-scored (one forward per rank) before the step
+    assert [(m["integrity_free_tokens"], m["integrity_redone"]) for m in lines] == [(3 * 12, 1), (0, 0)]
+    assert lines[0]["integrity_forwards"] == 0 and lines[1]["integrity_forwards"] == 1
     assert proc.log().count("policy_mismatch") >= 2
 
 
