@@ -33,10 +33,12 @@ So the learner checks the very tokens it is about to train:
      LoRA tensors swapped in, before the step (failures are dropped before anything is trained). With
      ``max_staleness = 1`` (the demo) there is at most one such version.
 
-   Cost: the free path is bookkeeping (~0.3 ms a step on the tiny model); what is left is the re-scoring forward
-   of older versions, which on an overhead-bound model costs nearly what a forward of the whole batch does
-   whatever its rows (measured, with where the time goes: ``bench/integrity.py``, BENCHMARKS.md "Policy
-   integrity").
+   Cost: the free path is bookkeeping (1-2 ms a step with the evidence on the tiny model, 1.35 % of the demo
+   batch's forward+backward); what is left is the re-scoring forward of older versions, which on an
+   overhead-bound model costs about the same whatever its rows (15 ms: 9 % of the demo's forward+backward), and
+   an asynchronous run's batches hold mostly the previous version's tokens (the workers generate with v-1
+   while the learner trains v-1 -> v): 6-9 % of step time, not the 2 % target (measured, with where the time
+   goes and what would lower it: ``bench/integrity.py``, BENCHMARKS.md "Policy integrity").
 
 **Tolerances.** An fp32 engine and an fp32 learner agree to ~1e-5 nats per token (FACTS.md: vLLM 5e-6, hf 1e-6);
 bf16 on either side drifts by up to a few tenths on low-probability tokens. :func:`tolerance` gives 0.01 nats

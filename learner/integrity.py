@@ -1,9 +1,9 @@
-"""The learner's policy check: before a batch is trained, every group's evidence is checked and samples the
-learner chose are re-scored under the exact adapter version each token claims; a group that fails is not trained.
+"""The learner's policy check: before a batch's optimizer step, every group's evidence is checked and samples the
+learner chose are scored under the exact adapter version each token claims; a group that fails is not trained.
 Why this check and these tolerances: :mod:`common.integrity`.
 
-    every rank, after the batch is broadcast and decoded (learner.data.decode_step_batch), before advantages:
-    IntegrityCheck.run(step)
+    every rank, in learner.step.checked_train_step, on the decoded step batch (learner.data.decode_step_batch):
+    IntegrityCheck.run(step, defer_version=free_version)
       evidence   per group: a ServedAdapter for every version in its tokens (else no_evidence); its sha256 is the
                  one this learner published for that version while the history holds it (adapter_sha256; rank 0
                  alone publishes, so only rank 0 knows the hashes); its int lora_id named no other version earlier
@@ -11,15 +11,28 @@ Why this check and these tolerances: :mod:`common.integrity`.
       choose     integrity.samples_per_group samples per group, ranked by blake2b(seed, group_id, k): the seed is
                  drawn by rank 0 at start-up and broadcast, so every rank picks the same ones and no worker can know
                  which (samples with trained tokens first)
-      re-score   per claimed version u the history holds: the chosen samples with trained tokens of u, spread over
-                 the ranks by length and packed in learner.micro_batch_tokens micro-batches; one no-grad forward each
-                 with u's LoRA tensors swapped in (:meth:`AdapterHistory.applied`; every rank runs as many forwards,
-                 each is an FSDP2 collective), log-probs of u's trained tokens at worker.temperature
+      re-score   per claimed version u the history holds, except the one the parameters hold (free_version): the
+                 chosen samples with trained tokens of u, spread over the ranks by length and packed in
+                 learner.micro_batch_tokens micro-batches; one no-grad forward each with u's LoRA tensors swapped
+                 in (:meth:`AdapterHistory.applied`; every rank runs as many forwards, each is an FSDP2
+                 collective), log-probs of u's trained tokens at worker.temperature
                  (:meth:`learner.model.Policy.trained_logprobs`, the numbers of common.logprobs.token_logprobs) vs
                  the behaviour ones (common.integrity.compare, tolerance by the served and the learner's dtypes);
                  each rank's (sample, version) results summed over the ranks
       agree      all_reduce MAX of the per-group fail flags: every rank drops the same groups
-    -> Verdict: the groups to keep, one PolicyMismatch per failed group (with rank 0's evidence), seconds, tokens
+    TrainedCheck(surviving groups, free_version)   the free path: no forward of its own
+      observe    the training forward's log-probs of each micro-batch (detached): those of the chosen samples'
+                 tokens of free_version, the same numbers a re-scoring forward computes (eval mode changes nothing
+                 when no module is stochastic; with LoRA dropout free_version is None and every version is
+                 re-scored)
+      finish     compared, summed over the ranks, agreed as above, after backward and before optimizer.step();
+                 a failed group: checked_train_step drops it and runs forward/backward again without it
+    -> Verdict (merged): the groups to keep, one PolicyMismatch per failed group (with rank 0's evidence),
+       seconds, tokens (free ones too), re-scoring forwards
+
+free_version is the version :meth:`IntegrityCheck.record` last saw the parameters hold, forgotten at the
+optimizer's next step (:meth:`IntegrityCheck.watch`): with learner.publish_every > 1 a step between two
+publishes holds no version, and every version is re-scored.
 
 The history (:class:`AdapterHistory`) holds the LoRA tensors (this rank's local shards under FSDP2) of the last
 ``run.max_staleness + 1`` versions, recorded at each publish, and v0 (the zero-B start) on a fresh start; staler

@@ -7,6 +7,10 @@ micro-batch's backward (:func:`sync_gradients`). Log-probs come from the trained
 batch weighs ``1 / N`` (N = trained tokens of the whole batch, known to every rank), and FSDP2 averages over
 the R ranks, so each rank scales its loss by ``R / N``: the gradient is that of one process on the whole batch.
 Statistics are summed over micro-batches and ranks, so every rank returns the same numbers.
+
+The learner loop calls :func:`checked_train_step`: the policy check (:mod:`learner.integrity`) around the same
+forward/backward (:func:`forward_backward`), whose log-probs check the tokens of the version the parameters
+hold before :func:`optimizer_step`; a group failing there costs one more forward/backward without it.
 """
 
 from __future__ import annotations
