@@ -46,6 +46,8 @@ class PathResult:
     elapsed_s: float
     decode_step_ms: float = 0.0
     swap_steps: list[float] = field(default_factory=list)  # per swap: load -> first token, in decode steps
+    load_ms: list[float] = field(default_factory=list)  # per swap: the load itself (add_adapter + retain)
+    steps_after_load: list[int] = field(default_factory=list)  # per swap: engine steps until its first token
     num_swaps: int = 0
 
 
@@ -85,6 +87,8 @@ def worker_path(backend, leases: list, adapters: list, *, tokens: int, chunk: in
     step_s: list[float] = []
     swap_steps_s: list[float] = []  # per swap, seconds from load to the first token of the new version
     in_swap: tuple[int, float] | None = None  # (version, load started)
+    load_ms: list[float] = []
+    steps_after_load: list[int] = []
     num_tokens = 0
     steps_since_swap = 0
     tokens_per_step = 1 if backend.streaming else chunk
@@ -95,6 +99,7 @@ def worker_path(backend, leases: list, adapters: list, *, tokens: int, chunk: in
             in_swap = (adapter.version, time.perf_counter())
             backend.add_adapter(adapter)  # what Worker._load_adapter does, then retain
             backend.retain({backend.newest_version} | rollouts.versions_in_use())
+            load_ms.append((time.perf_counter() - in_swap[1]) * 1e3)
             steps_since_swap = 0
         while pending and rollouts.num_groups < capacity:
             rollouts.add(pending.pop(0))
@@ -107,12 +112,14 @@ def worker_path(backend, leases: list, adapters: list, *, tokens: int, chunk: in
             step_s.append(now - step_started)
         elif swapped(rollouts, finished, in_swap[0]):
             swap_steps_s.append(now - in_swap[1])
+            steps_after_load.append(steps_since_swap)
             in_swap = None
     elapsed = time.perf_counter() - started
     decode_step_s = statistics.median(step_s) / tokens_per_step
     return PathResult(tokens_per_s=num_tokens / elapsed, num_tokens=num_tokens, elapsed_s=elapsed,
                       decode_step_ms=decode_step_s * 1e3, swap_steps=[s / decode_step_s for s in swap_steps_s],
-                      num_swaps=len(swap_steps_s))
+                      num_swaps=len(swap_steps_s), load_ms=load_ms[:len(swap_steps_s)],
+                      steps_after_load=steps_after_load)
 
 
 def swapped(rollouts, finished: list, version: int) -> bool:  # noqa: ANN001
@@ -183,7 +190,9 @@ def main() -> None:
               f"({reference.num_tokens} tokens)   worker path {path.tokens_per_s:7.0f} tok/s ({path.num_tokens} tokens, "
               f"{path.num_swaps} swaps)   ratio {path.tokens_per_s / reference.tokens_per_s:.3f}   swap -> first "
               f"token {swap:.2f} decode steps (one step {path.decode_step_ms:.1f} ms; max "
-              f"{max(path.swap_steps, default=float('nan')):.2f})", flush=True)
+              f"{max(path.swap_steps, default=float('nan')):.2f}; of which the load "
+              f"{statistics.median(path.load_ms or [float('nan')]):.1f} ms, then "
+              f"{statistics.median(path.steps_after_load or [float('nan')])} engine steps)", flush=True)
     main_name = "vllm" if "vllm" in results else next(iter(results))
     reference, path, swap = results[main_name]
     extra = {f"{n}_{k}": v for n, (r, p, s) in results.items() if n != main_name
@@ -191,6 +200,8 @@ def main() -> None:
                           ("worker_path_tokens_per_s", round(p.tokens_per_s, 1)), ("swap_decode_steps", round(s, 2)))}
     report("generation", f"{main_name}_worker_path_tokens_per_s", path.tokens_per_s, "tokens/s",
            reference.tokens_per_s, swap_decode_steps=round(swap, 2), decode_step_ms=round(path.decode_step_ms, 2),
+           swap_load_ms=round(statistics.median(path.load_ms or [float("nan")]), 1),
+           swap_engine_steps=statistics.median(path.steps_after_load or [float("nan")]),
            num_swaps=path.num_swaps, leases=args.leases, samples=num_samples, tokens=args.tokens,
            capacity=args.capacity, swap_every=args.swap_every, lora_rank=16, **extra)
 

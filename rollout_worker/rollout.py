@@ -306,10 +306,11 @@ class Rollouts:
         if moved:  # aborted at their current tokens; resubmitted below under the version _version_for picks
             self.metrics.inc("requests_moved", len(moved))
             self._abort(moved)
-        for group in self.groups.values():
-            for sample in group.samples:
-                if sample.status == READY:
-                    self._submit(group, sample)
+        ready = [(g, s) for g in self.groups.values() for s in g.samples if s.status == READY]
+        # shortest first: the engine's scheduler is first come, first served, so after a swap the new version's
+        # first tokens come from the cheapest prefills (fresh samples) while the long prefixes are re-read
+        for group, sample in sorted(ready, key=lambda gs: len(gs[0].prompt_ids) + len(gs[1].completion_ids)):
+            self._submit(group, sample)
         if not self._streams:
             return
         started = time.monotonic()

@@ -3,8 +3,10 @@
     consumes   LeaseGrants (queued by the BrokerSession's dispatcher thread), the newest verified adapter (the
                session's one-adapter slot) and finished environment steps (guarded threads)
     produces   RolloutGroups (kept until acked), LeaseRequests, LeaseReturns when stopping
-    blocks on  the backend's generate call (one chunk round); with nothing ready, on the wake event, set by a
-               grant, an adapter, an ack, an environment step or SIGTERM (timeout: the next step deadline)
+    blocks on  the backend: one chunk round, or one engine step of a streaming backend (vllm: its engine core
+               keeps stepping meanwhile, so the engine never waits for this loop); with nothing ready, on the wake
+               event, set by a grant, an adapter, an ack, an environment step or SIGTERM (timeout: the next step
+               deadline)
     owns       the backend: no other thread touches the model
 
     loop:
@@ -12,7 +14,8 @@
             needs are unloaded and their directories deleted
         granted leases -> new groups in Rollouts
         groups < worker.capacity -> keep one LeaseRequest outstanding (a long-poll at the broker)
-        a sample ready -> one chunk round (Rollouts.step), else wait for the wake event
+        a sample ready or generating -> Rollouts.step (one chunk round / one engine step), else wait for the wake
+            event
         finished groups -> submit (BrokerSession keeps them until acked, re-sends after a broker restart)
 
 Joining a busy run: the session fetches only the newest adapter and holds at most one ahead of the backend

@@ -48,6 +48,11 @@ from rollout_worker.backends.base import Backend, GenDelta, GenOutput, GenReques
 
 log = get_logger("backend.vllm")
 
+#: tokens per engine step on the CPU platform (vLLM's own default elsewhere): there LoRA's torch ops gather the
+#: weights per token, so a prefill token costs about what a decode token does and a large step buys nothing, while
+#: it makes the re-prefill after an adapter swap one step of seconds before the new version's first token
+CPU_STEP_TOKENS = 256
+
 #: LoRA ranks vLLM accepts for max_lora_rank
 VLLM_LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)
 
@@ -95,6 +100,10 @@ class VllmBackend(TokenizerMixin, Backend):
             log.warning("vllm_full_vocab_logprobs", temperature=sampling.temperature, top_p=sampling.top_p,
                         hint="temperature != 1 with top_p < 1 rescoring needs full-vocabulary log-probs (slow)")
         self.max_lora_rank = lora_rank_cap(max_lora_rank)
+        from vllm.platforms import current_platform
+
+        if max_num_batched_tokens is None and current_platform.is_cpu():
+            max_num_batched_tokens = max(CPU_STEP_TOKENS, 2 * max_num_seqs)
         self.llm = LLM(model=str(model_dir), tokenizer=str(model_dir), dtype=dtype, enable_lora=True,
                        max_lora_rank=self.max_lora_rank, max_loras=max_loras, max_cpu_loras=max_loras + 2,
                        max_model_len=max_model_len, max_num_seqs=max_num_seqs, enforce_eager=enforce_eager,
