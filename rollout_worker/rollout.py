@@ -329,7 +329,7 @@ class Rollouts:
             num_tokens += added
             if delta.done:
                 self._left_engine(sample)
-                sample.status = READY  # resubmitted next step if the turn goes on (an engine's own limit)
+                end = end or "length"  # the engine ended it short of the budget: its own limit (the context)
             elif end:  # a stop string: the engine would go on
                 self._abort([sample])
             if end:
@@ -338,6 +338,8 @@ class Rollouts:
 
     def _submit(self, group: GroupRollout, sample: Sample) -> None:
         version = self._version_for(group, sample)
+        if sample.status != READY:
+            return  # the abort policy restarted the episode, and its environment's start failed
         budget = self._budget(group, sample)
         if budget <= 0:
             self._end_turn(group, sample, "length")
