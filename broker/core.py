@@ -48,6 +48,7 @@ import uuid
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -56,6 +57,7 @@ from broker.buffer import RolloutBuffer
 from broker.flow import DataFlow
 from broker.history import TrainingHistory
 from broker.leases import LeaseTable
+from broker.ledger import GroupLedger, Reason
 from broker.peers import ClientIdTaken, Peer, PeerRegistry, RegistryFull, display_name
 from broker.prompts import PromptSource, group_id_of
 from broker.quarantine import Quarantine, Status
@@ -135,7 +137,6 @@ class BrokerCore(DataFlow):
         self.peers = PeerRegistry(heartbeat_interval_s=broker.heartbeat_interval_s,
                                   heartbeat_misses=broker.heartbeat_misses, max_workers=broker.max_workers,
                                   max_observers=broker.max_observers)
-        self.buffer = RolloutBuffer(max_groups=self.capacity_groups, max_bytes=broker.max_buffer_bytes)
         self.adapters = AdapterCache(broker.num_adapters_kept)
         integrity = config.integrity
         self.quarantine = Quarantine(after=integrity.quarantine_after, window=integrity.quarantine_window)
@@ -154,11 +155,9 @@ class BrokerCore(DataFlow):
                        if self.state_path else None)
         self._unsaved_adapter: tuple[int, list[Any]] | None = None
         self.lease_secret = secrets.token_hex(32)  # the persisted one, if any, replaces it in _restore
-        self.prompts = self._restore(task)
-        self.leases = LeaseTable(timeout_s=broker.lease_timeout_s, max_per_worker=broker.max_leases_per_worker,
-                                 id_prefix=f"{self.broker_id[:6]}.", secret=bytes.fromhex(self.lease_secret))
+        self.ledger = self._restore(task)
         self.base_version = self.latest_version
-        self.prompts.on_reserve = lambda _end: self.persist()
+        self.ledger.source.on_reserve = lambda _end: self.persist()
 
         self._handlers = {kind: getattr(self, f"_on_{KIND_NAMES[kind]}") for kind in SENDERS if kind != Kind.HELLO}
         self.lease_waiters = WaiterQueue()
@@ -179,15 +178,14 @@ class BrokerCore(DataFlow):
 
     # -- persistence -----------------------------------------------------------------------------------------
 
-    def _restore(self, task: Task) -> PromptSource:
-        """The prompt source, latest version, trained count and newest adapter as the last process left them."""
+    def _restore(self, task: Task) -> GroupLedger:
+        """The ledger, latest version, trained count and newest adapter as the last process left them."""
         broker, run = self.config.broker, self.config.run
-        block = max(RESERVE_BLOCK, 4 * self.capacity_groups)
-        fresh = PromptSource(task, prompt_limit=broker.prompt_limit, num_epochs=broker.num_epochs,
-                             reserve_block=block)
+        source = partial(PromptSource, task, prompt_limit=broker.prompt_limit, num_epochs=broker.num_epochs,
+                         reserve_block=max(RESERVE_BLOCK, 4 * self.capacity_groups))
         persisted = load_state(self.state_path) if self.state_path else None
         if persisted is not None:
-            check_matches(persisted, task=run.task, seed=run.seed, epoch_size=fresh.epoch_size,
+            check_matches(persisted, task=run.task, seed=run.seed, epoch_size=source().epoch_size,
                           path=str(self.state_path))
             self.latest_version, self.latest_sha256 = persisted.latest_version, persisted.latest_sha256
             self.num_trained_total = persisted.num_trained_groups
@@ -198,15 +196,17 @@ class BrokerCore(DataFlow):
                                            withdrawn=persisted.withdrawn_ranges())
         if self.writer is not None:
             self._restore_adapter(self.writer.adapter_path)
+        parts = dict(buffer=RolloutBuffer(max_groups=self.capacity_groups, max_bytes=broker.max_buffer_bytes),
+                     leases=LeaseTable(timeout_s=broker.lease_timeout_s, max_per_worker=broker.max_leases_per_worker,
+                                       id_prefix=f"{self.broker_id[:6]}.", secret=bytes.fromhex(self.lease_secret)),
+                     count=self.stats.count)
         if persisted is None:
-            return fresh
-        requeued = sorted(set(persisted.pending_keys())
-                          | set(fresh.keys_between(persisted.cursor_key, persisted.reserved_key)))
-        requeued = [k for k in requeued if not broker.num_epochs or k[0] < broker.num_epochs]
+            return GroupLedger(source(), **parts)
+        ledger = GroupLedger.restored(source, cursor=persisted.cursor_key, reserved_until=persisted.reserved_key,
+                                      pending=persisted.pending_keys(), num_epochs=broker.num_epochs, **parts)
         log.info("state_restored", path=str(self.state_path), cursor=list(persisted.reserved_key),
-                 requeued=len(requeued), latest_version=self.latest_version)
-        return PromptSource(task, prompt_limit=broker.prompt_limit, num_epochs=broker.num_epochs, reserve_block=block,
-                            cursor=persisted.reserved_key, requeued=requeued)
+                 requeued=ledger.num_queued, latest_version=self.latest_version)
+        return ledger
 
     def _restore_adapter(self, path: Path) -> None:
         """Serve the adapter saved by the previous process (it may be one version ahead of the state file)."""
@@ -225,10 +225,11 @@ class BrokerCore(DataFlow):
         log.info("adapter_restored", version=update.version, path=str(path))
 
     def _state(self) -> BrokerState:
+        prompts = self.ledger.source
         return make_state(
-            task=self.config.run.task, seed=self.config.run.seed, epoch_size=self.prompts.epoch_size,
-            cursor=self.prompts.cursor, reserved_until=self.prompts.reserved_until,
-            pending=self.prompts.pending_keys(), latest_version=self.latest_version,
+            task=self.config.run.task, seed=self.config.run.seed, epoch_size=prompts.epoch_size,
+            cursor=prompts.cursor, reserved_until=prompts.reserved_until,
+            pending=self.ledger.pending_keys(), latest_version=self.latest_version,
             num_trained_groups=self.num_trained_total, latest_sha256=self.latest_sha256,
             learner_session=self.history.learner_session, uncommitted=self.history.uncommitted.items(),
             withdrawn=self.history.withdrawn, lease_secret=self.lease_secret)
@@ -427,7 +428,7 @@ class BrokerCore(DataFlow):
                       now_s: float) -> None:
         self.peers.heartbeat(peer, beat, now_s)
         if beat.lease_ids:
-            self.stats.count("leases", "renewed", self.leases.renew(identity, beat.lease_ids, now_s))
+            self.stats.count("leases", "renewed", self.ledger.renew(identity, beat.lease_ids, now_s))
         self._send(identity, protocol.Heartbeat(latest_version=self.latest_version, state="idle"))
         self._dirty = True
 
@@ -439,15 +440,9 @@ class BrokerCore(DataFlow):
     def _peer_gone(self, peer: Peer, why: str) -> None:
         """Take back what a dead, departed or restarted client held."""
         identity = peer.identity
-        for lease in self.leases.reclaim(identity):
-            self.prompts.requeue(lease.key)
-            self.stats.count("leases", "reclaimed")
-        if peer.role == "learner":
-            for batch_id in self.buffer.batch_ids():
-                for group in self.buffer.unserve(batch_id):
-                    self.prompts.set_state(group.key, "buffered")
-                    self.stats.count("groups", "restored")
-                    self._stale_checked_version = -1  # they may have aged while in training: check again
+        self.ledger.end_leases_of(identity, Reason.RECLAIMED)
+        if peer.role == "learner" and self.ledger.unserve_all():
+            self._stale_checked_version = -1  # they may have aged while in training: check again
         self.lease_waiters.remove(identity)
         self.batch_waiters.remove(identity)
         self.stats.count("peers_gone", why)
@@ -460,8 +455,7 @@ class BrokerCore(DataFlow):
         resumed = hello.adapter_version
         lost = self.history.rollback(resumed)
         for key in lost:
-            if self.prompts.state(key) == "trained":
-                self.prompts.requeue(key)
+            if self.ledger.roll_back(key):
                 self.num_trained_total -= 1
                 self.num_trained_since_start -= 1
         self.stats.count("groups", "rolled_back", len(lost))
@@ -545,9 +539,7 @@ class BrokerCore(DataFlow):
     def tick(self, now_s: float) -> None:
         """Deadlines: expired leases, dead peers, long-polls due, stats samples."""
         self._num_changes += 1
-        for lease in self.leases.expired(now_s):
-            self.prompts.requeue(lease.key)
-            self.stats.count("leases", "expired")
+        for lease in self.ledger.expire(now_s):
             log.info("lease_expired", lease_id=lease.lease_id, group_id=group_id_of(lease.key),
                      worker=display_name(lease.worker))
             self._dirty = True
@@ -585,7 +577,7 @@ class BrokerCore(DataFlow):
     def next_wakeup_s(self, now_s: float) -> float:
         """When tick() next has something to do."""
         candidates = [self._next_stats_s, self._next_peer_check_s]
-        lease_deadline = self.leases.next_deadline_s()
+        lease_deadline = self.ledger.leases.next_deadline_s()
         if lease_deadline is not None:
             candidates.append(lease_deadline)
         for waiters in (self.lease_waiters, self.batch_waiters):
@@ -618,13 +610,14 @@ class BrokerCore(DataFlow):
     def _set_gauges(self) -> None:
         m = self.stats.metrics
         m.set("latest_version", self.latest_version)
-        m.set("buffer_groups", self.buffer.num_buffered)
-        m.set("buffer_bytes", self.buffer.buffered_bytes)
-        m.set("training_groups", self.buffer.num_training)
-        m.set("training_bytes", self.buffer.training_bytes)
-        m.set("leases_outstanding", len(self.leases))
+        buffer = self.ledger.buffer
+        m.set("buffer_groups", buffer.num_buffered)
+        m.set("buffer_bytes", buffer.buffered_bytes)
+        m.set("training_groups", buffer.num_training)
+        m.set("training_bytes", buffer.training_bytes)
+        m.set("leases_outstanding", self.ledger.num_leased)
         m.set("workers", self.peers.num_workers())
-        m.set("prompts_queued", self.prompts.num_queued)
+        m.set("prompts_queued", self.ledger.num_queued)
         m.set("lease_waiters", len(self.lease_waiters))
         m.set("batch_waiters", len(self.batch_waiters))
         m.set("quarantined_workers", self.quarantine.count(Status.QUARANTINED))

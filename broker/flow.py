@@ -34,6 +34,7 @@ import numpy as np
 from broker import admission
 from broker.buffer import StoredGroup
 from broker.leases import Lease
+from broker.ledger import Reason, State
 from broker.peers import Peer
 from broker.prompts import PromptKey, group_id_of, parse_group_id
 from broker.quarantine import Status, Transition, WorkerKey
@@ -63,7 +64,7 @@ class DataFlow:
     @property
     def mean_group_footprint(self) -> float:
         """Mean bytes a group is charged in the buffer (0 before the first group)."""
-        return self.mean_group_bytes + self.buffer.group_overhead_bytes if self.mean_group_bytes else 0.0
+        return self.mean_group_bytes + self.ledger.buffer.group_overhead_bytes if self.mean_group_bytes else 0.0
 
     # -- leases ----------------------------------------------------------------------------------------------
 
@@ -71,14 +72,15 @@ class DataFlow:
                           max_leases_per_worker: int | None = None) -> admission.AdmissionInputs:
         if max_leases_per_worker is None:
             max_leases_per_worker = self.config.broker.max_leases_per_worker
+        ledger = self.ledger
         return admission.AdmissionInputs(
             requested=requested, worker_version=worker_version, latest_version=self.latest_version,
             max_staleness=self.max_staleness, groups_per_step=self.groups_per_version,
-            capacity_groups=self.capacity_groups, num_leased=len(self.leases), num_stored=self.buffer.num_groups,
+            capacity_groups=self.capacity_groups, num_leased=ledger.num_leased, num_stored=ledger.num_held,
             num_trained_groups=self.num_trained_since_start, base_version=self.base_version,
             worker_leases=worker_leases, max_leases_per_worker=max_leases_per_worker,
-            stored_bytes=self.buffer.memory_bytes, mean_group_bytes=self.mean_group_footprint,
-            max_buffer_bytes=self.buffer.max_bytes, prompts_available=self.prompts.available(requested),
+            stored_bytes=ledger.buffer.memory_bytes, mean_group_bytes=self.mean_group_footprint,
+            max_buffer_bytes=ledger.buffer.max_bytes, prompts_available=ledger.available(requested),
             draining=self.draining, worker_withdrawn=self.history.is_withdrawn(worker_version))
 
     def credit(self) -> int:
@@ -87,7 +89,7 @@ class DataFlow:
 
     def _admission(self, identity: bytes, peer: Peer, requested: int) -> admission.Decision:
         on_probation = self.quarantine.status((peer.client_id, peer.session)) is Status.PROBATION
-        return admission.decide(self._admission_inputs(peer.adapter_version, self.leases.count(identity), requested,
+        return admission.decide(self._admission_inputs(peer.adapter_version, self.ledger.leases.count(identity), requested,
                                                        max_leases_per_worker=1 if on_probation else None))
 
     def _serve_lease_waiters(self, now_s: float) -> None:
@@ -95,7 +97,7 @@ class DataFlow:
         if not self.lease_waiters or self.draining:
             return
         for waiter in self.lease_waiters:
-            if not (self.credit() > 0 and self.prompts.available(1) > 0):
+            if not (self.credit() > 0 and self.ledger.available(1) > 0):
                 return
             if self._answer_lease_waiter(waiter, now_s, final=False):
                 self.lease_waiters.remove(waiter.identity)
@@ -129,50 +131,46 @@ class DataFlow:
             return False
         granted: list[Lease] = []
         for _ in range(decision.num_leases):
-            key = self.prompts.next()
-            if key is None:
+            lease = self.ledger.grant(identity, now_s)
+            if lease is None:
                 break
-            granted.append(self.leases.grant(key, identity, now_s))
+            granted.append(lease)
         reason = decision.reason if len(granted) == decision.num_leases else "no_prompts"
         if not granted and not final and reason not in ("stale_adapter", "draining"):
             return False
         leases = []
         for lease in granted:
-            item = self.prompts.item(lease.key)
+            item = self.ledger.source.item(lease.key)
             leases.append(protocol.PromptLease(
                 lease_id=lease.lease_id, group_id=group_id_of(lease.key), prompt_index=lease.key[1],
                 epoch=lease.key[0], task=self.task_label, group_size=self.group_size,
-                deadline_s=self.leases.timeout_s, **item.lease_fields()))
+                deadline_s=self.ledger.leases.timeout_s, **item.lease_fields()))
         peer.num_leases_granted += len(granted)
-        self.stats.count("leases", "granted", len(granted))
         self._send(identity, protocol.LeaseGrant(leases=leases, reason=reason, latest_version=self.latest_version),
-                   on_fail=lambda: self._return_leases(granted, "undeliverable"))
+                   on_fail=lambda: self._return_leases(granted, Reason.UNDELIVERABLE))
         return True
 
     def _return_malformed_lease(self, identity: bytes, header: dict[str, Any]) -> None:
         """A RolloutGroup that failed its decode: the lease it names, if the sender holds it, goes back at once
         (the worker drops a group the broker refused; waiting for lease_timeout_s would only idle the prompt)."""
-        lease = self.leases.get(header.get("lease_id")) if isinstance(header.get("lease_id"), str) else None
+        lease = self.ledger.leases.get(header.get("lease_id")) if isinstance(header.get("lease_id"), str) else None
         if lease is not None and lease.worker == identity:
-            self._return_leases([lease], "refused")
+            self._return_leases([lease], Reason.REFUSED)
             self._dirty = True
 
-    def _return_leases(self, leases: list[Lease], event: str) -> None:
+    def _return_leases(self, leases: list[Lease], reason: Reason) -> None:
         for lease in leases:
-            if self.leases.get(lease.lease_id) is lease:
-                self.leases.pop(lease.lease_id)
-                self.prompts.requeue(lease.key)
-                self.stats.count("leases", event)
+            self.ledger.end_lease(lease, reason)
 
     def _on_lease_return(self, identity: bytes, _peer: Peer, returned: protocol.LeaseReturn, _env: Any,
                          _frames: Any, _now_s: float) -> None:
         unknown = []
         for lease_id in returned.lease_ids:
-            lease = self.leases.get(lease_id)
+            lease = self.ledger.leases.get(lease_id)
             if lease is None or lease.worker != identity:
                 unknown.append(lease_id)
             else:
-                self._return_leases([lease], "returned")
+                self._return_leases([lease], Reason.RETURNED)
         self._dirty = True
         if unknown:
             self._reject(identity, "unknown_lease", f"lease(s) {unknown[:8]} are not held by you (expired, "
@@ -183,12 +181,12 @@ class DataFlow:
     def _on_rollout_group(self, identity: bytes, peer: Peer, group: protocol.RolloutGroup,
                           envelope: framing.Envelope, _frames: Any, now_s: float) -> None:
         key = parse_group_id(group.group_id)
-        state = self.prompts.state(key) if key is not None else "new"
+        state = self.ledger.state(key) if key is not None else State.NEW
         if key is None or state == "new":
             self._reject(identity, "unknown_lease", f"group {group.group_id!r} (lease {group.lease_id!r}) was never "
                          "leased by this broker", ref_kind=Kind.ROLLOUT_GROUP, ref_id=group.group_id)
             return
-        if not self.leases.issued_to(group.lease_id, key, identity):
+        if not self.ledger.leases.issued_to(group.lease_id, key, identity):
             self._reject(identity, "unknown_lease", f"group {group.group_id!r}: lease {group.lease_id!r} was not "
                          "granted to this client for this prompt (a lease binds the client it was granted to)",
                          ref_kind=Kind.ROLLOUT_GROUP, ref_id=group.group_id, reason="lease_not_yours")
@@ -226,28 +224,24 @@ class DataFlow:
                                f"{self.history.withdrawn} (a restarted learner rolled it back); the prompt was "
                                "re-queued", reason="withdrawn")
             return
-        if not self.buffer.fits(envelope.num_bytes):
+        buffer = self.ledger.buffer
+        if not buffer.fits(envelope.num_bytes):
             self.stats.count("dropped", "buffer_full")
             self._refuse_group(identity, key, group, "limit",
                                f"RolloutGroup {group.group_id}: {envelope.num_bytes} bytes do not fit the buffer "
-                               f"({self.buffer.memory_bytes} of broker.max_buffer_bytes={self.buffer.max_bytes} "
+                               f"({buffer.memory_bytes} of broker.max_buffer_bytes={buffer.max_bytes} "
                                "used, counting per-group overhead); "
                                "the prompt was re-queued", reason="buffer_full")
             return
-        lease = self.leases.cancel_key(key)
-        if lease is not None:
-            self.stats.count("leases", "submitted" if lease.lease_id == group.lease_id else "cancelled")
-        self.prompts.set_state(key, "buffered")
         num_tokens = sum(group.completion_lens)
-        self.buffer.add(StoredGroup(group_id=group.group_id, key=key, header=envelope.header,
-                                    wire_specs=[s.to_wire() for s in envelope.specs],
-                                    frames=envelope.frames, num_bytes=envelope.num_bytes,
-                                    min_version=group.min_version, num_tokens=num_tokens, worker=peer.client_id,
-                                    session=peer.session, received_s=now_s))
+        self.ledger.accept(StoredGroup(group_id=group.group_id, key=key, header=envelope.header,
+                                       wire_specs=[s.to_wire() for s in envelope.specs],
+                                       frames=envelope.frames, num_bytes=envelope.num_bytes,
+                                       min_version=group.min_version, num_tokens=num_tokens, worker=peer.client_id,
+                                       session=peer.session, received_s=now_s), group.lease_id)
         weight = 0.1 if self.mean_group_bytes else 1.0
         self.mean_group_bytes += weight * (envelope.num_bytes - self.mean_group_bytes)
         peer.num_groups_accepted += 1
-        self.stats.count("groups", "accepted")
         self.stats.tokens_accepted += num_tokens
         self._ack_group(identity, peer, group.group_id, "accepted")
         self._dirty = True
@@ -273,9 +267,9 @@ class DataFlow:
     def _refuse_group(self, identity: bytes, key: PromptKey, group: protocol.RolloutGroup, code: str, message: str,
                       reason: str | None = None) -> None:
         """Error for a group that will not be buffered; its prompt goes back to the queue."""
-        lease = self.leases.get(group.lease_id)
+        lease = self.ledger.leases.get(group.lease_id)
         if lease is not None and lease.key == key and lease.worker == identity:
-            self._return_leases([lease], "refused")
+            self._return_leases([lease], Reason.REFUSED)
         # otherwise the prompt is queued already, or leased again to another worker (theirs to deliver)
         log.info("group_refused", group_id=group.group_id, worker=group.worker_id, code=code, reason=reason or code,
                  error=message[:200])
@@ -288,21 +282,18 @@ class DataFlow:
         if self._stale_checked_version == self.latest_version:
             return
         self._stale_checked_version = self.latest_version
-        dropped = self.buffer.drop_stale(self.latest_version, self.max_staleness)
-        for group in dropped:
-            self.prompts.requeue(group.key)
-            self.stats.count("dropped", "stale")
-            self._dirty = True
+        dropped = self.ledger.drop_stale(self.latest_version, self.max_staleness)
         if dropped:
+            self._dirty = True
             log.info("stale_groups_dropped", num_groups=len(dropped), latest_version=self.latest_version,
                      max_staleness=self.max_staleness, requeued=[g.group_id for g in dropped[:8]])
 
     def _on_batch_request(self, identity: bytes, peer: Peer, request: protocol.BatchRequest, _env: Any,
                           _frames: Any, now_s: float) -> None:
         self.learner_progress["learner_version"] = request.learner_version
-        if request.num_groups > self.buffer.max_groups:
+        if request.num_groups > self.ledger.buffer.max_groups:
             self._reject(identity, "limit", f"BatchRequest for {request.num_groups} groups can never be filled: the "
-                         f"broker holds at most {self.buffer.max_groups} (broker.capacity_groups)",
+                         f"broker holds at most {self.ledger.buffer.max_groups} (broker.capacity_groups)",
                          ref_kind=Kind.BATCH_REQUEST)
             return
         self._drop_stale()
@@ -313,9 +304,10 @@ class DataFlow:
     def _try_serve(self, identity: bytes, request: protocol.BatchRequest, final: bool) -> bool:
         batch_id = f"{self.broker_id}.{self._batch_seq + 1}"
         num_groups = request.num_groups
-        if self.buffer.num_buffered < num_groups and self._nothing_more_to_come():
-            num_groups = self.buffer.num_buffered  # the dataset's last groups: a short batch, else it never ends
-        groups = self.buffer.serve(num_groups, batch_id)
+        buffered = self.ledger.buffer.num_buffered
+        if buffered < num_groups and self.ledger.nothing_more_to_come():
+            num_groups = buffered  # the dataset's last groups: a short batch, else it never ends
+        groups = self.ledger.serve(num_groups, batch_id)
         if groups is None:
             if final:
                 self._send(identity, protocol.Batch(latest_version=self.latest_version))
@@ -323,7 +315,6 @@ class DataFlow:
         self._batch_seq += 1
         entries, specs, frames = [], [], []
         for group in groups:
-            self.prompts.set_state(group.key, "training")
             self.stats.count("served_staleness", versions.staleness(self.latest_version, group.min_version))
             # the submitting process as the broker knows it, not as the group claims (the learner's lora_id memory)
             entries.append({"group": {**group.header, "worker_id": group.worker, "worker_session": group.session},
@@ -332,7 +323,6 @@ class DataFlow:
             specs.extend({**spec, "frame": base + spec["frame"]} for spec in group.wire_specs)
             frames.extend(group.frames)
         header = {"batch_id": batch_id, "groups": entries, "latest_version": self.latest_version, "tensors": specs}
-        self.stats.count("groups", "served", len(groups))
         # framing.pack_raw's layout, with the tensor specs kept as wire dicts from the groups' arrival
         message = [framing.PREAMBLE.pack(framing.MAGIC, protocol.PROTOCOL_VERSION, Kind.BATCH),
                    msgpack.packb(header, use_bin_type=True), *frames]
@@ -340,58 +330,46 @@ class DataFlow:
                           num_bytes=sum(g.num_bytes for g in groups))
         return True
 
-    def _nothing_more_to_come(self) -> bool:
-        """Every epoch is issued and nothing is queued or leased: the buffer holds the last groups there will be."""
-        return self.prompts.exhausted() and self.prompts.num_queued == 0 and len(self.leases) == 0
-
     def _drop_withdrawn(self) -> None:
         """Take buffered groups holding a withdrawn version's tokens out of the buffer; their prompts re-queued."""
-        dropped = [g for g in self.buffer.buffered()
+        dropped = [g for g in self.ledger.buffered()
                    if versions.overlaps(self.history.withdrawn, g.min_version, g.header["max_version"])
                    and versions.touches(self.history.withdrawn, token_versions(g.wire_specs, g.frames))]
-        for group in dropped:
-            self.buffer.discard(group.group_id)
-            self.prompts.requeue(group.key)
-            self.stats.count("dropped", "withdrawn")
+        self.ledger.drop_buffered(dropped, Reason.WITHDRAWN)
         if dropped:
             log.info("withdrawn_groups_dropped", num_groups=len(dropped), withdrawn=self.history.withdrawn,
                      requeued=[g.group_id for g in dropped[:8]])
             self._dirty = True
 
     def _unserve(self, batch_id: str) -> None:
-        for group in self.buffer.unserve(batch_id):
-            self.prompts.set_state(group.key, "buffered")
-            self.stats.count("groups", "restored")
+        if self.ledger.unserve(batch_id):
             self._stale_checked_version = -1  # restored groups may have aged while in training: check again
 
     def _on_batch_ack(self, identity: bytes, _peer: Peer, ack: protocol.BatchAck, _env: Any, _frames: Any,
                       now_s: float) -> None:
         listed = set(ack.group_ids)
         failed = {m.group_id: m for m in ack.mismatches}
-        groups = self.buffer.ack(ack.batch_id)
-        if groups is None and not listed:
+        if self.ledger.buffer.batch(ack.batch_id) is None and not listed:
             self._reject(identity, "unknown_batch", f"batch {ack.batch_id!r} is unknown to this broker and the ack "
                          "lists no group_ids", ref_kind=Kind.BATCH_ACK, ref_id=ack.batch_id)
             return
+        # the list is authoritative: unlisted = not trained
+        settled = self.ledger.settle(ack.batch_id, listed, set(failed)) or []
         num_trained = 0
         for mismatch in ack.mismatches:
             self.stats.count("policy_mismatches", mismatch.reason)
-        for group in groups or []:
-            if group.group_id not in listed:  # the list is authoritative: unlisted = not trained
-                self.prompts.requeue(group.key)
-                self.stats.count("dropped", "policy_mismatch" if group.group_id in failed else "not_trained")
-            elif self.prompts.mark_trained(group.key):
+        for group, trained in settled:
+            if trained:
                 num_trained += 1
                 self.history.record(group.key, ack.trained_version)
-            if group.group_id in failed or group.group_id in listed:
+            if group.group_id in failed or trained:
                 self._checked(group, failed.get(group.group_id), now_s)
-        served = {g.group_id for g in groups or []}
+        served = {g.group_id for g, _ in settled}
         for group_id in listed - served:
             num_trained += self._mark_trained(group_id, ack.trained_version)
         self.num_trained_total += num_trained
         self.num_trained_since_start += num_trained
         self.history.commit(ack.checkpoint_version)
-        self.stats.count("groups", "trained", num_trained)
         self.learner_progress.update(step=ack.step, trained_version=ack.trained_version,
                                      checkpoint_version=ack.checkpoint_version)
         self._persist_due = True
@@ -412,13 +390,9 @@ class DataFlow:
 
     def _quarantine(self, worker: WorkerKey, now_s: float) -> None:
         """Take back what a newly quarantined process holds: its buffered groups and its leases (re-queued)."""
-        dropped = self.buffer.drop_from(*worker)
-        for stored in dropped:
-            self.prompts.requeue(stored.key)
-            self.stats.count("dropped", "policy_mismatch")
+        dropped = self.ledger.drop_from(*worker)
         peer = self.peers.worker(*worker)
-        leases = self.leases.of_worker(peer.identity) if peer is not None else []
-        self._return_leases(leases, "quarantined")
+        leases = self.ledger.end_leases_of(peer.identity, Reason.QUARANTINED) if peer is not None else []
         self.stats.count("quarantines", "quarantined")
         row = self.quarantine.row(worker, now_s, self.started_unix + (now_s - self.started_s))
         log.warning("worker_quarantined", worker=worker[0], session=worker[1], connected=peer is not None,
@@ -438,12 +412,7 @@ class DataFlow:
     def _mark_trained(self, group_id: str, trained_version: int) -> int:
         """A group trained from a batch this broker did not serve (it restarted); 1 if it was pending."""
         key = parse_group_id(group_id)
-        if key is None or self.prompts.state(key) in ("new", "trained"):
-            return 0
-        self.buffer.discard(group_id)
-        if self.leases.cancel_key(key) is not None:
-            self.stats.count("leases", "cancelled")
-        if not self.prompts.mark_trained(key):
+        if key is None or not self.ledger.mark_trained(key):
             return 0
         self.history.record(key, trained_version)
         return 1

@@ -138,7 +138,7 @@ class BrokerServer:
                 core.tick(now_s)
                 self._send_all(core.flush(now_s))
             self._send_all(core.drain(time.monotonic()))
-            log.info("broker_stopped", latest_version=core.latest_version, cursor=list(core.prompts.cursor))
+            log.info("broker_stopped", latest_version=core.latest_version, cursor=list(core.ledger.source.cursor))
         finally:
             self.close()
 

@@ -59,7 +59,7 @@ def _peer_row(core: BrokerCore, peer: Peer, now_s: float) -> dict[str, Any]:
         else {}
     return {
         "id": peer.client_id, "identity": peer.name, "role": peer.role, "state": peer.state,
-        "adapter_version": peer.adapter_version, "leases": core.leases.count(peer.identity),
+        "adapter_version": peer.adapter_version, "leases": core.ledger.leases.count(peer.identity),
         "capacity": peer.capacity, "backend": peer.backend, "host": peer.host, "pid": peer.pid,
         "session": peer.session, "last_seen_s": round(now_s - peer.last_seen_s, 3),
         "uptime_s": round(now_s - peer.registered_s, 1), "groups_accepted": peer.num_groups_accepted,
@@ -79,7 +79,9 @@ def _integrity(core: BrokerCore, now_s: float) -> dict[str, Any]:
 
 
 def build_snapshot(core: BrokerCore, now_s: float) -> dict[str, Any]:
-    buffered = core.buffer.buffered()
+    ledger = core.ledger
+    buffer = ledger.buffer
+    buffered = buffer.buffered()
     all_workers = core.peers.of_role("worker")
     workers = [_peer_row(core, p, now_s) for p in all_workers[:MAX_WORKERS_LISTED]]
     learners = core.peers.of_role("learner")
@@ -87,7 +89,7 @@ def build_snapshot(core: BrokerCore, now_s: float) -> dict[str, Any]:
     learner_share = None
     if learners:
         learner = {**_peer_row(core, learners[0], now_s), **core.learner_progress,
-                   "batches_in_flight": len(core.buffer.batch_ids())}
+                   "batches_in_flight": len(buffer.batch_ids())}
         learner_share = _busy_share_from_counters(learners[0].counters)
         if learner_share is None:
             learner_share = learner["busy_share"]
@@ -105,20 +107,20 @@ def build_snapshot(core: BrokerCore, now_s: float) -> dict[str, Any]:
             "lease_timeout_s": broker.lease_timeout_s, "heartbeat_interval_s": broker.heartbeat_interval_s,
             "heartbeat_misses": broker.heartbeat_misses,
         },
-        "prompts": {**core.prompts.snapshot(), "trained_total": core.num_trained_total,
-                    "exhausted": core.prompts.exhausted()},
+        "prompts": {**ledger.snapshot(), "trained_total": core.num_trained_total,
+                    "exhausted": ledger.source.exhausted()},
         "buffer": {
-            "groups": core.buffer.num_buffered, "bytes": core.buffer.buffered_bytes,
-            "training_groups": core.buffer.num_training, "training_bytes": core.buffer.training_bytes,
-            "max_groups": core.buffer.max_groups, "max_bytes": core.buffer.max_bytes,
-            "memory_bytes": core.buffer.memory_bytes,
-            "staleness": {str(k): v for k, v in core.buffer.staleness_histogram(core.latest_version).items()},
+            "groups": buffer.num_buffered, "bytes": buffer.buffered_bytes,
+            "training_groups": buffer.num_training, "training_bytes": buffer.training_bytes,
+            "max_groups": buffer.max_groups, "max_bytes": buffer.max_bytes,
+            "memory_bytes": buffer.memory_bytes,
+            "staleness": {str(k): v for k, v in buffer.staleness_histogram(core.latest_version).items()},
             "oldest_age_s": round(now_s - buffered[0].received_s, 3) if buffered else 0.0,
             "mean_group_bytes": round(core.mean_group_bytes, 1),
         },
         "credit": credit,
-        "leases": {"outstanding": len(core.leases),
-                   "list": core.leases.snapshot(now_s)[:MAX_LEASES_LISTED]},
+        "leases": {"outstanding": ledger.num_leased,
+                   "list": ledger.leases.snapshot(now_s)[:MAX_LEASES_LISTED]},
         "waiting": {"lease_requests": len(core.lease_waiters), "batch_requests": len(core.batch_waiters)},
         "workers": workers,
         "num_workers": len(all_workers),
