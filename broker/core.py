@@ -16,7 +16,7 @@ handler. Every refusal is an Error reply plus ``rejected{reason}``; nothing a pe
 Semantics (the contract between roles, see the team plan):
 
 - LeaseRequest / BatchRequest are long-polls: answered at once when something can be given, else parked as a
-  *waiter* and answered when state changes (``_dirty``) or with an empty reply at its deadline.
+  *waiter* and answered when state changes (a ledger transition, or ``_reconsider``) or with an empty reply at its deadline.
 - RolloutGroup: only for a lease granted to the sender for that prompt (lease ids carry a MAC binding them to
   their holder, :mod:`broker.leases`; else ``unknown_lease`` and nobody's lease is touched); dedup by group id
   (buffered/training/trained -> Ack duplicate); a group for a prompt whose lease expired is still accepted
@@ -45,9 +45,7 @@ import hmac
 import secrets
 import time
 import uuid
-from collections import deque
 from collections.abc import Callable
-from dataclasses import dataclass
 from functools import partial
 from pathlib import Path
 from typing import Any
@@ -58,6 +56,7 @@ from broker.flow import DataFlow
 from broker.history import TrainingHistory
 from broker.leases import LeaseTable
 from broker.ledger import GroupLedger, Reason
+from broker.outbox import KIND_NAMES, Outbox, Outgoing
 from broker.peers import ClientIdTaken, Peer, PeerRegistry, RegistryFull, display_name
 from broker.prompts import PromptSource, group_id_of
 from broker.quarantine import Quarantine, Status
@@ -73,7 +72,6 @@ from common.tasks import Task
 
 log = get_logger("broker")
 
-KIND_NAMES = {int(k): k.name.lower() for k in Kind}
 ANYONE = frozenset({"worker", "learner", "observer"})
 #: who may send each kind; None = also unregistered identities; kinds missing here only the broker sends
 SENDERS: dict[int, frozenset[str] | None] = {
@@ -92,14 +90,6 @@ SENDERS: dict[int, frozenset[str] | None] = {
 PEER_CHECK_FRACTION = 0.5  # check liveness every half heartbeat interval
 STATS_TICK_S = 1.0
 RESERVE_BLOCK = 4096  # new prompt keys handed out per state-file write (re-queued, not lost, after a crash)
-
-
-@dataclass(slots=True)
-class Outgoing:
-    identity: bytes
-    frames: list[Any]
-    kind: int
-    on_fail: Callable[[], None] | None = None
 
 
 def _peek_kind(frames: list[Any]) -> int:
@@ -162,12 +152,11 @@ class BrokerCore(DataFlow):
         self._handlers = {kind: getattr(self, f"_on_{KIND_NAMES[kind]}") for kind in SENDERS if kind != Kind.HELLO}
         self.lease_waiters = WaiterQueue()
         self.batch_waiters = WaiterQueue()
-        self.outbox: list[Outgoing] = []
-        self._group_acks: dict[tuple[bytes, str], list[str]] = {}  # (client, status) -> group ids to acknowledge
-        self._unsubmitted: list[Outgoing] = []  # replies that need the next state write
-        self._awaiting_write: deque[tuple[int, list[Outgoing]]] = deque()  # (write seq, replies)
-        self._persist_due = False
-        self._dirty = False
+        self.outbox = Outbox(self.stats)
+        # a change outside the ledger (a peer, a version) that may let a parked long-poll be answered; the
+        # ledger's own transitions count by themselves (GroupLedger.num_changes)
+        self._reconsider = False
+        self._changes_seen = 0
         self._batch_seq = 0
         self._num_changes = 0  # messages (other than StatsRequest) and ticks handled: what a Stats reply is of
         self._stats_reply: tuple[int, list[Any]] | None = None  # (_num_changes, encoded Stats) of the last one
@@ -243,34 +232,21 @@ class BrokerCore(DataFlow):
 
     def _submit_write(self) -> None:
         """Hand the current state to the background writer; replies waiting for it go out once it is durable."""
-        self._persist_due = False
-        replies, self._unsubmitted = self._unsubmitted, []
         if self.writer is None:
-            self.outbox.extend(replies)
+            self.outbox.written(None)
             return
         adapter, self._unsaved_adapter = self._unsaved_adapter, None
-        seq = self.writer.submit(self._state(), adapter)
+        self.outbox.written(self.writer.submit(self._state(), adapter))
         self.stats.count("state_writes", "background")
-        self._awaiting_write.append((seq, replies))
 
-    def _release_durable(self) -> None:
-        """Move replies whose state write is on disk to the outbox."""
-        durable = self.writer.durable_seq if self.writer is not None else 0
-        while self._awaiting_write and self._awaiting_write[0][0] <= durable:
-            self.outbox.extend(self._awaiting_write.popleft()[1])
+    def _durable_seq(self) -> int:
+        return self.writer.durable_seq if self.writer is not None else 0
 
     # -- sending ---------------------------------------------------------------------------------------------
 
-    def _send_frames(self, identity: bytes, kind: int, frames: list[Any], on_fail: Callable[[], None] | None = None,
-                     after_persist: bool = False, num_bytes: int | None = None) -> None:
-        out = Outgoing(identity, frames, kind, on_fail)
-        (self._unsubmitted if after_persist else self.outbox).append(out)
-        self.stats.count("messages_out", KIND_NAMES[kind])
-        self.stats.bytes_out += _nbytes(frames) if num_bytes is None else num_bytes
-
     def _send(self, identity: bytes, record: Any, on_fail: Callable[[], None] | None = None,
               after_persist: bool = False) -> None:
-        self._send_frames(identity, int(record.KIND), protocol.encode(record), on_fail, after_persist)
+        self.outbox.send_record(identity, record, on_fail=on_fail, after_durable=after_persist)
 
     def _reject(self, identity: bytes, code: str, message: str, *, ref_kind: int = 0, ref_id: str = "",
                 reason: str | None = None) -> None:
@@ -291,18 +267,15 @@ class BrokerCore(DataFlow):
 
     def has_work(self) -> bool:
         """Something to send, write or re-evaluate without waiting for a message."""
-        durable = self.writer.durable_seq if self.writer is not None else 0
-        return bool(self.outbox or self._dirty or self._persist_due or self._group_acks
-                    or (self._awaiting_write and self._awaiting_write[0][0] <= durable))
+        return (self._reconsider or self.ledger.num_changes != self._changes_seen
+                or self.outbox.has_ready(self._durable_seq()))
 
     def send_failed(self, out: Outgoing, reason: str) -> None:
         """zmq refused ``out`` (server calls this); undo what the message promised."""
         self.stats.count("send_failed", reason)
         log.info("send_failed", peer=display_name(out.identity)[:64], kind=KIND_NAMES.get(out.kind),
                  reason=reason)
-        if out.on_fail is not None:
-            out.on_fail()
-            self._dirty = True
+        self.outbox.failed(out)  # its undo is a ledger transition: parked long-polls are reconsidered
 
     # -- receiving -------------------------------------------------------------------------------------------
 
@@ -410,7 +383,7 @@ class BrokerCore(DataFlow):
         if replaced is not None or _peer is None:
             log.info("peer_joined", peer=peer.name, role=peer.role, session=peer.session, host=peer.host,
                      pid=peer.pid, adapter_version=peer.adapter_version)
-        self._dirty = True
+        self._reconsider = True
 
     def _fence_learner(self, old: Peer, successor: Peer) -> None:
         """``old`` was replaced by the learner ``successor``: its identity is refused from now on, and it is told."""
@@ -430,7 +403,7 @@ class BrokerCore(DataFlow):
         if beat.lease_ids:
             self.stats.count("leases", "renewed", self.ledger.renew(identity, beat.lease_ids, now_s))
         self._send(identity, protocol.Heartbeat(latest_version=self.latest_version, state="idle"))
-        self._dirty = True
+        self._reconsider = True
 
     def _on_bye(self, identity: bytes, peer: Peer, bye: protocol.Bye, _env: Any, _frames: Any, _now_s: float) -> None:
         self.peers.remove(identity)
@@ -446,7 +419,7 @@ class BrokerCore(DataFlow):
         self.lease_waiters.remove(identity)
         self.batch_waiters.remove(identity)
         self.stats.count("peers_gone", why)
-        self._dirty = True
+        self._reconsider = True
 
     def _learner_restarted(self, hello: protocol.Hello, now_s: float) -> None:
         """A learner process that is not the one whose steps the history holds: it resumed from a checkpoint of
@@ -467,8 +440,7 @@ class BrokerCore(DataFlow):
             self._drop_withdrawn()
             self._answer_stale_lease_waiters(now_s)
         self.history.learner_session = hello.session
-        self._persist_due = True
-        self._dirty = True
+        self._reconsider = True
         log.info("learner_restarted", session=hello.session, resumed_version=resumed,
                  latest_version=self.latest_version, requeued=len(lost), withdrawn=self.history.withdrawn)
 
@@ -497,7 +469,6 @@ class BrokerCore(DataFlow):
         self.latest_version, self.latest_sha256 = update.version, update.sha256.lower()
         peer.adapter_version = update.version
         self._unsaved_adapter = (update.version, stored.message)
-        self._persist_due = True
         self._send(identity, protocol.Ack(ref_kind=Kind.ADAPTER_UPDATE, ref_id=str(update.version)),
                    after_persist=True)
         notice = stored.notice()
@@ -508,7 +479,7 @@ class BrokerCore(DataFlow):
         self.stats.count("adapters", "restored" if restoring else "published")
         log.info("adapter_published", version=update.version, step=update.step, num_bytes=stored.num_bytes,
                  num_tensors=stored.num_tensors, restored=restoring)
-        self._dirty = True
+        self._reconsider = True
 
     def _on_adapter_fetch(self, identity: bytes, _peer: Peer, fetch: protocol.AdapterFetch, _env: Any,
                           _frames: Any, _now_s: float) -> None:
@@ -520,7 +491,7 @@ class BrokerCore(DataFlow):
                          f"({have}; latest version {self.latest_version})", ref_kind=Kind.ADAPTER_FETCH,
                          ref_id=str(fetch.version))
             return
-        self._send_frames(identity, Kind.ADAPTER_UPDATE, stored.message)
+        self.outbox.send(identity, Kind.ADAPTER_UPDATE, stored.message)
 
     # -- stats -----------------------------------------------------------------------------------------------
 
@@ -532,7 +503,7 @@ class BrokerCore(DataFlow):
         if self._stats_reply is None or self._stats_reply[0] != self._num_changes:
             frames = protocol.encode(protocol.Stats(snapshot=build_snapshot(self, now_s)))
             self._stats_reply = (self._num_changes, frames)
-        self._send_frames(identity, Kind.STATS, self._stats_reply[1])
+        self.outbox.send(identity, Kind.STATS, self._stats_reply[1])
 
     # -- timers and flushing ---------------------------------------------------------------------------------
 
@@ -542,7 +513,6 @@ class BrokerCore(DataFlow):
         for lease in self.ledger.expire(now_s):
             log.info("lease_expired", lease_id=lease.lease_id, group_id=group_id_of(lease.key),
                      worker=display_name(lease.worker))
-            self._dirty = True
         if now_s >= self._next_peer_check_s:
             self._next_peer_check_s = now_s + self.config.broker.heartbeat_interval_s * PEER_CHECK_FRACTION
             for peer in self.peers.dead(now_s):
@@ -559,20 +529,17 @@ class BrokerCore(DataFlow):
 
     def flush(self, now_s: float) -> list[Outgoing]:
         """Write the state if an ack needs it, serve parked long-polls if anything changed; what to send."""
-        if self._persist_due:
+        if self.outbox.needs_write:
             self._submit_write()
-        self._release_durable()
-        while self._dirty:
-            self._dirty = False
+        self.outbox.release(self._durable_seq())
+        while self._reconsider or self.ledger.num_changes != self._changes_seen:
+            self._reconsider, self._changes_seen = False, self.ledger.num_changes
             if self.batch_waiters:
                 self._drop_stale()
             while self.batch_waiters and self._answer_batch_waiter(self.batch_waiters.first(), now_s, final=False):
                 self.batch_waiters.remove(self.batch_waiters.first().identity)
             self._serve_lease_waiters(now_s)
-        if self._group_acks:
-            self._send_group_acks()
-        out, self.outbox = self.outbox, []
-        return out
+        return self.outbox.take()
 
     def next_wakeup_s(self, now_s: float) -> float:
         """When tick() next has something to do."""
@@ -595,17 +562,10 @@ class BrokerCore(DataFlow):
             self._answer_batch_waiter(waiter, now_s, final=True)
         self.lease_waiters.clear()
         self.batch_waiters.clear()
-        self._send_group_acks()
         if self.writer is not None:
             self.writer.close()  # finishes a background write in progress
         self.persist()
-        self.outbox.extend(self._unsubmitted)
-        for _, replies in self._awaiting_write:
-            self.outbox.extend(replies)
-        self._unsubmitted, self._awaiting_write = [], deque()
-        self._persist_due = False
-        out, self.outbox = self.outbox, []
-        return out
+        return self.outbox.drain()
 
     def _set_gauges(self) -> None:
         m = self.stats.metrics

@@ -156,7 +156,6 @@ class DataFlow:
         lease = self.ledger.leases.get(header.get("lease_id")) if isinstance(header.get("lease_id"), str) else None
         if lease is not None and lease.worker == identity:
             self._return_leases([lease], Reason.REFUSED)
-            self._dirty = True
 
     def _return_leases(self, leases: list[Lease], reason: Reason) -> None:
         for lease in leases:
@@ -171,7 +170,6 @@ class DataFlow:
                 unknown.append(lease_id)
             else:
                 self._return_leases([lease], Reason.RETURNED)
-        self._dirty = True
         if unknown:
             self._reject(identity, "unknown_lease", f"lease(s) {unknown[:8]} are not held by you (expired, "
                          "reclaimed or never granted)", ref_kind=Kind.LEASE_RETURN, ref_id=unknown[0])
@@ -244,25 +242,14 @@ class DataFlow:
         peer.num_groups_accepted += 1
         self.stats.tokens_accepted += num_tokens
         self._ack_group(identity, peer, group.group_id, "accepted")
-        self._dirty = True
 
     def _ack_group(self, identity: bytes, peer: Peer, group_id: str, status: str) -> None:
         """Acknowledge a group: at once, or (a client that reads Ack.ref_ids) with its other groups of this loop
-        pass in one Ack per status (:meth:`_send_group_acks`)."""
+        pass in one Ack per status (:meth:`broker.outbox.Outbox.ack_group`)."""
         if peer.batched_acks:
-            self._group_acks.setdefault((identity, status), []).append(group_id)
+            self.outbox.ack_group(identity, status, group_id)
         else:
             self._send(identity, protocol.Ack(ref_kind=Kind.ROLLOUT_GROUP, ref_id=group_id, status=status))
-
-    def _send_group_acks(self) -> None:
-        """The acknowledgements gathered in this loop pass, one Ack per (client, status) and MAX_BATCH_GROUPS ids."""
-        acks, self._group_acks = self._group_acks, {}
-        step = protocol.MAX_BATCH_GROUPS + 1  # ref_id plus up to MAX_BATCH_GROUPS ref_ids
-        for (identity, status), ids in acks.items():
-            for start in range(0, len(ids), step):
-                chunk = ids[start:start + step]
-                self._send(identity, protocol.Ack(ref_kind=Kind.ROLLOUT_GROUP, ref_id=chunk[0], status=status,
-                                                  ref_ids=chunk[1:] or None))
 
     def _refuse_group(self, identity: bytes, key: PromptKey, group: protocol.RolloutGroup, code: str, message: str,
                       reason: str | None = None) -> None:
@@ -274,7 +261,6 @@ class DataFlow:
         log.info("group_refused", group_id=group.group_id, worker=group.worker_id, code=code, reason=reason or code,
                  error=message[:200])
         self._reject(identity, code, message, ref_kind=Kind.ROLLOUT_GROUP, ref_id=group.group_id, reason=reason)
-        self._dirty = True
 
     # -- batches ---------------------------------------------------------------------------------------------
 
@@ -284,7 +270,6 @@ class DataFlow:
         self._stale_checked_version = self.latest_version
         dropped = self.ledger.drop_stale(self.latest_version, self.max_staleness)
         if dropped:
-            self._dirty = True
             log.info("stale_groups_dropped", num_groups=len(dropped), latest_version=self.latest_version,
                      max_staleness=self.max_staleness, requeued=[g.group_id for g in dropped[:8]])
 
@@ -326,8 +311,8 @@ class DataFlow:
         # framing.pack_raw's layout, with the tensor specs kept as wire dicts from the groups' arrival
         message = [framing.PREAMBLE.pack(framing.MAGIC, protocol.PROTOCOL_VERSION, Kind.BATCH),
                    msgpack.packb(header, use_bin_type=True), *frames]
-        self._send_frames(identity, Kind.BATCH, message, on_fail=lambda: self._unserve(batch_id),
-                          num_bytes=sum(g.num_bytes for g in groups))
+        self.outbox.send(identity, Kind.BATCH, message, on_fail=lambda: self._unserve(batch_id),
+                         num_bytes=sum(g.num_bytes for g in groups))
         return True
 
     def _drop_withdrawn(self) -> None:
@@ -339,7 +324,6 @@ class DataFlow:
         if dropped:
             log.info("withdrawn_groups_dropped", num_groups=len(dropped), withdrawn=self.history.withdrawn,
                      requeued=[g.group_id for g in dropped[:8]])
-            self._dirty = True
 
     def _unserve(self, batch_id: str) -> None:
         if self.ledger.unserve(batch_id):
@@ -372,9 +356,7 @@ class DataFlow:
         self.history.commit(ack.checkpoint_version)
         self.learner_progress.update(step=ack.step, trained_version=ack.trained_version,
                                      checkpoint_version=ack.checkpoint_version)
-        self._persist_due = True
         self._send(identity, protocol.Ack(ref_kind=Kind.BATCH_ACK, ref_id=ack.batch_id), after_persist=True)
-        self._dirty = True
 
     # -- policy integrity ------------------------------------------------------------------------------------
 
@@ -400,7 +382,7 @@ class DataFlow:
                     num_quarantines=row["num_quarantines"], dropped=len(dropped), leases_returned=len(leases),
                     evidence=[{k: e[k] for k in ("group_id", "reason", "version", "num_off", "num_checked",
                                                  "max_abs_diff", "detail")} for e in row["evidence"]])
-        self._dirty = True
+        self._reconsider = True
 
     def _worker_joined(self, peer: Peer, now_s: float) -> None:
         """A worker's Hello: the restart of a quarantined process starts on probation."""

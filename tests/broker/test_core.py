@@ -135,7 +135,7 @@ def test_batched_acks_one_per_pass_and_status(h: Harness) -> None:
     ack = h.submit(W1, h.lease(W1)[0])
     assert (ack.ref_id, ack.ref_ids, ack.ids) == ("0:3", None, ["0:3"])  # 0:3 was re-queued
     many = [f"1:{i}" for i in range(5000)]  # more than one Ack may carry (ref_id + MAX_BATCH_GROUPS ref_ids)
-    h.core._group_acks[(W2, "duplicate")] = list(many)
+    h.core.outbox.group_acks[(W2, "duplicate")] = list(many)
     acks = [r for _, r, _ in h.flush()]
     assert [len(a.ids) for a in acks] == [4097, 903] and [i for a in acks for i in a.ids] == many
 
