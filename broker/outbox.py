@@ -18,6 +18,7 @@ A reply goes one of three ways::
   covers every reply that waited for it (group commit).
 - *batched acks*: a worker that reads ``Ack.ref_ids`` gets one Ack per status for all its groups of a loop
   pass.
+- *refusals*: :meth:`Outbox.reject` counts ``rejected{reason}`` and sends the Error (never to an Error).
 - *undo*: an :class:`Outgoing` may carry ``on_fail``, what to take back when zmq refuses it (the peer is gone or
   its queue is full): leases re-queued, a batch back to the buffer.
 
@@ -31,11 +32,14 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
+from broker.dispatch import KIND_NAMES
+from broker.peers import display_name
 from broker.stats import BrokerStats
 from common import protocol
+from common.logging import get_logger
 from common.protocol import Kind
 
-KIND_NAMES = {int(k): k.name.lower() for k in Kind}
+log = get_logger("broker")
 
 
 @dataclass(slots=True)
@@ -65,6 +69,15 @@ class Outbox:
     def send_record(self, identity: bytes, record: Any, *, on_fail: Callable[[], None] | None = None,
                     after_durable: bool = False) -> None:
         self.send(identity, int(record.KIND), protocol.encode(record), on_fail=on_fail, after_durable=after_durable)
+
+    def reject(self, identity: bytes, code: str, message: str, *, ref_kind: int = 0, ref_id: str = "",
+               reason: str | None = None) -> None:
+        """An Error reply, counted as ``rejected{reason or code}``; an Error is never answered with one."""
+        self._stats.count("rejected", reason or code)
+        log.debug("rejected", peer=display_name(identity)[:64], code=code, error=message[:300])
+        if ref_kind != Kind.ERROR:
+            self.send_record(identity, protocol.Error(code=code, message=message[:4000], ref_kind=ref_kind,
+                                                      ref_id=ref_id[:protocol.MAX_ID_LEN]))
 
     def ack_group(self, identity: bytes, status: str, group_id: str) -> None:
         """Acknowledge a group with the others of this loop pass (one Ack per client and status)."""

@@ -36,6 +36,8 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
+from broker.quarantine import Status
+
 if TYPE_CHECKING:
     from broker.core import BrokerCore
     from broker.peers import Peer
@@ -88,12 +90,12 @@ def build_snapshot(core: BrokerCore, now_s: float) -> dict[str, Any]:
     learner = None
     learner_share = None
     if learners:
-        learner = {**_peer_row(core, learners[0], now_s), **core.learner_progress,
+        learner = {**_peer_row(core, learners[0], now_s), **core.progress.learner,
                    "batches_in_flight": len(buffer.batch_ids())}
         learner_share = _busy_share_from_counters(learners[0].counters)
         if learner_share is None:
             learner_share = learner["busy_share"]
-    credit = core.credit()
+    credit = core.leasing.credit()
     broker = core.config.broker
     return {
         "broker_id": core.broker_id,
@@ -101,13 +103,13 @@ def build_snapshot(core: BrokerCore, now_s: float) -> dict[str, Any]:
         "latest_version": core.latest_version,
         "vocab_size": core.vocab_size,
         "settings": {
-            "task": core.config.run.task, "group_size": core.group_size,
-            "groups_per_step": core.config.run.groups_per_step, "max_staleness": core.max_staleness,
+            "task": core.config.run.task, "group_size": core.config.run.group_size,
+            "groups_per_step": core.config.run.groups_per_step, "max_staleness": core.config.run.max_staleness,
             "capacity_groups": core.capacity_groups, "max_buffer_bytes": broker.max_buffer_bytes,
             "lease_timeout_s": broker.lease_timeout_s, "heartbeat_interval_s": broker.heartbeat_interval_s,
             "heartbeat_misses": broker.heartbeat_misses,
         },
-        "prompts": {**ledger.snapshot(), "trained_total": core.num_trained_total,
+        "prompts": {**ledger.snapshot(), "trained_total": core.progress.num_trained_total,
                     "exhausted": ledger.source.exhausted()},
         "buffer": {
             "groups": buffer.num_buffered, "bytes": buffer.buffered_bytes,
@@ -116,18 +118,32 @@ def build_snapshot(core: BrokerCore, now_s: float) -> dict[str, Any]:
             "memory_bytes": buffer.memory_bytes,
             "staleness": {str(k): v for k, v in buffer.staleness_histogram(core.latest_version).items()},
             "oldest_age_s": round(now_s - buffered[0].received_s, 3) if buffered else 0.0,
-            "mean_group_bytes": round(core.mean_group_bytes, 1),
+            "mean_group_bytes": round(core.progress.mean_group_bytes, 1),
         },
         "credit": credit,
         "leases": {"outstanding": ledger.num_leased,
                    "list": ledger.leases.snapshot(now_s)[:MAX_LEASES_LISTED]},
-        "waiting": {"lease_requests": len(core.lease_waiters), "batch_requests": len(core.batch_waiters)},
+        "waiting": {"lease_requests": len(core.leasing.waiters), "batch_requests": len(core.batching.waiters)},
         "workers": workers,
         "num_workers": len(all_workers),
         "learner": learner,
         "learner_busy_share": learner_share,
-        "adapters": core.adapters.snapshot(),
+        "adapters": core.relay.adapters.snapshot(),
         "history": core.history.snapshot(),
         "integrity": _integrity(core, now_s),
         **core.stats.snapshot(now_s),
     }
+
+
+def set_gauges(core: BrokerCore) -> None:
+    """The Prometheus gauges (``loraflow_broker_<name>``), set once per stats tick."""
+    ledger = core.ledger
+    buffer = ledger.buffer
+    for name, value in (("latest_version", core.latest_version), ("buffer_groups", buffer.num_buffered),
+                        ("buffer_bytes", buffer.buffered_bytes), ("training_groups", buffer.num_training),
+                        ("training_bytes", buffer.training_bytes), ("leases_outstanding", ledger.num_leased),
+                        ("workers", core.peers.num_workers()), ("prompts_queued", ledger.num_queued),
+                        ("lease_waiters", len(core.leasing.waiters)), ("batch_waiters", len(core.batching.waiters)),
+                        ("quarantined_workers", core.quarantine.count(Status.QUARANTINED)),
+                        ("probation_workers", core.quarantine.count(Status.PROBATION))):
+        core.stats.metrics.set(name, value)
