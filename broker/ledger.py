@@ -100,6 +100,7 @@ RULES: dict[Reason, Rule] = {
     Reason.WITHDRAWN: _rule([S.BUFFERED], S.QUEUED, ("dropped", "withdrawn")),
     Reason.ROLLED_BACK: _rule([S.TRAINED], S.QUEUED, None),  # counted per rollback, with the lost records
 }
+_STATES = {str(s): s for s in State}
 #: lease endings: the prompt goes back to the queue
 LEASE_ENDINGS = frozenset(r for r, rule in RULES.items() if rule.sources == {S.LEASED} and rule.target is S.QUEUED)
 
@@ -148,7 +149,7 @@ class GroupLedger:
         return self._source
 
     def state(self, key: PromptKey) -> State:
-        return State(self._source.state(key))
+        return _STATES[self._source.state(key)]
 
     @property
     def num_queued(self) -> int:
