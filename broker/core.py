@@ -287,7 +287,7 @@ class BrokerCore:
         if verdict.outcome == intake.ACCEPT:
             stored = intake.stored(group, envelope, verdict.key, worker=peer.client_id, session=peer.session,
                                    now_s=now_s)
-            self.ledger.accept(stored, group.lease_id)
+            self.ledger.accept(stored, group.lease_id, old=verdict.state)
             self.progress.group_accepted(envelope.num_bytes)
             peer.num_groups_accepted += 1
             self.stats.tokens_accepted += stored.num_tokens

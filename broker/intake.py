@@ -45,6 +45,7 @@ class Verdict:
     message: str = ""
     reason: str | None = None  # rejected{reason}, when not the code
     dropped: str | None = None  # dropped{...}, counted for some refusals
+    state: State = State.NEW  # the prompt's, as judged
 
 
 def token_versions(specs: list[Any], frames: list[Any]) -> np.ndarray:
@@ -106,7 +107,7 @@ def judge(group: protocol.RolloutGroup, envelope: framing.Envelope, identity: by
         return Verdict(REFUSE, key, "limit", f"RolloutGroup {gid}: {envelope.num_bytes} bytes do not fit the "
                        f"buffer ({buffer.memory_bytes} of broker.max_buffer_bytes={buffer.max_bytes} used, counting "
                        "per-group overhead); the prompt was re-queued", reason="buffer_full", dropped="buffer_full")
-    return Verdict(ACCEPT, key)
+    return Verdict(ACCEPT, key, state=state)
 
 
 def stored(group: protocol.RolloutGroup, envelope: framing.Envelope, key: PromptKey, *, worker: str, session: str,

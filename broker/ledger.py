@@ -185,28 +185,36 @@ class GroupLedger:
 
     # -- transitions -----------------------------------------------------------------------------------------
 
-    def _move(self, key: PromptKey, reason: Reason, old: State | None = None) -> None:
+    def _move(self, key: PromptKey, reason: Reason, old: State | None = None, count: bool = True) -> None:
+        """Apply one row of RULES to ``key`` (``old``: its state, when the caller's store already says it; the
+        property tests check that the stores agree; ``count=False``: the caller counts a batch of moves at once)."""
         rule = RULES[reason]
         old = self.state(key) if old is None else old
         assert old in rule.sources, f"prompt {group_id_of(key)}: {reason} from {old}"
-        if rule.target is S.QUEUED:
+        target = rule.target
+        if target is S.QUEUED:
             self._source.requeue(key)
-        elif rule.target is S.TRAINED:
+        elif target is S.TRAINED:
             self._source.mark_trained(key)
-        elif old is not S.NEW:
-            self._source.set_state(key, rule.target)
-        if rule.counter is not None:
+        else:
+            self._source.set_state(key, target)
+        if count and rule.counter is not None:
             self._count(*rule.counter)
         self.num_changes += 1
 
+    def _counted(self, reason: Reason, num_moves: int) -> None:
+        counter = RULES[reason].counter
+        if counter is not None and num_moves:
+            self._count(*counter, num_moves)
+
     def grant(self, worker: bytes, now_s: float) -> Lease | None:
         """The next prompt (re-queued first), leased to ``worker``; None when there is none to lease."""
-        old_cursor = self._source.cursor
-        key = self._source.next()  # now "leased" in the table (new or queued before)
+        key = self._source.next()  # the table says "leased" already (new or queued before)
         if key is None:
             return None
         lease = self._leases.grant(key, worker, now_s)
-        self._move(key, Reason.GRANTED, old=S.NEW if key >= old_cursor else S.QUEUED)
+        self._count("leases", "granted")
+        self.num_changes += 1
         return lease
 
     def end_lease(self, lease: Lease, reason: Reason) -> bool:
@@ -235,11 +243,12 @@ class GroupLedger:
     def renew(self, worker: bytes, lease_ids: list[str], now_s: float) -> int:
         return self._leases.renew(worker, lease_ids, now_s)
 
-    def accept(self, group: StoredGroup, lease_id: str) -> Lease | None:
+    def accept(self, group: StoredGroup, lease_id: str, old: State | None = None) -> Lease | None:
         """Buffer the group of a queued or leased prompt; whatever lease is on the prompt ends (the one it was
         generated for: submitted; a newer one of a prompt whose lease had expired: cancelled) and is returned.
-        The caller has checked :meth:`RolloutBuffer.fits` (a group that does not fit raises)."""
-        old = self.state(group.key)
+        The caller has checked :meth:`RolloutBuffer.fits` (a group that does not fit raises); ``old``: the
+        prompt's state, when the caller has just read it."""
+        old = self.state(group.key) if old is None else old
         self._buffer.add(group)
         lease = self._leases.cancel_key(group.key)
         if lease is not None:
@@ -251,14 +260,15 @@ class GroupLedger:
         """The ``num_groups`` oldest buffered groups, now training in ``batch_id``; None if fewer are buffered."""
         groups = self._buffer.serve(num_groups, batch_id)
         for group in groups or ():
-            self._move(group.key, Reason.SERVED)
+            self._move(group.key, Reason.SERVED, old=S.BUFFERED, count=False)
+        self._counted(Reason.SERVED, len(groups or ()))
         return groups
 
     def unserve(self, batch_id: str) -> list[StoredGroup]:
         """A served batch back to the buffer, in arrival order (the send failed, or the learner is gone)."""
         groups = self._buffer.unserve(batch_id)
         for group in groups:
-            self._move(group.key, Reason.RESTORED)
+            self._move(group.key, Reason.RESTORED, old=S.TRAINING)
         return groups
 
     def unserve_all(self) -> list[StoredGroup]:
@@ -274,9 +284,11 @@ class GroupLedger:
         out = []
         for group in groups:
             done = group.group_id in trained
-            self._move(group.key, Reason.TRAINED if done else
-                       Reason.POLICY_MISMATCH if group.group_id in failed else Reason.NOT_TRAINED)
+            reason = Reason.TRAINED if done else Reason.POLICY_MISMATCH if group.group_id in failed \
+                else Reason.NOT_TRAINED
+            self._move(group.key, reason, old=S.TRAINING, count=not done)
             out.append((group, done))
+        self._counted(Reason.TRAINED, sum(done for _, done in out))
         return out
 
     def mark_trained(self, key: PromptKey) -> bool:
