@@ -12,7 +12,7 @@ held by its parts, each the one owner of its piece::
     peers / adapters / history / quarantine / stats                         their modules
 
 Handlers validate first, then apply (:mod:`broker.dispatch`: the order of the checks and why an exception
-after :meth:`BrokerCore._apply` ends the process); a RolloutGroup's checks are :func:`broker.intake.judge`.
+once a handler sets ``_applying`` ends the process); a RolloutGroup's checks are :func:`broker.intake.judge`.
 
 Semantics (the contract between roles, see the team plan), each told where it is kept:
 
@@ -204,16 +204,12 @@ class BrokerCore:
         finally:
             self._applying = False
 
-    def _apply(self) -> None:
-        """The handler has validated everything: from here on it changes state (see broker.dispatch)."""
-        self._applying = True
-
     def _on_malformed(self, identity: bytes, kind: int, header: dict[str, Any], exc: ProtocolError) -> None:
         """A record that failed its decode: Error; a RolloutGroup's lease, if the sender holds it, goes back at once
         (the worker drops a refused group: waiting for lease_timeout_s would only idle the prompt)."""
         lease_id, ref_id = header.get("lease_id"), header.get("group_id", "")
         lease = self.ledger.leases.get(lease_id) if kind == Kind.ROLLOUT_GROUP and isinstance(lease_id, str) else None
-        self._apply()
+        self._applying = True  # validated: the apply half (broker.dispatch)
         if lease is not None and lease.worker == identity:
             self.ledger.end_lease(lease, Reason.REFUSED)
         self._reject(identity, exc.code, str(exc), ref_kind=kind, ref_id=ref_id if isinstance(ref_id, str) else "")
@@ -227,13 +223,13 @@ class BrokerCore:
             code, message, reason = refused
             self._reject(identity, code, message, ref_kind=Kind.HELLO, reason=reason)
             return
-        self._apply()
+        self._applying = True  # validated: the apply half (broker.dispatch)
         self.registrar.hello(identity, old_peer, hello, now_s, key)
         self._reconsider = True
 
     def _on_heartbeat(self, identity: bytes, peer: Peer, beat: protocol.Heartbeat, _env: Any, _frames: Any,
                       now_s: float) -> None:
-        self._apply()
+        self._applying = True  # validated: the apply half (broker.dispatch)
         self.peers.heartbeat(peer, beat, now_s)
         if beat.lease_ids:
             self.stats.count("leases", "renewed", self.ledger.renew(identity, beat.lease_ids, now_s))
@@ -241,7 +237,7 @@ class BrokerCore:
         self._reconsider = True
 
     def _on_bye(self, identity: bytes, peer: Peer, bye: protocol.Bye, _env: Any, _frames: Any, _now_s: float) -> None:
-        self._apply()
+        self._applying = True  # validated: the apply half (broker.dispatch)
         self.registrar.bye(identity, peer, bye)
         self._reconsider = True
 
@@ -249,12 +245,12 @@ class BrokerCore:
 
     def _on_lease_request(self, identity: bytes, peer: Peer, request: protocol.LeaseRequest, _env: Any, _frames: Any,
                           now_s: float) -> None:
-        self._apply()
+        self._applying = True  # validated: the apply half (broker.dispatch)
         self.leasing.request(identity, peer, request, now_s)
 
     def _on_lease_return(self, identity: bytes, _peer: Peer, returned: protocol.LeaseReturn, _env: Any, _frames: Any,
                          _now_s: float) -> None:
-        self._apply()
+        self._applying = True  # validated: the apply half (broker.dispatch)
         unknown = self.leasing.give_back(identity, returned.lease_ids)
         if unknown:
             self._reject(identity, "unknown_lease", f"lease(s) {unknown[:8]} are not held by you (expired, "
@@ -271,7 +267,7 @@ class BrokerCore:
             self._reject(identity, verdict.code, verdict.message, ref_kind=Kind.ROLLOUT_GROUP, ref_id=gid,
                          reason=verdict.reason)
             return
-        self._apply()
+        self._applying = True  # validated: the apply half (broker.dispatch)
         if verdict.outcome == intake.REFUSE:
             lease = self.ledger.leases.get(group.lease_id)
             if lease is not None and lease.key == verdict.key and lease.worker == identity:
@@ -307,7 +303,7 @@ class BrokerCore:
                          f"broker holds at most {self.ledger.buffer.max_groups} (broker.capacity_groups)",
                          ref_kind=Kind.BATCH_REQUEST)
             return
-        self._apply()
+        self._applying = True  # validated: the apply half (broker.dispatch)
         self.batching.request(identity, request, now_s)
 
     def _on_batch_ack(self, identity: bytes, _peer: Peer, ack: protocol.BatchAck, _env: Any, _frames: Any,
@@ -316,7 +312,7 @@ class BrokerCore:
             self._reject(identity, "unknown_batch", f"batch {ack.batch_id!r} is unknown to this broker and the ack "
                          "lists no group_ids", ref_kind=Kind.BATCH_ACK, ref_id=ack.batch_id)
             return
-        self._apply()
+        self._applying = True  # validated: the apply half (broker.dispatch)
         self.batching.settle(ack, now_s)
         self._send(identity, protocol.Ack(ref_kind=Kind.BATCH_ACK, ref_id=ack.batch_id), after_persist=True)
         self._reconsider = True  # a quarantine may have begun
@@ -329,7 +325,7 @@ class BrokerCore:
         if refused is not None:
             self._reject(identity, *refused, ref_kind=Kind.ADAPTER_UPDATE, ref_id=str(update.version))
             return
-        self._apply()
+        self._applying = True  # validated: the apply half (broker.dispatch)
         self.relay.publish(identity, peer, update, envelope, frames)
         self.leasing.answer_stale(now_s)
         self.batching.drop_stale()

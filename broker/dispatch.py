@@ -8,7 +8,7 @@ handler. Every refusal is an Error reply plus ``rejected{reason}``.
 
 A handler has two halves. Its *validation* reads and decides: whatever a peer sends, a refusal is the answer,
 and a bug there costs one message (the server answers ``internal`` and carries on: nothing was changed). Its
-*apply* half starts at :meth:`BrokerCore._apply` and changes state (ledger transitions, versions, the
+*apply* half starts where it sets ``BrokerCore._applying`` and changes state (ledger transitions, versions, the
 registry); no refusal of bad input happens inside it. An exception in an apply half is a bug that may have
 left the state half-changed, so :meth:`BrokerCore.handle` raises :class:`HalfApplied` and the server lets it
 end the process: the state file holds only what a complete loop pass wrote, the supervisor restarts the

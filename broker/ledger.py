@@ -114,9 +114,10 @@ class GroupLedger:
 
     def __init__(self, source: PromptSource, *, buffer: RolloutBuffer, leases: LeaseTable,
                  count: Callable[..., None] = _ignore) -> None:
-        self._source = source
-        self._buffer = buffer
-        self._leases = leases
+        # the three stores, readable by anyone (plain attributes: read on every message), written only here
+        self.source = source  # the cursor, the state table and the re-queue order
+        self.buffer = buffer  # the frames of buffered and training groups
+        self.leases = leases  # the lease of each leased prompt
         self._count = count
         self.num_changes = 0  # transitions so far: a change means parked long-polls may be answerable
 
@@ -133,55 +134,40 @@ class GroupLedger:
 
     # -- views -----------------------------------------------------------------------------------------------
 
-    @property
-    def buffer(self) -> RolloutBuffer:
-        """The held groups (read only: transitions go through the ledger)."""
-        return self._buffer
-
-    @property
-    def leases(self) -> LeaseTable:
-        """The live leases (read only: transitions go through the ledger)."""
-        return self._leases
-
-    @property
-    def source(self) -> PromptSource:
-        """The cursor and the prompts (read only: transitions go through the ledger)."""
-        return self._source
-
     def state(self, key: PromptKey) -> State:
-        return _STATES[self._source.state(key)]
+        return _STATES[self.source.state(key)]
 
     @property
     def num_queued(self) -> int:
-        return self._source.num_queued
+        return self.source.num_queued
 
     @property
     def num_leased(self) -> int:
-        return len(self._leases)
+        return len(self.leases)
 
     @property
     def num_held(self) -> int:
         """Buffered + training groups."""
-        return self._buffer.num_groups
+        return self.buffer.num_groups
 
     def pending_keys(self) -> list[PromptKey]:
-        return self._source.pending_keys()
+        return self.source.pending_keys()
 
     def buffered(self) -> list[StoredGroup]:
-        return self._buffer.buffered()
+        return self.buffer.buffered()
 
     def batch_ids(self) -> list[str]:
-        return self._buffer.batch_ids()
+        return self.buffer.batch_ids()
 
     def available(self, limit: int) -> int:
-        return self._source.available(limit)
+        return self.source.available(limit)
 
     def nothing_more_to_come(self) -> bool:
         """Every epoch is issued and nothing is queued or leased: the buffer holds the last groups there will be."""
-        return self._source.exhausted() and self._source.num_queued == 0 and len(self._leases) == 0
+        return self.source.exhausted() and self.source.num_queued == 0 and len(self.leases) == 0
 
     def snapshot(self) -> dict[str, int]:
-        return self._source.snapshot()
+        return self.source.snapshot()
 
     # -- transitions -----------------------------------------------------------------------------------------
 
@@ -193,11 +179,11 @@ class GroupLedger:
         assert old in rule.sources, f"prompt {group_id_of(key)}: {reason} from {old}"
         target = rule.target
         if target is S.QUEUED:
-            self._source.requeue(key)
+            self.source.requeue(key)
         elif target is S.TRAINED:
-            self._source.mark_trained(key)
+            self.source.mark_trained(key)
         else:
-            self._source.set_state(key, target)
+            self.source.set_state(key, target)
         if count and rule.counter is not None:
             self._count(*rule.counter)
         self.num_changes += 1
@@ -209,10 +195,10 @@ class GroupLedger:
 
     def grant(self, worker: bytes, now_s: float) -> Lease | None:
         """The next prompt (re-queued first), leased to ``worker``; None when there is none to lease."""
-        key = self._source.next()  # the table says "leased" already (new or queued before)
+        key = self.source.next()  # the table says "leased" already (new or queued before)
         if key is None:
             return None
-        lease = self._leases.grant(key, worker, now_s)
+        lease = self.leases.grant(key, worker, now_s)
         self._count("leases", "granted")
         self.num_changes += 1
         return lease
@@ -220,28 +206,28 @@ class GroupLedger:
     def end_lease(self, lease: Lease, reason: Reason) -> bool:
         """A live lease ends without a group (its prompt re-queued); False if it had ended already."""
         assert reason in LEASE_ENDINGS, reason
-        if self._leases.get(lease.lease_id) is not lease:
+        if self.leases.get(lease.lease_id) is not lease:
             return False
-        self._leases.pop(lease.lease_id)
+        self.leases.pop(lease.lease_id)
         self._move(lease.key, reason)
         return True
 
     def end_leases_of(self, worker: bytes, reason: Reason) -> list[Lease]:
         """End every lease ``worker`` holds (it died, restarted or was quarantined)."""
-        leases = self._leases.of_worker(worker)
+        leases = self.leases.of_worker(worker)
         for lease in leases:
             self.end_lease(lease, reason)
         return leases
 
     def expire(self, now_s: float) -> list[Lease]:
         """End the leases whose deadline has passed."""
-        expired = self._leases.expired(now_s)
+        expired = self.leases.expired(now_s)
         for lease in expired:
             self._move(lease.key, Reason.EXPIRED)
         return expired
 
     def renew(self, worker: bytes, lease_ids: list[str], now_s: float) -> int:
-        return self._leases.renew(worker, lease_ids, now_s)
+        return self.leases.renew(worker, lease_ids, now_s)
 
     def accept(self, group: StoredGroup, lease_id: str, old: State | None = None) -> Lease | None:
         """Buffer the group of a queued or leased prompt; whatever lease is on the prompt ends (the one it was
@@ -249,8 +235,8 @@ class GroupLedger:
         The caller has checked :meth:`RolloutBuffer.fits` (a group that does not fit raises); ``old``: the
         prompt's state, when the caller has just read it."""
         old = self.state(group.key) if old is None else old
-        self._buffer.add(group)
-        lease = self._leases.cancel_key(group.key)
+        self.buffer.add(group)
+        lease = self.leases.cancel_key(group.key)
         if lease is not None:
             self._count("leases", "submitted" if lease.lease_id == lease_id else "cancelled")
         self._move(group.key, Reason.ACCEPTED, old=old)
@@ -258,7 +244,7 @@ class GroupLedger:
 
     def serve(self, num_groups: int, batch_id: str) -> list[StoredGroup] | None:
         """The ``num_groups`` oldest buffered groups, now training in ``batch_id``; None if fewer are buffered."""
-        groups = self._buffer.serve(num_groups, batch_id)
+        groups = self.buffer.serve(num_groups, batch_id)
         for group in groups or ():
             self._move(group.key, Reason.SERVED, old=S.BUFFERED, count=False)
         self._counted(Reason.SERVED, len(groups or ()))
@@ -266,19 +252,19 @@ class GroupLedger:
 
     def unserve(self, batch_id: str) -> list[StoredGroup]:
         """A served batch back to the buffer, in arrival order (the send failed, or the learner is gone)."""
-        groups = self._buffer.unserve(batch_id)
+        groups = self.buffer.unserve(batch_id)
         for group in groups:
             self._move(group.key, Reason.RESTORED, old=S.TRAINING)
         return groups
 
     def unserve_all(self) -> list[StoredGroup]:
-        return [g for batch_id in self._buffer.batch_ids() for g in self.unserve(batch_id)]
+        return [g for batch_id in self.buffer.batch_ids() for g in self.unserve(batch_id)]
 
     def settle(self, batch_id: str, trained: set[str], failed: set[str]) -> list[tuple[StoredGroup, bool]] | None:
         """The learner's BatchAck of a batch this broker served: the groups in ``trained`` are trained, the others
         re-queued (``failed`` ones as policy_mismatch); ``(group, was_trained)`` per group, None for an unknown
         batch id."""
-        groups = self._buffer.ack(batch_id)
+        groups = self.buffer.ack(batch_id)
         if groups is None:
             return None
         out = []
@@ -297,8 +283,8 @@ class GroupLedger:
         old = self.state(key)
         if old not in PENDING:
             return False
-        self._buffer.discard(group_id_of(key))
-        if self._leases.cancel_key(key) is not None:
+        self.buffer.discard(group_id_of(key))
+        if self.leases.cancel_key(key) is not None:
             self._count("leases", "cancelled")
         self._move(key, Reason.TRAINED_UNSERVED, old=old)
         return True
@@ -306,18 +292,18 @@ class GroupLedger:
     def drop_buffered(self, groups: list[StoredGroup], reason: Reason) -> None:
         """Take these buffered groups out (stale, withdrawn, or from a quarantined process); prompts re-queued."""
         for group in groups:
-            assert self._buffer.state_of(group.group_id) == "buffered", group.group_id
-            self._buffer.discard(group.group_id)
+            assert self.buffer.state_of(group.group_id) == "buffered", group.group_id
+            self.buffer.discard(group.group_id)
             self._move(group.key, reason)
 
     def drop_stale(self, latest_version: int, max_staleness: int) -> list[StoredGroup]:
-        stale = [g for g in self._buffer.buffered() if g.min_version < latest_version - max_staleness]
+        stale = [g for g in self.buffer.buffered() if g.min_version < latest_version - max_staleness]
         self.drop_buffered(stale, Reason.STALE)
         return stale
 
     def drop_from(self, worker: str, session: str) -> list[StoredGroup]:
         """The buffered groups of one (quarantined) worker process, dropped; training ones are the learner's."""
-        gone = [g for g in self._buffer.buffered() if (g.worker, g.session) == (worker, session)]
+        gone = [g for g in self.buffer.buffered() if (g.worker, g.session) == (worker, session)]
         self.drop_buffered(gone, Reason.POLICY_MISMATCH)
         return gone
 
@@ -332,7 +318,7 @@ class GroupLedger:
 
     def check(self) -> None:
         """Assert that the stores agree (tests call it after every event; cost O(pending))."""
-        source, buffer, leases = self._source, self._buffer, self._leases
+        source, buffer, leases = self.source, self.buffer, self.leases
         by_state: dict[str, set[PromptKey]] = {s: set() for s in PENDING}
         for key, state in source.states.items():
             by_state[state].add(key)
