@@ -359,8 +359,10 @@ class BrokerCore:
             self._next_peer_check_s = now_s + self.config.broker.heartbeat_interval_s * PEER_CHECK_FRACTION
             if self.registrar.dead(now_s):
                 self._reconsider = True
-        self.leasing.expire_waiters(now_s)
-        self.batching.expire_waiters(now_s)
+        if self.leasing.waiters:
+            self.leasing.expire_waiters(now_s)
+        if self.batching.waiters:
+            self.batching.expire_waiters(now_s)
         if now_s >= self._next_stats_s:
             self._next_stats_s = now_s + STATS_TICK_S
             self.stats.tick(now_s)
@@ -373,8 +375,10 @@ class BrokerCore:
         self.outbox.release(self.keeper.durable_seq)
         while self._reconsider or self.ledger.num_changes != self._changes_seen:
             self._reconsider, self._changes_seen = False, self.ledger.num_changes
-            self.batching.serve_waiters()
-            self.leasing.serve_waiters(now_s)
+            if self.batching.waiters:
+                self.batching.serve_waiters()
+            if self.leasing.waiters:
+                self.leasing.serve_waiters(now_s)
         return self.outbox.take()
 
     def next_wakeup_s(self, _now_s: float) -> float:
