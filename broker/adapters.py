@@ -59,9 +59,22 @@ class AdapterCache:
             return self.newest
         return self._by_version.get(version)
 
-    def add(self, update: AdapterUpdate, specs: Sequence[TensorSpec], message: Sequence[Any]) -> StoredAdapter:
-        """Keep a published adapter after checking its digest; ``message`` is every received frame
-        (preamble, header, tensors). Raises ProtocolError on a digest mismatch or a version not above the newest."""
+    def add(self, update: AdapterUpdate, specs: Sequence[TensorSpec], message: Sequence[Any],
+            verified: bool = False) -> StoredAdapter:
+        """Keep a published adapter after checking it (:meth:`verify`, unless ``verified``); ``message`` is every
+        received frame (preamble, header, tensors)."""
+        if not verified:
+            self.verify(update, message)
+        stored = StoredAdapter(version=update.version, update=update, message=list(message),
+                               num_bytes=sum(s.num_bytes for s in specs), num_tensors=len(specs),
+                               received_unix=time.time())
+        self._by_version[update.version] = stored
+        while len(self._by_version) > self.num_kept:
+            self._by_version.popitem(last=False)
+        return stored
+
+    def verify(self, update: AdapterUpdate, message: Sequence[Any]) -> None:
+        """Raises ProtocolError on a digest mismatch or a version not above the newest kept; changes nothing."""
         newest = self.newest
         if newest is not None and update.version <= newest.version:
             raise ProtocolError(f"AdapterUpdate version {update.version} does not advance the newest kept "
@@ -70,13 +83,6 @@ class AdapterCache:
         if actual != update.sha256.lower():
             raise ProtocolError(f"AdapterUpdate v{update.version}: sha256 of the tensor frames is {actual}, the header "
                                 f"says {update.sha256!r} (common.framing.frames_sha256 over the tensor frames)")
-        stored = StoredAdapter(version=update.version, update=update, message=list(message),
-                               num_bytes=sum(s.num_bytes for s in specs), num_tensors=len(specs),
-                               received_unix=time.time())
-        self._by_version[update.version] = stored
-        while len(self._by_version) > self.num_kept:
-            self._by_version.popitem(last=False)
-        return stored
 
     def withdraw(self, lo: int, hi: int) -> list[int]:
         """Forget the kept versions in [lo, hi] (a restarted learner rolled them back); returns them."""

@@ -1,68 +1,57 @@
-"""The broker's state machine: what each message does to the prompts, leases, buffer, adapters and peers.
-
-This module holds dispatch, registration and liveness, the adapter relay, persistence, timers and flushing;
-the work-moving handlers (leases, groups, batches) are in :mod:`broker.flow`.
+"""The broker's state machine: dispatch, role checks and one thin handler per message kind.
 
 :class:`BrokerCore` owns no socket. :mod:`broker.server` hands it every received multipart message
-(``handle(identity, frames, now_s)``), calls ``tick`` for timers and ``flush`` for what to send; each
-:class:`Outgoing` carries an ``on_fail`` undo for when zmq refuses it (the peer is gone or its queue is
-full): undeliverable leases go back to the queue, an undeliverable batch goes back to the buffer.
+(``handle(identity, frames, now_s)``), calls ``tick`` for timers and ``flush`` for what to send. The state is
+held by its parts, each the one owner of its piece::
 
-Per message, in order: framing checks (size, protocol version, header) -> who may send it (unknown identities
-may only say Hello or ask for Stats; roles are checked per kind) -> the record's validating decode -> the
-handler. Every refusal is an Error reply plus ``rejected{reason}``; nothing a peer sends can raise out of
-:meth:`BrokerCore.handle` short of a bug.
+    ledger    every prompt's and group's state, its lease and its frames      broker.ledger
+    outbox    every reply until zmq takes it (now, after durable, batched)   broker.outbox
+    leasing   admission, grants, parked LeaseRequests                        broker.leasing
+    batching  Batches, BatchAcks, parked BatchRequests, quarantine hooks     broker.batching
+    progress  latest version and trained counts                             broker.progress
+    peers / adapters / history / quarantine / stats                         their modules
 
-Semantics (the contract between roles, see the team plan):
+Handlers validate first, then apply (:mod:`broker.dispatch`: the order of the checks and why an exception
+once a handler sets ``_applying`` ends the process); a RolloutGroup's checks are :func:`broker.intake.judge`.
 
-- LeaseRequest / BatchRequest are long-polls: answered at once when something can be given, else parked as a
-  *waiter* and answered when state changes (``_dirty``) or with an empty reply at its deadline.
-- RolloutGroup: only for a lease granted to the sender for that prompt (lease ids carry a MAC binding them to
-  their holder, :mod:`broker.leases`; else ``unknown_lease`` and nobody's lease is touched); dedup by group id
-  (buffered/training/trained -> Ack duplicate); a group for a prompt whose lease expired is still accepted
-  (and any newer lease on it cancelled); malformed, invalid, too stale or over the byte bound -> Error and the
-  sender's lease on the prompt is returned at once (the prompt re-queued).
-- BatchAck: the listed groups are trained (none listed = the whole batch); a batch's unlisted groups are
-  re-queued; an unknown batch id (a restarted broker) marks the listed ids trained. The Ack is sent only
-  after the state file is written (one write for all acks handled in one loop pass: group commit).
-- AdapterUpdate: version must exceed the latest (or equal it, with the same sha256, when this broker lost the
-  frames in a restart; a withdrawn version never comes back); Ack after the state write, then an
-  AdapterNotice to every worker. Workers saying Hello with an older version get an AdapterNotice of the
-  newest right after their Welcome and fetch it (AdapterFetch) when they want it.
-- Hello from a learner, with security off, must carry the run token (``Hello.token``, :mod:`common.run_token`)
-  or is refused ``forbidden``; with CURVE the learner role is bound to learner keys instead.
-- Hello from a learner of another session than the one the training history belongs to (it restarted, and
-  resumed from a checkpoint of version v = ``Hello.adapter_version``): groups trained on parameters of version
-  >= v are re-queued, versions v+1..latest are withdrawn (dropped from the adapter cache; buffered groups
-  holding their tokens dropped and re-queued; arriving ones refused; workers holding one get no lease until
-  they load a newer version), and its Welcome waits for the state write that makes this durable
-  (:mod:`broker.history`). The resumed learner publishes its weights as latest+1 right away.
+Semantics (the contract between roles, see the team plan), each told where it is kept:
+
+- LeaseRequest / BatchRequest are long-polls: answered at once when something can be given, else parked and
+  answered when state changes (a ledger transition, or a change of peers or versions: ``_reconsider``) or
+  with an empty reply at its deadline (:mod:`broker.leasing`, :mod:`broker.batching`).
+- RolloutGroup: only for a lease granted to the sender for that prompt; dedup by group id; refused groups'
+  prompts re-queued at once (:mod:`broker.intake`). BatchAck: the listed groups trained, the rest re-queued;
+  its Ack only after the state write (:mod:`broker.batching`, :mod:`broker.outbox`).
+- AdapterUpdate: the version advances (or restores) the latest; Ack after the state write, then notices to
+  every worker (:mod:`broker.relay`).
+- Hello: the run token for a learner (security off), one learner at a time, a restarted learner's rollback
+  before its Welcome (:mod:`broker.registration`).
 """
 
 from __future__ import annotations
 
-import hmac
-import secrets
 import time
 import uuid
-from collections import deque
 from collections.abc import Callable
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from broker import intake
 from broker.adapters import AdapterCache
-from broker.buffer import RolloutBuffer
-from broker.flow import DataFlow
-from broker.history import TrainingHistory
-from broker.leases import LeaseTable
-from broker.peers import ClientIdTaken, Peer, PeerRegistry, RegistryFull, display_name
-from broker.prompts import PromptSource, group_id_of
+from broker.batching import BatchDesk
+from broker.dispatch import KIND_NAMES, SENDERS, HalfApplied, num_bytes, peek_kind, refusal
+from broker.leasing import LeaseDesk
+from broker.ledger import Reason
+from broker.outbox import Outbox, Outgoing
+from broker.peers import Peer, PeerRegistry, display_name
+from broker.prompts import group_id_of
 from broker.quarantine import Quarantine, Status
-from broker.snapshot import build_snapshot
-from broker.state import BrokerState, StateWriter, check_matches, load_adapter, load_state, make_state
+from broker.registration import Registrar
+from broker.relay import AdapterRelay
+from broker.restore import StateKeeper, restore, state_of
+from broker.snapshot import build_snapshot, set_gauges
+from broker.state import StateWriter
 from broker.stats import BrokerStats
-from broker.waiters import WaiterQueue
 from common import framing, protocol
 from common.config import Config
 from common.logging import get_logger
@@ -71,49 +60,12 @@ from common.tasks import Task
 
 log = get_logger("broker")
 
-KIND_NAMES = {int(k): k.name.lower() for k in Kind}
-ANYONE = frozenset({"worker", "learner", "observer"})
-#: who may send each kind; None = also unregistered identities; kinds missing here only the broker sends
-SENDERS: dict[int, frozenset[str] | None] = {
-    Kind.HELLO: None,
-    Kind.STATS_REQUEST: None,
-    Kind.HEARTBEAT: ANYONE,
-    Kind.BYE: ANYONE,
-    Kind.LEASE_REQUEST: frozenset({"worker"}),
-    Kind.LEASE_RETURN: frozenset({"worker"}),
-    Kind.ROLLOUT_GROUP: frozenset({"worker"}),
-    Kind.ADAPTER_FETCH: frozenset({"worker", "learner"}),
-    Kind.ADAPTER_UPDATE: frozenset({"learner"}),
-    Kind.BATCH_REQUEST: frozenset({"learner"}),
-    Kind.BATCH_ACK: frozenset({"learner"}),
-}
 PEER_CHECK_FRACTION = 0.5  # check liveness every half heartbeat interval
 STATS_TICK_S = 1.0
-RESERVE_BLOCK = 4096  # new prompt keys handed out per state-file write (re-queued, not lost, after a crash)
 
 
-@dataclass(slots=True)
-class Outgoing:
-    identity: bytes
-    frames: list[Any]
-    kind: int
-    on_fail: Callable[[], None] | None = None
-
-
-def _peek_kind(frames: list[Any]) -> int:
-    try:
-        magic, _, kind = framing.PREAMBLE.unpack(frames[0].buffer if hasattr(frames[0], "buffer") else frames[0])
-    except Exception:  # anything that is not a preamble
-        return 0
-    return kind if magic == framing.MAGIC and 0 < kind < 1 << 16 else 0
-
-
-def _nbytes(frames: list[Any]) -> int:
-    return sum(len(f) for f in frames)
-
-
-class BrokerCore(DataFlow):
-    """Prompts, leases, buffer, adapters, peers and stats, driven by messages and the clock."""
+class BrokerCore:
+    """Messages and the clock in, replies out; the state in the parts listed in the module docstring."""
 
     def __init__(self, config: Config, *, task: Task, vocab_size: int = 0, state_path: str | Path | None = None,
                  now_s: float | None = None, run_token: str | None = None) -> None:
@@ -122,186 +74,88 @@ class BrokerCore(DataFlow):
         self.config = config
         self.broker_id = uuid.uuid4().hex[:12]
         self.vocab_size = vocab_size
-        self.group_size = run.group_size
-        self.max_staleness = run.max_staleness
-        self.groups_per_version = run.groups_per_step * config.learner.publish_every
         self.capacity_groups = config.capacity_groups
         self.task_label = run.task if len(run.task) <= 128 else Path(run.task).name[-128:]
         self.state_path = Path(state_path) if state_path else None
-        self.run_token = run_token  # a learner's Hello must carry it (security off; common/run_token.py); None: not checked
         self.started_s, self.started_unix = now_s, time.time()
 
         self.stats = BrokerStats()
         self.peers = PeerRegistry(heartbeat_interval_s=broker.heartbeat_interval_s,
                                   heartbeat_misses=broker.heartbeat_misses, max_workers=broker.max_workers,
                                   max_observers=broker.max_observers)
-        self.buffer = RolloutBuffer(max_groups=self.capacity_groups, max_bytes=broker.max_buffer_bytes)
-        self.adapters = AdapterCache(broker.num_adapters_kept)
-        integrity = config.integrity
-        self.quarantine = Quarantine(after=integrity.quarantine_after, window=integrity.quarantine_window)
-        self.latest_version = 0
-        self.num_trained_total = 0  # over the run's lifetime (persisted)
-        self.num_trained_since_start = 0  # for the admission limit, counted from base_version
-        self.mean_group_bytes = 0.0
-        self.draining = False
-        self.learner_progress: dict[str, int] = {}
-
-        self.latest_sha256 = ""
-        learner = config.learner
-        self.history = TrainingHistory(max_records=(2 * learner.checkpoint_every * run.groups_per_step
-                                                    + self.capacity_groups) if learner.checkpoint_every else 0)
-        self.writer = (StateWriter(self.state_path, min_interval_s=config.broker.state_write_interval_ms / 1000)
+        adapters = AdapterCache(broker.num_adapters_kept)
+        self.quarantine = Quarantine(after=config.integrity.quarantine_after, window=config.integrity.quarantine_window)
+        self.writer = (StateWriter(self.state_path, min_interval_s=broker.state_write_interval_ms / 1000)
                        if self.state_path else None)
-        self._unsaved_adapter: tuple[int, list[Any]] | None = None
-        self.lease_secret = secrets.token_hex(32)  # the persisted one, if any, replaces it in _restore
-        self.prompts = self._restore(task)
-        self.leases = LeaseTable(timeout_s=broker.lease_timeout_s, max_per_worker=broker.max_leases_per_worker,
-                                 id_prefix=f"{self.broker_id[:6]}.", secret=bytes.fromhex(self.lease_secret))
-        self.base_version = self.latest_version
-        self.prompts.on_reserve = lambda _end: self.persist()
-
-        self._handlers = {kind: getattr(self, f"_on_{KIND_NAMES[kind]}") for kind in SENDERS if kind != Kind.HELLO}
-        self.lease_waiters = WaiterQueue()
-        self.batch_waiters = WaiterQueue()
-        self.outbox: list[Outgoing] = []
-        self._group_acks: dict[tuple[bytes, str], list[str]] = {}  # (client, status) -> group ids to acknowledge
-        self._unsubmitted: list[Outgoing] = []  # replies that need the next state write
-        self._awaiting_write: deque[tuple[int, list[Outgoing]]] = deque()  # (write seq, replies)
-        self._persist_due = False
-        self._dirty = False
-        self._batch_seq = 0
+        restored = restore(config, task, state_path=self.state_path, stats=self.stats, broker_id=self.broker_id,
+                           adapter_path=self.writer.adapter_path if self.writer else None, adapters=adapters)
+        self.ledger, self.progress, self.history = restored.ledger, restored.progress, restored.history
+        self.lease_secret = restored.lease_secret
+        self.ledger.source.on_reserve = lambda _end: self.persist()
+        self.outbox = Outbox(self.stats)
+        parts = dict(ledger=self.ledger, peers=self.peers, quarantine=self.quarantine, history=self.history,
+                     progress=self.progress, outbox=self.outbox)
+        self.leasing = LeaseDesk(config, task_label=self.task_label, **parts)
+        self.batching = BatchDesk(broker_id=self.broker_id, max_staleness=run.max_staleness, stats=self.stats,
+                                  to_unix=lambda t: self.started_unix + (t - self.started_s), **parts)
+        self.relay = AdapterRelay(adapters, history=self.history, progress=self.progress, peers=self.peers,
+                                  outbox=self.outbox, stats=self.stats)
+        # run_token: a learner's Hello must carry it (security off; common/run_token.py); None: not checked
+        self.registrar = Registrar(config, broker_id=self.broker_id, vocab_size=vocab_size, run_token=run_token,
+                                   relay=self.relay, leasing=self.leasing, batching=self.batching, stats=self.stats,
+                                   **parts)
+        self._handlers: dict[int, Callable[..., None]] = {
+            kind: getattr(self, f"_on_{KIND_NAMES[kind]}") for kind in SENDERS if kind != Kind.HELLO}
+        self._applying = False  # inside a handler's apply half (broker.dispatch)
+        # a change outside the ledger (a peer, a version) that may let a parked long-poll be answered; the
+        # ledger's own transitions count by themselves (GroupLedger.num_changes)
+        self._reconsider = False
+        self._changes_seen = 0
         self._num_changes = 0  # messages (other than StatsRequest) and ticks handled: what a Stats reply is of
         self._stats_reply: tuple[int, list[Any]] | None = None  # (_num_changes, encoded Stats) of the last one
-        self._stale_checked_version = -1
         self._next_peer_check_s = now_s
         self._next_stats_s = now_s
+        self.keeper = StateKeeper(self.writer, stats=self.stats, adapter=self.relay.take_unsaved,
+                                  state=lambda: state_of(config, self.ledger, self.progress, self.history,
+                                                         self.lease_secret))
         self.persist()
 
-    # -- persistence -----------------------------------------------------------------------------------------
-
-    def _restore(self, task: Task) -> PromptSource:
-        """The prompt source, latest version, trained count and newest adapter as the last process left them."""
-        broker, run = self.config.broker, self.config.run
-        block = max(RESERVE_BLOCK, 4 * self.capacity_groups)
-        fresh = PromptSource(task, prompt_limit=broker.prompt_limit, num_epochs=broker.num_epochs,
-                             reserve_block=block)
-        persisted = load_state(self.state_path) if self.state_path else None
-        if persisted is not None:
-            check_matches(persisted, task=run.task, seed=run.seed, epoch_size=fresh.epoch_size,
-                          path=str(self.state_path))
-            self.latest_version, self.latest_sha256 = persisted.latest_version, persisted.latest_sha256
-            self.num_trained_total = persisted.num_trained_groups
-            self.lease_secret = persisted.lease_secret or self.lease_secret
-            self.history = TrainingHistory(max_records=self.history.max_records,
-                                           learner_session=persisted.learner_session,
-                                           uncommitted=persisted.uncommitted_records(),
-                                           withdrawn=persisted.withdrawn_ranges())
-        if self.writer is not None:
-            self._restore_adapter(self.writer.adapter_path)
-        if persisted is None:
-            return fresh
-        requeued = sorted(set(persisted.pending_keys())
-                          | set(fresh.keys_between(persisted.cursor_key, persisted.reserved_key)))
-        requeued = [k for k in requeued if not broker.num_epochs or k[0] < broker.num_epochs]
-        log.info("state_restored", path=str(self.state_path), cursor=list(persisted.reserved_key),
-                 requeued=len(requeued), latest_version=self.latest_version)
-        return PromptSource(task, prompt_limit=broker.prompt_limit, num_epochs=broker.num_epochs, reserve_block=block,
-                            cursor=persisted.reserved_key, requeued=requeued)
-
-    def _restore_adapter(self, path: Path) -> None:
-        """Serve the adapter saved by the previous process (it may be one version ahead of the state file)."""
-        frames = load_adapter(path)
-        if frames is None:
-            return
-        update, envelope = protocol.decode(frames)
-        if not isinstance(update, protocol.AdapterUpdate):
-            raise ValueError(f"{path} holds a {type(update).__name__}, not an AdapterUpdate; move it away")
-        if self.history.is_withdrawn(update.version) or update.version < self.latest_version:
-            log.info("adapter_not_restored", version=update.version, path=str(path),
-                     why="withdrawn" if self.history.is_withdrawn(update.version) else "older than the state")
-            return
-        self.adapters.add(update, envelope.specs, frames)
-        self.latest_version, self.latest_sha256 = update.version, update.sha256.lower()
-        log.info("adapter_restored", version=update.version, path=str(path))
-
-    def _state(self) -> BrokerState:
-        return make_state(
-            task=self.config.run.task, seed=self.config.run.seed, epoch_size=self.prompts.epoch_size,
-            cursor=self.prompts.cursor, reserved_until=self.prompts.reserved_until,
-            pending=self.prompts.pending_keys(), latest_version=self.latest_version,
-            num_trained_groups=self.num_trained_total, latest_sha256=self.latest_sha256,
-            learner_session=self.history.learner_session, uncommitted=self.history.uncommitted.items(),
-            withdrawn=self.history.withdrawn, lease_secret=self.lease_secret)
+    @property
+    def latest_version(self) -> int:
+        return self.progress.latest_version
 
     def persist(self) -> None:
         """Write the state file now, in this thread (start, reserved block, shutdown)."""
-        if self.writer is not None:
-            adapter, self._unsaved_adapter = self._unsaved_adapter, None
-            self.writer.write(self._state(), adapter)
-            self.stats.count("state_writes", "sync")
+        self.keeper.write_now()
 
-    def _submit_write(self) -> None:
-        """Hand the current state to the background writer; replies waiting for it go out once it is durable."""
-        self._persist_due = False
-        replies, self._unsubmitted = self._unsubmitted, []
-        if self.writer is None:
-            self.outbox.extend(replies)
-            return
-        adapter, self._unsaved_adapter = self._unsaved_adapter, None
-        seq = self.writer.submit(self._state(), adapter)
-        self.stats.count("state_writes", "background")
-        self._awaiting_write.append((seq, replies))
+    # -- replies ---------------------------------------------------------------------------------------------
 
-    def _release_durable(self) -> None:
-        """Move replies whose state write is on disk to the outbox."""
-        durable = self.writer.durable_seq if self.writer is not None else 0
-        while self._awaiting_write and self._awaiting_write[0][0] <= durable:
-            self.outbox.extend(self._awaiting_write.popleft()[1])
-
-    # -- sending ---------------------------------------------------------------------------------------------
-
-    def _send_frames(self, identity: bytes, kind: int, frames: list[Any], on_fail: Callable[[], None] | None = None,
-                     after_persist: bool = False, num_bytes: int | None = None) -> None:
-        out = Outgoing(identity, frames, kind, on_fail)
-        (self._unsubmitted if after_persist else self.outbox).append(out)
-        self.stats.count("messages_out", KIND_NAMES[kind])
-        self.stats.bytes_out += _nbytes(frames) if num_bytes is None else num_bytes
-
-    def _send(self, identity: bytes, record: Any, on_fail: Callable[[], None] | None = None,
-              after_persist: bool = False) -> None:
-        self._send_frames(identity, int(record.KIND), protocol.encode(record), on_fail, after_persist)
+    def _send(self, identity: bytes, record: Any, after_persist: bool = False) -> None:
+        self.outbox.send_record(identity, record, after_durable=after_persist)
 
     def _reject(self, identity: bytes, code: str, message: str, *, ref_kind: int = 0, ref_id: str = "",
                 reason: str | None = None) -> None:
-        self.stats.count("rejected", reason or code)
         peer = self.peers.get(identity)
         if peer is not None and ref_kind == Kind.ROLLOUT_GROUP:
             peer.num_groups_rejected += 1
-        log.debug("rejected", peer=display_name(identity)[:64], code=code, error=message[:300])
-        if ref_kind == Kind.ERROR:
-            return  # never answer an error with an error
-        self._send(identity, protocol.Error(code=code, message=message[:4000], ref_kind=ref_kind,
-                                            ref_id=ref_id[:protocol.MAX_ID_LEN]))
+        self.outbox.reject(identity, code, message, ref_kind=ref_kind, ref_id=ref_id, reason=reason)
 
     def internal_error(self, identity: bytes, frames: list[Any]) -> None:
-        """A handler raised (a bug): answer ``internal`` so the peer is not left waiting."""
+        """A handler's validation raised (a bug; nothing was applied): answer ``internal`` so the peer is not left
+        waiting."""
         self._reject(identity, "internal", "the broker failed to handle this message (see its log)",
-                     ref_kind=_peek_kind(frames))
+                     ref_kind=peek_kind(frames))
 
     def has_work(self) -> bool:
         """Something to send, write or re-evaluate without waiting for a message."""
-        durable = self.writer.durable_seq if self.writer is not None else 0
-        return bool(self.outbox or self._dirty or self._persist_due or self._group_acks
-                    or (self._awaiting_write and self._awaiting_write[0][0] <= durable))
+        return (self._reconsider or self.ledger.num_changes != self._changes_seen
+                or self.outbox.has_ready(self.keeper.durable_seq))
 
     def send_failed(self, out: Outgoing, reason: str) -> None:
-        """zmq refused ``out`` (server calls this); undo what the message promised."""
+        """zmq refused ``out`` (server calls this); undo what the message promised (a ledger transition)."""
         self.stats.count("send_failed", reason)
-        log.info("send_failed", peer=display_name(out.identity)[:64], kind=KIND_NAMES.get(out.kind),
-                 reason=reason)
-        if out.on_fail is not None:
-            out.on_fail()
-            self._dirty = True
+        log.info("send_failed", peer=display_name(out.identity)[:64], kind=KIND_NAMES.get(out.kind), reason=reason)
+        self.outbox.failed(out)
 
     # -- receiving -------------------------------------------------------------------------------------------
 
@@ -310,14 +164,14 @@ class BrokerCore(DataFlow):
         """One received message (the frames after the identity). ``authenticated_role`` is the role CURVE
         authentication bound to the sender's key (None without security): a client may act only in that role;
         ``authenticated_key`` names that key (``<role>:<name>``): a client id belongs to the key that registered
-        it (:meth:`broker.peers.PeerRegistry.hello`)."""
+        it (:meth:`broker.peers.PeerRegistry.hello`). Raises :class:`HalfApplied` for a bug in an apply half."""
         try:
             envelope = protocol.decode_envelope(frames, self.config.broker.max_message_bytes)
         except ProtocolError as exc:
-            self.stats.bytes_in += _nbytes(frames)
+            self.stats.bytes_in += num_bytes(frames)
             self.stats.count("messages_in", "undecodable")
             self._num_changes += 1
-            self._reject(identity, exc.code, str(exc), ref_kind=_peek_kind(frames))
+            self._reject(identity, exc.code, str(exc), ref_kind=peek_kind(frames))
             return
         kind = envelope.kind
         if kind != Kind.STATS_REQUEST:
@@ -325,210 +179,163 @@ class BrokerCore(DataFlow):
         self.stats.bytes_in += envelope.num_bytes
         self.stats.count("messages_in", KIND_NAMES[kind])
         if self.peers.fenced_by(identity) is not None:
-            self._reject(identity, "replaced", self._fenced_message(identity), ref_kind=kind)
+            self._reject(identity, "replaced", self.registrar.fenced_message(identity), ref_kind=kind)
             return
         peer = self.peers.heard(identity, now_s)
-        if kind not in SENDERS:
-            self._reject(identity, "forbidden", f"{KIND_NAMES[kind]} messages are sent by the broker, not to it",
-                         ref_kind=kind)
+        refused = refusal(kind, envelope.header, peer.role if peer else None, authenticated_role)
+        if refused is not None:
+            self._reject(identity, *refused, ref_kind=kind)
             return
-        allowed = SENDERS[kind]
-        if authenticated_role is not None:
-            claimed = envelope.header.get("role") if kind == Kind.HELLO else (peer.role if peer else None)
-            if claimed is not None and claimed != authenticated_role:
-                self._reject(identity, "forbidden", f"this key is authorised as a {authenticated_role}, not as a "
-                             f"{claimed} (see `loraflow keys`)", ref_kind=kind)
-                return
-        if allowed is not None:
-            if peer is None:
-                self._reject(identity, "not_registered", f"say Hello before sending {KIND_NAMES[kind]}",
-                             ref_kind=kind)
-                return
-            if peer.role not in allowed:
-                self._reject(identity, "forbidden", f"a {peer.role} may not send {KIND_NAMES[kind]} "
-                             f"(only {', '.join(sorted(allowed))})", ref_kind=kind)
-                return
         try:
-            record = protocol.decode_record(envelope)
+            record, malformed = protocol.decode_record(envelope), None
         except ProtocolError as exc:
-            if kind == Kind.ROLLOUT_GROUP:
-                self._return_malformed_lease(identity, envelope.header)
-            ref_id = envelope.header.get("group_id", "")
-            self._reject(identity, exc.code, str(exc), ref_kind=kind, ref_id=ref_id if isinstance(ref_id, str) else "")
-            return
-        if kind == Kind.HELLO:
-            self._on_hello(identity, peer, record, now_s, key=authenticated_key)
-            return
-        self._handlers[kind](identity, peer, record, envelope, frames, now_s)
+            record, malformed = None, exc
+        try:
+            if malformed is not None:
+                self._on_malformed(identity, kind, envelope.header, malformed)
+            elif kind == Kind.HELLO:
+                self._on_hello(identity, peer, record, now_s, key=authenticated_key)
+            else:
+                self._handlers[kind](identity, peer, record, envelope, frames, now_s)
+        except Exception as exc:
+            if self._applying:
+                raise HalfApplied(f"{KIND_NAMES[kind]} from {display_name(identity)[:64]}: {exc!r}") from exc
+            raise
+        finally:
+            self._applying = False
+
+    def _on_malformed(self, identity: bytes, kind: int, header: dict[str, Any], exc: ProtocolError) -> None:
+        """A record that failed its decode: Error; a RolloutGroup's lease, if the sender holds it, goes back at once
+        (the worker drops a refused group: waiting for lease_timeout_s would only idle the prompt)."""
+        lease_id, ref_id = header.get("lease_id"), header.get("group_id", "")
+        lease = self.ledger.leases.get(lease_id) if kind == Kind.ROLLOUT_GROUP and isinstance(lease_id, str) else None
+        self._applying = True  # validated: the apply half (broker.dispatch)
+        if lease is not None and lease.worker == identity:
+            self.ledger.end_lease(lease, Reason.REFUSED)
+        self._reject(identity, exc.code, str(exc), ref_kind=kind, ref_id=ref_id if isinstance(ref_id, str) else "")
 
     # -- registration and liveness ---------------------------------------------------------------------------
 
-    def _on_hello(self, identity: bytes, _peer: Peer | None, hello: protocol.Hello, now_s: float,
+    def _on_hello(self, identity: bytes, old_peer: Peer | None, hello: protocol.Hello, now_s: float,
                   key: str | None = None) -> None:
-        if hello.role == "learner" and self.run_token and not hmac.compare_digest(hello.token.encode(),
-                                                                                  self.run_token.encode()):
-            self._reject(identity, "forbidden", "a learner's Hello needs the run token (security is off): the "
-                         "learner reads it from security.run_token_file (default <run_dir>/broker/run_token, "
-                         "written by the broker) or security.run_token; give it the broker's",
-                         ref_kind=Kind.HELLO, reason="run_token")
+        refused = self.registrar.refusal(hello)
+        if refused is not None:
+            code, message, reason = refused
+            self._reject(identity, code, message, ref_kind=Kind.HELLO, reason=reason)
             return
-        try:
-            peer, replaced = self.peers.hello(identity, hello, now_s, key=key)
-        except RegistryFull as exc:
-            self._reject(identity, "limit", str(exc), ref_kind=Kind.HELLO)
-            return
-        except ClientIdTaken as exc:
-            self._reject(identity, "forbidden", str(exc), ref_kind=Kind.HELLO, reason="client_id_taken")
-            return
-        if replaced is not None:
-            log.info("peer_restarted", peer=peer.name, old_session=replaced.session, session=peer.session)
-            self._peer_gone(replaced, "restarted")
-        if peer.role == "worker":
-            self._worker_joined(peer, now_s)
-        if peer.role == "learner":
-            for other in self.peers.of_role("learner"):
-                if other.identity != identity:
-                    self._fence_learner(other, peer)
-                    self._peer_gone(other, "replaced")
-            if replaced is not None and replaced.identity != identity:  # the same client id on another route
-                self._fence_learner(replaced, peer)
-        restarted = peer.role == "learner" and hello.session != self.history.learner_session
-        if restarted:
-            self._learner_restarted(hello, now_s)  # its Welcome waits until the rollback is durable
-        broker = self.config.broker
-        self._send(identity, protocol.Welcome(
-            broker_id=self.broker_id, latest_version=self.latest_version, group_size=self.group_size,
-            groups_per_step=self.config.run.groups_per_step, max_staleness=self.max_staleness,
-            heartbeat_interval_s=broker.heartbeat_interval_s,
-            heartbeat_timeout_s=broker.heartbeat_interval_s * broker.heartbeat_misses,
-            lease_timeout_s=broker.lease_timeout_s, max_message_bytes=broker.max_message_bytes,
-            vocab_size=self.vocab_size), after_persist=restarted)
-        newest = self.adapters.newest
-        if peer.role == "worker" and newest is not None and hello.adapter_version < newest.version:
-            self._send(identity, newest.notice())  # it fetches when it wants it (a reconnect storm moves no tensors)
-        if replaced is not None or _peer is None:
-            log.info("peer_joined", peer=peer.name, role=peer.role, session=peer.session, host=peer.host,
-                     pid=peer.pid, adapter_version=peer.adapter_version)
-        self._dirty = True
-
-    def _fence_learner(self, old: Peer, successor: Peer) -> None:
-        """``old`` was replaced by the learner ``successor``: its identity is refused from now on, and it is told."""
-        self.peers.fence(old, successor)
-        log.warning("learner_replaced", old=old.name, old_session=old.session, new_session=successor.session,
-                    new_host=successor.host, new_pid=successor.pid)
-        self._reject(old.identity, "replaced", self._fenced_message(old.identity), ref_kind=Kind.HELLO)
-
-    def _fenced_message(self, identity: bytes) -> str:
-        return (f"this learner was replaced by another learner process, {self.peers.fenced_by(identity)}, that "
-                "connected to the same broker; it must stop so that two learners never train one run (to run this "
-                "one instead, stop the other and start this one again)")
+        self._applying = True  # validated: the apply half (broker.dispatch)
+        self.registrar.hello(identity, old_peer, hello, now_s, key)
+        self._reconsider = True
 
     def _on_heartbeat(self, identity: bytes, peer: Peer, beat: protocol.Heartbeat, _env: Any, _frames: Any,
                       now_s: float) -> None:
+        self._applying = True  # validated: the apply half (broker.dispatch)
         self.peers.heartbeat(peer, beat, now_s)
         if beat.lease_ids:
-            self.stats.count("leases", "renewed", self.leases.renew(identity, beat.lease_ids, now_s))
+            self.stats.count("leases", "renewed", self.ledger.renew(identity, beat.lease_ids, now_s))
         self._send(identity, protocol.Heartbeat(latest_version=self.latest_version, state="idle"))
-        self._dirty = True
+        self._reconsider = True
 
     def _on_bye(self, identity: bytes, peer: Peer, bye: protocol.Bye, _env: Any, _frames: Any, _now_s: float) -> None:
-        self.peers.remove(identity)
-        log.info("peer_left", peer=peer.name, reason=bye.reason)
-        self._peer_gone(peer, "bye")
+        self._applying = True  # validated: the apply half (broker.dispatch)
+        self.registrar.bye(identity, peer, bye)
+        self._reconsider = True
 
-    def _peer_gone(self, peer: Peer, why: str) -> None:
-        """Take back what a dead, departed or restarted client held."""
-        identity = peer.identity
-        for lease in self.leases.reclaim(identity):
-            self.prompts.requeue(lease.key)
-            self.stats.count("leases", "reclaimed")
-        if peer.role == "learner":
-            for batch_id in self.buffer.batch_ids():
-                for group in self.buffer.unserve(batch_id):
-                    self.prompts.set_state(group.key, "buffered")
-                    self.stats.count("groups", "restored")
-                    self._stale_checked_version = -1  # they may have aged while in training: check again
-        self.lease_waiters.remove(identity)
-        self.batch_waiters.remove(identity)
-        self.stats.count("peers_gone", why)
-        self._dirty = True
+    # -- work ------------------------------------------------------------------------------------------------
 
-    def _learner_restarted(self, hello: protocol.Hello, now_s: float) -> None:
-        """A learner process that is not the one whose steps the history holds: it resumed from a checkpoint of
-        version ``hello.adapter_version``. What it trained since is re-queued; what it published since is
-        withdrawn from the adapter cache, the buffer and the workers (see :mod:`broker.history`)."""
-        resumed = hello.adapter_version
-        lost = self.history.rollback(resumed)
-        for key in lost:
-            if self.prompts.state(key) == "trained":
-                self.prompts.requeue(key)
-                self.num_trained_total -= 1
-                self.num_trained_since_start -= 1
-        self.stats.count("groups", "rolled_back", len(lost))
-        withdrawn = resumed < self.latest_version and self.history.withdraw(resumed + 1, self.latest_version)
-        if withdrawn:
-            gone = self.adapters.withdraw(resumed + 1, self.latest_version)
-            self.stats.count("adapters", "withdrawn", len(gone))
-            self.base_version += self.latest_version - resumed  # the admission limit counts versions trained
-            self._drop_withdrawn()
-            self._answer_stale_lease_waiters(now_s)
-        self.history.learner_session = hello.session
-        self._persist_due = True
-        self._dirty = True
-        log.info("learner_restarted", session=hello.session, resumed_version=resumed,
-                 latest_version=self.latest_version, requeued=len(lost), withdrawn=self.history.withdrawn)
+    def _on_lease_request(self, identity: bytes, peer: Peer, request: protocol.LeaseRequest, _env: Any, _frames: Any,
+                          now_s: float) -> None:
+        self._applying = True  # validated: the apply half (broker.dispatch)
+        self.leasing.request(identity, peer, request, now_s)
 
-    # -- adapters --------------------------------------------------------------------------------------------
+    def _on_lease_return(self, identity: bytes, _peer: Peer, returned: protocol.LeaseReturn, _env: Any, _frames: Any,
+                         _now_s: float) -> None:
+        self._applying = True  # validated: the apply half (broker.dispatch)
+        unknown = self.leasing.give_back(identity, returned.lease_ids)
+        if unknown:
+            self._reject(identity, "unknown_lease", f"lease(s) {unknown[:8]} are not held by you (expired, "
+                         "reclaimed or never granted)", ref_kind=Kind.LEASE_RETURN, ref_id=unknown[0])
+
+    def _on_rollout_group(self, identity: bytes, peer: Peer, group: protocol.RolloutGroup,
+                          envelope: framing.Envelope, _frames: Any, now_s: float) -> None:
+        verdict = intake.judge(group, envelope, identity, ledger=self.ledger, group_size=self.config.run.group_size,
+                               quarantined=self.quarantine.status((peer.client_id, peer.session))
+                               is Status.QUARANTINED, vocab_size=self.vocab_size, latest_version=self.latest_version,
+                               max_staleness=self.config.run.max_staleness, withdrawn=self.history.withdrawn)
+        gid = group.group_id
+        if verdict.outcome == intake.UNKNOWN:
+            self._reject(identity, verdict.code, verdict.message, ref_kind=Kind.ROLLOUT_GROUP, ref_id=gid,
+                         reason=verdict.reason)
+            return
+        self._applying = True  # validated: the apply half (broker.dispatch)
+        if verdict.outcome == intake.REFUSE:
+            lease = self.ledger.leases.get(group.lease_id)
+            if lease is not None and lease.key == verdict.key and lease.worker == identity:
+                self.ledger.end_lease(lease, Reason.REFUSED)
+            # otherwise the prompt is queued already, or leased again to another worker (theirs to deliver)
+            if verdict.dropped:
+                self.stats.count("dropped", verdict.dropped)
+            log.info("group_refused", group_id=gid, worker=group.worker_id, code=verdict.code,
+                     reason=verdict.reason or verdict.code, error=verdict.message[:200])
+            self._reject(identity, verdict.code, verdict.message, ref_kind=Kind.ROLLOUT_GROUP, ref_id=gid,
+                         reason=verdict.reason)
+            return
+        if verdict.outcome == intake.ACCEPT:
+            stored = intake.stored(group, envelope, verdict.key, worker=peer.client_id, session=peer.session,
+                                   now_s=now_s)
+            self.ledger.accept(stored, group.lease_id, old=verdict.state)
+            self.progress.group_accepted(envelope.num_bytes)
+            peer.num_groups_accepted += 1
+            self.stats.tokens_accepted += stored.num_tokens
+            status = "accepted"
+        else:
+            self.stats.count("groups", "duplicate")
+            status = "duplicate"
+        if peer.batched_acks:  # one Ack per status for its groups of this loop pass
+            self.outbox.ack_group(identity, status, gid)
+        else:
+            self._send(identity, protocol.Ack(ref_kind=Kind.ROLLOUT_GROUP, ref_id=gid, status=status))
+
+    def _on_batch_request(self, identity: bytes, _peer: Peer, request: protocol.BatchRequest, _env: Any, _frames: Any,
+                          now_s: float) -> None:
+        if request.num_groups > self.ledger.buffer.max_groups:
+            self._reject(identity, "limit", f"BatchRequest for {request.num_groups} groups can never be filled: the "
+                         f"broker holds at most {self.ledger.buffer.max_groups} (broker.capacity_groups)",
+                         ref_kind=Kind.BATCH_REQUEST)
+            return
+        self._applying = True  # validated: the apply half (broker.dispatch)
+        self.batching.request(identity, request, now_s)
+
+    def _on_batch_ack(self, identity: bytes, _peer: Peer, ack: protocol.BatchAck, _env: Any, _frames: Any,
+                      now_s: float) -> None:
+        if not self.batching.knows(ack):
+            self._reject(identity, "unknown_batch", f"batch {ack.batch_id!r} is unknown to this broker and the ack "
+                         "lists no group_ids", ref_kind=Kind.BATCH_ACK, ref_id=ack.batch_id)
+            return
+        self._applying = True  # validated: the apply half (broker.dispatch)
+        self.batching.settle(ack, now_s)
+        self._send(identity, protocol.Ack(ref_kind=Kind.BATCH_ACK, ref_id=ack.batch_id), after_persist=True)
+        self._reconsider = True  # a quarantine may have begun
+
+    # -- adapters and stats --------------------------------------------------------------------------------
 
     def _on_adapter_update(self, identity: bytes, peer: Peer, update: protocol.AdapterUpdate,
                            envelope: framing.Envelope, frames: list[Any], now_s: float) -> None:
-        restoring = (update.version == self.latest_version and self.adapters.get(update.version) is None
-                     and not self.history.is_withdrawn(update.version))
-        if restoring and self.latest_sha256 and update.sha256.lower() != self.latest_sha256.lower():
-            self._reject(identity, "stale_version", f"AdapterUpdate version {update.version} was published before "
-                         f"with other weights (sha256 {self.latest_sha256[:12]}...); a version number is never "
-                         f"reused: publish version {self.latest_version + 1} or later",
-                         ref_kind=Kind.ADAPTER_UPDATE, ref_id=str(update.version))
+        refused = self.relay.refusal(update, frames)
+        if refused is not None:
+            self._reject(identity, *refused, ref_kind=Kind.ADAPTER_UPDATE, ref_id=str(update.version))
             return
-        if update.version <= self.latest_version and not restoring:
-            self._reject(identity, "stale_version", f"AdapterUpdate version {update.version} does not advance the "
-                         f"latest version {self.latest_version}; publish version {self.latest_version + 1} or later",
-                         ref_kind=Kind.ADAPTER_UPDATE, ref_id=str(update.version))
-            return
-        try:
-            stored = self.adapters.add(update, envelope.specs, frames)
-        except ProtocolError as exc:
-            self._reject(identity, exc.code, str(exc), ref_kind=Kind.ADAPTER_UPDATE, ref_id=str(update.version))
-            return
-        self.latest_version, self.latest_sha256 = update.version, update.sha256.lower()
-        peer.adapter_version = update.version
-        self._unsaved_adapter = (update.version, stored.message)
-        self._persist_due = True
-        self._send(identity, protocol.Ack(ref_kind=Kind.ADAPTER_UPDATE, ref_id=str(update.version)),
-                   after_persist=True)
-        notice = stored.notice()
-        for worker in self.peers.of_role("worker"):
-            self._send(worker.identity, notice)
-        self._answer_stale_lease_waiters(now_s)
-        self._drop_stale()
-        self.stats.count("adapters", "restored" if restoring else "published")
-        log.info("adapter_published", version=update.version, step=update.step, num_bytes=stored.num_bytes,
-                 num_tensors=stored.num_tensors, restored=restoring)
-        self._dirty = True
+        self._applying = True  # validated: the apply half (broker.dispatch)
+        self.relay.publish(identity, peer, update, envelope, frames)
+        self.leasing.answer_stale(now_s)
+        self.batching.drop_stale()
+        self._reconsider = True
 
     def _on_adapter_fetch(self, identity: bytes, _peer: Peer, fetch: protocol.AdapterFetch, _env: Any,
                           _frames: Any, _now_s: float) -> None:
-        stored = self.adapters.get(fetch.version)
-        if stored is None:
-            newest = self.adapters.newest
-            have = f"kept: {[a['version'] for a in self.adapters.snapshot()]}" if newest else "none published yet"
-            self._reject(identity, "stale_version", f"adapter version {fetch.version or 'newest'} is not kept "
-                         f"({have}; latest version {self.latest_version})", ref_kind=Kind.ADAPTER_FETCH,
-                         ref_id=str(fetch.version))
-            return
-        self._send_frames(identity, Kind.ADAPTER_UPDATE, stored.message)
-
-    # -- stats -----------------------------------------------------------------------------------------------
+        missing = self.relay.fetch(identity, fetch)
+        if missing is not None:
+            self._reject(identity, "stale_version", missing, ref_kind=Kind.ADAPTER_FETCH, ref_id=str(fetch.version))
 
     def _on_stats_request(self, identity: bytes, _peer: Peer | None, _request: Any, _env: Any, _frames: Any,
                           now_s: float) -> None:
@@ -538,94 +345,52 @@ class BrokerCore(DataFlow):
         if self._stats_reply is None or self._stats_reply[0] != self._num_changes:
             frames = protocol.encode(protocol.Stats(snapshot=build_snapshot(self, now_s)))
             self._stats_reply = (self._num_changes, frames)
-        self._send_frames(identity, Kind.STATS, self._stats_reply[1])
+        self.outbox.send(identity, Kind.STATS, self._stats_reply[1])
 
     # -- timers and flushing ---------------------------------------------------------------------------------
 
     def tick(self, now_s: float) -> None:
         """Deadlines: expired leases, dead peers, long-polls due, stats samples."""
         self._num_changes += 1
-        for lease in self.leases.expired(now_s):
-            self.prompts.requeue(lease.key)
-            self.stats.count("leases", "expired")
+        for lease in self.ledger.expire(now_s):
             log.info("lease_expired", lease_id=lease.lease_id, group_id=group_id_of(lease.key),
                      worker=display_name(lease.worker))
-            self._dirty = True
         if now_s >= self._next_peer_check_s:
             self._next_peer_check_s = now_s + self.config.broker.heartbeat_interval_s * PEER_CHECK_FRACTION
-            for peer in self.peers.dead(now_s):
-                log.warning("peer_dead", peer=peer.name, silent_s=round(now_s - peer.last_seen_s, 2))
-                self._peer_gone(peer, "dead")
-        for waiters, answer in ((self.lease_waiters, self._answer_lease_waiter),
-                                (self.batch_waiters, self._answer_batch_waiter)):
-            for waiter in waiters.expired(now_s):
-                answer(waiter, now_s, final=True)
+            if self.registrar.dead(now_s):
+                self._reconsider = True
+        if self.leasing.waiters:
+            self.leasing.expire_waiters(now_s)
+        if self.batching.waiters:
+            self.batching.expire_waiters(now_s)
         if now_s >= self._next_stats_s:
             self._next_stats_s = now_s + STATS_TICK_S
             self.stats.tick(now_s)
-            self._set_gauges()
+            set_gauges(self)
 
     def flush(self, now_s: float) -> list[Outgoing]:
-        """Write the state if an ack needs it, serve parked long-polls if anything changed; what to send."""
-        if self._persist_due:
-            self._submit_write()
-        self._release_durable()
-        while self._dirty:
-            self._dirty = False
-            if self.batch_waiters:
-                self._drop_stale()
-            while self.batch_waiters and self._answer_batch_waiter(self.batch_waiters.first(), now_s, final=False):
-                self.batch_waiters.remove(self.batch_waiters.first().identity)
-            self._serve_lease_waiters(now_s)
-        if self._group_acks:
-            self._send_group_acks()
-        out, self.outbox = self.outbox, []
-        return out
+        """Write the state if a reply needs it, serve parked long-polls if anything changed; what to send."""
+        if self.outbox.needs_write:
+            self.outbox.written(self.keeper.submit())
+        self.outbox.release(self.keeper.durable_seq)
+        while self._reconsider or self.ledger.num_changes != self._changes_seen:
+            self._reconsider, self._changes_seen = False, self.ledger.num_changes
+            if self.batching.waiters:
+                self.batching.serve_waiters()
+            if self.leasing.waiters:
+                self.leasing.serve_waiters(now_s)
+        return self.outbox.take()
 
-    def next_wakeup_s(self, now_s: float) -> float:
+    def next_wakeup_s(self, _now_s: float) -> float:
         """When tick() next has something to do."""
-        candidates = [self._next_stats_s, self._next_peer_check_s]
-        lease_deadline = self.leases.next_deadline_s()
-        if lease_deadline is not None:
-            candidates.append(lease_deadline)
-        for waiters in (self.lease_waiters, self.batch_waiters):
-            deadline = waiters.next_deadline_s()
-            if deadline is not None:
-                candidates.append(deadline)
-        return min(candidates)
+        deadlines = (self.ledger.leases.next_deadline_s(), self.leasing.waiters.next_deadline_s(),
+                     self.batching.waiters.next_deadline_s())
+        return min(self._next_stats_s, self._next_peer_check_s, *(d for d in deadlines if d is not None))
 
     def drain(self, now_s: float) -> list[Outgoing]:
         """Shutting down: answer every parked long-poll (empty, reason draining) and write the state."""
-        self.draining = True
-        for waiter in self.lease_waiters:
-            self._answer_lease_waiter(waiter, now_s, final=True)
-        for waiter in self.batch_waiters:
-            self._answer_batch_waiter(waiter, now_s, final=True)
-        self.lease_waiters.clear()
-        self.batch_waiters.clear()
-        self._send_group_acks()
-        if self.writer is not None:
-            self.writer.close()  # finishes a background write in progress
-        self.persist()
-        self.outbox.extend(self._unsubmitted)
-        for _, replies in self._awaiting_write:
-            self.outbox.extend(replies)
-        self._unsubmitted, self._awaiting_write = [], deque()
-        self._persist_due = False
-        out, self.outbox = self.outbox, []
-        return out
-
-    def _set_gauges(self) -> None:
-        m = self.stats.metrics
-        m.set("latest_version", self.latest_version)
-        m.set("buffer_groups", self.buffer.num_buffered)
-        m.set("buffer_bytes", self.buffer.buffered_bytes)
-        m.set("training_groups", self.buffer.num_training)
-        m.set("training_bytes", self.buffer.training_bytes)
-        m.set("leases_outstanding", len(self.leases))
-        m.set("workers", self.peers.num_workers())
-        m.set("prompts_queued", self.prompts.num_queued)
-        m.set("lease_waiters", len(self.lease_waiters))
-        m.set("batch_waiters", len(self.batch_waiters))
-        m.set("quarantined_workers", self.quarantine.count(Status.QUARANTINED))
-        m.set("probation_workers", self.quarantine.count(Status.PROBATION))
+        self.progress.draining = True
+        self.leasing.drain(now_s)
+        self.batching.drain()
+        self.keeper.close()
+        return self.outbox.drain()

@@ -26,6 +26,7 @@ from __future__ import annotations
 import heapq
 import hmac
 import itertools
+from collections.abc import Iterator
 from dataclasses import dataclass
 
 from broker.peers import display_name
@@ -63,6 +64,9 @@ class LeaseTable:
 
     def __contains__(self, lease_id: str) -> bool:
         return lease_id in self._by_id
+
+    def __iter__(self) -> Iterator[Lease]:
+        return iter(list(self._by_id.values()))
 
     def get(self, lease_id: str) -> Lease | None:
         return self._by_id.get(lease_id)

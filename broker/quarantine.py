@@ -17,7 +17,8 @@ submitted the group (:class:`broker.buffer.StoredGroup` ``worker`` + ``session``
 a group or a mismatch claims. Each process keeps the last :data:`MAX_EVIDENCE` failures (the learner's
 :class:`common.protocol.PolicyMismatch` records) so that ``loraflow status`` can say why.
 
-What the statuses mean for the broker is :mod:`broker.flow`'s part: a quarantined process gets no leases
+What the statuses mean for the broker is :mod:`broker.batching`'s (its hooks, on each BatchAck),
+:mod:`broker.leasing`'s and :mod:`broker.intake`'s part: a quarantined process gets no leases
 (``LeaseGrant.reason = "quarantined"``), its leases and buffered groups are taken back (prompts re-queued), and
 its groups are refused (Error ``quarantined``); a process on probation holds one lease at a time.
 

@@ -22,6 +22,10 @@ What it produces: replies and forwarded frames on the same ROUTER, the state fil
 disk (written by a helper thread, :class:`broker.state.StateWriter`, whose "durable" signal arrives on a pipe
 in the same poll, so acks that depend on a write wait for it without stalling the loop), Prometheus gauges.
 
+A bug in a handler's validation costs one message (Error ``internal``); one in its apply half
+(:class:`broker.dispatch.HalfApplied`) ends the process, exit 1, before the half-applied state is written
+(the supervisor restarts the broker on its last state file).
+
 What it blocks on: ``zmq.Poller.poll`` only, with the timeout set to the core's next deadline (capped at
 ``MAX_POLL_MS`` so a stop request is noticed promptly). What unblocks it: an incoming message, a durable
 write, a deadline, or :meth:`BrokerServer.stop` (the signal handler). Sends never block: with
@@ -52,6 +56,7 @@ import zmq
 from zmq.utils.monitor import recv_monitor_message
 
 from broker.core import BrokerCore
+from broker.dispatch import HalfApplied
 from broker.peers import display_name
 from common import sockets
 from common.config import Config
@@ -138,7 +143,7 @@ class BrokerServer:
                 core.tick(now_s)
                 self._send_all(core.flush(now_s))
             self._send_all(core.drain(time.monotonic()))
-            log.info("broker_stopped", latest_version=core.latest_version, cursor=list(core.prompts.cursor))
+            log.info("broker_stopped", latest_version=core.latest_version, cursor=list(core.ledger.source.cursor))
         finally:
             self.close()
 
@@ -155,7 +160,10 @@ class BrokerServer:
             role = role_of(frames[1]) if user_id else None
             try:
                 core.handle(identity, frames[1:], now_s, authenticated_role=role, authenticated_key=user_id)
-            except Exception:  # a bug must cost one message, not the broker
+            except HalfApplied:  # a bug after the state began to change: end the process (broker.dispatch)
+                log.exception("handler_failed_applying", peer=display_name(identity)[:64])
+                raise
+            except Exception:  # a bug in a validation costs one message, not the broker: nothing was changed
                 log.exception("handler_failed", peer=display_name(identity)[:64])
                 core.internal_error(identity, frames[1:])
 

@@ -36,6 +36,8 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
+from broker.quarantine import Status
+
 if TYPE_CHECKING:
     from broker.core import BrokerCore
     from broker.peers import Peer
@@ -59,7 +61,7 @@ def _peer_row(core: BrokerCore, peer: Peer, now_s: float) -> dict[str, Any]:
         else {}
     return {
         "id": peer.client_id, "identity": peer.name, "role": peer.role, "state": peer.state,
-        "adapter_version": peer.adapter_version, "leases": core.leases.count(peer.identity),
+        "adapter_version": peer.adapter_version, "leases": core.ledger.leases.count(peer.identity),
         "capacity": peer.capacity, "backend": peer.backend, "host": peer.host, "pid": peer.pid,
         "session": peer.session, "last_seen_s": round(now_s - peer.last_seen_s, 3),
         "uptime_s": round(now_s - peer.registered_s, 1), "groups_accepted": peer.num_groups_accepted,
@@ -79,19 +81,21 @@ def _integrity(core: BrokerCore, now_s: float) -> dict[str, Any]:
 
 
 def build_snapshot(core: BrokerCore, now_s: float) -> dict[str, Any]:
-    buffered = core.buffer.buffered()
+    ledger = core.ledger
+    buffer = ledger.buffer
+    buffered = buffer.buffered()
     all_workers = core.peers.of_role("worker")
     workers = [_peer_row(core, p, now_s) for p in all_workers[:MAX_WORKERS_LISTED]]
     learners = core.peers.of_role("learner")
     learner = None
     learner_share = None
     if learners:
-        learner = {**_peer_row(core, learners[0], now_s), **core.learner_progress,
-                   "batches_in_flight": len(core.buffer.batch_ids())}
+        learner = {**_peer_row(core, learners[0], now_s), **core.progress.learner,
+                   "batches_in_flight": len(buffer.batch_ids())}
         learner_share = _busy_share_from_counters(learners[0].counters)
         if learner_share is None:
             learner_share = learner["busy_share"]
-    credit = core.credit()
+    credit = core.leasing.credit()
     broker = core.config.broker
     return {
         "broker_id": core.broker_id,
@@ -99,33 +103,47 @@ def build_snapshot(core: BrokerCore, now_s: float) -> dict[str, Any]:
         "latest_version": core.latest_version,
         "vocab_size": core.vocab_size,
         "settings": {
-            "task": core.config.run.task, "group_size": core.group_size,
-            "groups_per_step": core.config.run.groups_per_step, "max_staleness": core.max_staleness,
+            "task": core.config.run.task, "group_size": core.config.run.group_size,
+            "groups_per_step": core.config.run.groups_per_step, "max_staleness": core.config.run.max_staleness,
             "capacity_groups": core.capacity_groups, "max_buffer_bytes": broker.max_buffer_bytes,
             "lease_timeout_s": broker.lease_timeout_s, "heartbeat_interval_s": broker.heartbeat_interval_s,
             "heartbeat_misses": broker.heartbeat_misses,
         },
-        "prompts": {**core.prompts.snapshot(), "trained_total": core.num_trained_total,
-                    "exhausted": core.prompts.exhausted()},
+        "prompts": {**ledger.snapshot(), "trained_total": core.progress.num_trained_total,
+                    "exhausted": ledger.source.exhausted()},
         "buffer": {
-            "groups": core.buffer.num_buffered, "bytes": core.buffer.buffered_bytes,
-            "training_groups": core.buffer.num_training, "training_bytes": core.buffer.training_bytes,
-            "max_groups": core.buffer.max_groups, "max_bytes": core.buffer.max_bytes,
-            "memory_bytes": core.buffer.memory_bytes,
-            "staleness": {str(k): v for k, v in core.buffer.staleness_histogram(core.latest_version).items()},
+            "groups": buffer.num_buffered, "bytes": buffer.buffered_bytes,
+            "training_groups": buffer.num_training, "training_bytes": buffer.training_bytes,
+            "max_groups": buffer.max_groups, "max_bytes": buffer.max_bytes,
+            "memory_bytes": buffer.memory_bytes,
+            "staleness": {str(k): v for k, v in buffer.staleness_histogram(core.latest_version).items()},
             "oldest_age_s": round(now_s - buffered[0].received_s, 3) if buffered else 0.0,
-            "mean_group_bytes": round(core.mean_group_bytes, 1),
+            "mean_group_bytes": round(core.progress.mean_group_bytes, 1),
         },
         "credit": credit,
-        "leases": {"outstanding": len(core.leases),
-                   "list": core.leases.snapshot(now_s)[:MAX_LEASES_LISTED]},
-        "waiting": {"lease_requests": len(core.lease_waiters), "batch_requests": len(core.batch_waiters)},
+        "leases": {"outstanding": ledger.num_leased,
+                   "list": ledger.leases.snapshot(now_s)[:MAX_LEASES_LISTED]},
+        "waiting": {"lease_requests": len(core.leasing.waiters), "batch_requests": len(core.batching.waiters)},
         "workers": workers,
         "num_workers": len(all_workers),
         "learner": learner,
         "learner_busy_share": learner_share,
-        "adapters": core.adapters.snapshot(),
+        "adapters": core.relay.adapters.snapshot(),
         "history": core.history.snapshot(),
         "integrity": _integrity(core, now_s),
         **core.stats.snapshot(now_s),
     }
+
+
+def set_gauges(core: BrokerCore) -> None:
+    """The Prometheus gauges (``loraflow_broker_<name>``), set once per stats tick."""
+    ledger = core.ledger
+    buffer = ledger.buffer
+    for name, value in (("latest_version", core.latest_version), ("buffer_groups", buffer.num_buffered),
+                        ("buffer_bytes", buffer.buffered_bytes), ("training_groups", buffer.num_training),
+                        ("training_bytes", buffer.training_bytes), ("leases_outstanding", ledger.num_leased),
+                        ("workers", core.peers.num_workers()), ("prompts_queued", ledger.num_queued),
+                        ("lease_waiters", len(core.leasing.waiters)), ("batch_waiters", len(core.batching.waiters)),
+                        ("quarantined_workers", core.quarantine.count(Status.QUARANTINED)),
+                        ("probation_workers", core.quarantine.count(Status.PROBATION))):
+        core.stats.metrics.set(name, value)

@@ -135,7 +135,7 @@ def test_batched_acks_one_per_pass_and_status(h: Harness) -> None:
     ack = h.submit(W1, h.lease(W1)[0])
     assert (ack.ref_id, ack.ref_ids, ack.ids) == ("0:3", None, ["0:3"])  # 0:3 was re-queued
     many = [f"1:{i}" for i in range(5000)]  # more than one Ack may carry (ref_id + MAX_BATCH_GROUPS ref_ids)
-    h.core._group_acks[(W2, "duplicate")] = list(many)
+    h.core.outbox.group_acks[(W2, "duplicate")] = list(many)
     acks = [r for _, r, _ in h.flush()]
     assert [len(a.ids) for a in acks] == [4097, 903] and [i for a in acks for i in a.ids] == many
 
@@ -441,8 +441,8 @@ def test_restart_restores_cursor_pending_and_adapter(tmp_path) -> None:
     h.send(LEARNER, BatchAck(batch_id=batch.batch_id, step=1, trained_version=0, group_ids=["0:0"]))
     h.publish(1)
     h.restart()
-    assert h.core.latest_version == 1 and h.core.prompts.state((0, 0)) == "trained"
-    assert h.core.prompts.snapshot()["queued"] >= 2  # 0:1 (not trained) and 0:2 (leased), plus the reserved block
+    assert h.core.latest_version == 1 and h.core.ledger.state((0, 0)) == "trained"
+    assert h.core.ledger.snapshot()["queued"] >= 2  # 0:1 (not trained) and 0:2 (leased), plus the reserved block
     replies = h.hello(W2, adapter_version=0)
     assert kinds(replies) == ["WELCOME", "ADAPTER_NOTICE"] and replies[1][1].version == 1
     h.hello(W1, session="s2")

@@ -71,10 +71,10 @@ def test_learner_resumed_from_an_older_checkpoint(h: Harness) -> None:
     assert stats["group_events"]["rolled_back"] == 4 and stats["prompts"]["trained_total"] == 2
     assert stats["dropped"] == {"withdrawn": 1}  # the buffered group of version 3; the version-1 one stays
     assert [a["version"] for a in stats["adapters"]] == [1]
-    assert stats["buffer"]["groups"] == 1 and h.core.buffer.buffered()[0].group_id == buffered_v1[0]
+    assert stats["buffer"]["groups"] == 1 and h.core.ledger.buffered()[0].group_id == buffered_v1[0]
     requeued = {*second, *third, *buffered_v3}
-    assert {f"{k[0]}:{k[1]}" for k in h.core.prompts.pending_keys()
-            if h.core.prompts.state(k) == "queued"} == requeued
+    assert {f"{k[0]}:{k[1]}" for k in h.core.ledger.pending_keys()
+            if h.core.ledger.state(k) == "queued"} == requeued
 
     # a worker still on version 3 gets no lease and no version-3 adapter; its late group is refused
     (_, grant, _), = h.send(W1, LeaseRequest(max_leases=1, adapter_version=3))

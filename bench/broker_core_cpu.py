@@ -1,0 +1,150 @@
+"""The broker core's Python per group, in process, against another checkout of the broker (a before/after).
+
+    .venv/bin/python bench/broker_core_cpu.py --reference-tree /path/to/other/checkout [--groups 4000]
+        [--repeats 5] [--sizes 16384,262144]
+
+One thread drives a :class:`broker.core.BrokerCore` (no sockets) through every message a group costs the broker:
+a LeaseRequest for 8 leases, the 8 RolloutGroups (validated, buffered, acknowledged), a BatchRequest served as a
+Batch of 8, the BatchAck (settled, state written by the background writer with group commit, Ack released once
+durable). The figure is the CPU time of that thread inside ``handle`` / ``tick`` / ``flush`` per group
+(``time.thread_time``; encoding the clients' messages and waiting for the fsync are outside it): the broker
+main thread's work per group, which is what bounds its throughput, and unlike the socket bench
+(``bench/broker_throughput.py``) it does not move with what else the machine runs. The reference is the same
+loop on ``--reference-tree`` (its ``broker`` package first on ``sys.path``, in a subprocess), interleaved run
+by run; medians of ``--repeats``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parent.parent
+BATCH = 8
+
+
+def child(num_groups: int, group_bytes: int) -> float:
+    """Microseconds of core CPU per group in this process (the broker package on sys.path is the one measured)."""
+    import msgpack
+
+    from bench.broker_throughput import GROUP_SIZE, group_record, group_tensors
+    from broker.core import BrokerCore
+    from common import protocol
+    from common.config import load_config
+    from common.protocol import BatchAck, BatchRequest, Hello, Kind, LeaseRequest
+    from common.tasks import load_task
+
+    worker, learner = b"worker/w", b"learner/l"
+    with tempfile.TemporaryDirectory() as tmp:
+        config = load_config(None, [f"run.group_size={GROUP_SIZE}", f"run.groups_per_step={BATCH}",
+                                    "run.max_staleness=1000", f"broker.capacity_groups={4 * BATCH}",
+                                    f"broker.max_leases_per_worker={BATCH}", f"run.run_dir={tmp}",
+                                    f"broker.max_buffer_bytes={64 * BATCH * (group_bytes + (64 << 10))}"])
+        core = BrokerCore(config, task=load_task(config.run.task, config.run.seed), vocab_size=200,
+                          state_path=Path(tmp) / "state.json")
+        tensors = group_tensors(group_bytes)
+        spent = 0.0
+        replies: list = []
+
+        def drive(identity: bytes, frames: list, wait_for: int | None = None) -> None:
+            """Hand one message to the core and flush; with ``wait_for``, flush again (timed) each time the state
+            writer has made its pending write durable (the wait itself untimed) until that reply is out."""
+            nonlocal spent
+            deadline = time.monotonic() + 30
+            started = time.thread_time()
+            core.handle(identity, frames, time.monotonic())
+            while True:
+                now = time.monotonic()
+                core.tick(now)
+                out = core.flush(now)
+                replies.extend(out)
+                spent += time.thread_time() - started
+                if wait_for is None or any(o.kind == wait_for for o in out):
+                    return
+                writer = core.writer
+                while writer.durable_seq < writer._seq:  # the fsync: not the core's CPU
+                    assert time.monotonic() < deadline, "the state writer did not finish"
+                    time.sleep(0.0002)
+                started = time.thread_time()
+
+        drive(worker, protocol.encode(Hello(role="worker", client_id="w", session="s")))
+        drive(learner, protocol.encode(Hello(role="learner", client_id="l", session="s")), wait_for=Kind.WELCOME)
+        spent, done = 0.0, 0
+        while done < num_groups:
+            replies.clear()
+            drive(worker, protocol.encode(LeaseRequest(max_leases=BATCH, adapter_version=0, wait_ms=0)))
+            grant = msgpack.unpackb(next(o for o in replies if o.kind == Kind.LEASE_GRANT).frames[1])
+            assert len(grant["leases"]) == BATCH, grant
+            for lease in grant["leases"]:
+                record = group_record(lease["group_id"], lease["lease_id"], "w", tensors)
+                drive(worker, protocol.encode(record, tensors))
+            replies.clear()
+            drive(learner, protocol.encode(BatchRequest(num_groups=BATCH, wait_ms=0)))
+            header = msgpack.unpackb(next(o for o in replies if o.kind == Kind.BATCH).frames[1])
+            ids = [entry["group"]["group_id"] for entry in header["groups"]]
+            drive(learner, protocol.encode(BatchAck(batch_id=header["batch_id"], step=done // BATCH,
+                                                    trained_version=0, group_ids=ids)), wait_for=Kind.ACK)
+            done += BATCH
+        core.drain(time.monotonic())
+        return spent / done * 1e6
+
+
+def run_child(tree: Path, num_groups: int, group_bytes: int) -> float:
+    env = {**os.environ, "PYTHONPATH": f"{tree}{os.pathsep}{REPO}"}
+    out = subprocess.run([sys.executable, __file__, "--child", "--groups", str(num_groups), "--sizes",
+                          str(group_bytes)], env=env, cwd=tree, capture_output=True, text=True, timeout=600)
+    if out.returncode != 0:
+        raise RuntimeError(f"{tree}: {out.stderr[-2000:]}")
+    return json.loads(out.stdout.strip().splitlines()[-1])["us_per_group"]
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--reference-tree", type=Path, help="another checkout of this repository (the reference)")
+    parser.add_argument("--groups", type=int, default=4000, help="groups per run")
+    parser.add_argument("--repeats", type=int, default=5, help="interleaved runs per tree and size (median kept)")
+    parser.add_argument("--sizes", default="16384,262144", help="group sizes in bytes, comma-separated")
+    parser.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
+    args = parser.parse_args(argv)
+    sizes = [int(s) for s in args.sizes.split(",")]
+    if args.child:
+        os.environ.setdefault("LORAFLOW_LOG_LEVEL", "warning")
+        import logging
+
+        logging.disable(logging.INFO)
+        print(json.dumps({"us_per_group": child(args.groups, sizes[0])}))
+        return 0
+    sys.path.insert(0, str(REPO))  # as every bench script: runnable without an install
+    from bench.report import report
+
+    if args.reference_tree is None:
+        parser.error("--reference-tree is required")
+    results: dict[int, dict[str, float]] = {}
+    print(f"core CPU per group (us, main thread), {args.groups} groups per run, median of {args.repeats} "
+          f"interleaved runs; this tree {REPO} vs reference {args.reference_tree}")
+    for size in sizes:
+        runs: dict[str, list[float]] = {"this": [], "reference": []}
+        for _ in range(args.repeats):
+            runs["reference"].append(run_child(args.reference_tree, args.groups, size))
+            runs["this"].append(run_child(REPO, args.groups, size))
+        results[size] = {k: round(statistics.median(v), 2) for k, v in runs.items()}
+        print(f"group {size // 1024:5d} KB  this {results[size]['this']:7.1f} us  reference "
+              f"{results[size]['reference']:7.1f} us  ratio {results[size]['this'] / results[size]['reference']:.3f}"
+              f"   runs: this {[round(x, 1) for x in runs['this']]}  reference "
+              f"{[round(x, 1) for x in runs['reference']]}")
+    first = results[sizes[0]]
+    report("broker_core_cpu", f"core CPU per group, {sizes[0] // 1024} KB groups", first["this"], "us",
+           first["reference"], by_size={str(k): v for k, v in results.items()},
+           ratio_by_size={str(k): round(v["this"] / v["reference"], 4) for k, v in results.items()})
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

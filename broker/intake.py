@@ -1,0 +1,120 @@
+"""What the broker says to an arriving RolloutGroup, decided before anything changes.
+
+:func:`judge` runs every check on a decoded group and returns a :class:`Verdict`; it reads the ledger and
+the run's state and changes nothing, so a handler applies the verdict whole or not at all (see
+:mod:`broker.core`). In order::
+
+    group id is a prompt this broker issued?                  no  -> unknown_lease (nobody's lease touched)
+    lease id granted to this client for this prompt (its MAC)? no -> unknown_lease (lease_not_yours)
+    sender quarantined (broker.quarantine)?                   yes -> refuse: quarantined
+    prompt buffered / training / trained already?             yes -> duplicate (Ack)
+    group_size samples, values valid (common.protocol)?       no  -> refuse: invalid_group / malformed
+    min_version within max_staleness of the latest?           no  -> refuse: stale (dropped{stale_on_arrival})
+    tokens of a withdrawn version (broker.history)?           yes -> refuse: withdrawn (dropped{withdrawn_on_arrival})
+    fits the buffer's byte bound?                             no  -> refuse: buffer_full (dropped{buffer_full})
+    otherwise                                                     -> accept
+
+A *refused* group's prompt goes back to the queue at once when the sender holds its lease; a group for a
+prompt whose lease expired is still accepted (any newer lease on it is cancelled by
+:meth:`broker.ledger.GroupLedger.accept`).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from broker.buffer import StoredGroup
+from broker.ledger import GroupLedger, State
+from broker.prompts import PromptKey, parse_group_id
+from common import framing, protocol, versions
+from common.framing import TensorSpec
+from common.protocol import ProtocolError
+from common.versions import VersionRange
+
+ACCEPT, DUPLICATE, UNKNOWN, REFUSE = "accept", "duplicate", "unknown", "refuse"
+
+
+@dataclass(frozen=True, slots=True)
+class Verdict:
+    outcome: str  # ACCEPT, DUPLICATE, UNKNOWN (Error, no lease touched) or REFUSE (Error, the sender's lease back)
+    key: PromptKey | None = None
+    code: str = ""  # the Error's code
+    message: str = ""
+    reason: str | None = None  # rejected{reason}, when not the code
+    dropped: str | None = None  # dropped{...}, counted for some refusals
+    state: State = State.NEW  # the prompt's, as judged
+
+
+def token_versions(specs: list[Any], frames: list[Any]) -> np.ndarray:
+    """The per-token policy versions of one group: a numpy view of its ``versions`` frame (specs as received,
+    :class:`common.framing.TensorSpec`, or as kept in the buffer, wire dicts)."""
+    for spec in specs:
+        wire = spec if isinstance(spec, dict) else spec.to_wire()
+        if wire["name"] == "versions":
+            return framing.as_numpy(TensorSpec(wire["name"], wire["dtype"], tuple(wire["shape"]), wire["frame"]),
+                                    frames[wire["frame"]])
+    raise AssertionError("a validated group always has a versions tensor")
+
+
+def holds_withdrawn(withdrawn: list[VersionRange], min_version: int, max_version: int, specs: list[Any],
+                    frames: list[Any]) -> bool:
+    """Whether a group holds a token of a withdrawn version (the range test first: it reads no tensor)."""
+    return bool(withdrawn) and versions.overlaps(withdrawn, min_version, max_version) \
+        and versions.touches(withdrawn, token_versions(specs, frames))
+
+
+def judge(group: protocol.RolloutGroup, envelope: framing.Envelope, identity: bytes, *, ledger: GroupLedger,
+          quarantined: bool, group_size: int, vocab_size: int, latest_version: int, max_staleness: int,
+          withdrawn: list[VersionRange]) -> Verdict:
+    """The verdict on one decoded RolloutGroup from ``identity`` (see the module docstring); changes nothing."""
+    gid = group.group_id
+    key = parse_group_id(gid)
+    state = ledger.state(key) if key is not None else State.NEW
+    if key is None or state is State.NEW:
+        return Verdict(UNKNOWN, key, "unknown_lease", f"group {gid!r} (lease {group.lease_id!r}) was never "
+                       "leased by this broker")
+    if not ledger.leases.issued_to(group.lease_id, key, identity):
+        return Verdict(UNKNOWN, key, "unknown_lease", f"group {gid!r}: lease {group.lease_id!r} was not granted "
+                       "to this client for this prompt (a lease binds the client it was granted to)",
+                       reason="lease_not_yours")
+    if quarantined:
+        return Verdict(REFUSE, key, "quarantined", f"RolloutGroup {gid}: this worker process is quarantined, its "
+                       "rollouts failed the learner's policy check (see `loraflow status`; common/integrity.py); "
+                       "fix its engine and restart it")
+    if state in (State.BUFFERED, State.TRAINING, State.TRAINED):
+        return Verdict(DUPLICATE, key)
+    try:
+        if group.num_samples != group_size:
+            raise ProtocolError(f"RolloutGroup {gid}: {group.num_samples} samples, the run's group_size is "
+                                f"{group_size} (groups travel whole)", code="invalid_group")
+        protocol.check_group_values(group, envelope.specs, envelope.frames, vocab_size=vocab_size,
+                                    latest_version=latest_version)
+    except ProtocolError as exc:
+        return Verdict(REFUSE, key, exc.code, str(exc))
+    if versions.is_too_stale(latest_version, group.min_version, max_staleness):
+        return Verdict(REFUSE, key, "invalid_group", f"RolloutGroup {gid}: min_version {group.min_version} is more "
+                       f"than max_staleness {max_staleness} behind version {latest_version}; the prompt was "
+                       "re-queued", reason="stale", dropped="stale_on_arrival")
+    if holds_withdrawn(withdrawn, group.min_version, group.max_version, envelope.specs, envelope.frames):
+        return Verdict(REFUSE, key, "invalid_group", f"RolloutGroup {gid}: holds tokens of a withdrawn version "
+                       f"{withdrawn} (a restarted learner rolled it back); the prompt was re-queued",
+                       reason="withdrawn", dropped="withdrawn_on_arrival")
+    buffer = ledger.buffer
+    if not buffer.fits(envelope.num_bytes):
+        return Verdict(REFUSE, key, "limit", f"RolloutGroup {gid}: {envelope.num_bytes} bytes do not fit the "
+                       f"buffer ({buffer.memory_bytes} of broker.max_buffer_bytes={buffer.max_bytes} used, counting "
+                       "per-group overhead); the prompt was re-queued", reason="buffer_full", dropped="buffer_full")
+    return Verdict(ACCEPT, key, state=state)
+
+
+def stored(group: protocol.RolloutGroup, envelope: framing.Envelope, key: PromptKey, *, worker: str, session: str,
+           now_s: float) -> StoredGroup:
+    """An accepted group as the buffer keeps it: its frames untouched, its header and specs as received, and
+    the process that submitted it as registered (``worker``, ``session``), not as the group claims."""
+    return StoredGroup(group_id=group.group_id, key=key, header=envelope.header,
+                       wire_specs=[s.to_wire() for s in envelope.specs], frames=envelope.frames,
+                       num_bytes=envelope.num_bytes, min_version=group.min_version,
+                       num_tokens=sum(group.completion_lens), worker=worker, session=session, received_s=now_s)

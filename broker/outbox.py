@@ -1,0 +1,149 @@
+"""The broker's outbox: every reply's life, from the handler that makes it to the socket that takes it.
+
+A reply goes one of three ways::
+
+    send(...)                     -> ready ------------------------------------+
+    send(..., after_durable=True) -> needs_write --written(seq)--> awaiting seq  |--take()--> server sends it
+                                                   --release(durable seq)------+        |
+    ack_group(client, status, id) -> gathered for this loop pass --take(): one Ack per |
+                                     (client, status), MAX_BATCH_GROUPS + 1 ids each--+        v
+                                                                        zmq refuses it: failed(out) runs its undo
+
+- *now*: Welcome, Heartbeat, LeaseGrant, Batch, Error, Stats, AdapterUpdate (fetched) go out in the same loop
+  pass.
+- *after the state is durable*: an Ack of a BatchAck or an AdapterUpdate, and the Welcome of a restarted
+  learner, promise something the state file must hold first. :attr:`Outbox.needs_write` tells the core to
+  submit a state write; :meth:`Outbox.written` files the waiting replies under that write's sequence number;
+  :meth:`Outbox.release` lets out every reply whose write is on disk (the writer's ``durable_seq``). One write
+  covers every reply that waited for it (group commit).
+- *batched acks*: a worker that reads ``Ack.ref_ids`` gets one Ack per status for all its groups of a loop
+  pass.
+- *refusals*: :meth:`Outbox.reject` counts ``rejected{reason}`` and sends the Error (never to an Error).
+- *undo*: an :class:`Outgoing` may carry ``on_fail``, what to take back when zmq refuses it (the peer is gone or
+  its queue is full): leases re-queued, a batch back to the buffer.
+
+Pure logic: no sockets; counts ``messages_out`` and ``bytes_out`` as replies are made.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+from broker.dispatch import KIND_NAMES
+from broker.peers import display_name
+from broker.stats import BrokerStats
+from common import protocol
+from common.logging import get_logger
+from common.protocol import Kind
+
+log = get_logger("broker")
+
+
+@dataclass(slots=True)
+class Outgoing:
+    identity: bytes
+    frames: list[Any]
+    kind: int
+    on_fail: Callable[[], None] | None = None
+
+
+class Outbox:
+    """Replies ready to send, waiting for a state write, or gathered into batched acks (see the module docstring)."""
+
+    def __init__(self, stats: BrokerStats) -> None:
+        self._stats = stats
+        self._ready: list[Outgoing] = []
+        self._unsubmitted: list[Outgoing] = []  # need the next state write
+        self._awaiting: deque[tuple[int, list[Outgoing]]] = deque()  # (write seq, replies), oldest first
+        self.group_acks: dict[tuple[bytes, str], list[str]] = {}  # (client, status) -> group ids
+
+    def send(self, identity: bytes, kind: int, frames: list[Any], *, on_fail: Callable[[], None] | None = None,
+             after_durable: bool = False, num_bytes: int | None = None) -> None:
+        (self._unsubmitted if after_durable else self._ready).append(Outgoing(identity, frames, kind, on_fail))
+        self._stats.count("messages_out", KIND_NAMES[kind])
+        self._stats.bytes_out += sum(len(f) for f in frames) if num_bytes is None else num_bytes
+
+    def send_record(self, identity: bytes, record: Any, *, on_fail: Callable[[], None] | None = None,
+                    after_durable: bool = False) -> None:
+        self.send(identity, int(record.KIND), protocol.encode(record), on_fail=on_fail, after_durable=after_durable)
+
+    def reject(self, identity: bytes, code: str, message: str, *, ref_kind: int = 0, ref_id: str = "",
+               reason: str | None = None) -> None:
+        """An Error reply, counted as ``rejected{reason or code}``; an Error is never answered with one."""
+        self._stats.count("rejected", reason or code)
+        log.debug("rejected", peer=display_name(identity)[:64], code=code, error=message[:300])
+        if ref_kind != Kind.ERROR:
+            self.send_record(identity, protocol.Error(code=code, message=message[:4000], ref_kind=ref_kind,
+                                                      ref_id=ref_id[:protocol.MAX_ID_LEN]))
+
+    def ack_group(self, identity: bytes, status: str, group_id: str) -> None:
+        """Acknowledge a group with the others of this loop pass (one Ack per client and status)."""
+        self.group_acks.setdefault((identity, status), []).append(group_id)
+
+    # -- durability ------------------------------------------------------------------------------------------
+
+    @property
+    def needs_write(self) -> bool:
+        """Replies wait for a state write that has not been submitted yet."""
+        return bool(self._unsubmitted)
+
+    def written(self, seq: int | None) -> None:
+        """The state is submitted as write ``seq``: the replies that needed it wait for it (None: no state file,
+        they go out now)."""
+        replies, self._unsubmitted = self._unsubmitted, []
+        if seq is None:
+            self._ready.extend(replies)
+        elif replies:
+            self._awaiting.append((seq, replies))
+
+    def release(self, durable_seq: int) -> None:
+        """Let out the replies whose write is on disk."""
+        while self._awaiting and self._awaiting[0][0] <= durable_seq:
+            self._ready.extend(self._awaiting.popleft()[1])
+
+    @property
+    def num_awaiting(self) -> int:
+        """Writes that replies still wait for."""
+        return len(self._awaiting)
+
+    def has_ready(self, durable_seq: int) -> bool:
+        """Something to send, or to write first, without waiting for a message."""
+        return bool(self._ready or self._unsubmitted or self.group_acks
+                    or (self._awaiting and self._awaiting[0][0] <= durable_seq))
+
+    # -- out -------------------------------------------------------------------------------------------------
+
+    def _gather_acks(self) -> None:
+        acks, self.group_acks = self.group_acks, {}
+        step = protocol.MAX_BATCH_GROUPS + 1  # ref_id plus up to MAX_BATCH_GROUPS ref_ids
+        for (identity, status), ids in acks.items():
+            for start in range(0, len(ids), step):
+                chunk = ids[start:start + step]
+                self.send_record(identity, protocol.Ack(ref_kind=Kind.ROLLOUT_GROUP, ref_id=chunk[0], status=status,
+                                                        ref_ids=chunk[1:] or None))
+
+    def take(self) -> list[Outgoing]:
+        """What to send now (the batched acks of this pass included)."""
+        if self.group_acks:
+            self._gather_acks()
+        out, self._ready = self._ready, []
+        return out
+
+    def drain(self) -> list[Outgoing]:
+        """Everything, written or not (shutting down: the caller has written the state synchronously)."""
+        out = self.take()
+        out.extend(self._unsubmitted)
+        for _, replies in self._awaiting:
+            out.extend(replies)
+        self._unsubmitted, self._awaiting = [], deque()
+        return out
+
+    def failed(self, out: Outgoing) -> bool:
+        """zmq refused ``out``: run its undo; True if it had one."""
+        if out.on_fail is None:
+            return False
+        out.on_fail()
+        return True
