@@ -47,15 +47,13 @@ import numpy as np  # noqa: E402
 import zmq  # noqa: E402
 
 from bench.adapter_fanout import adapter_tensors, direct_time  # noqa: E402
-from bench.broker_proc import RUN_TOKEN, start_broker  # noqa: E402
-from bench.broker_throughput import adapter_message as tiny_adapter  # noqa: E402
-from bench.broker_throughput import cpu_seconds, group_record, group_tensors, hello  # noqa: E402
+from bench.broker_proc import start_broker  # noqa: E402
+from bench.broker_throughput import cpu_seconds, end_step, group_record, group_tensors, hello  # noqa: E402
 from bench.report import report  # noqa: E402
 from common import framing, protocol  # noqa: E402
 from common.protocol import (  # noqa: E402
     AdapterFetch,
     AdapterUpdate,
-    BatchAck,
     BatchRequest,
     Heartbeat,
     Hello,
@@ -211,10 +209,7 @@ def learner(endpoint: str, groups_per_step: int, step_s: float, ready: mp.Queue,
         if batch["groups"]:
             time.sleep(step_s)
             version += 1
-            sock.send_multipart(tiny_adapter(version), copy=False)
-            sock.send_multipart(protocol.encode(BatchAck(
-                batch_id=batch["batch_id"], step=version, trained_version=version - 1,
-                group_ids=[e["group"]["group_id"] for e in batch["groups"]], checkpoint_version=version)))
+            end_step(sock, batch, version, version, checkpoint_version=version)
         sock.send_multipart(protocol.encode(BatchRequest(num_groups=groups_per_step, wait_ms=1000,
                                                          learner_version=version)))
     sock.close(0)
@@ -261,10 +256,7 @@ def publish(endpoint: str, message: list) -> float:
     ctx = zmq.Context()
     sock = ctx.socket(zmq.DEALER)
     sock.connect(endpoint)
-    sock.send_multipart(protocol.encode(Hello(role="learner", client_id="learner", session=uuid.uuid4().hex[:8],
-                                              token=RUN_TOKEN)))
-    while kind_of(sock.recv_multipart(copy=False)) != Kind.WELCOME:
-        pass
+    hello(sock, "learner", "learner")
     sent = time.monotonic()
     sock.send_multipart(message, copy=False)
     while kind_of(sock.recv_multipart(copy=False)) != Kind.ACK:

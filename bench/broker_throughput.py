@@ -246,6 +246,15 @@ def adapter_message(version: int) -> list:
     return protocol.encode(update, tensors)
 
 
+def end_step(sock: zmq.Socket, batch: dict, step: int, version: int, checkpoint_version: int) -> None:
+    """What a learner sends after training ``batch`` (a Batch header): the tiny adapter of ``version``, then the
+    BatchAck of the step (it trained ``version - 1``)."""
+    sock.send_multipart(adapter_message(version), copy=False)
+    sock.send_multipart(protocol.encode(BatchAck(
+        batch_id=batch["batch_id"], step=step, trained_version=version - 1,
+        group_ids=[e["group"]["group_id"] for e in batch["groups"]], checkpoint_version=checkpoint_version)))
+
+
 def broker_learner(endpoint: str, num_groups: int, prefetch: int, seconds: float, results: mp.Queue,
                    keys_dir: str | None) -> None:
     """A learner whose steps take no time: after every batch it publishes the next adapter version (a tiny one,
@@ -282,10 +291,7 @@ def broker_learner(endpoint: str, num_groups: int, prefetch: int, seconds: float
             version += 1  # the step trained version - 1 and publishes version
             if step % CHECKPOINT_EVERY == 0:
                 checkpoint_version = version
-            sock.send_multipart(adapter_message(version), copy=False)
-            sock.send_multipart(protocol.encode(BatchAck(
-                batch_id=batch["batch_id"], step=step, trained_version=version - 1,
-                group_ids=[e["group"]["group_id"] for e in batch["groups"]], checkpoint_version=checkpoint_version)))
+            end_step(sock, batch, step, version, checkpoint_version)
         sock.send_multipart(protocol.encode(BatchRequest(num_groups=num_groups, wait_ms=1000,
                                                          learner_version=version)))
     if trace is not None:
