@@ -1,6 +1,7 @@
 """Batch requests and batch acks: groups out to the learner, its verdicts back, and policy integrity.
 
-    BatchRequest -> drop stale buffered groups (re-queued) -> GroupLedger.serve oldest whole groups -> Batch
+    BatchRequest -> drop stale buffered groups (newest token past the bound; re-queued) -> GroupLedger.serve
+                    oldest whole groups -> Batch
                     (or park / wait; when every epoch is issued and only buffered groups remain, a short final batch)
     BatchAck     -> GroupLedger.settle: listed ids trained (recorded until a learner checkpoint covers them,
                     broker.history), unlisted re-queued; ids of a batch this broker did not serve (it restarted)
@@ -138,7 +139,7 @@ class BatchDesk:
         """Take buffered groups holding a withdrawn version's tokens out of the buffer; their prompts re-queued."""
         withdrawn = self.history.withdrawn
         dropped = [g for g in self.ledger.buffered()
-                   if holds_withdrawn(withdrawn, g.min_version, g.header["max_version"], g.wire_specs, g.frames)]
+                   if holds_withdrawn(withdrawn, g.min_version, g.max_version, g.wire_specs, g.frames)]
         self.ledger.drop_buffered(dropped, Reason.WITHDRAWN)
         if dropped:
             log.info("withdrawn_groups_dropped", num_groups=len(dropped), withdrawn=withdrawn,

@@ -33,6 +33,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from broker.prompts import PromptKey
+from common.versions import StalenessRule, group_is_too_stale
 
 GROUP_OVERHEAD_BYTES = 24 << 10
 
@@ -45,12 +46,17 @@ class StoredGroup:
     wire_specs: list[dict[str, Any]]  # the tensor specs as on the wire; "frame" indexes ``frames``
     frames: list[Any] = field(repr=False)  # the received tensor frames, untouched
     num_bytes: int  # all frames of the message, as counted on arrival
-    min_version: int
+    min_version: int  # the oldest of its tokens' versions
+    max_version: int = -1  # the newest (what the staleness rule keeps a group by); -1: the same as min_version
     num_tokens: int = 0
     worker: str = ""  # the client id of the worker process that submitted it, as registered (not as it claims)
     session: str = ""  # that process's session: (worker, session) is whom its policy check counts against
     received_s: float = 0.0
     seq: int = 0  # arrival order, set by RolloutBuffer.add
+
+    def __post_init__(self) -> None:
+        if self.max_version < self.min_version:
+            self.max_version = self.min_version
 
 
 class RolloutBuffer:
@@ -175,10 +181,12 @@ class RolloutBuffer:
         self.training_bytes -= group.num_bytes
         return group
 
-    def drop_stale(self, latest_version: int, max_staleness: int) -> list[StoredGroup]:
-        """Remove and return buffered groups older than the bound (training groups are the learner's)."""
-        oldest_allowed = latest_version - max_staleness
-        stale = [g for g in self._buffered.values() if g.min_version < oldest_allowed]
+    def drop_stale(self, latest_version: int, max_staleness: int,
+                   rule: StalenessRule = StalenessRule.NEWEST_TOKEN) -> list[StoredGroup]:
+        """Remove and return buffered groups past the bound (:func:`common.versions.group_is_too_stale`; training
+        groups are the learner's)."""
+        stale = [g for g in self._buffered.values()
+                 if group_is_too_stale(latest_version, g.min_version, g.max_version, max_staleness, rule)]
         for group in stale:
             del self._buffered[group.group_id]
             self.buffered_bytes -= group.num_bytes
@@ -200,5 +208,6 @@ class RolloutBuffer:
         return list(self._buffered.values())
 
     def staleness_histogram(self, latest_version: int) -> dict[int, int]:
-        """Staleness (latest version - oldest token version) -> number of buffered groups."""
+        """Staleness (latest version - oldest token version) -> number of buffered groups (under the newest-token
+        rule a kept group's oldest tokens may be staler than max_staleness: the learner masks those)."""
         return dict(sorted(Counter(latest_version - g.min_version for g in self._buffered.values()).items()))

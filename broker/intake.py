@@ -9,7 +9,7 @@ the run's state and changes nothing, so a handler applies the verdict whole or n
     sender quarantined (broker.quarantine)?                   yes -> refuse: quarantined
     prompt buffered / training / trained already?             yes -> duplicate (Ack)
     group_size samples, values valid (common.protocol)?       no  -> refuse: invalid_group / malformed
-    min_version within max_staleness of the latest?           no  -> refuse: stale (dropped{stale_on_arrival})
+    newest token within max_staleness of the latest?          no  -> refuse: stale (dropped{stale_on_arrival})
     tokens of a withdrawn version (broker.history)?           yes -> refuse: withdrawn (dropped{withdrawn_on_arrival})
     fits the buffer's byte bound?                             no  -> refuse: buffer_full (dropped{buffer_full})
     otherwise                                                     -> accept
@@ -17,6 +17,11 @@ the run's state and changes nothing, so a handler applies the verdict whole or n
 A *refused* group's prompt goes back to the queue at once when the sender holds its lease; a group for a
 prompt whose lease expired is still accepted (any newer lease on it is cancelled by
 :meth:`broker.ledger.GroupLedger.accept`).
+
+Staleness is judged by the group's newest token (``max_version``; :func:`common.versions.group_is_too_stale`
+under the ledger's ``staleness_rule``): a group that still holds a token the learner may train is kept, and the
+learner masks its tokens older than the bound. Judged by its oldest token, a long completion, whose first
+tokens age while it generates, was the likeliest to be dropped.
 """
 
 from __future__ import annotations
@@ -94,8 +99,10 @@ def judge(group: protocol.RolloutGroup, envelope: framing.Envelope, identity: by
                                     latest_version=latest_version)
     except ProtocolError as exc:
         return Verdict(REFUSE, key, exc.code, str(exc))
-    if versions.is_too_stale(latest_version, group.min_version, max_staleness):
-        return Verdict(REFUSE, key, "invalid_group", f"RolloutGroup {gid}: min_version {group.min_version} is more "
+    rule = ledger.staleness_rule
+    if versions.group_is_too_stale(latest_version, group.min_version, group.max_version, max_staleness, rule):
+        field = "max_version" if rule is versions.StalenessRule.NEWEST_TOKEN else "min_version"
+        return Verdict(REFUSE, key, "invalid_group", f"RolloutGroup {gid}: {field} {getattr(group, field)} is more "
                        f"than max_staleness {max_staleness} behind version {latest_version}; the prompt was "
                        "re-queued", reason="stale", dropped="stale_on_arrival")
     if holds_withdrawn(withdrawn, group.min_version, group.max_version, envelope.specs, envelope.frames):
@@ -116,5 +123,5 @@ def stored(group: protocol.RolloutGroup, envelope: framing.Envelope, key: Prompt
     the process that submitted it as registered (``worker``, ``session``), not as the group claims."""
     return StoredGroup(group_id=group.group_id, key=key, header=envelope.header,
                        wire_specs=[s.to_wire() for s in envelope.specs], frames=envelope.frames,
-                       num_bytes=envelope.num_bytes, min_version=group.min_version,
+                       num_bytes=envelope.num_bytes, min_version=group.min_version, max_version=group.max_version,
                        num_tokens=sum(group.completion_lens), worker=worker, session=session, received_s=now_s)

@@ -35,6 +35,7 @@ from dataclasses import dataclass
 from broker.buffer import RolloutBuffer, StoredGroup
 from broker.leases import Lease, LeaseTable
 from broker.prompts import PromptKey, PromptSource, group_id_of
+from common.versions import StalenessRule
 
 
 class State(enum.StrEnum):
@@ -120,6 +121,8 @@ class GroupLedger:
         self.leases = leases  # the lease of each leased prompt
         self._count = count
         self.num_changes = 0  # transitions so far: a change means parked long-polls may be answerable
+        # which token of a group decides that it is too stale, on arrival (broker.intake) and in the buffer
+        self.staleness_rule = StalenessRule.NEWEST_TOKEN
 
     @classmethod
     def restored(cls, task_source: Callable[..., PromptSource], *, cursor: PromptKey, reserved_until: PromptKey,
@@ -297,8 +300,10 @@ class GroupLedger:
             self._move(group.key, reason)
 
     def drop_stale(self, latest_version: int, max_staleness: int) -> list[StoredGroup]:
-        stale = [g for g in self.buffer.buffered() if g.min_version < latest_version - max_staleness]
-        self.drop_buffered(stale, Reason.STALE)
+        """Buffered groups past the bound under :attr:`staleness_rule`, dropped; prompts re-queued."""
+        stale = self.buffer.drop_stale(latest_version, max_staleness, self.staleness_rule)
+        for group in stale:
+            self._move(group.key, Reason.STALE, old=S.BUFFERED)
         return stale
 
     def drop_from(self, worker: str, session: str) -> list[StoredGroup]:

@@ -2,11 +2,22 @@
 
 - A policy version is an int; v0 is the base model with a zero adapter. Each adapter the learner publishes
   is the previous version + 1.
-- Every generated token carries the version that produced it; a group's ``min_version`` is its oldest.
-- Staleness of a group when trained = learner version at train time - the group's oldest token version.
-- ``max_staleness`` bounds it. The broker leases only to workers whose adapter is recent enough that what they
-  generate can still be trained, admits no more groups than the learner can consume within the bound (AReaL's
-  rule), and drops buffered groups that aged past it; the learner checks again before training.
+- Every generated token carries the version that produced it; a group's ``min_version`` is its oldest,
+  ``max_version`` its newest.
+- Staleness of a token when trained = learner version at train time - the version that generated it.
+  ``max_staleness`` bounds it, token by token (:class:`StalenessRule`, ``NEWEST_TOKEN``): a token is trained
+  only if its version is at least :func:`oldest_trainable` (``learner version - max_staleness``); the older
+  tokens of a sample get loss mask 0 in the learner (:func:`stale_tokens`; they stay in the context the model
+  reads, and are counted as ``tokens_masked_stale``), and a group is kept while its *newest* token is within the
+  bound (:func:`group_is_too_stale`). Under ``worker.partial_policy = "continue"`` a long sample spans versions:
+  its early tokens age while it generates, its last ones are fresh, so a long group is no more likely to be
+  dropped than a short one (bench/staleness_lengths.py). Judged by its oldest token instead (``OLDEST_TOKEN``,
+  the rule before), the longest completions were the ones dropped, biasing training toward short answers.
+- The broker leases only to workers whose adapter is recent enough that what they generate can still be
+  trained, admits no more groups than the learner can consume within the bound (AReaL's rule), and drops
+  buffered groups whose newest token aged past it; the learner checks again before training and masks the
+  stale tokens of what it trains. Staleness histograms (buffer, served, trained) count the *oldest* token's
+  staleness: how far behind the data is, which may now exceed ``max_staleness``.
 - Withdrawn versions: a learner that dies loses the steps after its last checkpoint. The versions it published
   after that checkpoint are *withdrawn* (inclusive ranges ``(lo, hi)``): their numbers are never used again, no
   token generated under them is ever trained, and the resumed learner publishes its checkpoint's weights under
@@ -16,6 +27,7 @@
 
 from __future__ import annotations
 
+import enum
 from collections.abc import Iterable, Sequence
 from typing import Any
 
@@ -29,6 +41,32 @@ def staleness(learner_version: int, oldest_token_version: int) -> int:
 
 def is_too_stale(learner_version: int, oldest_token_version: int, max_staleness: int) -> bool:
     return staleness(learner_version, oldest_token_version) > max_staleness
+
+
+class StalenessRule(enum.StrEnum):
+    """Which token of a group decides whether the group is too stale to train."""
+
+    NEWEST_TOKEN = "newest_token"  # the rule: kept while any token is within the bound; older tokens masked
+    OLDEST_TOKEN = "oldest_token"  # the rule before (kept for the bench's before/after): dropped once any token
+                                   # is past the bound
+
+
+def oldest_trainable(learner_version: int, max_staleness: int) -> int:
+    """The oldest version whose tokens a learner at ``learner_version`` still trains."""
+    return learner_version - max_staleness
+
+
+def group_is_too_stale(learner_version: int, min_version: int, max_version: int, max_staleness: int,
+                       rule: StalenessRule = StalenessRule.NEWEST_TOKEN) -> bool:
+    """Whether a group whose tokens span [min_version, max_version] is dropped whole (see the module docstring)."""
+    deciding = max_version if rule is StalenessRule.NEWEST_TOKEN else min_version
+    return is_too_stale(learner_version, deciding, max_staleness)
+
+
+def stale_tokens(token_versions: Any, learner_version: int, max_staleness: int) -> Any:
+    """Which of the per-token versions (a numpy array or torch tensor of ints) are too old to train: a bool
+    array of the same shape (the learner gives these tokens loss mask 0)."""
+    return token_versions < oldest_trainable(learner_version, max_staleness)
 
 
 def worker_may_generate(worker_version: int, learner_version: int, max_staleness: int) -> bool:

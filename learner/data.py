@@ -64,7 +64,8 @@ def select_groups(batch: Batch, specs: Sequence[TensorSpec], frames: Sequence[An
     """Decide per group: train it, or skip it with a reason (see SKIP_REASONS).
 
     - ``already_trained``: its id is in ``trained_group_ids`` or earlier in this batch (acknowledged again);
-    - ``stale``: ``version - min_version > max_staleness`` (not acknowledged: the broker re-queues the prompt);
+    - ``stale``: ``version - max_version > max_staleness``, no token within the bound (not acknowledged: the broker
+      re-queues the prompt; the older tokens of a group kept are masked, learner.train.mask_stale_tokens);
     - ``invalid``: tensor contents out of range or an empty prompt (not acknowledged);
     - ``withdrawn``: a token was generated under a version in ``withdrawn`` (rolled back when this learner
       resumed; the broker drops such groups too, this is the learner's own guard; not acknowledged);
@@ -85,7 +86,7 @@ def select_groups(batch: Batch, specs: Sequence[TensorSpec], frames: Sequence[An
             out.ack_group_ids.append(group.group_id)
             continue
         seen.add(group.group_id)
-        if versions.is_too_stale(version, group.min_version, max_staleness):
+        if versions.group_is_too_stale(version, group.min_version, group.max_version, max_staleness):
             skip("stale", group.group_id)
             continue
         group_specs = specs[entry.first_tensor:entry.first_tensor + NUM_GROUP_TENSORS]

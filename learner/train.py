@@ -5,6 +5,8 @@
     wait     agree(stop?, batch ready?)  <-----------  poll the broker (long-poll, POLL_S slices);
              broadcast the batch's frames <-----------  select groups: skip trained / stale / invalid /
                                                         zero-variance ones (counted)
+    mask     tokens older than version - max_staleness: loss mask 0 (mask_stale_tokens; a group is kept while its
+             newest token is within the bound, common.versions), counted as tokens_masked_stale
     check    the policy check (learner.integrity): evidence, and chosen samples re-scored under the older
              versions they claim (no-grad forwards, collective); all ranks drop the same failed groups
     compute  own micro-batches: forward, token loss, backward (FSDP2 reduce-scatters the LoRA grads); the
@@ -228,6 +230,7 @@ class Learner:
             if got is None:
                 break
             step_batch, received = got
+            num_masked = mask_stale_tokens(step_batch, self.state.version, self.config.run.max_staleness)
             wait_s = time.monotonic() - waited
             self._mark("training")
             computed = time.monotonic()
@@ -254,7 +257,8 @@ class Learner:
             if received is not None:
                 self._acknowledge(received, trained_version)
                 self._report(stats, received, step_batch, trained_version=trained_version, wait_s=wait_s,
-                             compute_s=compute_s, publish_s=publish_s, checkpoint_s=checkpoint_s)
+                             compute_s=compute_s, publish_s=publish_s, checkpoint_s=checkpoint_s,
+                             num_masked=num_masked)
         self.finish()
         return 0
 
@@ -293,9 +297,10 @@ class Learner:
                                         mismatches=received.verdict.mismatches if received.verdict else []))
 
     def _report(self, stats: dict[str, Any], received: Received, step_batch: data.StepBatch, *, trained_version: int,
-                wait_s: float, compute_s: float, publish_s: float, checkpoint_s: float) -> None:
+                wait_s: float, compute_s: float, publish_s: float, checkpoint_s: float, num_masked: int) -> None:
         self.metrics.inc("steps")
         self.metrics.inc("tokens_trained", stats["num_tokens"])
+        self.metrics.inc("tokens_masked_stale", num_masked)
         self.metrics.set("version", self.state.version)
         self.metrics.set("busy_share", self.timers.busy_share())
         rewards = torch.tensor(received.rewards, dtype=torch.float64)
@@ -314,6 +319,7 @@ class Learner:
             **stats,
             "staleness": {str(k): v for k, v in sorted(received.selection.staleness.items())},
             "staleness_zero_variance": _zero_variance_staleness(received, trained_version),
+            "tokens_masked_stale": num_masked,
             "skipped": dict(received.selection.skipped),
             "wait_s": round(wait_s, 6),
             "integrity_s": round(received.verdict.seconds, 6) if received.verdict else 0.0,
@@ -351,6 +357,28 @@ class Learner:
         self.tracker.close()
         log.info("learner_stopped", step=self.state.step, version=self.state.version)
         self.timeline.close()  # the final mark: a clean stop
+
+
+def mask_stale_tokens(step: data.StepBatch, version: int, max_staleness: int) -> int:
+    """Loss mask 0 on the completion tokens older than the bound (:func:`common.versions.stale_tokens`): a
+    sample of ``continue`` spans versions and its early tokens may have aged past ``max_staleness`` while it
+    generated; they stay in the context the model reads, and are not trained. Returns how many trained tokens
+    were masked. Every rank calls it with the same batch and version, before the policy check: a masked token is
+    not checked either (its version may be older than the check's history holds; every token left to train is
+    of a version it holds)."""
+    oldest = versions.oldest_trainable(version, max_staleness)
+    if all(v >= oldest for v in step.min_versions):
+        return 0  # the common case, without a tensor op (a group's versions lie in its checked range)
+    num_masked = 0
+    for sample in step.samples:
+        if sample.versions is None or step.min_versions[sample.group] >= oldest:
+            continue
+        stale = sample.loss_mask & versions.stale_tokens(sample.versions, version, max_staleness)   # [C] bool
+        count = int(stale.sum())
+        if count:
+            sample.loss_mask = sample.loss_mask & ~stale
+            num_masked += count
+    return num_masked
 
 
 def _zero_variance_staleness(received: Received, trained_version: int) -> dict[str, int]:
