@@ -1,30 +1,39 @@
-"""The gateway's engine side: HTTP requests queued to the worker's thread, batched into the backend chunk by chunk.
+"""The gateway's engine side: HTTP requests queued to the worker's thread, fed to the backend's engine.
 
     HTTP handlers (server thread)  --Job-->  inbox (thread-safe queue) ---- wake event ----+
                                                                                            v
-    worker thread: pump()  checks the session, renders the messages (session.py), admits a Call
-                   round() one backend.generate for every admitted Call at once (<= worker.chunk_tokens each);
+    worker thread: pump()  checks the session, renders the messages (session.py), admits a Call; on a streaming
+                           backend (vllm) the call's whole turn goes into the running engine at once
+                           (``Backend.submit``)
+                   round() streaming: one engine step (``Backend.advance``): every call it advanced gets its new
+                           tokens (an SSE response its text); chunked (hf): one backend.generate for every
+                           admitted Call at once (<= worker.chunk_tokens each);
                            a Call ends at an end-of-turn id, a stop string or its max_tokens; then its tokens
                            join the session and the reply (or the last SSE event) goes back to the server loop
 
 The engine owns the sessions and every tokenizer use, so nothing but the worker's thread touches the backend,
 a tokenizer or a trajectory; handlers only parse JSON and wait for their reply. Calls of concurrent episodes
-(and of several groups) share one generate call per round, as Rollouts' samples do, and a call that ends
-leaves at the next chunk boundary. Before a round, a burst of arriving requests is gathered for up to 20 ms
-(until 2 ms pass without one), so the calls a previous round answered start together again instead of
-splitting into two half batches (measured in bench/gateway.py: without it, 64 sessions ran at half the batch).
+(and of several groups) share the engine's batch, as Rollouts' samples do.
+
+Streaming backend: a call joins the running batch at the engine's next step and leaves it when it ends, each on
+its own (a stop string takes it out with ``Backend.abort``); nothing waits for a round boundary, so nothing is
+gathered. Chunked backend: a call that ends leaves at the next chunk boundary; before a round, a burst of
+arriving requests is gathered for up to 20 ms (until 2 ms pass without one), so the calls a previous round
+answered start together again instead of splitting into two half batches (measured in bench/gateway.py: without
+it, 64 sessions ran at half the batch).
 Replies leave through an :class:`Outbox`: one wake-up of the server's loop per round, not one per call.
 
-Each call runs under the newest adapter version when it was admitted, for all its chunks (those versions are
+Each call runs under the newest adapter version when it was admitted, for all its tokens (those versions are
 pinned: :meth:`GatewayEngine.versions_in_use`); the next call of the same episode may run under a newer one, so
 a trajectory's per-token versions can change between turns.
 A call's ``max_tokens`` defaults to ``worker.max_new_tokens`` and is capped by it (``gateway_max_tokens_capped``)
 and by the room left under ``model.max_seq_len``.
 
-Evidence (issue 14): each chunk's ``GenOutput.served`` (the engine's report of that very request) is kept per call
-and in the session's ``served`` (its group's evidence) as the report comes, with ``Backend.keep_served``; a call's
-record keeps its report; context tokens a call adds are stamped with the version it runs under and noted with
-``backend.served`` of it, as :mod:`rollout_worker.rollout` notes environment tokens.
+Evidence (issue 14): each chunk's ``GenOutput.served`` (or each step's ``GenDelta.served``: the engine's report of
+that very request) is kept per call and in the session's ``served`` (its group's evidence) as the report comes,
+with ``Backend.keep_served``; a call's record keeps its report; context tokens a call adds are stamped with the
+version it runs under and noted with ``backend.served`` of it, as :mod:`rollout_worker.rollout` notes
+environment tokens.
 """
 
 from __future__ import annotations
@@ -42,7 +51,7 @@ from common.config import WorkerConfig
 from common.logging import get_logger
 from common.metrics import Metrics
 from common.protocol import ServedAdapter
-from rollout_worker.backends.base import Backend, GenOutput, GenRequest
+from rollout_worker.backends.base import Backend, GenDelta, GenOutput, GenRequest
 from rollout_worker.gateway import openai_api as api
 from rollout_worker.gateway.session import ACTIVE, FINISHED, PrefixDivergence, Session
 from rollout_worker.gateway.tools import PARSERS, template_messages
@@ -120,7 +129,7 @@ class Call:
     token_ids: list[int] = field(default_factory=list)
     logprobs: list[float] = field(default_factory=list)
     sent: int = 0  # characters already streamed
-    key: str = ""
+    key: str = ""  # the request's name (streaming: its request id in the engine)
     served: dict[int, ServedAdapter] = field(default_factory=dict)  # the engine's report of this call's chunks
 
 
@@ -143,6 +152,8 @@ class GatewayEngine:
         self.sessions: dict[str, Session] = {}
         self.finished: OrderedDict[str, None] = OrderedDict()
         self.calls: list[Call] = []
+        self.streaming = backend.streaming  # calls go into the running engine (submit / advance / abort)
+        self._streams: dict[str, Call] = {}  # request id -> its call, while in the engine (streaming)
         self.on_finish: Callable[[Session, dict[str, Any]], str | None] | None = None  # external finish
         self.on_claim: Callable[[], dict[str, Any] | None] | None = None  # an external harness asks for work
         self._num_calls = 0
@@ -170,10 +181,19 @@ class GatewayEngine:
         self.finished[session_id] = None
         while len(self.finished) > MAX_FINISHED_REMEMBERED:
             self.finished.popitem(last=False)
-        for call in [c for c in self.calls if c.session is session]:
-            self.calls.remove(call)
+        gone = [c for c in self.calls if c.session is session]
+        self._drop(gone)
+        for call in gone:
             call.job.fail(_finished(session_id))
         return session
+
+    def _drop(self, calls: list[Call]) -> None:
+        """Calls leave (streaming: their requests leave the engine where they are)."""
+        for call in calls:
+            self.calls.remove(call)
+        streamed = [c.key for c in calls if self._streams.pop(c.key, None) is not None]
+        if streamed:
+            self.backend.abort(streamed)
 
     def versions_in_use(self) -> set[int]:
         return {c.version for c in self.calls}
@@ -182,7 +202,8 @@ class GatewayEngine:
         """Answer or admit every queued request. ``gather`` (before a round): when requests are arriving, keep
         admitting until none came for ``BATCH_QUIET_S`` (at most ``BATCH_MAX_S``), so that a burst of calls
         (the episodes of a group, clients answered in the same round) starts in one batch, not split across two
-        rounds."""
+        rounds. A streaming backend gathers nothing: a call joins the running batch at the engine's next step."""
+        gather = gather and not self.streaming
         deadline = time.monotonic() + BATCH_MAX_S
         admitted = False
         while True:
@@ -269,59 +290,104 @@ class GatewayEngine:
         if params.max_tokens > self.config.max_new_tokens:
             self.metrics.inc("gateway_max_tokens_capped")
         self._num_calls += 1
+        call = Call(job=job, session=session, prompt_ids=list(ids), version=version,
+                    max_tokens=min(params.max_tokens, self.config.max_new_tokens, room),
+                    key=f"gw/{session.id}/{self._num_calls}")
+        if self.streaming:  # the whole turn into the running batch; it leaves the engine when it ends
+            self.backend.submit(call.key, GenRequest(token_ids=call.prompt_ids, max_tokens=call.max_tokens,
+                                                     version=version, key=call.key))
+            self._streams[call.key] = call
         session.in_flight += 1
-        self.calls.append(Call(job=job, session=session, prompt_ids=list(ids), version=version,
-                               max_tokens=min(params.max_tokens, self.config.max_new_tokens, room),
-                               key=f"gw/{session.id}/{self._num_calls}"))
+        self.calls.append(call)
         self.metrics.inc("gateway_calls", kind=job.kind, recorded=str(recorded).lower())
 
     def round(self) -> None:
-        """One chunk for every call being generated; finished calls are recorded and answered."""
+        """Streaming: one engine step; chunked: one chunk for every call being generated. Finished calls are
+        recorded and answered."""
         if not self.calls:
             return
+        outbox = Outbox(hold=True)
+        try:
+            if self.streaming:
+                self._step(self.backend.advance(), outbox)
+            else:
+                self._chunk(outbox)
+        finally:
+            outbox.flush()
+
+    def _chunk(self, outbox: Outbox) -> None:
         chunk = self.config.chunk_tokens
         calls = list(self.calls)
         requests = [GenRequest(token_ids=c.prompt_ids + c.token_ids, version=c.version, key=c.key,
                                max_tokens=min(chunk, c.max_tokens - len(c.token_ids)), num_generated=len(c.token_ids))
                     for c in calls]
         outputs = self.backend.generate(requests)
-        outbox = Outbox(hold=True)
-        try:
-            self._take(calls, outputs, outbox)
-        finally:
-            outbox.flush()
-
-    def _take(self, calls: list[Call], outputs: list[GenOutput], outbox: Outbox) -> None:
-        """Each call's new chunk: finished calls are recorded and answered (through ``outbox``)."""
         num_tokens = 0
         for call, output in zip(calls, outputs, strict=True):
-            start = len(call.token_ids)
-            call.token_ids += output.token_ids
-            call.logprobs += output.logprobs
             assert output.served is not None  # Backend.generate fills it
-            self.backend.keep_served(call.served, output.served)
-            self.backend.keep_served(call.session.served, output.served)
-            end = "stop" if output.finished else ""
-            params = call.job.params
-            assert params is not None
-            if not end and params.stop and self._cut_at_stop(call, params.stop, start):
-                end = "stop_string"
-            if not end and len(call.token_ids) >= call.max_tokens:
-                end = "length"
-            num_tokens += len(call.token_ids) - start
+            added, end = self._extend(call, output.token_ids, output.logprobs, output.finished, output.served)
+            num_tokens += added
             if end:
                 self.calls.remove(call)
-                self._finish(call, end, outbox)
-            elif call.job.events is not None and not params.parse_tools:
-                text = self.backend.decode(call.token_ids)
-                if not text.endswith("\ufffd"):  # a character split across tokens waits for its rest
-                    call.job.delta(text[call.sent:], outbox)
-                    call.sent = len(text)
+            self._answer(call, end, outbox)
         self.metrics.inc("gateway_tokens_generated", num_tokens)
+
+    def _step(self, deltas: list[GenDelta], outbox: Outbox) -> None:
+        """One engine step's tokens: each call it advanced takes its delta; a call the engine ended, or a stop
+        string ended, leaves (the latter aborted in the engine)."""
+        num_tokens = 0
+        for delta in deltas:
+            call = self._streams.get(delta.request_id)
+            if call is None:
+                continue  # its session closed after the engine had sent the step
+            assert delta.served is not None  # Backend.advance fills it
+            added, end = self._extend(call, delta.token_ids, delta.logprobs, delta.finished, delta.served)
+            num_tokens += added
+            if delta.done:
+                del self._streams[call.key]
+                self.calls.remove(call)
+                end = end or "length"  # the engine ended it short of the budget: its own limit (the context)
+            elif end:  # a stop string: the engine would go on
+                self._drop([call])
+            self._answer(call, end, outbox)
+        self.metrics.inc("gateway_tokens_generated", num_tokens)
+
+    def _extend(self, call: Call, token_ids: list[int], logprobs: list[float], eos: bool,
+                served: ServedAdapter) -> tuple[int, str]:
+        """A call's new tokens and the engine's report of them; returns how many it kept and how it ended ("":
+        not yet): stop (an end-of-turn id), stop_string or length."""
+        start = len(call.token_ids)
+        call.token_ids += token_ids
+        call.logprobs += logprobs
+        self.backend.keep_served(call.served, served)
+        self.backend.keep_served(call.session.served, served)
+        end = "stop" if eos else ""
+        params = call.job.params
+        assert params is not None
+        if not end and params.stop and self._cut_at_stop(call, params.stop, start):
+            end = "stop_string"
+        if not end and len(call.token_ids) >= call.max_tokens:
+            end = "length"
+        return len(call.token_ids) - start, end
+
+    def _answer(self, call: Call, end: str, outbox: Outbox) -> None:
+        """A call that ended is recorded and answered; a streamed response (SSE) gets its new text."""
+        params = call.job.params
+        assert params is not None
+        if end:
+            self._finish(call, end, outbox)
+        elif call.job.events is not None and not params.parse_tools:
+            text = self.backend.decode(call.token_ids)
+            if len(text) > call.sent and not text.endswith("\ufffd"):  # a split character waits for its rest
+                call.job.delta(text[call.sent:], outbox)
+                call.sent = len(text)
 
     def _cut_at_stop(self, call: Call, stops: list[str], start: int) -> bool:
         """Keep the tokens up to the first stop string (the tokens after it are not part of the turn)."""
-        if not any(s in self.backend.decode(call.token_ids) for s in stops):
+        # one ending in the new tokens starts at most 4 tokens per character (a byte-level vocabulary) before
+        # them: decode only that tail (a streamed call is checked at every step)
+        tail = call.token_ids[max(0, start - 4 * max(map(len, stops)) - 8):]
+        if not any(s in self.backend.decode(tail) for s in stops):
             return False
         for length in range(max(1, start), len(call.token_ids) + 1):
             if any(s in self.backend.decode(call.token_ids[:length]) for s in stops):
@@ -369,9 +435,10 @@ class GatewayEngine:
     def fail_all(self, message: str) -> None:
         """Answer every queued and admitted request with an error (the worker is stopping)."""
         error = api.ApiError(503, message, type="server_error", code="worker_stopping")
-        for call in self.calls:
+        calls = list(self.calls)
+        self._drop(calls)
+        for call in calls:
             call.job.fail(error)
-        self.calls.clear()
         while True:
             try:
                 self.inbox.get_nowait().fail(error)

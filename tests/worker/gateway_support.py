@@ -2,7 +2,7 @@
 
 :class:`Driver` runs the worker loop's part (``step`` when ready, else ``poll`` and wait for the wake event)
 on a thread of its own, which is then the only thread calling the backend, as in a worker. :class:`Spy`
-records every ``generate`` output of the real backend, so tests compare trajectories with what the engine
+records every ``generate`` output (or streamed request) of the real backend, so tests compare trajectories with what the engine
 really produced.
 """
 
@@ -17,20 +17,27 @@ from common.config import Config, load_config
 from common.metrics import Metrics
 from common.protocol import PromptLease
 from rollout_worker.adapters import ReceivedAdapter
-from rollout_worker.backends.base import Backend, GenOutput, GenRequest
+from rollout_worker.backends.base import Backend, GenDelta, GenOutput, GenRequest
 from rollout_worker.gateway.episodes import AgentRollouts
 from rollout_worker.rollout import FinishedGroup
 
 
 class Spy:
-    """Wraps ``backend._generate``: (request token ids, output) of every generation, in order."""
+    """Wraps ``backend._generate`` (a streaming backend: ``_submit`` and ``_advance``, the engine's raw outputs):
+    (request token ids, output) of every generation, in order; a streamed request's output collects its steps'
+    tokens and log-probs as the engine gives them."""
 
     def __init__(self, backend: Backend) -> None:
         self.backend = backend
         self.seen: list[tuple[list[int], GenOutput]] = []
-        self.batches: list[set[str]] = []  # the sessions of each generate call
+        self.batches: list[set[str]] = []  # the sessions of each generate call (streaming: each engine step)
+        self._open: dict[str, GenOutput] = {}  # streaming: request id -> its output so far
         self._inner = backend._generate
         backend._generate = self._generate  # type: ignore[method-assign]
+        self._inner_submit, self._inner_advance = backend._submit, backend._advance
+        if backend.streaming:
+            backend._submit = self._submit  # type: ignore[method-assign]
+            backend._advance = self._advance  # type: ignore[method-assign]
 
     def _generate(self, requests: list[GenRequest], greedy: bool) -> list[GenOutput]:
         outputs = self._inner(requests, greedy)
@@ -38,8 +45,27 @@ class Spy:
         self.batches.append({r.key.split("/")[1] for r in requests if r.key.startswith("gw/")})
         return outputs
 
+    def _submit(self, request_id: str, request: GenRequest, greedy: bool) -> None:
+        self._inner_submit(request_id, request, greedy)
+        self._open[request_id] = GenOutput(token_ids=[], logprobs=[], finished=False)
+        self.seen.append((list(request.token_ids), self._open[request_id]))
+
+    def _advance(self) -> list[GenDelta]:
+        deltas = self._inner_advance()
+        for delta in deltas:
+            out = self._open.get(delta.request_id)
+            if out is not None:
+                out.token_ids += delta.token_ids
+                out.logprobs += delta.logprobs
+                out.finished, out.served = delta.finished, delta.served  # the engine's own report
+        self.batches.append({d.request_id.split("/")[1] for d in deltas if d.request_id.startswith("gw/")})
+        return deltas
+
     def close(self) -> None:
         self.backend._generate = self._inner  # type: ignore[method-assign]
+        if self.backend.streaming:
+            self.backend._submit = self._inner_submit  # type: ignore[method-assign]
+            self.backend._advance = self._inner_advance  # type: ignore[method-assign]
 
 
 def gateway_config(model_dir: Path, run_dir: Path, agent: str, *overrides: str) -> Config:

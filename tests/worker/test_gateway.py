@@ -349,6 +349,7 @@ def test_text_agent_on_vllm_trains_exactly_the_generated_tokens(tiny_model_dir: 
         driver.close()
         spy.close()
     assert sum(check_exact(g, spy) for g in groups) == 2 * 3 * 3
+    assert len(spy.seen) == 2 * 3 * 3  # streamed: one engine request per call, its whole turn
     assert max(len(ids) for ids, _ in spy.seen) <= 256
 
 
