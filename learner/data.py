@@ -35,6 +35,7 @@ from common import framing, protocol, versions
 from common.framing import TensorSpec
 from common.protocol import GROUP_TENSORS, Batch, BatchEntry, ProtocolError
 from learner.loss import group_advantages
+from learner.segments import pass_kinds, segment_bounds
 
 NUM_GROUP_TENSORS = len(GROUP_TENSORS)
 #: why a group of a batch is not trained; the first two are still acknowledged as trained
@@ -277,6 +278,7 @@ class MicroBatch:
     advantages: torch.Tensor      # [T] f32, the advantage of each selected target's sample
     num_samples: int
     rows: tuple[int, ...] = ()    # [B] the step batch's sample index of each row (set by rank_micro_batches)
+    segments: tuple[int, ...] = ()  # (0, b_1, .., L): a single row longer than the budget, run in these pieces
 
     @property
     def num_tokens(self) -> int:
@@ -291,7 +293,8 @@ class MicroBatch:
     def to(self, device: torch.device) -> MicroBatch:
         return MicroBatch(input_ids=self.input_ids.to(device), targets=self.targets.to(device),
                           select=self.select.to(device), behaviour_logp=self.behaviour_logp.to(device),
-                          advantages=self.advantages.to(device), num_samples=self.num_samples, rows=self.rows)
+                          advantages=self.advantages.to(device), num_samples=self.num_samples, rows=self.rows,
+                          segments=self.segments)
 
 
 def collate(samples: Sequence[Sample], advantages: Sequence[float]) -> MicroBatch:
@@ -315,18 +318,35 @@ def collate(samples: Sequence[Sample], advantages: Sequence[float]) -> MicroBatc
                       advantages=torch.cat(adv) if adv else torch.zeros(0), num_samples=len(samples))
 
 
-def rank_micro_batches(step: StepBatch, advantages: torch.Tensor, *, rank: int, world_size: int,
-                       budget_tokens: int) -> list[MicroBatch]:
-    """This rank's micro-batches of a step. Samples are spread over the ranks by length (balanced), then packed
-    per rank; every rank gets as many micro-batches as the busiest one (empty ones where short), because each
-    forward pass is a collective under FSDP2."""
+def _rank_plans(step: StepBatch, world_size: int, budget_tokens: int) -> list[list[list[int]]]:
+    """Per rank, its micro-batches as sample indices: samples spread over the ranks by length (balanced), then
+    planned per rank by the token budget."""
     trainable = [i for i, s in enumerate(step.samples) if s.num_trained > 0]
     per_rank = [[trainable[k] for k in mine]
                 for mine in assign_to_ranks([step.samples[i].input_len for i in trainable], world_size)]
-    plans = [[[samples[k] for k in mb] for mb in plan_micro_batches([step.samples[i].input_len for i in samples],
-                                                                   budget_tokens)]
-             for samples in per_rank]
-    num_micro = max((len(plan) for plan in plans), default=0)
-    out = [dataclasses.replace(collate([step.samples[i] for i in mb], [float(advantages[i]) for i in mb]),
-                               rows=tuple(mb)) for mb in plans[rank]]
-    return out + [collate([], []) for _ in range(num_micro - len(out))]
+    return [[[samples[k] for k in mb] for mb in plan_micro_batches([step.samples[i].input_len for i in samples],
+                                                                  budget_tokens)]
+            for samples in per_rank]
+
+
+def _num_segments(step: StepBatch, rows: Sequence[int], budget_tokens: int) -> int:
+    return len(segment_bounds(step.samples[rows[0]].input_len, budget_tokens)) - 1 if len(rows) == 1 else 1
+
+
+def rank_micro_batches(step: StepBatch, advantages: torch.Tensor, *, rank: int, world_size: int,
+                       budget_tokens: int) -> list[MicroBatch]:
+    """This rank's micro-batches of a step; a row longer than the budget is one micro-batch whose ``segments``
+    cut it into pieces of at most ``budget_tokens`` (:mod:`learner.segments`). The ranks may get different
+    numbers: :func:`rank_pass_kinds` and :func:`learner.segments.aligned` line their forward passes up."""
+    out = []
+    for mb in _rank_plans(step, world_size, budget_tokens)[rank]:
+        micro = collate([step.samples[i] for i in mb], [float(advantages[i]) for i in mb])
+        bounds = segment_bounds(micro.input_ids.shape[1], budget_tokens) if len(mb) == 1 else ()
+        out.append(dataclasses.replace(micro, rows=tuple(mb), segments=bounds if len(bounds) > 2 else ()))
+    return out
+
+
+def rank_pass_kinds(step: StepBatch, *, world_size: int, budget_tokens: int, with_reference: bool) -> list[list[str]]:
+    """Per rank, the kinds of the forward passes its micro-batches need (:func:`learner.segments.pass_kinds`)."""
+    return [[kind for mb in plan for kind in pass_kinds(_num_segments(step, mb, budget_tokens), with_reference)]
+            for plan in _rank_plans(step, world_size, budget_tokens)]

@@ -83,10 +83,13 @@ class Policy:
         return self.model(input_ids=input_ids, use_cache=False).logits
 
     def trained_logprobs(self, input_ids: torch.Tensor, select: torch.Tensor, targets: torch.Tensor,
-                         temperature: float = 1.0, *, with_entropy: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
+                         temperature: float = 1.0, *, with_entropy: bool = True,
+                         past: Any = None) -> tuple[torch.Tensor, torch.Tensor]:
         """input_ids [B, L], select [B, L] bool, targets [T] (the selected positions' next tokens) ->
-        (log p(target) [T] fp32 with gradient, entropy [T] fp32 detached) under softmax(logits / temperature)."""
-        return self.model.trained_logprobs(input_ids, select, targets, float(temperature), with_entropy)
+        (log p(target) [T] fp32 with gradient, entropy [T] fp32 detached) under softmax(logits / temperature).
+        ``past``: the keys and values of the row's earlier positions (:func:`learner.segments.past_cache`); the
+        input is then the row's next segment, at the positions after them."""
+        return self.model.trained_logprobs(input_ids, select, targets, float(temperature), with_entropy, past)
 
     @contextlib.contextmanager
     def reference(self) -> Iterator[None]:
@@ -97,10 +100,15 @@ class Policy:
 
 
 def _trained_logprobs(peft_model: PeftModel, input_ids: torch.Tensor, select: torch.Tensor, targets: torch.Tensor,
-                      temperature: float, with_entropy: bool) -> tuple[torch.Tensor, torch.Tensor]:
+                      temperature: float, with_entropy: bool, past: Any = None) -> tuple[torch.Tensor, torch.Tensor]:
     """The body of :meth:`Policy.trained_logprobs`, run as a forward method of the FSDP2 root."""
     causal_lm = peft_model.get_base_model()
-    hidden = causal_lm.get_decoder()(input_ids=input_ids, use_cache=False).last_hidden_state  # [B, L, H]
+    if past is not None and "sliding_attention" in (getattr(causal_lm.config, "layer_types", None) or ()):
+        raise ValueError(f"{causal_lm.config.model_type}: rows longer than learner.micro_batch_tokens are split "
+                         "into segments, which loraflow does not do for sliding-window attention yet; raise "
+                         "learner.micro_batch_tokens above the longest row")
+    hidden = causal_lm.get_decoder()(input_ids=input_ids, past_key_values=past,
+                                     use_cache=past is not None).last_hidden_state             # [B, L, H]
     weight = causal_lm.get_output_embeddings().weight                                          # [V, H]
     return head.trained_logprobs(hidden[select], weight, targets, temperature, with_entropy=with_entropy)
 

@@ -16,6 +16,7 @@ hold before :func:`optimizer_step`; a group failing there costs one more forward
 from __future__ import annotations
 
 import contextlib
+import functools
 import time
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
@@ -24,7 +25,7 @@ from typing import Any
 import torch
 
 from common.config import Config, LearnerConfig
-from learner import data, integrity
+from learner import data, integrity, segments
 from learner.loss import SUM_STATS, LossConfig, group_advantages, token_loss, token_stats
 from learner.model import Policy
 from learner.parallel import Parallel
@@ -44,35 +45,117 @@ def forward_backward(policy: Policy, step: data.StepBatch, *, parallel: Parallel
                      loss_config: LossConfig, observe: Callable[[Sequence[int], torch.Tensor], None] | None = None
                      ) -> Computed:
     """This rank's micro-batches through the loss and backward: the gradients accumulate in the parameters
-    (collective). ``observe(rows, logp)`` sees each micro-batch's sample indices and trained log-probs [T]."""
+    (collective). ``observe(rows, logp)`` sees each micro-batch's sample indices and trained log-probs [T].
+
+    The passes of all ranks are lined up (:func:`learner.segments.aligned`): a micro-batch is one forward+backward
+    (after the KL reference's no-grad forward when ``kl_beta > 0``), a row longer than the budget the passes of
+    :class:`learner.segments.SplitRow`; a rank with nothing of a kind to run at a step runs an empty pass."""
     learner = config.learner
-    temperature = config.worker.temperature
+    budget = learner.micro_batch_tokens
+    with_reference = loss_config.kl_beta > 0
     advantages, _ = group_advantages(step.rewards, step.group_index, step.num_groups,
                                      scale_by_std=learner.scale_by_std)                      # [N]
     micro_batches = data.rank_micro_batches(step, advantages, rank=parallel.rank, world_size=parallel.world_size,
-                                            budget_tokens=learner.micro_batch_tokens)
-    scale = parallel.world_size / max(step.num_trained_tokens, 1)
+                                            budget_tokens=budget)
+    kinds = data.rank_pass_kinds(step, world_size=parallel.world_size, budget_tokens=budget,
+                                 with_reference=with_reference)
     out = Computed(advantages=advantages, sums=torch.zeros(len(SUM_STATS), dtype=torch.float64),
                    ratio_max=torch.zeros(1, dtype=torch.float64), num_positions=torch.zeros(1, dtype=torch.float64))
-    for index, micro in enumerate(micro_batches):
-        mb = micro.to(parallel.device)
-        targets = mb.targets[mb.select]                                                      # [T]
-        ref_logp = None
-        if loss_config.kl_beta > 0:
-            with torch.no_grad(), policy.reference():
-                ref_logp, _ = policy.trained_logprobs(mb.input_ids, mb.select, targets, temperature,
-                                                      with_entropy=False)                    # [T]
-        logp, entropy = policy.trained_logprobs(mb.input_ids, mb.select, targets, temperature)  # [T], [T]
-        if observe is not None:
-            observe(micro.rows, logp)
-        terms = token_loss(logp, mb.behaviour_logp, mb.advantages, loss_config, ref_logp)
-        with sync_gradients(policy.model, index == len(micro_batches) - 1):
-            (terms.loss.sum() * scale).backward()
-        micro_sums, micro_max = token_stats(terms, entropy)
-        out.sums += micro_sums.cpu()
-        out.ratio_max = torch.maximum(out.ratio_max, micro_max.cpu())
-        out.num_positions += float(micro.num_positions if micro.num_samples else 0)
+    passes = _Passes(policy=policy, out=out, temperature=config.worker.temperature, loss_config=loss_config,
+                     scale=parallel.world_size / max(step.num_trained_tokens, 1), observe=observe)
+    mine = [p for micro in micro_batches for p in passes.of(micro, micro.to(parallel.device))]
+    assert [kind for kind, _ in mine] == kinds[parallel.rank]
+    schedule = segments.aligned(kinds, parallel.rank)
+    last_grad = max((i for i, (kind, _) in enumerate(schedule) if kind == segments.GRAD), default=-1)
+    empty = data.collate([], []).to(parallel.device)
+    for index, (kind, own) in enumerate(schedule):
+        run = mine[own][1] if own is not None else functools.partial(passes.empty, empty, kind)
+        if kind == segments.GRAD:
+            with sync_gradients(policy.model, index == last_grad):
+                run()
+        else:
+            run()
     return out
+
+
+@dataclass(slots=True, kw_only=True)
+class _Passes:
+    """The passes of this rank's micro-batches, as (kind, function) in the order they run; each adds its
+    statistics to ``out``."""
+
+    policy: Policy
+    out: Computed
+    temperature: float
+    loss_config: LossConfig
+    scale: float           # R / N: each trained token weighs 1 / N, FSDP2 averages over R ranks
+    observe: Callable[[Sequence[int], torch.Tensor], None] | None
+
+    def forward(self, input_ids: torch.Tensor, select: torch.Tensor, targets: torch.Tensor, past: Any,
+                with_entropy: bool) -> tuple[torch.Tensor, torch.Tensor]:
+        return self.policy.trained_logprobs(input_ids, select, targets, self.temperature, with_entropy=with_entropy,
+                                            past=past)
+
+    def loss(self, logp: torch.Tensor, entropy: torch.Tensor, behaviour_logp: torch.Tensor, advantages: torch.Tensor,
+             ref_logp: torch.Tensor | None) -> torch.Tensor:
+        """The scaled loss of these trained tokens (a scalar to backpropagate); their statistics into ``out``."""
+        terms = token_loss(logp, behaviour_logp, advantages, self.loss_config, ref_logp)
+        sums, ratio_max = token_stats(terms, entropy)
+        self.out.sums += sums.cpu()
+        self.out.ratio_max = torch.maximum(self.out.ratio_max, ratio_max.cpu())
+        return terms.loss.sum() * self.scale
+
+    def of(self, micro: data.MicroBatch, mb: data.MicroBatch) -> list[tuple[str, Callable[[], None]]]:
+        """``micro`` on the CPU, ``mb`` the same on the device."""
+        self.out.num_positions += float(micro.num_positions)
+        if mb.segments:
+            return self._split(micro, mb)
+        state: dict[str, torch.Tensor] = {}
+        targets = mb.targets[mb.select]                                                      # [T]
+
+        def reference() -> None:
+            with torch.no_grad(), self.policy.reference():
+                state["ref"], _ = self.forward(mb.input_ids, mb.select, targets, None, False)  # [T]
+
+        def train() -> None:
+            logp, entropy = self.forward(mb.input_ids, mb.select, targets, None, True)      # [T], [T]
+            if self.observe is not None:
+                self.observe(micro.rows, logp)
+            self.loss(logp, entropy, mb.behaviour_logp, mb.advantages, state.pop("ref", None)).backward()
+
+        return ([(segments.NO_GRAD, reference)] if self.loss_config.kl_beta > 0 else []) + [(segments.GRAD, train)]
+
+    def _split(self, micro: data.MicroBatch, mb: data.MicroBatch) -> list[tuple[str, Callable[[], None]]]:
+        row = segments.SplitRow(input_ids=mb.input_ids, select=mb.select, targets=mb.targets, bounds=mb.segments,
+                                num_layers=self.policy.model.config.num_hidden_layers)
+        n = row.num_segments
+
+        def reference(i: int) -> None:
+            with self.policy.reference():
+                row.reference_pass(self.forward, i)
+
+        def train(i: int) -> None:
+            start, end = row.token_range(i)
+            ref = torch.cat(row.ref_logp)[start:end] if row.ref_logp else None
+            row.second_pass(self.forward, i, lambda logp, entropy: self.loss(
+                logp, entropy, mb.behaviour_logp[start:end], mb.advantages[start:end], ref))
+            if i == 0 and self.observe is not None:
+                self.observe(micro.rows, row.trained_logp())
+
+        out: list[tuple[str, Callable[[], None]]] = []
+        if self.loss_config.kl_beta > 0:
+            out += [(segments.NO_GRAD, functools.partial(reference, i)) for i in range(n)]
+        out += [(segments.NO_GRAD, functools.partial(row.first_pass, self.forward, i)) for i in range(n - 1)]
+        return out + [(segments.GRAD, functools.partial(train, i)) for i in reversed(range(n))]
+
+    def empty(self, mb: data.MicroBatch, kind: str) -> None:
+        """A pass that trains nothing, where this rank has no pass of ``kind`` to run (the forward is collective)."""
+        targets = mb.targets[mb.select]
+        if kind == segments.NO_GRAD:
+            with torch.no_grad():
+                self.forward(mb.input_ids, mb.select, targets, None, False)
+            return
+        logp, _ = self.forward(mb.input_ids, mb.select, targets, None, False)
+        logp.sum().backward()
 
 
 def train_step(policy: Policy, optimizer: torch.optim.Optimizer, scheduler: Any, step: data.StepBatch, *,

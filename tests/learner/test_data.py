@@ -8,7 +8,7 @@ import torch
 
 from common import protocol
 from common.protocol import Batch, BatchEntry
-from learner import data
+from learner import data, segments
 from tests.learner.scripted import make_batch, make_group
 
 
@@ -72,7 +72,19 @@ def test_plan_respects_the_token_budget(budget: int) -> None:
     assert sorted(i for mb in plan for i in mb) == list(range(37))
     for mb in plan:
         width = max(lens[i] for i in mb)
-        assert len(mb) * width <= budget or len(mb) == 1  # a row longer than the budget goes alone
+        assert len(mb) * width <= budget or len(mb) == 1  # a row longer than the budget goes alone (in segments)
+
+
+def test_a_row_longer_than_the_budget_is_one_micro_batch_in_segments() -> None:
+    samples = [data.Sample(group=0, tokens=torch.arange(n) % 200, prompt_len=2, behaviour_logp=torch.zeros(n - 2),
+                           loss_mask=torch.ones(n - 2, dtype=torch.bool)) for n in (101, 31, 17)]
+    step = data.StepBatch(batch_id="b", group_ids=["0"], min_versions=[0], samples=samples,
+                          rewards=torch.zeros(3), group_index=torch.zeros(3, dtype=torch.int64))
+    micro = data.rank_micro_batches(step, torch.ones(3), rank=0, world_size=1, budget_tokens=40)
+    assert [mb.rows for mb in micro] == [(0,), (1,), (2,)]
+    assert micro[0].segments == (0, 33, 67, 100) and micro[1].segments == micro[2].segments == ()
+    assert data.rank_pass_kinds(step, world_size=1, budget_tokens=40, with_reference=False) == [
+        ["N", "N", "G", "G", "G", "G", "G"]]
 
 
 def test_assign_to_ranks_balances_the_load() -> None:
@@ -109,7 +121,10 @@ def test_every_trained_sample_lands_on_exactly_one_rank(world_size: int) -> None
     advantages = torch.arange(len(step.samples), dtype=torch.float32)
     per_rank = [data.rank_micro_batches(step, advantages, rank=r, world_size=world_size, budget_tokens=48)
                 for r in range(world_size)]
-    assert len({len(mbs) for mbs in per_rank}) == 1  # the same number of forward passes on every rank
+    kinds = data.rank_pass_kinds(step, world_size=world_size, budget_tokens=48, with_reference=False)
+    assert [len(mbs) for mbs in per_rank] == [len(k) for k in kinds]  # one forward+backward per micro-batch
+    # the same number of forward passes on every rank: the shorter ranks run empty ones
+    assert len({len(segments.aligned(kinds, r)) for r in range(world_size)}) == 1
     if world_size > 1:  # the work is spread: no rank trains everything
         assert all(0 < sum(mb.num_tokens for mb in mbs) < step.num_trained_tokens for mbs in per_rank)
     tokens = sum(mb.num_tokens for mbs in per_rank for mb in mbs)
