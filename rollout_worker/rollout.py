@@ -36,7 +36,9 @@ aborted at the tokens it has and resubmitted: ``requests_moved``):
   continues at later swaps instead (counter ``abort_limit_reached``): when adapters arrive faster than a sample completes,
   aborting forever would never finish it.
 
-A group's ``min_version`` is the oldest version of any of its tokens: what the broker's staleness rule uses.
+A group's ``min_version`` is the oldest version of any of its tokens, ``max_version`` the newest: the staleness
+rule keeps a group while its newest token is within ``max_staleness`` and the learner masks the older tokens
+(:mod:`common.versions`), so a long ``continue`` sample is not dropped for having started early.
 
 Evidence. A group keeps, per version of its tokens, what the engine served that version with
 (:class:`common.protocol.ServedAdapter`): for generated tokens the backend's report of the very request
