@@ -1,14 +1,18 @@
 """The agent gateway's cost: per-request latency and tokens/s through HTTP vs the same engine driven directly.
 
-    .venv/bin/python -m bench.gateway [--tokens 32] [--calls 4] [--sessions 1,8,64] [--latency-requests 40]
-                                      [--repeats 3] [--pin]
+    .venv/bin/python -m bench.gateway [--backend vllm] [--tokens 32] [--calls 4] [--sessions 1,8,64]
+                                      [--latency-requests 40] [--repeats 3] [--pin]
 
-One hf backend on the tiny model (one torch thread), one engine thread owning it, as in a worker. Each of ``N``
-sessions plays an episode of ``--calls`` text completions of ``--tokens`` tokens, each call's prompt the whole
-conversation so far (the previous prompt, the text the model returned, a new turn ``TURN``), as an agent sends it:
+One backend on the tiny model, one engine thread owning it, as in a worker: ``vllm`` (the default; vLLM's CPU
+engine, its engine core in a process of its own, fed continuously: ``Backend.submit`` / ``advance``) or ``hf``
+(one torch thread, chunk rounds of ``Backend.generate``). Each of ``N`` sessions plays an episode of ``--calls``
+text completions of ``--tokens`` tokens, each call's prompt the whole conversation so far (the previous prompt,
+the text the model returned, a new turn ``TURN``), as an agent sends it:
 
-- ``direct``: the worker's own path without HTTP: ``N`` sequences generated in ``worker.chunk_tokens`` rounds
-  that batch every sequence (one ``Backend.generate`` per round), decoded, the turn's tokens appended;
+- ``direct``: the worker's own path without HTTP: ``N`` sequences, each call decoded and the turn's tokens
+  appended. vllm: as the rollouts stream (rollout_worker/rollout.py), each sequence's call is one request
+  submitted into the running engine, and its next call is submitted as soon as it ends; hf: generated in
+  ``worker.chunk_tokens`` rounds that batch every sequence (one ``Backend.generate`` per round);
 - ``gateway``: ``N`` concurrent recorded sessions (``/sessions/<id>/v1``: trajectory, prefix check), each with an
   ``openai.AsyncOpenAI`` client of its own, as the worker gives each episode (``rollout_worker.gateway.episodes``),
   in a client process (GatewayEngine + GatewayServer in this one, the engine pumped and rounded by the engine
@@ -16,16 +20,20 @@ conversation so far (the previous prompt, the text the model returned, a new tur
   (``plain HTTP``), which leaves out the openai client's own CPU (httpx, pydantic).
 
 The clients' own CPU is the harness's, not the gateway's; on a 2-core machine it still competes with the engine.
-``--pin`` (for a quiet machine) puts this process (engine + HTTP server, and the direct run) on CPU 0 and the
-client process on CPU 1; on a shared machine whatever else runs on CPU 0 would starve the engine instead.
+``--pin`` (for a quiet machine) puts, hf, this process (engine + HTTP server, and the direct run) on CPU 0 and the
+client process on CPU 1; vllm, everything but the model runner (which vLLM binds to its own cores, leaving one
+for its scheduler and the frontend) on the cores the model runner is not bound to: this process, vLLM's engine
+core (its scheduler) and the clients, vLLM's own layout for a frontend. On a shared machine whatever else runs on
+the pinned cores would starve the engine instead.
 On the random tiny model the sampled bytes often re-encode otherwise (invalid UTF-8, special ids), so most
 calls after the first take the prefix check's divergence path (``tito_divergence{reason="tokens"}``): the
 check's slower case is what is measured.
 
-Per run it prints where the time goes: the number of chunk rounds and their mean batch (direct: every sequence in
-every round), and the CPU split: the engine thread inside ``Backend.generate``, the engine thread besides it
+Per run it prints where the time goes: the number of rounds (vllm: engine steps taken, ``Backend.advance``;
+hf: chunk rounds) and their mean batch (requests in the engine; hf direct: every sequence in every round), and the
+CPU split: the engine thread inside ``Backend.generate`` / ``advance``, the engine thread besides it
 (admission: rendering, encoding, the prefix check; a call's bookkeeping and reply), the HTTP server thread (HTTP,
-JSON, request checks) and the client process, per call. ``worker CPU per token`` (engine + server threads, the
+JSON, request checks), the client process, per call, and (vllm) the engine core process. ``worker CPU per token`` (engine + server threads, the
 worker's process) direct / gateway is the gateway's cost that a loaded machine distorts least: on a shared machine
 the wall-clock ratio also measures how the scheduler shares the cores between one process (direct) and two
 (gateway + clients), which favours the gateway.
@@ -60,7 +68,8 @@ class Run:
     tok_s: float
     wall_s: float
     rounds: list[int] = field(default_factory=list)  # batch size of each chunk round
-    generate_cpu_s: float = 0.0  # the engine thread's CPU inside Backend.generate
+    generate_cpu_s: float = 0.0  # the engine thread's CPU inside Backend.generate / advance
+    core_cpu_s: float = 0.0  # vllm: the engine core process's CPU
     engine_cpu_s: float = 0.0  # the engine thread's CPU in all (gateway: + admission, calls, replies)
     server_cpu_s: float = 0.0  # the HTTP server thread's CPU (gateway: HTTP, JSON, request checks)
     client_cpu_s: float = 0.0
@@ -71,11 +80,17 @@ class Run:
         batch = statistics.mean(self.rounds) if self.rounds else 0.0
         per_call = 1e3 / self.num_calls
         text = f"{self.tok_s:7.0f} tok/s in {self.wall_s:5.2f} s, {len(self.rounds):2d} rounds of mean batch " \
-               f"{batch:4.1f}; CPU: generate {self.generate_cpu_s:.2f} s"
+               f"{batch:4.1f} ({self.round_ms:.1f} ms each); CPU: generate {self.generate_cpu_s:.2f} s"
+        if self.core_cpu_s:
+            text += f", engine core {self.core_cpu_s:.2f} s"
         if self.client_cpu_s:
             text += f", engine thread besides {self.bookkeeping_cpu_s * per_call:.2f} ms/call, HTTP server " \
                     f"{self.server_cpu_s * per_call:.2f} ms/call, clients {self.client_cpu_s * per_call:.2f} ms/call"
         return text
+
+    @property
+    def round_ms(self) -> float:
+        return self.wall_s / max(1, len(self.rounds)) * 1e3
 
     @property
     def worker_cpu_per_token_ms(self) -> float:
@@ -88,22 +103,32 @@ class Run:
 
 
 class GenerateCpu:
-    """Wraps ``backend.generate``: the CPU seconds of the calling thread inside it, summed."""
+    """Wraps ``backend.generate`` and ``backend.advance``: the CPU seconds of the calling thread inside them,
+    summed; and the CPU of the backend's engine processes (vllm's engine core: the children of this process
+    when the backend was made)."""
 
     def __init__(self) -> None:
         self.seconds = 0.0
+        self.cores: list[Any] = []
 
     def install(self, backend: Any) -> None:
-        inner = backend.generate
+        import psutil
 
-        def generate(*args: Any, **kwargs: Any) -> Any:
+        self.cores = psutil.Process().children(recursive=True)
+        for name in ("generate", "advance"):
+            setattr(backend, name, self._timed(getattr(backend, name)))
+
+    def _timed(self, inner: Any) -> Any:
+        def timed(*args: Any, **kwargs: Any) -> Any:
             cpu0 = time.thread_time()
             try:
                 return inner(*args, **kwargs)
             finally:
                 self.seconds += time.thread_time() - cpu0
+        return timed
 
-        backend.generate = generate
+    def core_cpu_s(self) -> float:
+        return sum(sum(p.cpu_times()[:2]) for p in self.cores)
 
 
 GENERATE_CPU = GenerateCpu()
@@ -144,11 +169,15 @@ class Driver:
 
 
 def direct(backend: Any, chunk: int, sessions: int, tokens: int, calls: int) -> Run:
-    """The direct path: ``sessions`` sequences, ``calls`` turns each, all sequences in every round."""
+    """The direct path: ``sessions`` sequences, ``calls`` turns each; streaming, each call a request into the
+    running engine; else all sequences in every chunk round."""
+    if backend.streaming:
+        return direct_stream(backend, sessions, tokens, calls)
     from rollout_worker.backends.base import GenRequest
 
     generated, latencies, rounds = 0, [], []
     cpu0, generate0, started = time.thread_time(), GENERATE_CPU.seconds, time.perf_counter()
+    core0 = GENERATE_CPU.core_cpu_s()
     seqs = [backend.encode(PROMPT) for _ in range(sessions)]
     for _ in range(calls):
         t0 = time.perf_counter()
@@ -171,7 +200,45 @@ def direct(backend: Any, chunk: int, sessions: int, tokens: int, calls: int) -> 
         latencies.append(time.perf_counter() - t0)
     wall = time.perf_counter() - started
     return Run(tok_s=generated / wall, wall_s=wall, rounds=rounds, generate_cpu_s=GENERATE_CPU.seconds - generate0,
-               engine_cpu_s=time.thread_time() - cpu0,
+               engine_cpu_s=time.thread_time() - cpu0, core_cpu_s=GENERATE_CPU.core_cpu_s() - core0,
+               num_calls=sessions * calls, latencies=latencies)
+
+
+def direct_stream(backend: Any, sessions: int, tokens: int, calls: int) -> Run:
+    """The rollouts' streaming path: each sequence's call one request in the running engine, the next call
+    submitted as soon as one ends (its text decoded, the turn appended)."""
+    from rollout_worker.backends.base import GenRequest
+
+    generated, latencies, rounds = 0, [], []
+    cpu0, generate0, started = time.thread_time(), GENERATE_CPU.seconds, time.perf_counter()
+    core0 = GENERATE_CPU.core_cpu_s()
+    seqs = [backend.encode(PROMPT) for _ in range(sessions)]
+    outs: list[list[int]] = [[] for _ in range(sessions)]
+    left, since = [calls] * sessions, [0.0] * sessions
+
+    def submit(i: int) -> None:
+        left[i] -= 1
+        since[i] = time.perf_counter()
+        backend.submit(f"d{i}/{left[i]}", GenRequest(token_ids=seqs[i], version=0, key=f"d{i}", max_tokens=tokens))
+
+    for i in range(sessions):
+        submit(i)
+    while backend.num_streams:
+        rounds.append(backend.num_streams)
+        for delta in backend.advance():
+            i = int(delta.request_id[1:].split("/")[0])
+            outs[i] += delta.token_ids
+            if delta.done:
+                backend.decode(outs[i])
+                seqs[i] = seqs[i] + outs[i] + backend.encode_continuation(TURN)
+                generated += len(outs[i])
+                outs[i] = []
+                latencies.append(time.perf_counter() - since[i])
+                if left[i]:
+                    submit(i)
+    wall = time.perf_counter() - started
+    return Run(tok_s=generated / wall, wall_s=wall, rounds=rounds, generate_cpu_s=GENERATE_CPU.seconds - generate0,
+               engine_cpu_s=time.thread_time() - cpu0, core_cpu_s=GENERATE_CPU.core_cpu_s() - core0,
                num_calls=sessions * calls, latencies=latencies)
 
 
@@ -293,16 +360,17 @@ class Gateway:
             raise RuntimeError("the client process did not start")
         driver = Driver(self.engine)  # the clients are imported and connected: the clock starts
         cpu0, server0, generate0 = thread_cpu_s(driver.thread), self.server_cpu_s(), GENERATE_CPU.seconds
+        core0 = GENERATE_CPU.core_cpu_s()
         plan.go.set()
         num_tokens, elapsed, latencies, client_cpu_s = out.get(timeout=900)
         engine_cpu_s, server_cpu_s = thread_cpu_s(driver.thread) - cpu0, self.server_cpu_s() - server0
-        generate_cpu_s = GENERATE_CPU.seconds - generate0
+        generate_cpu_s, core_cpu_s = GENERATE_CPU.seconds - generate0, GENERATE_CPU.core_cpu_s() - core0
         proc.join(30)
         driver.close()
         for sid in ids:
             self.engine.close(sid)
         return Run(tok_s=num_tokens / elapsed, wall_s=elapsed, rounds=driver.rounds, generate_cpu_s=generate_cpu_s,
-                   engine_cpu_s=engine_cpu_s, server_cpu_s=server_cpu_s, client_cpu_s=client_cpu_s,
+                   core_cpu_s=core_cpu_s, engine_cpu_s=engine_cpu_s, server_cpu_s=server_cpu_s, client_cpu_s=client_cpu_s,
                    num_calls=sessions * calls, latencies=latencies)
 
     def server_cpu_s(self) -> float:
@@ -310,6 +378,22 @@ class Gateway:
 
     def close(self) -> None:
         self.server.close()
+
+
+def pin_frontend() -> str:
+    """vllm ``--pin``: this thread (and the threads and client processes it starts later) and every thread of the
+    engine core's processes on the CPUs the model runner is not bound to; returns what it did."""
+    import psutil
+
+    everything = set(os.sched_getaffinity(0))
+    runner = {cpu for p in GENERATE_CPU.cores for cpu in p.cpu_affinity() if set(p.cpu_affinity()) < everything}
+    rest = everything - runner
+    if not runner or not rest:
+        return f"no (the model runner is bound to {sorted(runner) or 'nothing'})"
+    for proc in [psutil.Process(), *(p for p in GENERATE_CPU.cores if set(p.cpu_affinity()) == everything)]:
+        for thread in proc.threads():
+            os.sched_setaffinity(thread.id, rest)
+    return f"model runner CPUs {sorted(runner)}; this process, the engine core and the clients CPUs {sorted(rest)}"
 
 
 def pct(values: list[float], q: float) -> float:
@@ -323,17 +407,20 @@ def median_run(runs: list[Run]) -> Run:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--backend", choices=("vllm", "hf"), default="vllm")
     parser.add_argument("--tokens", type=int, default=32)
     parser.add_argument("--calls", type=int, default=4)
     parser.add_argument("--sessions", default="1,8,64")
     parser.add_argument("--latency-requests", type=int, default=40)
     parser.add_argument("--chunk", type=int, default=16)
     parser.add_argument("--repeats", type=int, default=3, help="interleaved direct/gateway runs per count (median)")
-    parser.add_argument("--pin", action="store_true", help="engine on CPU 0, clients on CPU 1 (a quiet machine only: "
+    parser.add_argument("--pin", action="store_true", help="hf: engine on CPU 0, clients on CPU 1; vllm: all but the "
+                        "model runner off its cores (a quiet machine only: "
                         "on a shared one, whatever else runs on CPU 0 starves the engine)")
     args = parser.parse_args()
-    if args.pin:
+    if args.pin and args.backend == "hf":
         os.sched_setaffinity(0, {0})
+    os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
     from common.logging import setup_logging
 
     setup_logging("bench", level="warning")
@@ -346,12 +433,23 @@ def main() -> None:
     from rollout_worker.backends.base import Sampling
     from rollout_worker.backends.hf import HfBackend
 
-    backend = HfBackend(resolve_model("builtin:tiny"), sampling=Sampling(), device="cpu", seed=0)
+    model_dir = resolve_model("builtin:tiny")
+    if args.backend == "vllm":
+        from rollout_worker.backends.vllm import VllmBackend
+
+        backend = VllmBackend(model_dir, sampling=Sampling(), max_loras=1, max_lora_rank=8, max_model_len=512,
+                              max_num_seqs=max(64, *(int(x) for x in args.sessions.split(","))), seed=0)
+    else:
+        backend = HfBackend(model_dir, sampling=Sampling(), device="cpu", seed=0)
     GENERATE_CPU.install(backend)
-    gateway = Gateway(backend, args.chunk, args.tokens, 1 if args.pin else None)
+    client_cpu, pinned = (1 if args.pin else None), "engine CPU 0, clients CPU 1" if args.pin else "no"
+    if args.pin and backend.streaming:
+        pinned = pin_frontend()
+    gateway = Gateway(backend, args.chunk, args.tokens, client_cpu if not backend.streaming else None)
     direct(backend, args.chunk, 2, args.tokens, 2)  # warm-up
-    print(f"pinned: {'engine CPU 0, clients CPU 1' if args.pin else 'no'}; {args.calls} calls of {args.tokens} "
-          f"tokens per session, chunk {args.chunk}")
+    print(f"backend {args.backend} ({'streaming' if backend.streaming else f'chunk {args.chunk}'}); pinned: "
+          f"{pinned}; {args.calls} calls of {args.tokens} tokens per "
+          "session", flush=True)
 
     # latency: one request at a time
     direct_lat = [direct(backend, args.chunk, 1, args.tokens, 1).wall_s for _ in range(args.latency_requests)]
@@ -378,11 +476,12 @@ def main() -> None:
               f"{d.worker_cpu_per_token_ms / g.worker_cpu_per_token_ms:.3f} / "
               f"{d.worker_cpu_per_token_ms / r.worker_cpu_per_token_ms:.3f}")
     gateway.close()
+    backend.close()
     top = max(results)
     d, g, r = results[top]
     report("gateway", f"tokens_per_s_ratio_at_{top}_sessions", g.tok_s / d.tok_s, "ratio", 0.9,
            ratio=g.tok_s / d.tok_s, gateway_tok_s=round(g.tok_s, 1), direct_tok_s=round(d.tok_s, 1),
-           pinned=args.pin, latency_median_ms=round(statistics.median(gateway_lat) * 1e3, 2),
+           backend=args.backend, pinned=args.pin, latency_median_ms=round(statistics.median(gateway_lat) * 1e3, 2),
            latency_p99_ms=round(pct(gateway_lat, 0.99) * 1e3, 2),
            direct_latency_median_ms=round(statistics.median(direct_lat) * 1e3, 2),
            direct_latency_p99_ms=round(pct(direct_lat, 0.99) * 1e3, 2),
@@ -391,6 +490,7 @@ def main() -> None:
            worker_cpu_ratios={str(n): [round(d.worker_cpu_per_token_ms / x.worker_cpu_per_token_ms, 3) for x in (g, r)]
                               for n, (d, g, r) in results.items()},
            rounds_direct_openai_plain={str(n): [len(x.rounds) for x in runs] for n, runs in results.items()},
+           round_ms_direct_openai_plain={str(n): [round(x.round_ms, 2) for x in runs] for n, runs in results.items()},
            generate_cpu_s_direct_openai_plain=[round(x.generate_cpu_s, 3) for x in results[top]],
            ms_per_call_at_top={kind: {"engine_besides_generate": round(x.bookkeeping_cpu_s / x.num_calls * 1e3, 3),
                                       "http_server": round(x.server_cpu_s / x.num_calls * 1e3, 3),

@@ -51,7 +51,7 @@ from common.config import WorkerConfig
 from common.logging import get_logger
 from common.metrics import Metrics
 from common.protocol import ServedAdapter
-from rollout_worker.backends.base import Backend, GenDelta, GenOutput, GenRequest
+from rollout_worker.backends.base import Backend, GenDelta, GenRequest
 from rollout_worker.gateway import openai_api as api
 from rollout_worker.gateway.session import ACTIVE, FINISHED, PrefixDivergence, Session
 from rollout_worker.gateway.tools import PARSERS, template_messages
@@ -403,7 +403,7 @@ class GatewayEngine:
             text = text[:min(i for i in (text.find(s) for s in params.stop) if i >= 0)]
         finish_reason = "length" if end == "length" else "stop"
         session.in_flight -= 1
-        served = call.served[call.version]  # every call ran at least one chunk
+        served = call.served[call.version]  # every call took at least one chunk or engine step
         session.record(self.chat, prompt_ids=call.prompt_ids, token_ids=ids, logprobs=call.logprobs,
                        version=call.version, finish_reason=finish_reason, turn_text=text, served=served)
         tokens = [self.backend.decode([t]) for t in ids] if params.logprobs else []

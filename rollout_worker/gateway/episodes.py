@@ -11,7 +11,8 @@
 
 :class:`AgentRollouts` stands in for :class:`rollout_worker.rollout.Rollouts` in the worker loop (the same
 methods: add, remove, step, poll, has_ready, next_deadline, versions_in_use): the loop stays the engine's only
-caller, generating one chunk round for every call in flight whenever there is one (engine.py).
+caller, taking one engine step (vllm: calls stream through the running engine) or one chunk round (hf) for
+every call in flight whenever there is one (engine.py).
 
 Every episode runs in a guarded thread of its own with its own event loop (rewards/guard.py), so a harness
 that raises, blocks, or hangs past ``worker.agent_timeout_s`` costs only its own episode: it scores 0, is counted
