@@ -164,6 +164,7 @@ def run_rank(args: argparse.Namespace) -> None:
     from common.logprobs import token_entropy, token_logprobs
     from learner.model import build_policy
     from learner.parallel import init_parallel
+    from learner.vocab import vocab_rows_of
 
     torch.set_num_threads(1)
     parallel = init_parallel("cpu")
@@ -184,6 +185,11 @@ def run_rank(args: argparse.Namespace) -> None:
     select = torch.zeros(1, args.tokens, dtype=torch.bool)
     select[:, args.tokens // 4:] = True  # the completion: three quarters of the row
     targets = torch.randint(0, 600, (int(select.sum()),), generator=generator)
+    phases = {"idle": [round(idle, 1), round(idle, 1)], "built": [round(built, 1), round(built_peak, 1)]}
+
+    def phase(name: str) -> None:
+        phases[name] = [round(rss_mb(), 1), round(peak_mb(), 1)]
+
     if args.mode == "after":
         logp, _ = policy.trained_logprobs(x, select, targets)
     else:
@@ -191,13 +197,18 @@ def run_rank(args: argparse.Namespace) -> None:
         logp = token_logprobs(logits, targets)
         with torch.no_grad():
             token_entropy(logits.detach())
+    phase("forward")
     (-logp.mean()).backward()
+    phase("backward")
     optimizer.step()
+    phase("optimizer")
     state_bytes = sum(_local_bytes(t) for s in optimizer.state.values() for t in s.values() if t.dim())
     model_bytes = (sum(_local_bytes(p) for p in model.parameters()) + state_bytes
-                   + sum(_local_bytes(p.grad) for p in params if p.grad is not None))
+                   + sum(_local_bytes(p.grad) for p in params if p.grad is not None)
+                   + sum(rows.num_bytes for rows in vocab_rows_of(model)))  # the embedding / head rows
     result = {"rank": parallel.rank, "world_size": parallel.world_size, "idle_mb": round(idle, 1),
-              "built_mb": round(built, 1), "built_peak_mb": round(built_peak, 1), "peak_mb": round(peak_mb(), 1), "model_mb": round(model_bytes / MB, 1)}
+              "built_mb": round(built, 1), "built_peak_mb": round(built_peak, 1), "peak_mb": round(peak_mb(), 1), "model_mb": round(model_bytes / MB, 1),
+              "phases": phases}
     print("RESULT " + json.dumps(result), flush=True)
     parallel.barrier()
     parallel.close()

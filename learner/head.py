@@ -9,12 +9,14 @@ T selected hidden states and walks them in chunks of :func:`chunk_tokens` tokens
 
     forward   for each chunk c:  z_c = (h_c W^T).float() / temperature        [c, V] fp32, freed after the chunk
                                  lse_c = logsumexp(z_c);  logp_c = z_c[target] - lse_c;  entropy_c
-              saved for backward: h [T, H], W, targets [T], lse [T]            (no [T, V] tensor survives)
+              saved for backward: h [T, H], targets [T], lse [T]               (no [T, V] tensor survives)
     backward  for each chunk c:  z_c again, p_c = exp(z_c - lse_c)
                                  dz_c = g_c (onehot(target_c) - p_c) / temperature
                                  dh_c = dz_c W                                  [c, H]
 
-so the peak is a few ``[chunk, V]`` fp32 tensors whatever T is. The numbers are those of
+so the peak is a few ``[chunk, V]`` fp32 tensors whatever T is. With several ranks W comes in pieces of V / R
+rows (:mod:`learner.vocab`: the head is row-sharded, never gathered whole); the logsumexp and the entropy are
+merged piece by piece, and the backward walks the pieces again. The numbers are those of
 :func:`common.logprobs.token_logprobs` / :func:`common.logprobs.token_entropy` on full logits (the matmul runs in
 the compute dtype and is upcast, as ``logits.float()`` does), to rounding. W is frozen: loraflow never trains
 the output head (:mod:`common.lora_targets` refuses it), so no gradient is computed for it.
@@ -22,8 +24,13 @@ the output head (:mod:`common.lora_targets` refuses it), so no gradient is compu
 
 from __future__ import annotations
 
+import math
+from collections.abc import Callable, Iterator
+
 import torch
 from torch.nn import functional as F
+
+from learner.vocab import VocabRows
 
 #: the [chunk, V] fp32 logits of one chunk stay under this (a few such tensors are alive at once)
 CHUNK_BYTES = 64 << 20
@@ -40,56 +47,89 @@ def _chunk_logits(hidden: torch.Tensor, weight: torch.Tensor, temperature: float
     return logits / temperature if temperature != 1.0 else logits
 
 
+def _pieces(weight: torch.Tensor | VocabRows) -> Callable[[], Iterator[tuple[int, torch.Tensor]]]:
+    if isinstance(weight, VocabRows):
+        return weight.pieces
+    return lambda: iter([(0, weight)])
+
+
 class _TrainedLogprobs(torch.autograd.Function):
-    """(hidden [T, H], weight [V, H], targets [T]) -> (logp [T] fp32 with gradient, entropy [T] fp32 detached)."""
+    """(hidden [T, H], targets [T]; the head's pieces) -> (logp [T] fp32 with gradient, entropy [T] fp32 detached).
+
+    The vocabulary comes in pieces (a rank's rows of the head, :class:`learner.vocab.VocabRows`; one piece, the
+    whole head, on one rank): per token, the logsumexp and the entropy are merged piece by
+    piece (``lse = logaddexp(lse, lse_piece)``), the target's logit comes from the piece that holds it."""
 
     @staticmethod
-    def forward(ctx, hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, temperature: float,
-                chunk: int, with_entropy: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    def forward(ctx, hidden: torch.Tensor, targets: torch.Tensor, temperature: float, chunk: int,
+                with_entropy: bool, pieces: Callable[[], Iterator[tuple[int, torch.Tensor]]]
+                ) -> tuple[torch.Tensor, torch.Tensor]:
         num_tokens = hidden.shape[0]
-        logp = torch.empty(num_tokens, dtype=torch.float32, device=hidden.device)
-        lse = torch.empty_like(logp)
-        entropy = torch.zeros_like(logp)
-        for start in range(0, num_tokens, chunk):
-            end = min(start + chunk, num_tokens)
-            scaled = _chunk_logits(hidden[start:end], weight, temperature)                # [c, V]
-            chunk_lse = torch.logsumexp(scaled, dim=-1)                                  # [c]
-            lse[start:end] = chunk_lse
-            logp[start:end] = scaled.gather(-1, targets[start:end, None]).squeeze(-1) - chunk_lse
-            if with_entropy:
-                log_probs = scaled.sub_(chunk_lse[:, None])                              # [c, V] in place
-                entropy[start:end] = -(log_probs.exp() * log_probs).sum(-1)
-            del scaled
-        ctx.save_for_backward(hidden, weight, targets, lse)
-        ctx.temperature, ctx.chunk = temperature, chunk
+        lse = torch.full((num_tokens,), -math.inf, dtype=torch.float32, device=hidden.device)
+        target_logit = torch.zeros_like(lse)
+        entropy = torch.zeros_like(lse)  # of the pieces so far
+        for first, weight in pieces():
+            size = weight.shape[0]
+            local = targets - first
+            inside = (local >= 0) & (local < size)
+            local = local.clamp(0, size - 1)
+            for start in range(0, num_tokens, chunk):
+                end = min(start + chunk, num_tokens)
+                scaled = _chunk_logits(hidden[start:end], weight, temperature)                # [c, n]
+                piece_lse = torch.logsumexp(scaled, dim=-1)                                  # [c]
+                picked = scaled.gather(-1, local[start:end, None]).squeeze(-1)
+                target_logit[start:end] += torch.where(inside[start:end], picked, 0.0)
+                before = lse[start:end]
+                merged = torch.logaddexp(before, piece_lse)
+                if with_entropy:  # H = sum_pieces w (H_piece + lse - lse_piece), w = exp(lse_piece - lse)
+                    log_q = scaled.sub_(piece_lse[:, None])                                  # [c, n] in place
+                    piece_entropy = -(log_q.exp() * log_q).sum(-1)                           # [c]
+                    earlier = torch.where(torch.isinf(before), 0.0,
+                                          (before - merged).exp() * (entropy[start:end] + merged - before))
+                    entropy[start:end] = earlier + (piece_lse - merged).exp() * (piece_entropy + merged - piece_lse)
+                lse[start:end] = merged
+                del scaled
+        logp = target_logit - lse
+        ctx.save_for_backward(hidden, targets, lse)
+        ctx.temperature, ctx.chunk, ctx.pieces = temperature, chunk, pieces
         ctx.mark_non_differentiable(entropy)
         return logp, entropy
 
     @staticmethod
     def backward(ctx, grad_logp: torch.Tensor, _grad_entropy: torch.Tensor | None):
-        hidden, weight, targets, lse = ctx.saved_tensors
-        grad_hidden = torch.empty_like(hidden)
-        rows = torch.arange(min(ctx.chunk, hidden.shape[0]), device=hidden.device)
-        for start in range(0, hidden.shape[0], ctx.chunk):
-            end = min(start + ctx.chunk, hidden.shape[0])
-            g = grad_logp[start:end].float()                                             # [c]
-            scaled = _chunk_logits(hidden[start:end], weight, ctx.temperature)           # [c, V]
-            grad_logits = scaled.sub_(lse[start:end, None]).exp_().mul_(-g[:, None])     # -g p, in place
-            grad_logits[rows[:end - start], targets[start:end]] += g                     # + g onehot
-            if ctx.temperature != 1.0:
-                grad_logits /= ctx.temperature
-            grad_hidden[start:end] = grad_logits.to(weight.dtype) @ weight               # [c, H]
-            del scaled, grad_logits
-        return grad_hidden, None, None, None, None, None
+        hidden, targets, lse = ctx.saved_tensors
+        num_tokens = hidden.shape[0]
+        grad_hidden = torch.zeros(hidden.shape, dtype=torch.float32, device=hidden.device)
+        for first, weight in ctx.pieces():
+            size = weight.shape[0]
+            local = targets - first
+            inside = (local >= 0) & (local < size)
+            for start in range(0, num_tokens, ctx.chunk):
+                end = min(start + ctx.chunk, num_tokens)
+                g = grad_logp[start:end].float()                                             # [c]
+                scaled = _chunk_logits(hidden[start:end], weight, ctx.temperature)           # [c, n]
+                grad_logits = scaled.sub_(lse[start:end, None]).exp_().mul_(-g[:, None])     # -g p, in place
+                hit = inside[start:end].nonzero().squeeze(-1)
+                grad_logits[hit, local[start:end][hit]] += g[hit]                            # + g onehot
+                if ctx.temperature != 1.0:
+                    grad_logits /= ctx.temperature
+                grad_hidden[start:end] += grad_logits.to(weight.dtype) @ weight              # [c, H]
+                del scaled, grad_logits
+        return grad_hidden.to(hidden.dtype), None, None, None, None, None
 
 
-def trained_logprobs(hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, temperature: float = 1.0, *,
-                     with_entropy: bool = True, chunk: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+def trained_logprobs(hidden: torch.Tensor, weight: torch.Tensor | VocabRows, targets: torch.Tensor,
+                     temperature: float = 1.0, *, with_entropy: bool = True,
+                     chunk: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """Log-probs of ``targets`` and entropies under softmax(hidden W^T / temperature), chunk by chunk.
 
-    hidden [T, H] (compute dtype, may require grad), weight [V, H] frozen, targets [T] int -> (logp [T] fp32 with
-    gradient to ``hidden``, entropy [T] fp32 without; zeros when ``with_entropy`` is False).
+    hidden [T, H] (compute dtype, may require grad), weight [V, H] frozen (a tensor, or the rank's rows of it:
+    collective then, in forward and in backward), targets [T] int -> (logp [T] fp32 with gradient to ``hidden``,
+    entropy [T] fp32 without; zeros when ``with_entropy`` is False).
     """
-    assert not weight.requires_grad, "the output head is frozen (common.lora_targets refuses lm_head)"
-    chunk = chunk or chunk_tokens(weight.shape[0])
-    return _TrainedLogprobs.apply(hidden, weight, targets.long(), float(temperature), int(chunk), with_entropy)
+    if isinstance(weight, torch.Tensor):
+        assert not weight.requires_grad, "the output head is frozen (common.lora_targets refuses lm_head)"
+    vocab_size = weight.shape[0] if isinstance(weight, torch.Tensor) else weight.vocab_size
+    chunk = chunk or chunk_tokens(vocab_size)
+    return _TrainedLogprobs.apply(hidden, targets.long(), float(temperature), int(chunk), with_entropy,
+                                  _pieces(weight))

@@ -54,7 +54,7 @@ from torch.utils.checkpoint import checkpoint
 
 from common.config import ConfigError, LearnerConfig
 from common.lora_targets import resolve_target_modules
-from learner import head
+from learner import head, vocab
 from learner.parallel import Parallel
 
 #: the bytes a message needs besides the tensors (header with every tensor's name and spec, adapter config)
@@ -109,8 +109,8 @@ def _trained_logprobs(peft_model: PeftModel, input_ids: torch.Tensor, select: to
                          "learner.micro_batch_tokens above the longest row")
     hidden = causal_lm.get_decoder()(input_ids=input_ids, past_key_values=past,
                                      use_cache=past is not None).last_hidden_state             # [B, L, H]
-    weight = causal_lm.get_output_embeddings().weight                                          # [V, H]
-    return head.trained_logprobs(hidden[select], weight, targets, temperature, with_entropy=with_entropy)
+    rows = causal_lm.get_output_embeddings().vocab_rows                                       # [V / R, H]
+    return head.trained_logprobs(hidden[select], rows, targets, temperature, with_entropy=with_entropy)
 
 
 def resolve_compute_dtype(setting: str, device: torch.device) -> torch.dtype:
@@ -183,15 +183,6 @@ def check_adapter_fits(model: nn.Module, dtype: torch.dtype, learner: LearnerCon
             '(learner.adapter_dtype = "bfloat16")')
 
 
-def tie_output_embeddings(model: nn.Module, hf_config: Any) -> None:
-    """Share the input embedding with the output head where the config ties them (Qwen2 small models, Gemma):
-    the weights files then hold the embedding only. Done outside ``init_empty_weights``, whose patched
-    ``register_parameter`` makes a new meta parameter of every assignment (``tie_weights`` inside it ties
-    nothing)."""
-    if getattr(hf_config, "tie_word_embeddings", False):
-        model.get_output_embeddings().weight = model.get_input_embeddings().weight
-
-
 def shard(model: nn.Module, layers: list[nn.Module], parallel: Parallel, compute_dtype: torch.dtype) -> None:
     """FSDP2 over ``parallel.mesh``: each decoder layer its own group, then the root; below fp32 the parameters are
     gathered in ``compute_dtype`` and gradients reduced in fp32."""
@@ -226,7 +217,7 @@ def build_policy(model_dir: Path, learner: LearnerConfig, parallel: Parallel, *,
         base.requires_grad_(False)
         lora_config = lora_config_for(learner, model_dir, target_modules)
         model = get_peft_model(base, lora_config)  # LoRA parameters in fp32 (peft's autocast_adapter_dtype)
-    tie_output_embeddings(base, hf_config)
+    vocab_rows = vocab.shard_vocab(base, hf_config, dtype=compute_dtype, parallel=parallel)
     adapter_dtype = resolve_adapter_dtype(learner.adapter_dtype, compute_dtype)
     check_adapter_fits(model, adapter_dtype, learner, max_message_bytes)
     layers = decoder_layers(base)
@@ -238,7 +229,7 @@ def build_policy(model_dir: Path, learner: LearnerConfig, parallel: Parallel, *,
     model.trained_logprobs = functools.partial(_trained_logprobs, model)
     register_fsdp_forward_method(model, "trained_logprobs")
     _materialize(model, parallel.device)
-    load_base_weights(model, model_dir, compute_dtype, is_main=parallel.is_main)
+    load_base_weights(model, model_dir, compute_dtype, is_main=parallel.is_main, vocab_rows=vocab_rows)
     init_lora(model, seed=seed)
     return Policy(model=model, lora_config=lora_config, model_dir=model_dir, compute_dtype=compute_dtype,
                   vocab_size=int(hf_config.vocab_size), adapter_dtype=adapter_dtype,
@@ -275,14 +266,16 @@ def _weight_files(model_dir: Path) -> dict[str, Path]:
         return {name: single for name in f.keys()}  # noqa: SIM118 (safe_open has no __iter__)
 
 
-def load_base_weights(model: nn.Module, model_dir: Path, dtype: torch.dtype, *, is_main: bool) -> None:
+def load_base_weights(model: nn.Module, model_dir: Path, dtype: torch.dtype, *, is_main: bool,
+                      vocab_rows: dict[str, vocab.VocabRows]) -> None:
     """Collective: the frozen base's weights from ``model_dir`` into every rank's shards, one decoder layer at a
-    time read by rank 0 and broadcast (the others receive one tensor at a time and keep their rows)."""
+    time read by rank 0 and broadcast (the others receive one tensor at a time and keep their rows); then the
+    embedding / head (``vocab_rows``: weights-file name -> rows), read by rank 0, each rank sent its rows."""
     from safetensors import safe_open
 
     files = _weight_files(model_dir)  # every rank reads the headers: a missing tensor fails on all of them
     frozen = [name for name, p in model.named_parameters() if not p.requires_grad]
-    missing = [_base_key(n) for n in frozen if _base_key(n) not in files]
+    missing = [_base_key(n) for n in frozen if _base_key(n) not in files] + [k for k in vocab_rows if k not in files]
     if missing:
         raise ValueError(f"model.path {model_dir}: the weights files lack {len(missing)} tensors of the model "
                          f"(first: {missing[:3]}); the directory does not match its config.json")
@@ -303,6 +296,11 @@ def load_base_weights(model: nn.Module, model_dir: Path, dtype: torch.dtype, *, 
                         full[name] = f.get_tensor(_base_key(name)).to(dtype)
         set_model_state_dict(model, full, options=options)
         del full
+    for key, rows in vocab_rows.items():
+        if not is_main:
+            vocab.load_vocab_rows(rows, None)
+            continue
+        vocab.load_vocab_rows(rows, lambda start, end, k=key: vocab.read_rows(files[k], k, start, end).to(dtype))
 
 
 def init_lora(model: nn.Module, *, seed: int) -> None:

@@ -70,9 +70,9 @@ def test_chunked_head_keeps_no_full_logits_for_backward() -> None:
     with torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(t.numel()) or t, lambda t: t):
         logp, _ = head.trained_logprobs(hidden, weight, targets, chunk=chunk)
         full_logp = token_logprobs(hidden @ weight.T, targets)
-    ours = saved[:4]
-    assert max(ours) == vocab * hidden_size  # the head's weight is the largest thing kept; no [T, V] tensor
-    assert max(saved[4:]) >= num_tokens * vocab  # what the full-logits path keeps, for contrast
+    ours = saved[:3]  # hidden [T, H], targets [T], logsumexp [T]; the head's weight is re-read in backward
+    assert max(ours) == num_tokens * hidden_size  # no [T, V] tensor
+    assert max(saved[3:]) >= num_tokens * vocab  # what the full-logits path keeps, for contrast
     logp.sum().backward()
     assert hidden.grad is not None and torch.isfinite(hidden.grad).all()
     assert torch.allclose(logp, full_logp, atol=1e-5)
@@ -121,7 +121,12 @@ def test_meta_build_loads_the_checkpoint_weights_in_the_compute_dtype(tiny_model
     for setting, dtype in (("fp32", torch.float32), ("bf16", torch.bfloat16)):
         policy = build_policy(tiny_model_dir, learner_config(mixed_precision=setting), parallel, seed=0)
         frozen = {n: p for n, p in policy.model.named_parameters() if not p.requires_grad}
-        assert len(frozen) == len(reference)
+        base = policy.model.get_base_model()  # the embedding and the head: row-sharded (learner.vocab), untied here
+        rows = {"model.embed_tokens.weight": base.get_input_embeddings().vocab_rows,
+                "lm_head.weight": base.get_output_embeddings().vocab_rows}
+        assert len(frozen) + len(rows) == len(reference)
+        for key, matrix in rows.items():
+            assert matrix.rows.dtype == dtype and torch.equal(matrix.rows, reference[key].to(dtype)), key
         for name, param in frozen.items():
             key = name.removeprefix("base_model.model.").replace(".base_layer.", ".")
             assert param.dtype == dtype, name
