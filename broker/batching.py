@@ -83,7 +83,7 @@ class BatchDesk:
         self._seq += 1
         entries, specs, frames = [], [], []
         for group in groups:
-            self.stats.count("served_staleness", versions.staleness(latest, group.min_version))
+            self.stats.count("served_staleness", versions.staleness(latest, group.max_version))
             # the submitting process as the broker knows it, not as the group claims (the learner's lora_id memory)
             entries.append({"group": {**group.header, "worker_id": group.worker, "worker_session": group.session},
                             "first_tensor": len(specs)})

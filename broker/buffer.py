@@ -208,6 +208,5 @@ class RolloutBuffer:
         return list(self._buffered.values())
 
     def staleness_histogram(self, latest_version: int) -> dict[int, int]:
-        """Staleness (latest version - oldest token version) -> number of buffered groups (under the newest-token
-        rule a kept group's oldest tokens may be staler than max_staleness: the learner masks those)."""
-        return dict(sorted(Counter(latest_version - g.min_version for g in self._buffered.values()).items()))
+        """Staleness (latest version - newest token version, what the rule keeps a group by) -> buffered groups."""
+        return dict(sorted(Counter(latest_version - g.max_version for g in self._buffered.values()).items()))

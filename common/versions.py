@@ -16,8 +16,9 @@
 - The broker leases only to workers whose adapter is recent enough that what they generate can still be
   trained, admits no more groups than the learner can consume within the bound (AReaL's rule), and drops
   buffered groups whose newest token aged past it; the learner checks again before training and masks the
-  stale tokens of what it trains. Staleness histograms (buffer, served, trained) count the *oldest* token's
-  staleness: how far behind the data is, which may now exceed ``max_staleness``.
+  stale tokens of what it trains. A group's staleness, as the histograms count it (the broker's buffer and
+  served groups, the learner's ``staleness`` per step), is its newest token's: never above ``max_staleness``
+  for a group trained; how much older its oldest tokens were shows as ``tokens_masked_stale``.
 - Withdrawn versions: a learner that dies loses the steps after its last checkpoint. The versions it published
   after that checkpoint are *withdrawn* (inclusive ranges ``(lo, hi)``): their numbers are never used again, no
   token generated under them is ever trained, and the resumed learner publishes its checkpoint's weights under

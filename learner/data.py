@@ -56,7 +56,8 @@ class Selection:
     skipped_ids: dict[str, list[str]] = field(default_factory=dict)  # reason -> group ids, batch order
     token_versions: dict[str, list[int]] = field(default_factory=dict)  # the distinct versions of each
                                                                         # acknowledged new group's tokens
-    staleness: collections.Counter = field(default_factory=collections.Counter)  # staleness -> trained groups
+    staleness: collections.Counter = field(default_factory=collections.Counter)  # staleness (of the newest
+                                                                                 # token) -> trained groups
 
 
 def select_groups(batch: Batch, specs: Sequence[TensorSpec], frames: Sequence[Any], *, version: int,
@@ -119,7 +120,7 @@ def select_groups(batch: Batch, specs: Sequence[TensorSpec], frames: Sequence[An
                 skip("zero_variance", group.group_id)
             else:
                 out.train.append(i)
-                out.staleness[versions.staleness(version, group.min_version)] += 1
+                out.staleness[versions.staleness(version, group.max_version)] += 1
     return out
 
 
@@ -135,7 +136,7 @@ def refuse_groups(selection: Selection, batch: Batch, failed: Sequence[int], *, 
         selection.skipped["policy_mismatch"] += 1
         selection.skipped_ids.setdefault("policy_mismatch", []).append(group.group_id)
         selection.token_versions.pop(group.group_id, None)
-        staleness = versions.staleness(version, group.min_version)
+        staleness = versions.staleness(version, group.max_version)
         selection.staleness[staleness] -= 1
         if selection.staleness[staleness] <= 0:
             del selection.staleness[staleness]

@@ -389,7 +389,7 @@ def _zero_variance_staleness(received: Received, trained_version: int) -> dict[s
     for entry in received.batch.groups:
         if entry.group.group_id in ids:
             ids.discard(entry.group.group_id)  # a group id twice in a batch: the first copy was the one judged
-            counts[versions.staleness(trained_version, entry.group.min_version)] += 1
+            counts[versions.staleness(trained_version, entry.group.max_version)] += 1
     return {str(k): v for k, v in sorted(counts.items())}
 
 

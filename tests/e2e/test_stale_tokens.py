@@ -3,8 +3,9 @@ they are trained with their tokens older than max_staleness masked, not dropped 
 
 With max_staleness 1, the ``continue`` policy and long-tailed lengths, a long sample still generating while the
 learner publishes two versions ends with tokens of three. Its group reaches the learner (its newest token is
-recent) and is trained: ``staleness`` (of the oldest token) 2 or more, its tokens older than the bound counted in
-``tokens_masked_stale``. Before issue 13 such a group was dropped and generated again.
+recent) and is trained, its tokens older than the bound counted in ``tokens_masked_stale``; the step's
+``staleness`` (a group's newest token's) stays within the bound. Before issue 13 such a group was dropped and
+generated again.
 """
 
 from __future__ import annotations
@@ -70,10 +71,8 @@ def test_a_sample_spanning_versions_is_trained_with_its_stale_tokens_masked(proc
 
     step = wait_for(masked_step, 180, "a step that trained a group with stale tokens masked", procs, interval_s=0.2)
     system.stop()
-    # the group whose oldest token is past the bound was trained, not dropped: staleness 2 under max_staleness 1
-    assert any(int(k) >= 2 for k in step["staleness"]), step
-    assert step["num_tokens"] > 0 and step["num_groups_trained"] >= 1
-    # the learner's ledger: that step trained a group holding tokens past the bound and tokens within it
+    assert max(int(k) for k in step["staleness"]) <= 1 and step["num_tokens"] > 0, step
+    # the learner's ledger: that step trained a group holding tokens past the bound (not dropped) and within it
     line = next(x for x in read_ledger(run_dir / "learner" / "ledger.jsonl")
                 if x["event"] == "step" and x["step"] == step["step"])
     oldest = line["trained_version"] - 1

@@ -52,6 +52,7 @@ def test_a_long_sample_spanning_versions_is_trained_with_its_stale_tokens_masked
     selection, step = step_of(groups, version=6, max_staleness=1)
     assert [step.group_ids[g] for g in range(step.num_groups)] == ["0:0", "0:1"]
     assert dict(selection.skipped) == {"stale": 1} and selection.ack_group_ids == ["0:0", "0:1"]
+    assert dict(selection.staleness) == {0: 2}  # a group's staleness is its newest token's
     trained_before = [s.num_trained for s in step.samples]
     num_masked = mask_stale_tokens(step, version=6, max_staleness=1)
     masks = [s.loss_mask.int().tolist() for s in step.samples]
