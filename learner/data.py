@@ -6,9 +6,11 @@
                 --learner.integrity--> the groups that pass the policy check (--keep_groups--> only those;
                                        rank 0: --refuse_groups--> the others skipped as policy_mismatch)
                 --assign_to_ranks--> this rank's samples (balanced by length)
-                --plan_micro_batches--> its micro-batches (token budget, longest first; every rank runs as
-                                        many forward passes, empty micro-batches pad the shorter ranks)
+                --plan_micro_batches--> its micro-batches (token budget, longest first; a row longer than
+                                        the budget alone, cut into segments of <= budget: learner.segments)
                 --collate--> MicroBatch tensors
+                --rank_pass_kinds--> every rank's forward passes, lined up by learner.segments.aligned (each
+                                     forward is collective: a rank with nothing to run runs an empty pass)
 
 Rank 0 is the single authority on what is trained: it alone keeps the trained group ids and the policy
 version. Other ranks just decode the message it broadcasts, so every rank sees the same samples in the same
@@ -18,6 +20,15 @@ A sample is ``prompt + completion`` tokens. The model reads ``tokens[:-1]`` and 
 completion token is trained when its ``loss_mask`` is 1 (environment tokens of multi-turn tasks have 0: they
 are read, never trained). Rows are right-padded: with causal attention a real token never attends to padding,
 so no attention mask is needed and positions stay 0..L-1.
+
+The token budget (``learner.micro_batch_tokens``) bounds every forward pass: rows x longest row <= budget for
+packed rows (sorted by length, so padding stays small: the rows of a micro-batch are neighbours in length), and
+a longer row runs in segments of at most the budget, each attending to the earlier segments' keys and values
+(:mod:`learner.segments`: the same log-probs, loss and gradients as the unsplit row). What a long row still
+costs beside its segment's activations is its keys and values and their gradients, kept for the whole row: for
+the Qwen2-1.5B shape in bf16, 2 x 28 layers x 2 KV heads x 128 = 14,336 values per token, 8 bytes each (bf16,
+an fp32 gradient, the running segment's bf16 leaf gradient): 112 KiB per token, 3.5 GiB for one 32k-token
+sample (measured on the 0.5B layer shape: BENCHMARKS.md "Learner memory").
 """
 
 from __future__ import annotations

@@ -7,12 +7,16 @@ Built so that no rank ever holds the whole base model (the torchtitan recipe):
    ``"all-linear"`` expanded (:mod:`common.lora_targets`: a name that selects nothing, an embedding or the
    output head is a config error, exit 2); the adapter's size is checked against ``broker.max_message_bytes``
    here too, before any weight is read;
-2. ``fully_shard`` on each decoder layer (the classes the model lists in ``_no_split_modules``), then on the
+2. the input embedding and the output head (frozen, tied or not) are replaced by row-sharded forms outside
+   FSDP2 (:mod:`learner.vocab`): a rank keeps V / R rows and a use walks the ranks' rows a piece at a time, so
+   the vocabulary matrix (467 MB at the 1.5B shape) is never gathered whole;
+   ``fully_shard`` on each decoder layer (the classes the model lists in ``_no_split_modules``), then on the
    root, over the 1-D mesh of :mod:`learner.parallel`; ``to_empty`` gives each rank storage for its shards
    only;
 3. rank 0 reads the safetensors files one decoder layer at a time and broadcasts them
    (``set_model_state_dict(full_state_dict=True, broadcast_from_rank0=True)``): every rank keeps only its
-   rows of each tensor, and rank 0's host memory holds one layer of full tensors beyond its shards;
+   rows of each tensor, and rank 0's host memory holds one layer of full tensors beyond its shards; the
+   embedding / head rows are read by rank 0 a slice at a time and sent to their rank;
 4. the LoRA tensors are drawn on every rank from one seeded generator (``lora_A`` ~ U(+-1/sqrt(in)), peft's
    kaiming-uniform; ``lora_B`` = 0), so the untrained policy is exactly the base model: version 0.
 
@@ -28,8 +32,8 @@ published adapters are the same either way.
 
 Logits only where they are trained: :meth:`Policy.trained_logprobs` runs the decoder once and applies the output
 head to the selected positions only, chunk by chunk (:mod:`learner.head`), inside the root module's FSDP2
-forward (``register_fsdp_forward_method``), where the root's parameters (embeddings, final norm, head) are
-gathered. The reference policy for the KL penalty is the same model with the adapter disabled
+forward (``register_fsdp_forward_method``), where the root's parameters (the final norm) are gathered.
+With ``past`` (:func:`learner.segments.past_cache`) it runs one segment of a row longer than the token budget. The reference policy for the KL penalty is the same model with the adapter disabled
 (:meth:`Policy.reference`), so no second copy of the base is held.
 """
 

@@ -18,11 +18,11 @@ The RNG state of each segment's pass-1 forward is restored for its pass-2 forwar
 same masks in both.
 
 What a segment holds: its own activations (one budget's worth, or one layer's with activation checkpointing),
-its attention over past + own keys, and for the whole row K, V of every layer (compute dtype) plus their
-gradient accumulators (fp32): 2 x layers x kv_heads x head_dim x (2 + 8) bytes per token in bf16, 28 KiB x 10 / 2
-= 140 KiB per token for the Qwen2-1.5B shape (4.5 GiB for a 32k-token row, against ~80 GiB of activations
-unsplit without checkpointing; see BENCHMARKS.md "Learner memory"). The cost is time: pass 1 is n - 1 extra
-no-grad forwards of the row's segments.
+its attention over past + own keys, and for the whole row K, V of every layer in the compute dtype plus their
+gradient accumulators in fp32: 2 x layers x kv_heads x head_dim values per token, 8 bytes each in bf16 (with the
+running segment's leaf gradient): 112 KiB per token for the Qwen2-1.5B shape, 3.5 GiB for a 32k-token row,
+against ~80 GiB of activations unsplit without checkpointing (BENCHMARKS.md "Learner memory"). The cost is
+time: pass 1 is n - 1 extra no-grad forwards of the row's segments.
 
 Every forward is collective under FSDP2, so every rank must run the same sequence of passes. A rank's work is
 a list of *no-grad forwards* (N: the KL reference's forward, pass 1) and *forward+backward* (G) passes;

@@ -6,7 +6,9 @@ micro-batch's backward (:func:`sync_gradients`). Log-probs come from the trained
 (:meth:`learner.model.Policy.trained_logprobs`: no ``[B, L, V]`` logits). Each trained token of the
 batch weighs ``1 / N`` (N = trained tokens of the whole batch, known to every rank), and FSDP2 averages over
 the R ranks, so each rank scales its loss by ``R / N``: the gradient is that of one process on the whole batch.
-Statistics are summed over micro-batches and ranks, so every rank returns the same numbers.
+Statistics are summed over micro-batches and ranks, so every rank returns the same numbers. A row longer than
+``micro_batch_tokens`` runs in segments (:class:`learner.segments.SplitRow`: several passes), so the ranks'
+passes are lined up before they run (:func:`learner.segments.aligned`).
 
 The learner loop calls :func:`checked_train_step`: the policy check (:mod:`learner.integrity`) around the same
 forward/backward (:func:`forward_backward`), whose log-probs check the tokens of the version the parameters

@@ -12,13 +12,13 @@ chunks: ceil(V / R) rows each) in :class:`VocabRows`, and a use walks the ranks'
                          head:      logits over those vocabulary ids, merged into a running logsumexp
                                     (learner.head; its backward walks the pieces again)
 
-so a rank holds its own rows and one piece of another's (at most 64 MB) at a time. Every use is collective: the ranks run
-it in the same order (every forward of the learner is). On one rank the single piece is the whole matrix and
-nothing is sent.
+so a rank holds its own rows and one piece of another's (at most 64 MB) at a time. Every use is collective:
+the ranks run it in the same order (every forward of the learner is). On one rank the single piece is the whole
+matrix and nothing is sent.
 
-Loading: rank 0 reads each rank's rows from the weights files (a slice at a time) and sends them
-(:func:`load_vocab_rows`). The rows are plain tensors held by the modules (not parameters, not buffers): checkpoints (trainable state
-only) and published adapters do not contain them, and they are not parameters of the model.
+Loading: rank 0 reads each rank's rows from the weights files (a slice at a time, plain reads) and sends them
+(:func:`load_vocab_rows`). The rows are plain tensors held by the modules, neither parameters nor buffers:
+checkpoints (trainable state only) and published adapters do not contain them.
 """
 
 from __future__ import annotations
