@@ -31,6 +31,7 @@ the same for samples.
 from __future__ import annotations
 
 import argparse
+import datetime
 import json
 import os
 import statistics
@@ -138,9 +139,34 @@ def loraflow_breakdown(run_dir: Path, side: Side) -> dict[str, float]:
         for state, share in sorted(shares.items()):
             out[f"{key}_{state}_share"] = round(share, 3)
         out[f"{key}_busy_share"] = round(sum(v for k, v in shares.items() if k in rundir.BUSY_STATES), 3)
+        idle = [stop - start for start, stop, state in lane.spans() if state == "idle" and begin <= start < end]
+        if name != "learner" and idle:  # idle: no lease in hand and none asked for (an empty grant's back-off)
+            out[f"{key}_idle_spans"] = len(idle)
+            out[f"{key}_idle_span_median_ms"] = round(statistics.median(idle) * 1e3, 1)
     steps = [s for s in rundir.read_jsonl(rundir.metrics_path(run_dir)) if s["time_unix"] <= end]
     for key in ("wait_s", "compute_s", "integrity_s", "publish_s", "checkpoint_s"):
         out[f"learner_{key}_per_step"] = round(statistics.fmean(s[key] for s in steps), 4) if steps else 0.0
+    published = {s["version"]: s["time_unix"] for s in steps}
+    loads = [(version, at, load_ms) for version, at, load_ms in adapter_loads(run_dir) if version in published]
+    if loads:  # the hot-swap: the learner's step line (after its publish) -> a worker has the version loaded
+        out["publish_to_loaded_ms_median"] = round(statistics.median((at - published[v]) * 1e3 for v, at, _ in loads), 1)
+        out["adapter_load_ms_median"] = round(statistics.median(ms for _, _, ms in loads), 1)
+    return out
+
+
+def adapter_loads(run_dir: Path) -> list[tuple[int, float, float]]:
+    """(version, unix time, load_ms) of every ``adapter_loaded`` line in the workers' logs (UTC timestamps)."""
+    out = []
+    for path in sorted((run_dir / "logs").glob("worker-*.log")):
+        for line in path.read_text(errors="replace").splitlines():
+            if " adapter_loaded " not in line:
+                continue
+            fields = dict(item.split("=", 1) for item in line.split() if "=" in item)
+            try:
+                at = datetime.datetime.fromisoformat(line.split()[0]).replace(tzinfo=datetime.UTC).timestamp()
+                out.append((int(fields["version"]), at, float(fields["load_ms"])))
+            except (KeyError, ValueError):
+                continue
     return out
 
 
