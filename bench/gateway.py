@@ -83,9 +83,10 @@ class Run:
                f"{batch:4.1f} ({self.round_ms:.1f} ms each); CPU: generate {self.generate_cpu_s:.2f} s"
         if self.core_cpu_s:
             text += f", engine core {self.core_cpu_s:.2f} s"
+        text += f", engine thread besides {self.bookkeeping_cpu_s * per_call:.2f} ms/call"
         if self.client_cpu_s:
-            text += f", engine thread besides {self.bookkeeping_cpu_s * per_call:.2f} ms/call, HTTP server " \
-                    f"{self.server_cpu_s * per_call:.2f} ms/call, clients {self.client_cpu_s * per_call:.2f} ms/call"
+            text += f", HTTP server {self.server_cpu_s * per_call:.2f} ms/call, clients " \
+                    f"{self.client_cpu_s * per_call:.2f} ms/call"
         return text
 
     @property
@@ -380,6 +381,29 @@ class Gateway:
         self.server.close()
 
 
+def burn(fraction: float, stop: Any) -> None:
+    """In a child process: keep ``fraction`` of one core busy, in 1 ms slices, until ``stop`` is set."""
+    while not stop.is_set():
+        until = time.perf_counter() + 1e-3
+        while time.perf_counter() < until:
+            pass
+        time.sleep(1e-3 * (1 - fraction) / fraction)
+
+
+def direct_burned(backend: Any, fraction: float, *args: Any) -> Run:
+    """The direct path while a side process keeps ``fraction`` of a core busy (``--burn``)."""
+    ctx = mp.get_context("spawn")
+    stop = ctx.Event()
+    proc = ctx.Process(target=burn, args=(fraction, stop))
+    proc.start()
+    try:
+        time.sleep(0.5)  # started
+        return direct(backend, *args)
+    finally:
+        stop.set()
+        proc.join(30)
+
+
 def pin_frontend() -> str:
     """vllm ``--pin``: this thread (and the threads and client processes it starts later) and every thread of the
     engine core's processes on the CPUs the model runner is not bound to; returns what it did."""
@@ -414,6 +438,9 @@ def main() -> None:
     parser.add_argument("--latency-requests", type=int, default=40)
     parser.add_argument("--chunk", type=int, default=16)
     parser.add_argument("--repeats", type=int, default=3, help="interleaved direct/gateway runs per count (median)")
+    parser.add_argument("--burn", type=float, default=0.0, help="also run direct beside a process that keeps this "
+                        "fraction of a core busy in 1 ms slices (a control: CPU taken as the clients and the HTTP "
+                        "server take it, without the gateway)")
     parser.add_argument("--pin", action="store_true", help="hf: engine on CPU 0, clients on CPU 1; vllm: all but the "
                         "model runner off its cores (a quiet machine only: "
                         "on a shared one, whatever else runs on CPU 0 starves the engine)")
@@ -460,14 +487,22 @@ def main() -> None:
           f"{(statistics.median(gateway_lat) - statistics.median(direct_lat)) * 1e3:.1f} ms")
 
     results: dict[int, tuple[Run, Run, Run]] = {}
+    burned: dict[int, float] = {}  # --burn: direct beside the burner / direct
     for n in [int(x) for x in args.sessions.split(",")]:
-        d_runs, g_runs, r_runs = [], [], []
+        d_runs, g_runs, r_runs, b_runs = [], [], [], []
         for _ in range(args.repeats):  # interleaved: a shared machine's load hits both alike
             d_runs.append(direct(backend, args.chunk, n, args.tokens, args.calls))
             g_runs.append(gateway.run(n, args.tokens, args.calls))
             r_runs.append(gateway.run(n, args.tokens, args.calls, "raw"))
+            if args.burn:
+                b_runs.append(direct_burned(backend, args.burn, args.chunk, n, args.tokens, args.calls))
         d, g, r = (median_run(x) for x in (d_runs, g_runs, r_runs))
         results[n] = (d, g, r)
+        if b_runs:
+            b = median_run(b_runs)
+            burned[n] = b.tok_s / d.tok_s
+            print(f"{n:3d} sessions: direct beside a {args.burn:.0%}-of-a-core burner {b.describe()}, ratio "
+                  f"{burned[n]:.3f}")
         print(f"{n:3d} sessions: direct  {d.describe()}\n"
               f"              gateway {g.describe()} (openai clients), ratio {g.tok_s / d.tok_s:.3f}\n"
               f"              gateway {r.describe()} (plain HTTP clients), ratio {r.tok_s / d.tok_s:.3f}\n"
@@ -492,6 +527,9 @@ def main() -> None:
            rounds_direct_openai_plain={str(n): [len(x.rounds) for x in runs] for n, runs in results.items()},
            round_ms_direct_openai_plain={str(n): [round(x.round_ms, 2) for x in runs] for n, runs in results.items()},
            generate_cpu_s_direct_openai_plain=[round(x.generate_cpu_s, 3) for x in results[top]],
+           burner_fraction=args.burn, burned_direct_ratios={str(n): round(x, 3) for n, x in burned.items()},
+           engine_steps_ratio_at_top=[round(len(d.rounds) / len(x.rounds), 3) for x in (g, r)],
+           direct_engine_besides_ms_per_call=round(d.bookkeeping_cpu_s / d.num_calls * 1e3, 3),
            ms_per_call_at_top={kind: {"engine_besides_generate": round(x.bookkeeping_cpu_s / x.num_calls * 1e3, 3),
                                       "http_server": round(x.server_cpu_s / x.num_calls * 1e3, 3),
                                       "clients": round(x.client_cpu_s / x.num_calls * 1e3, 3)}
