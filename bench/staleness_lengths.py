@@ -2,6 +2,7 @@
 newest token decides; older tokens are masked in the learner), in one run (issue 13, long generations).
 
     .venv/bin/python bench/staleness_lengths.py [--groups 600] [--mean-tokens 256] [--sigma 1.0] [--max-staleness 1]
+        [--plot drops.png]
 
 Both runs drive the real code in process, with the same seed and an explicit clock (no sockets, no model):
 
@@ -241,9 +242,10 @@ def spearman(x: np.ndarray, y: np.ndarray) -> float:
     return float(np.corrcoef(rx, ry)[0, 1])
 
 
-def per_sample(outcome: Outcome) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """(length, dropped, tokens trained) of every sample attempt with a decided fate (zero-variance ones out)."""
-    lens, dropped, trained = [], [], []
+def per_sample(outcome: Outcome) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+    """(length, dropped, tokens trained, its group's longest sample) of every sample attempt with a decided fate
+    (zero-variance ones out)."""
+    lens, dropped, trained, longest = [], [], [], []
     for attempt in outcome.attempts:
         if attempt.fate not in ("dropped", "trained"):
             continue
@@ -252,7 +254,8 @@ def per_sample(outcome: Outcome) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
             lens.append(n)
             trained.append(done)
             dropped.append(attempt.fate == "dropped" or done == 0)
-    return np.array(lens), np.array(dropped, dtype=bool), np.array(trained)
+            longest.append(max(attempt.lens))
+    return np.array(lens), np.array(dropped, dtype=bool), np.array(trained), np.array(longest)
 
 
 def per_group(outcome: Outcome) -> tuple[np.ndarray, np.ndarray]:
@@ -267,6 +270,35 @@ def quartile_rates(lens: np.ndarray, flags: np.ndarray, edges: np.ndarray) -> li
     which = np.searchsorted(edges, lens, side="left")  # 0..3; a length equal to an edge goes below it
     return [(float(flags[which == q].mean()) if (which == q).any() else float("nan"), int((which == q).sum()))
             for q in range(4)]
+
+
+def plot(path: Path, sample_rates: dict[str, list[float]], group_before: list[float], group_after: list[float],
+         edges: np.ndarray, group_edges: np.ndarray) -> None:
+    """Drop rate by length quartile, before / after, for samples and for groups, side by side."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, 2, figsize=(10, 3.8), sharey=True)
+    panels = ((axes[0], sample_rates["before"], sample_rates["after"], edges, "samples, by completion length"),
+              (axes[1], group_before, group_after, group_edges, "groups, by their longest sample"))
+    for ax, before, after, bounds, title in panels:
+        x = np.arange(4)
+        ax.bar(x - 0.2, before, 0.4, label="before: oldest token decides")
+        ax.bar(x + 0.2, after, 0.4, label="after: newest token decides, older masked")
+        labels = [f"Q{q + 1}\n{lo}-{hi}" for q, (lo, hi) in
+                  enumerate(zip(["0", *map(str, map(int, bounds))], [*map(str, map(int, bounds)), "max"],
+                                strict=True))]
+        ax.set_xticks(x, labels)
+        ax.set_title(title)
+        ax.set_xlabel("length quartile (tokens)")
+    axes[0].set_ylabel("drop rate (nothing trained)")
+    axes[0].legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    print(f"figure: {path}")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -284,6 +316,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--fetch-rounds", type=int, default=1, help="rounds from a publish to the worker's load")
     parser.add_argument("--max-rounds", type=int, default=200_000)
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--plot", type=Path, help="also draw the two tables as bar charts into this PNG")
     args = parser.parse_args(argv)
     setup_logging("bench", level="warning")
     outcomes = {}
@@ -306,7 +339,7 @@ def main(argv: list[str] | None = None) -> int:
           f"samples before / after")
     rates: dict[str, list[float]] = {}
     untrained: dict[str, list[float]] = {}
-    for name, (lens, dropped, trained) in samples.items():
+    for name, (lens, dropped, trained, _) in samples.items():
         rates[name] = [r for r, _ in quartile_rates(lens, dropped, edges)]
         which = np.searchsorted(edges, lens, side="left")
         untrained[name] = [1 - trained[which == q].sum() / max(lens[which == q].sum(), 1) for q in range(4)]
@@ -325,8 +358,17 @@ def main(argv: list[str] | None = None) -> int:
         (rb, nb), (ra, na) = group_rates["before"][q], group_rates["after"][q]
         print(f"{'Q' + str(q + 1):>9} | {rb:16.3f} {ra:6.3f} | {nb:5d} / {na:5d}   "
               f"{'#' * round(rb * 50):<25} {'#' * round(ra * 50)}")
+    if args.plot is not None:
+        plot(args.plot, rates, [r for r, _ in group_rates["before"]], [r for r, _ in group_rates["after"]],
+             edges, group_edges)
     rho = {name: spearman(s[0].astype(float), s[1].astype(float)) for name, s in samples.items()}
     print(f"\nSpearman(length, dropped): before {rho['before']:+.3f}, after {rho['after']:+.3f}")
+    siblings = {}
+    for name, (lens, dropped, _, longest) in samples.items():
+        short = dropped & (lens <= edges[2])
+        siblings[name] = float((longest[short] > group_edges[2]).mean()) if short.any() else float("nan")
+    print(f"dropped samples of Q1-Q3 whose group's longest sample is in the longest group quartile (their tokens "
+          f"aged while it generated): before {siblings['before']:.1%}, after {siblings['after']:.1%}")
 
     def q4_over_q1(r: list[float]) -> float:
         return r[3] / r[0] if r[0] > 0 else (math.inf if r[3] > 0 else 1.0)
@@ -341,7 +383,9 @@ def main(argv: list[str] | None = None) -> int:
            quartile_edges=[int(e) for e in edges], tokens_masked_after=after.tokens_masked,
            group_drop_rate_by_quartile_before=[round(r, 4) for r, _ in group_rates["before"]],
            group_drop_rate_by_quartile_after=[round(r, 4) for r, _ in group_rates["after"]],
-           rounds_before=before.rounds, rounds_after=after.rounds)
+           rounds_before=before.rounds, rounds_after=after.rounds,
+           short_drops_with_a_long_sibling_before=round(siblings["before"], 4),
+           short_drops_with_a_long_sibling_after=round(siblings["after"], 4))
     return 0
 
 
