@@ -36,7 +36,8 @@ publishes holds no version, and every version is re-scored.
 
 The history (:class:`AdapterHistory`) holds the LoRA tensors (this rank's local shards under FSDP2) of the last
 ``run.max_staleness + 1`` versions, recorded at each publish, and v0 (the zero-B start) on a fresh start; staler
-groups never reach the check (rank 0 skips them as ``stale``). A version it does not hold can only be one from
+tokens never reach the check (:func:`learner.train.mask_stale_tokens` gives them loss mask 0 first, and a group
+with no token within the bound is skipped as ``stale``). A version it does not hold can only be one from
 before a learner restart that its checkpoint does not cover (the resumed learner holds the checkpoint's weights
 under its version and the version it republishes them as): its tokens are counted ``unverifiable`` and pass, the
 evidence is still checked.
