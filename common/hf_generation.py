@@ -9,7 +9,9 @@ raw logits / temperature) say nothing about it, so the learner's importance rati
 :func:`neutralise` replaces a loaded model's generation defaults with transformers' bare ones (keeping only its
 bos / eos / pad ids), and :func:`generation_config` builds the config of
 one call from loraflow's settings, with top-k switched off explicitly. The hf backend and the held-out
-evaluation both generate through these two.
+evaluation both generate through these two. :func:`sampling_warpers` is the same sampling for a decode loop of
+one's own (the hf backend's KV-cached chunks, :mod:`rollout_worker.backends.hf_decode`): the warpers
+``generate`` applies under :func:`generation_config`, in its order.
 """
 
 from __future__ import annotations
@@ -42,3 +44,16 @@ def generation_config(*, greedy: bool, max_new_tokens: int, eos_token_ids: Seque
     sampling = {} if greedy else {"temperature": temperature, "top_p": top_p, "top_k": 0}
     return GenerationConfig(do_sample=not greedy, max_new_tokens=max_new_tokens, pad_token_id=pad_token_id,
                             eos_token_id=list(eos_token_ids), **sampling, **outputs)
+
+
+def sampling_warpers(temperature: float, top_p: float) -> Any:
+    """The logits warpers ``generate`` applies when sampling under :func:`generation_config` (temperature, then
+    top-p; no top-k), as one ``LogitsProcessorList``: ``warpers(None, logits)`` -> the scores to softmax."""
+    from transformers import LogitsProcessorList, TemperatureLogitsWarper, TopPLogitsWarper
+
+    warpers = LogitsProcessorList()
+    if temperature != 1.0:
+        warpers.append(TemperatureLogitsWarper(temperature))
+    if top_p < 1.0:
+        warpers.append(TopPLogitsWarper(top_p=top_p, min_tokens_to_keep=1))
+    return warpers

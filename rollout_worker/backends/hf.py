@@ -15,11 +15,14 @@ the published weights (when the slot's dtype is narrower than the file's, holdin
 tensors rounded to it; the file's bytes are then hashed); its id is a load number. Each generation reports the slot its LoRA layers have active
 (read from a layer, as the forward pass does), or none when they are disabled.
 
-Prompts, end-of-turn ids and the pad id come from :mod:`common.chat` (``TokenizerMixin``): ``generate`` stops a
-row at any of ``eos_token_ids``. Requests are grouped by version; each group is left-padded into one batch and run through ``generate`` with
-``output_logits=True``, whose logits are the raw next-token logits (before temperature and top-p), so
-:func:`common.logprobs.token_logprobs` gives exactly the behaviour log-probs. A chunk holds at most
-``worker.chunk_tokens`` tokens, which bounds the memory of those logits (batch x chunk x vocab floats).
+Prompts, end-of-turn ids and the pad id come from :mod:`common.chat` (``TokenizerMixin``): a row stops at any of
+``eos_token_ids``. Requests are grouped by version; each group is left-padded into one batch and decoded by
+:mod:`.hf_decode`, which keeps each generation's KV cache from one chunk to the next (a chunk reads only its new
+tokens; a prefix computed under another version, or no longer the start of the request, is read again) and
+takes the behaviour log-prob (:func:`common.logprobs.token_logprobs` of the raw fp32 logits) of each step's
+sampled token, never keeping a chunk's logits. ``kv_cache=False`` is the reference path: transformers'
+``generate`` over the whole sequence every chunk with ``output_logits=True`` (batch x chunk x vocab fp32
+logits); for the same requests and seed both give the same tokens, and log-probs equal to float rounding.
 """
 
 from __future__ import annotations
@@ -42,6 +45,7 @@ from common.logprobs import token_logprobs
 from common.protocol import ServedAdapter
 from rollout_worker.adapters import WEIGHTS_FILE, ReceivedAdapter, tensor_order
 from rollout_worker.backends.base import Backend, GenOutput, GenRequest, Sampling, TokenizerMixin, cut_at_eos
+from rollout_worker.backends.hf_decode import DecodeSettings, Prefix, Row, decode
 
 log = get_logger("backend.hf")
 
@@ -65,8 +69,9 @@ class HfBackend(TokenizerMixin, Backend):
 
     def __init__(self, model_dir: str | Path, *, sampling: Sampling, device: str = "auto", dtype: str = "float32",
                  seed: int = 0, chat_template_kwargs: Mapping[str, Any] | None = None,
-                 stop_token_ids: Sequence[int] = ()) -> None:
+                 stop_token_ids: Sequence[int] = (), kv_cache: bool = True) -> None:
         super().__init__(sampling)
+        self.kv_cache = kv_cache  # False: generate() re-reads every sequence each chunk (the reference path)
         self.device = resolve_device(device)
         self.dtype = getattr(torch, dtype)
         torch.manual_seed(seed)
@@ -88,6 +93,9 @@ class HfBackend(TokenizerMixin, Backend):
         self._free_slots: list[str] = []
         self._num_slots = 0
         self._configs: dict[tuple[bool, int], GenerationConfig] = {}
+        self._prefixes: dict[str, Prefix] = {}  # generation key -> what its last chunk fed (see .hf_decode)
+        self.num_prefix_tokens_reused = 0  # tokens not read again thanks to a held prefix (stats, the bench)
+        self.num_tokens_read = 0  # tokens fed to the model before a chunk's first new token
 
     # -- adapters ----------------------------------------------------------------------------------------------
 
@@ -164,6 +172,7 @@ class HfBackend(TokenizerMixin, Backend):
 
     def _unload(self, version: int) -> None:
         self._free_slots.append(self._slot_of.pop(version))
+        self._prefixes = {k: p for k, p in self._prefixes.items() if p.version != version}
 
     @contextlib.contextmanager
     def _using(self, version: int):
@@ -191,16 +200,42 @@ class HfBackend(TokenizerMixin, Backend):
         by_version: dict[int, list[int]] = {}
         for index, request in enumerate(requests):
             by_version.setdefault(request.version, []).append(index)
+        held, self._prefixes = self._prefixes, {}  # a prefix not asked for in this call is dropped
         for version, indices in by_version.items():
             with self._using(version):
                 batch = [requests[i] for i in indices]
                 served = self._engine_report(version)
-                for i, out in zip(indices, self._generate_batch(batch, greedy), strict=True):
+                generated = (self._decode_batch(batch, greedy, held) if self.kv_cache
+                             else self._generate_batch(batch, greedy))
+                for i, out in zip(indices, generated, strict=True):
                     out.served = served
                     outputs[i] = out
         return [out for out in outputs if out is not None]
 
+    def _decode_batch(self, requests: Sequence[GenRequest], greedy: bool,
+                      held: dict[str, Prefix]) -> list[GenOutput]:
+        rows = []
+        for request in requests:
+            prefix = held.pop(request.key, None) if request.key else None
+            if prefix is not None and not prefix.serves(request.token_ids, request.version):
+                prefix = None
+            rows.append(Row(token_ids=request.token_ids, max_tokens=request.max_tokens, prefix=prefix))
+            reused = len(prefix.token_ids) if prefix else 0
+            self.num_prefix_tokens_reused += reused
+            self.num_tokens_read += len(request.token_ids) - reused
+        settings = DecodeSettings(greedy=greedy, temperature=self.sampling.temperature, top_p=self.sampling.top_p,
+                                  eos_token_ids=self.eos_token_ids, pad_token_id=self.pad_token_id)
+        results = []
+        for request, row in zip(requests, decode(self.model, rows, requests[0].version, settings, self.device),
+                                strict=True):
+            ids, finished = cut_at_eos(row.token_ids, self.eos_token_ids, request.max_tokens)
+            if request.key and row.prefix is not None:
+                self._prefixes[request.key] = row.prefix
+            results.append(GenOutput(token_ids=ids, logprobs=row.logprobs[:len(ids)], finished=finished))
+        return results
+
     def _generate_batch(self, requests: Sequence[GenRequest], greedy: bool) -> list[GenOutput]:
+        """The reference path (``kv_cache=False``): ``generate`` over the whole sequences, logits kept."""
         width = max(len(r.token_ids) for r in requests)
         input_ids = torch.full((len(requests), width), self.pad_token_id, dtype=torch.long)
         attention_mask = torch.zeros((len(requests), width), dtype=torch.long)
@@ -208,6 +243,7 @@ class HfBackend(TokenizerMixin, Backend):
             ids = torch.as_tensor(list(request.token_ids), dtype=torch.long)
             input_ids[row, width - len(ids):] = ids
             attention_mask[row, width - len(ids):] = 1
+        self.num_tokens_read += sum(len(r.token_ids) for r in requests)
         config = self._generation_config(greedy, max(r.max_tokens for r in requests))
         out = self.model.generate(input_ids=input_ids.to(self.device), attention_mask=attention_mask.to(self.device),
                                   generation_config=config)
@@ -221,4 +257,5 @@ class HfBackend(TokenizerMixin, Backend):
         return results
 
     def describe(self) -> dict[str, Any]:
-        return {**super().describe(), "device": str(self.device), "slots": self._num_slots}
+        return {**super().describe(), "device": str(self.device), "slots": self._num_slots,
+                "kv_cache": self.kv_cache, "held_prefixes": len(self._prefixes)}
