@@ -84,6 +84,10 @@ class ShardedEmbedding(nn.Module):
         self.scale = scale
 
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
+        if self.vocab_rows.world_size == 1:
+            out = F.embedding(input_ids, self.vocab_rows.rows)
+            return out if self.scale is None else out * torch.as_tensor(self.scale, dtype=out.dtype,
+                                                                        device=out.device)
         out = torch.zeros(*input_ids.shape, self.vocab_rows.hidden_size, dtype=self.vocab_rows.rows.dtype,
                           device=input_ids.device)
         for start, piece in self.vocab_rows.pieces():
