@@ -1,7 +1,7 @@
 """The agent gateway's cost: per-request latency and tokens/s through HTTP vs the same engine driven directly.
 
     .venv/bin/python -m bench.gateway [--backend vllm] [--tokens 32] [--calls 4] [--sessions 1,8,64]
-                                      [--latency-requests 40] [--repeats 3] [--pin]
+                                      [--latency-requests 40] [--repeats 3] [--burn 0.2] [--pin]
 
 One backend on the tiny model, one engine thread owning it, as in a worker: ``vllm`` (the default; vLLM's CPU
 engine, its engine core in a process of its own, fed continuously: ``Backend.submit`` / ``advance``) or ``hf``
@@ -43,6 +43,10 @@ p99 of the gateway's end-to-end time (client to reply), next to the direct call'
 direct and gateway ``--repeats`` times per session count and report the medians (the run of median tokens/s). Tokens/s counts the tokens actually generated
 (a sequence may end early at EOS). The JSON line's value is gateway (openai clients) / direct tokens/s at the
 largest session count, reference 0.9 (the target: at most 10 % throughput cost at 64 sessions).
+
+``--burn F`` is a control for a machine without spare cores: direct is run again beside a process that keeps
+``F`` of a core busy in 1 ms slices, about the CPU the clients and the HTTP server take (no gateway involved), so
+the share of the gateway's cost that is only CPU taken from the engine shows (``burned_direct_ratios``).
 """
 
 from __future__ import annotations
