@@ -2,6 +2,7 @@
 
     .venv/bin/python bench/generation.py [--leases 48] [--tokens 256] [--capacity 16] [--swap-every 64]
                                          [--backends vllm] [--chunk 16]
+    .venv/bin/python bench/generation.py --backends hf,hf-nocache --leases 16 --tokens 384   # hf's KV cache
 
 The workload is a long-tailed stream of leases on the tiny model with rank-16 LoRA adapters (received the way a
 worker receives them: AdapterUpdates verified and written to PEFT directories), temperature 1, fp32:
@@ -12,7 +13,10 @@ worker receives them: AdapterUpdates verified and written to PEFT directories), 
   ``--capacity`` groups in hand: a finished group is replaced by the next lease at once (the worker's long-poll),
   and a new adapter version is loaded every ``--swap-every`` engine steps (``partial_policy = "continue"``: the
   samples under way continue under it). vLLM streams (``backend.streaming``: requests join the running batch,
-  a sample is split only at a swap); hf runs ``--chunk``-token rounds;
+  a sample is split only at a swap); hf runs ``--chunk``-token rounds, each sample's KV cache kept from one
+  round to the next (``hf-nocache``: the same backend with ``kv_cache=False``, ``generate`` re-reading every
+  sequence each round, the path before the cache; per round the bench prints the tokens read before the first
+  new token (prefill) and the round's wall and CPU milliseconds);
 - ``one call``: one ``Backend.generate`` call for every sample of every lease at once, one adapter, the same
   token cap (the engine's raw speed: nothing arrives, nothing swaps).
 
@@ -49,6 +53,10 @@ class PathResult:
     load_ms: list[float] = field(default_factory=list)  # per swap: the load itself (add_adapter + retain)
     steps_after_load: list[int] = field(default_factory=list)  # per swap: engine steps until its first token
     num_swaps: int = 0
+    num_rounds: int = 0
+    round_ms: float = 0.0  # median wall time of one round (rollouts.step)
+    round_cpu_ms: float = 0.0  # median CPU time of this process in one round
+    tokens_read_per_round: float = 0.0  # hf: tokens fed before each chunk's first new token, per round
 
 
 def make_leases(prompts: list[str], seed: int) -> list:  # noqa: ANN001 - PromptLease
@@ -85,6 +93,9 @@ def worker_path(backend, leases: list, adapters: list, *, tokens: int, chunk: in
     pending = list(leases)
     waiting = list(adapters)  # received, not loaded yet
     step_s: list[float] = []
+    round_s: list[float] = []
+    round_cpu_s: list[float] = []
+    tokens_read = getattr(backend, "num_tokens_read", 0)
     swap_steps_s: list[float] = []  # per swap, seconds from load to the first token of the new version
     in_swap: tuple[int, float] | None = None  # (version, load started)
     load_ms: list[float] = []
@@ -103,9 +114,11 @@ def worker_path(backend, leases: list, adapters: list, *, tokens: int, chunk: in
             steps_since_swap = 0
         while pending and rollouts.num_groups < capacity:
             rollouts.add(pending.pop(0))
-        step_started = time.perf_counter()
+        step_started, cpu_started = time.perf_counter(), time.process_time()
         finished = rollouts.step()
         now = time.perf_counter()
+        round_s.append(now - step_started)
+        round_cpu_s.append(time.process_time() - cpu_started)
         steps_since_swap += 1
         num_tokens += sum(f.group.metrics["num_generated_tokens"] for f in finished)
         if in_swap is None:
@@ -119,7 +132,9 @@ def worker_path(backend, leases: list, adapters: list, *, tokens: int, chunk: in
     return PathResult(tokens_per_s=num_tokens / elapsed, num_tokens=num_tokens, elapsed_s=elapsed,
                       decode_step_ms=decode_step_s * 1e3, swap_steps=[s / decode_step_s for s in swap_steps_s],
                       num_swaps=len(swap_steps_s), load_ms=load_ms[:len(swap_steps_s)],
-                      steps_after_load=steps_after_load)
+                      steps_after_load=steps_after_load, num_rounds=len(round_s),
+                      round_ms=statistics.median(round_s) * 1e3, round_cpu_ms=statistics.median(round_cpu_s) * 1e3,
+                      tokens_read_per_round=(getattr(backend, "num_tokens_read", 0) - tokens_read) / len(round_s))
 
 
 def swapped(rollouts, finished: list, version: int) -> bool:  # noqa: ANN001
@@ -137,7 +152,7 @@ def main() -> None:
     parser.add_argument("--capacity", type=int, default=16, help="groups in hand (worker.capacity)")
     parser.add_argument("--swap-every", type=int, default=64, help="decode steps between adapter versions")
     parser.add_argument("--chunk", type=int, default=16, help="tokens per round of a backend that does not stream")
-    parser.add_argument("--backends", default="vllm", help="comma-separated: vllm, hf")
+    parser.add_argument("--backends", default="vllm", help="comma-separated: vllm, hf, hf-nocache")
     parser.add_argument("--max-num-seqs", type=int, default=64)
     parser.add_argument("--max-num-batched-tokens", type=int, default=0, help="vLLM's per-step budget (0: its own)")
     parser.add_argument("--seed", type=int, default=0)
@@ -176,7 +191,8 @@ def main() -> None:
         else:
             from rollout_worker.backends.hf import HfBackend
 
-            backend = HfBackend(model_dir, sampling=Sampling(), device="cpu", seed=args.seed)
+            backend = HfBackend(model_dir, sampling=Sampling(), device="cpu", seed=args.seed,
+                                kv_cache=name != "hf-nocache")
         start_s = time.perf_counter() - started
         backend.add_adapter(received[0])
         one_call(backend, leases[:2], 8, version=1)  # warm-up
@@ -186,18 +202,30 @@ def main() -> None:
         backend.close()
         swap = statistics.median(path.swap_steps) if path.swap_steps else float("nan")
         results[name] = (reference, path, swap)
-        print(f"{name:5s} start {start_s:5.1f} s   one call {reference.tokens_per_s:7.0f} tok/s "
+        print(f"{name:10s} start {start_s:5.1f} s   one call {reference.tokens_per_s:7.0f} tok/s "
               f"({reference.num_tokens} tokens)   worker path {path.tokens_per_s:7.0f} tok/s ({path.num_tokens} tokens, "
               f"{path.num_swaps} swaps)   ratio {path.tokens_per_s / reference.tokens_per_s:.3f}   swap -> first "
               f"token {swap:.2f} decode steps (one step {path.decode_step_ms:.1f} ms; max "
               f"{max(path.swap_steps, default=float('nan')):.2f}; of which the load "
               f"{statistics.median(path.load_ms or [float('nan')]):.1f} ms, then "
               f"{statistics.median(path.steps_after_load or [float('nan')])} engine steps)", flush=True)
+        if not backend.streaming:
+            print(f"{'':10s} {path.num_rounds} rounds of <= {args.chunk} tokens: {path.tokens_read_per_round:.0f} "
+                  f"tokens read per round before its first new token, one round {path.round_ms:.1f} ms wall, "
+                  f"{path.round_cpu_ms:.1f} ms CPU (median)", flush=True)
     main_name = "vllm" if "vllm" in results else next(iter(results))
     reference, path, swap = results[main_name]
-    extra = {f"{n}_{k}": v for n, (r, p, s) in results.items() if n != main_name
+    extra = {f"{n.replace('-', '_')}_{k}": v for n, (r, p, s) in results.items() if n != main_name
              for k, v in (("one_call_tokens_per_s", round(r.tokens_per_s, 1)),
-                          ("worker_path_tokens_per_s", round(p.tokens_per_s, 1)), ("swap_decode_steps", round(s, 2)))}
+                          ("worker_path_tokens_per_s", round(p.tokens_per_s, 1)), ("swap_decode_steps", round(s, 2)),
+                          ("round_ms", round(p.round_ms, 2)), ("tokens_read_per_round", round(p.tokens_read_per_round)))}
+    if "hf" in results and "hf-nocache" in results:  # the KV cache's gain, same run
+        cached, uncached = results["hf"][1], results["hf-nocache"][1]
+        print(f"hf worker path: KV cache {cached.tokens_per_s:.0f} tok/s vs re-reading the prefix "
+              f"{uncached.tokens_per_s:.0f} tok/s = {cached.tokens_per_s / uncached.tokens_per_s:.2f}x; tokens read "
+              f"per round {cached.tokens_read_per_round:.0f} vs {uncached.tokens_read_per_round:.0f}; one round "
+              f"{cached.round_ms:.1f} vs {uncached.round_ms:.1f} ms", flush=True)
+        extra["hf_kv_cache_speedup"] = round(cached.tokens_per_s / uncached.tokens_per_s, 3)
     report("generation", f"{main_name}_worker_path_tokens_per_s", path.tokens_per_s, "tokens/s",
            reference.tokens_per_s, swap_decode_steps=round(swap, 2), decode_step_ms=round(path.decode_step_ms, 2),
            swap_load_ms=round(statistics.median(path.load_ms or [float("nan")]), 1),
