@@ -115,3 +115,25 @@ def test_prefixes_are_dropped_with_their_version_and_when_not_asked_for(tiny_mod
     assert sorted(backend._prefixes) == ["k0"]
     backend.generate([GenRequest(token_ids=prompt, max_tokens=2, version=0, key="other")], greedy=True)
     assert sorted(backend._prefixes) == ["other"]  # k0 was not asked for in that call
+
+
+@pytest.mark.parametrize("family", ["llama3", "qwen2", "qwen3", "gemma"])
+def test_every_model_family_decodes_the_same_with_the_cache(zoo_model, family: str) -> None:  # noqa: ANN001
+    """Attention bias, q/k norm, tied and scaled embeddings: the held keys and values are each family's own."""
+    cached, uncached = (HfBackend(zoo_model(family), sampling=Sampling(), device="cpu", seed=0, kv_cache=kv)
+                        for kv in (True, False))
+    traces = []
+    for backend in (cached, uncached):
+        sequences = [backend.encode(p) for p in PROMPTS]
+        trace = Trace(tokens={str(i): [] for i in range(len(sequences))},
+                      logprobs={str(i): [] for i in range(len(sequences))})
+        for _ in range(3):
+            requests = [GenRequest(token_ids=list(s), max_tokens=4, version=0, key=str(i))
+                        for i, s in enumerate(sequences)]
+            for i, output in enumerate(backend.generate(requests, greedy=True)):
+                sequences[i] += output.token_ids
+                trace.tokens[str(i)] += output.token_ids
+                trace.logprobs[str(i)] += output.logprobs
+        traces.append(trace)
+    assert_same(*traces)
+    assert cached.num_prefix_tokens_reused > 0
