@@ -56,6 +56,7 @@ import asyncio
 import multiprocessing as mp
 import os
 import statistics
+import sys
 import threading
 import time
 from dataclasses import dataclass, field
@@ -442,6 +443,8 @@ def main() -> None:
     parser.add_argument("--latency-requests", type=int, default=40)
     parser.add_argument("--chunk", type=int, default=16)
     parser.add_argument("--repeats", type=int, default=3, help="interleaved direct/gateway runs per count (median)")
+    parser.add_argument("--switch-interval", type=float, default=0.0, help="sys.setswitchinterval of this process "
+                        "(seconds; 0: Python's default, 5 ms)")
     parser.add_argument("--burn", type=float, default=0.0, help="also run direct beside a process that keeps this "
                         "fraction of a core busy in 1 ms slices (a control: CPU taken as the clients and the HTTP "
                         "server take it, without the gateway)")
@@ -452,6 +455,8 @@ def main() -> None:
     if args.pin and args.backend == "hf":
         os.sched_setaffinity(0, {0})
     os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
+    if args.switch_interval:
+        sys.setswitchinterval(args.switch_interval)
     from common.logging import setup_logging
 
     setup_logging("bench", level="warning")
