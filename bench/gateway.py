@@ -75,6 +75,8 @@ class Run:
     rounds: list[int] = field(default_factory=list)  # batch size of each chunk round
     generate_cpu_s: float = 0.0  # the engine thread's CPU inside Backend.generate / advance
     core_cpu_s: float = 0.0  # vllm: the engine core process's CPU
+    submit_wall_s: float = 0.0  # vllm: Backend.submit, wall and CPU (wall - CPU: waits for the GIL or a core)
+    submit_cpu_s: float = 0.0
     engine_cpu_s: float = 0.0  # the engine thread's CPU in all (gateway: + admission, calls, replies)
     server_cpu_s: float = 0.0  # the HTTP server thread's CPU (gateway: HTTP, JSON, request checks)
     client_cpu_s: float = 0.0
@@ -89,6 +91,8 @@ class Run:
         if self.core_cpu_s:
             text += f", engine core {self.core_cpu_s:.2f} s"
         text += f", engine thread besides {self.bookkeeping_cpu_s * per_call:.2f} ms/call"
+        if self.submit_wall_s:
+            text += f" (submit: wall {self.submit_wall_s * per_call:.2f}, CPU {self.submit_cpu_s * per_call:.2f} ms/call)"
         if self.client_cpu_s:
             text += f", HTTP server {self.server_cpu_s * per_call:.2f} ms/call, clients " \
                     f"{self.client_cpu_s * per_call:.2f} ms/call"
@@ -115,6 +119,7 @@ class GenerateCpu:
 
     def __init__(self) -> None:
         self.seconds = 0.0
+        self.submit_wall_s = self.submit_cpu_s = 0.0  # Backend.submit (streaming): wall and CPU of the caller
         self.cores: list[Any] = []
 
     def install(self, backend: Any) -> None:
@@ -123,6 +128,17 @@ class GenerateCpu:
         self.cores = psutil.Process().children(recursive=True)
         for name in ("generate", "advance"):
             setattr(backend, name, self._timed(getattr(backend, name)))
+        inner = backend.submit
+
+        def submit(*args: Any, **kwargs: Any) -> Any:
+            wall0, cpu0 = time.perf_counter(), time.thread_time()
+            try:
+                return inner(*args, **kwargs)
+            finally:
+                self.submit_wall_s += time.perf_counter() - wall0
+                self.submit_cpu_s += time.thread_time() - cpu0
+
+        backend.submit = submit
 
     def _timed(self, inner: Any) -> Any:
         def timed(*args: Any, **kwargs: Any) -> Any:
@@ -132,6 +148,9 @@ class GenerateCpu:
             finally:
                 self.seconds += time.thread_time() - cpu0
         return timed
+
+    def submits(self) -> tuple[float, float]:
+        return self.submit_wall_s, self.submit_cpu_s
 
     def core_cpu_s(self) -> float:
         return sum(sum(p.cpu_times()[:2]) for p in self.cores)
@@ -217,7 +236,7 @@ def direct_stream(backend: Any, sessions: int, tokens: int, calls: int) -> Run:
 
     generated, latencies, rounds = 0, [], []
     cpu0, generate0, started = time.thread_time(), GENERATE_CPU.seconds, time.perf_counter()
-    core0 = GENERATE_CPU.core_cpu_s()
+    core0, (sub_wall0, sub_cpu0) = GENERATE_CPU.core_cpu_s(), GENERATE_CPU.submits()
     seqs = [backend.encode(PROMPT) for _ in range(sessions)]
     outs: list[list[int]] = [[] for _ in range(sessions)]
     left, since = [calls] * sessions, [0.0] * sessions
@@ -243,8 +262,10 @@ def direct_stream(backend: Any, sessions: int, tokens: int, calls: int) -> Run:
                 if left[i]:
                     submit(i)
     wall = time.perf_counter() - started
+    sub_wall, sub_cpu = GENERATE_CPU.submits()
     return Run(tok_s=generated / wall, wall_s=wall, rounds=rounds, generate_cpu_s=GENERATE_CPU.seconds - generate0,
                engine_cpu_s=time.thread_time() - cpu0, core_cpu_s=GENERATE_CPU.core_cpu_s() - core0,
+               submit_wall_s=sub_wall - sub_wall0, submit_cpu_s=sub_cpu - sub_cpu0,
                num_calls=sessions * calls, latencies=latencies)
 
 
@@ -366,17 +387,19 @@ class Gateway:
             raise RuntimeError("the client process did not start")
         driver = Driver(self.engine)  # the clients are imported and connected: the clock starts
         cpu0, server0, generate0 = thread_cpu_s(driver.thread), self.server_cpu_s(), GENERATE_CPU.seconds
-        core0 = GENERATE_CPU.core_cpu_s()
+        core0, (sub_wall0, sub_cpu0) = GENERATE_CPU.core_cpu_s(), GENERATE_CPU.submits()
         plan.go.set()
         num_tokens, elapsed, latencies, client_cpu_s = out.get(timeout=900)
         engine_cpu_s, server_cpu_s = thread_cpu_s(driver.thread) - cpu0, self.server_cpu_s() - server0
         generate_cpu_s, core_cpu_s = GENERATE_CPU.seconds - generate0, GENERATE_CPU.core_cpu_s() - core0
+        sub_wall, sub_cpu = GENERATE_CPU.submits()
         proc.join(30)
         driver.close()
         for sid in ids:
             self.engine.close(sid)
         return Run(tok_s=num_tokens / elapsed, wall_s=elapsed, rounds=driver.rounds, generate_cpu_s=generate_cpu_s,
-                   core_cpu_s=core_cpu_s, engine_cpu_s=engine_cpu_s, server_cpu_s=server_cpu_s, client_cpu_s=client_cpu_s,
+                   core_cpu_s=core_cpu_s, submit_wall_s=sub_wall - sub_wall0, submit_cpu_s=sub_cpu - sub_cpu0,
+                   engine_cpu_s=engine_cpu_s, server_cpu_s=server_cpu_s, client_cpu_s=client_cpu_s,
                    num_calls=sessions * calls, latencies=latencies)
 
     def server_cpu_s(self) -> float:
@@ -539,6 +562,9 @@ def main() -> None:
            burner_fraction=args.burn, burned_direct_ratios={str(n): round(x, 3) for n, x in burned.items()},
            engine_steps_ratio_at_top=[round(len(d.rounds) / len(x.rounds), 3) for x in (g, r)],
            direct_engine_besides_ms_per_call=round(d.bookkeeping_cpu_s / d.num_calls * 1e3, 3),
+           submit_wall_cpu_ms_per_call_direct_openai_plain=[[round(x.submit_wall_s / x.num_calls * 1e3, 3),
+                                                             round(x.submit_cpu_s / x.num_calls * 1e3, 3)]
+                                                            for x in results[top]],
            ms_per_call_at_top={kind: {"engine_besides_generate": round(x.bookkeeping_cpu_s / x.num_calls * 1e3, 3),
                                       "http_server": round(x.server_cpu_s / x.num_calls * 1e3, 3),
                                       "clients": round(x.client_cpu_s / x.num_calls * 1e3, 3)}
