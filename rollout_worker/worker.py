@@ -220,6 +220,7 @@ class Worker:
                         loaded=served.sha256[:12], hint="the adapter file changed on disk before the engine read it")
         newest = self.backend.newest_version
         self.session.set_adapter_version(newest)
+        self._next_request_at = 0.0  # a stale_adapter back-off waited for this adapter: ask with it at once
         bind(version=newest)
         keep = {newest} | self.rollouts.versions_in_use()  # older versions: only samples pinned to them
         self.backend.retain(keep)
@@ -233,7 +234,8 @@ class Worker:
                 return
             if not grant.leases:
                 self.metrics.inc("empty_grants", reason=grant.reason or "none")
-                self._next_request_at = time.monotonic() + EMPTY_GRANT_BACKOFF_S
+                if not self._may_ask_again_now(grant):
+                    self._next_request_at = time.monotonic() + EMPTY_GRANT_BACKOFF_S
                 continue
             if self.stop.is_set():
                 self.session.return_leases([lease.lease_id for lease in grant.leases], "worker stopping")
@@ -244,6 +246,14 @@ class Worker:
                 log.info("lease_granted", group_id=lease.group_id, lease_id=lease.lease_id,
                          group_size=lease.group_size)
             self._report()  # the next heartbeat already renews them, not only after the first chunk round
+
+    def _may_ask_again_now(self, grant: LeaseGrant) -> bool:
+        """An empty grant that needs no back-off: a long-poll that timed out (``backpressure``: it already waited
+        in the broker), or ``stale_adapter`` answered to a request made just before the newest adapter arrived
+        (the next request carries that version, so it cannot be refused for it again)."""
+        if grant.reason == "backpressure":
+            return True
+        return grant.reason == "stale_adapter" and self.backend.newest_version >= grant.latest_version
 
     def _request_leases(self) -> None:
         free = self.config.worker.capacity - self.rollouts.num_groups
