@@ -68,25 +68,32 @@ class _TrainedLogprobs(torch.autograd.Function):
         lse = torch.full((num_tokens,), -math.inf, dtype=torch.float32, device=hidden.device)
         target_logit = torch.zeros_like(lse)
         entropy = torch.zeros_like(lse)  # of the pieces so far
-        for first, weight in pieces():
+        for index, (first, weight) in enumerate(pieces()):
             size = weight.shape[0]
             local = targets - first
             inside = (local >= 0) & (local < size)
-            local = local.clamp(0, size - 1)
+            whole = bool(inside.all())  # every target in this piece (one rank: the whole head)
+            local = local if whole else local.clamp(0, size - 1)
             for start in range(0, num_tokens, chunk):
                 end = min(start + chunk, num_tokens)
                 scaled = _chunk_logits(hidden[start:end], weight, temperature)                # [c, n]
                 piece_lse = torch.logsumexp(scaled, dim=-1)                                  # [c]
                 picked = scaled.gather(-1, local[start:end, None]).squeeze(-1)
-                target_logit[start:end] += torch.where(inside[start:end], picked, 0.0)
+                target_logit[start:end] += picked if whole else torch.where(inside[start:end], picked, 0.0)
+                piece_entropy = None
+                if with_entropy:
+                    log_q = scaled.sub_(piece_lse[:, None])                                  # [c, n] in place
+                    piece_entropy = -(log_q.exp() * log_q).sum(-1)                           # [c]
+                if index == 0:  # the first piece (the whole head on one rank)
+                    lse[start:end] = piece_lse
+                    if with_entropy:
+                        entropy[start:end] = piece_entropy
+                    continue
                 before = lse[start:end]
                 merged = torch.logaddexp(before, piece_lse)
                 if with_entropy:  # H = sum_pieces w (H_piece + lse - lse_piece), w = exp(lse_piece - lse)
-                    log_q = scaled.sub_(piece_lse[:, None])                                  # [c, n] in place
-                    piece_entropy = -(log_q.exp() * log_q).sum(-1)                           # [c]
-                    earlier = torch.where(torch.isinf(before), 0.0,
-                                          (before - merged).exp() * (entropy[start:end] + merged - before))
-                    entropy[start:end] = earlier + (piece_lse - merged).exp() * (piece_entropy + merged - piece_lse)
+                    entropy[start:end] = ((before - merged).exp() * (entropy[start:end] + merged - before)
+                                          + (piece_lse - merged).exp() * (piece_entropy + merged - piece_lse))
                 lse[start:end] = merged
                 del scaled
         logp = target_logit - lse
@@ -99,8 +106,10 @@ class _TrainedLogprobs(torch.autograd.Function):
     def backward(ctx, grad_logp: torch.Tensor, _grad_entropy: torch.Tensor | None):
         hidden, targets, lse = ctx.saved_tensors
         num_tokens = hidden.shape[0]
-        grad_hidden = torch.zeros(hidden.shape, dtype=torch.float32, device=hidden.device)
-        for first, weight in ctx.pieces():
+        grad_hidden = torch.empty_like(hidden)  # the first piece's, then an fp32 sum over the pieces
+        for index, (first, weight) in enumerate(ctx.pieces()):
+            if index == 1:
+                grad_hidden = grad_hidden.float()
             size = weight.shape[0]
             local = targets - first
             inside = (local >= 0) & (local < size)
@@ -113,7 +122,11 @@ class _TrainedLogprobs(torch.autograd.Function):
                 grad_logits[hit, local[start:end][hit]] += g[hit]                            # + g onehot
                 if ctx.temperature != 1.0:
                     grad_logits /= ctx.temperature
-                grad_hidden[start:end] += grad_logits.to(weight.dtype) @ weight              # [c, H]
+                piece_grad = grad_logits.to(weight.dtype) @ weight                           # [c, H]
+                if index == 0:
+                    grad_hidden[start:end] = piece_grad
+                else:
+                    grad_hidden[start:end] += piece_grad
                 del scaled, grad_logits
         return grad_hidden.to(hidden.dtype), None, None, None, None, None
 
