@@ -68,7 +68,7 @@ class Row:
 class RowOutput:
     token_ids: list[int]  # all the steps' tokens (pad after an end-of-turn id); the caller cuts them
     logprobs: list[float]
-    prefix: Prefix | None  # the start to hold for the next chunk (None: the row ended, or caching is off)
+    prefix: Prefix | None  # the start to hold for the next chunk (None: the row ended)
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -78,7 +78,6 @@ class DecodeSettings:
     top_p: float
     eos_token_ids: tuple[int, ...]
     pad_token_id: int
-    keep_prefixes: bool = True
 
 
 @torch.inference_mode()
@@ -129,7 +128,7 @@ def decode(model: Any, rows: Sequence[Row], version: int, settings: DecodeSettin
         ids = all_tokens[i].tolist()
         kept = _kept_steps(ids, settings.eos_token_ids, row.max_tokens)
         prefix = None
-        if settings.keep_prefixes and kept is not None:
+        if kept is not None:
             fed = list(row.token_ids) + ids[:kept - 1]
             prefix = Prefix(token_ids=fed, version=version,
                             layers=_row_layers(cache, i, held[i], width_held, new[i], width_held + width_new,
