@@ -26,11 +26,20 @@ hidden states and head, forward + backward + entropy, peak RSS above the inputs.
 ``before`` at T = 512 / 1,024 / 2,048 (it grows linearly in T; 8,192 tokens would need ~25 GB, more than this
 shared machine has) and extrapolated linearly to 8,192, marked as such.
 
+Each rank also reports a memory timeline (``phases``: RSS and peak RSS after imports, build, forward, backward,
+AdamW), to tell where the peak happens.
+
+The long-row case (``--long-row TOKENS``, alone): one sample of TOKENS tokens on the 0.5B layer shape (2 layers,
+bf16, checkpointing on) through ``learner.step.forward_backward``, once with a budget above its length (one
+row) and once with ``--budget`` (segments, :mod:`learner.segments`): peak RSS above the built policy; value =
+the split run's, reference = the unsplit run's.
+
 Last line: value = peak RSS per rank (MB) of the 2-rank run of the largest shape run (1.5B unless ``--shapes``
 says otherwise), reference = its model bytes per rank (MB), ratio = value / reference; the other figures are
 extra keys.
 
     .venv/bin/python bench/learner_memory.py [--shapes 0.5b,1.5b] [--before-shapes 0.5b] [--tokens 256] [--logits]
+    .venv/bin/python bench/learner_memory.py --long-row 8192 [--budget 2048]
     .venv/bin/python bench/learner_memory.py build --shape 1.5b --out DIR [--dtype bfloat16]   (the model only)
 """
 
@@ -56,6 +65,8 @@ SHAPES: dict[str, dict[str, Any]] = {  # from the Qwen2 releases' config.json
              "num_key_value_heads": 2},
     "1.5b": {"hidden_size": 1536, "intermediate_size": 8960, "num_hidden_layers": 28, "num_attention_heads": 12,
              "num_key_value_heads": 2},
+    "0.5b-2l": {"hidden_size": 896, "intermediate_size": 4864, "num_hidden_layers": 2, "num_attention_heads": 14,
+                "num_key_value_heads": 2},  # the long-row case: the 0.5B layer, 2 of them
     "tiny": {"hidden_size": 128, "intermediate_size": 256, "num_hidden_layers": 2, "num_attention_heads": 2,
              "num_key_value_heads": 1},
 }
@@ -214,6 +225,48 @@ def run_rank(args: argparse.Namespace) -> None:
     parallel.close()
 
 
+def run_long_row(args: argparse.Namespace) -> None:
+    """One sample of ``args.tokens`` tokens (a quarter prompt) through ``learner.step.forward_backward`` at the
+    token budget ``args.budget`` (a row longer than it runs in segments): peak RSS above the built policy."""
+    import time
+
+    import torch
+
+    from common.config import load_config
+    from learner import data
+    from learner.loss import LossConfig
+    from learner.model import build_policy
+    from learner.parallel import init_parallel
+    from learner.step import forward_backward
+
+    torch.set_num_threads(1)
+    parallel = init_parallel("cpu")
+    config = load_config(None, ["learner.lora_rank=16", 'learner.target_modules="all-linear"',
+                                'learner.mixed_precision="bf16"', 'learner.activation_checkpointing="on"',
+                                f"learner.micro_batch_tokens={args.budget}"])
+    policy = build_policy(Path(args.model_dir), config.learner, parallel, seed=0)
+    generator = torch.Generator().manual_seed(0)
+    prompt, completion = args.tokens // 4, args.tokens + 1 - args.tokens // 4
+    sample = data.Sample(group=0, tokens=torch.randint(0, 600, (prompt + completion,), generator=generator),
+                         prompt_len=prompt, behaviour_logp=torch.full((completion,), -6.0),
+                         loss_mask=torch.ones(completion, dtype=torch.bool))
+    other = data.Sample(group=0, tokens=sample.tokens[:prompt + 1], prompt_len=prompt, behaviour_logp=torch.zeros(1),
+                        loss_mask=torch.ones(1, dtype=torch.bool))  # a group of two: non-zero advantages
+    step = data.StepBatch(batch_id="long", group_ids=["0"], min_versions=[0], samples=[sample, other],
+                          rewards=torch.tensor([1.0, 0.0]), group_index=torch.zeros(2, dtype=torch.int64))
+    built = rss_mb()
+    started = time.monotonic()
+    forward_backward(policy, step, parallel=parallel, config=config,
+                     loss_config=LossConfig.from_learner(config.learner))
+    seconds = time.monotonic() - started
+    grads = [p.grad for p in policy.trainable_parameters() if p.grad is not None]
+    assert grads and all(torch.isfinite(g.to_local()).all() for g in grads)
+    print("RESULT " + json.dumps({"tokens": args.tokens, "budget": args.budget, "built_mb": round(built, 1),
+                                  "peak_above_built_mb": round(peak_mb() - built, 1), "seconds": round(seconds, 1)}),
+          flush=True)
+    parallel.close()
+
+
 def run_logits(args: argparse.Namespace) -> None:
     """One micro-batch's head path: peak RSS above the inputs, before (full logits) or after (chunked)."""
     import torch
@@ -271,6 +324,25 @@ def run_case(model_dir: Path, mode: str, ranks: int, tokens: int) -> dict[str, A
     return {**worst, "ranks": ranks, "mode": mode, "peak_ranks_mb": [r["peak_mb"] for r in per_rank]}
 
 
+def long_rows(args: argparse.Namespace) -> None:
+    """One sample of ``--long-row`` tokens, unsplit (budget = its length) and in segments of ``--budget``."""
+    from bench.report import report
+
+    with tempfile.TemporaryDirectory(prefix="bench-learner-long-row-", dir=args.work_dir or None) as tmp:
+        model_dir = build_shaped_model(Path(tmp) / "0.5b-2l", "0.5b-2l")
+        runs = [results_of([sys.executable, str(Path(__file__).resolve()), "long-row", "--model-dir", str(model_dir),
+                            "--tokens", str(args.long_row), "--budget", str(budget)])[0]
+                for budget in (args.long_row, args.budget)]
+    whole, split = runs
+    print(f"\none sample of {args.long_row} tokens, 0.5B layer shape x 2 layers, bf16, checkpointing on, "
+          "forward + backward: peak RSS above the built policy")
+    for name, r in (("unsplit", whole), (f"segments of {args.budget}", split)):
+        print(f"  {name:>20}: {r['peak_above_built_mb']:>8.0f} MB  ({r['peak_above_built_mb'] * 1024 / args.long_row:.1f}"
+              f" KiB/token)  {r['seconds']:.1f} s")
+    report("learner_memory", f"long_row_{args.long_row}_peak_above_built", split["peak_above_built_mb"], "MB",
+           whole["peak_above_built_mb"], budget=args.budget, unsplit_s=whole["seconds"], split_s=split["seconds"])
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     sub = parser.add_subparsers(dest="command")
@@ -286,6 +358,14 @@ def main() -> None:
     logits = sub.add_parser("logits", help="(internal) the head path of one micro-batch")
     logits.add_argument("--mode", choices=("before", "after"), required=True)
     logits.add_argument("--tokens", type=int, required=True)
+    long_row = sub.add_parser("long-row", help="(internal) one long sample at a token budget")
+    long_row.add_argument("--model-dir", required=True)
+    long_row.add_argument("--tokens", type=int, required=True)
+    long_row.add_argument("--budget", type=int, required=True)
+    parser.add_argument("--long-row", type=int, default=0, metavar="TOKENS",
+                        help="only this: one sample of TOKENS tokens on the 0.5B layer shape (2 layers), unsplit "
+                             "and in segments of --budget tokens")
+    parser.add_argument("--budget", type=int, default=2048, help="the token budget of the --long-row split run")
     parser.add_argument("--shapes", default="0.5b,1.5b")
     parser.add_argument("--before-shapes", default="0.5b", help="shapes to run the old code path on too "
                         "(it holds the fp32 base per rank: 1.5b x 2 ranks needs ~14 GB)")
@@ -301,6 +381,12 @@ def main() -> None:
         return
     if args.command == "logits":
         run_logits(args)
+        return
+    if args.command == "long-row":
+        run_long_row(args)
+        return
+    if args.long_row:
+        long_rows(args)
         return
     shapes = [s for s in args.shapes.split(",") if s]
     before_shapes = {s for s in args.before_shapes.split(",") if s}

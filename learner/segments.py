@@ -104,7 +104,7 @@ class _PastLayer(CacheLayerMixin):
 
 def past_cache(past: Sequence[tuple[torch.Tensor, torch.Tensor]] | None, num_layers: int) -> Cache:
     """A cache whose layer l holds ``past[l]`` (keys, values), or nothing for the first segment."""
-    layers = [_PastLayer(*(past[l] if past is not None else (None, None))) for l in range(num_layers)]
+    layers = [_PastLayer(*(past[n] if past is not None else (None, None))) for n in range(num_layers)]
     return Cache(layers=layers)
 
 
@@ -170,13 +170,13 @@ class SplitRow:
         """Write segment i's recorded keys and values into the row's (allocated at the first segment)."""
         start, end = self.bounds[i], self.bounds[i + 1]
         width = self.bounds[-2]  # the last segment's own keys are never anyone's past
-        for l, layer in enumerate(cache.layers):
+        for n, layer in enumerate(cache.layers):
             key, value = layer.new
-            if len(keys) <= l:
+            if len(keys) <= n:
                 keys.append(key.new_empty(*key.shape[:-2], width, key.shape[-1]))
                 values.append(value.new_empty(*value.shape[:-2], width, value.shape[-1]))
-            keys[l][..., start:end, :] = key
-            values[l][..., start:end, :] = value
+            keys[n][..., start:end, :] = key
+            values[n][..., start:end, :] = value
 
     def reference_pass(self, forward: Forward, i: int) -> None:
         """Segment i (0 .. n-1) of the row's forward under the KL reference, no gradient: its log-probs into

@@ -34,7 +34,6 @@ from torch.nn import functional as F
 
 from learner.parallel import Parallel
 
-
 #: the largest piece of another rank's rows held at a time
 PIECE_BYTES = 64 << 20
 

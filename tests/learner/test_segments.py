@@ -116,7 +116,7 @@ def test_segment_bounds_cover_the_row_within_the_budget() -> None:
         for budget in (16, 40, 333):
             bounds = segments.segment_bounds(length, budget)
             assert bounds[0] == 0 and bounds[-1] == length
-            widths = [b - a for a, b in zip(bounds, bounds[1:])]
+            widths = [b - a for a, b in zip(bounds, bounds[1:], strict=False)]
             assert all(0 < w <= budget for w in widths) and max(widths) - min(widths) <= 1
             assert len(widths) == -(-length // budget)
 
