@@ -265,7 +265,7 @@ def report(args: argparse.Namespace) -> int:
                   f"then {newest}")
         if any(v < args.join_version for v in late["min_versions"]):
             failures.append(f"{args.late} submitted groups with tokens older than the version current at its start "
-                            f"({args.join_version}): min versions {late['min_versions']}")
+                            f"({args.join_version}): min versions {span(sorted(set(late['min_versions'])))}")
         print(f"{args.late} started when version {args.join_version} was current; told {late['hello_version']} at "
               f"hello, first adapter loaded {first}, {late['trained']} groups trained")
     adapters = sorted(p.name for p in (learner / "adapters").iterdir()) if (learner / "adapters").is_dir() else []
