@@ -14,8 +14,9 @@ Why this check and these tolerances: :mod:`common.integrity`.
       re-score   per claimed version u the history holds, except the one the parameters hold (free_version): the
                  chosen samples with trained tokens of u, spread over the ranks by length and packed in
                  learner.micro_batch_tokens micro-batches; one no-grad forward each with u's LoRA tensors swapped
-                 in (:meth:`AdapterHistory.applied`; every rank runs as many forwards, each is an FSDP2
-                 collective), log-probs of u's trained tokens at worker.temperature
+                 in (:meth:`AdapterHistory.applied`), a row longer than the budget one forward per segment
+                 (:meth:`learner.segments.SplitRow.reference_pass`: each segment reads the earlier ones' keys and
+                 values); every rank runs as many forwards, each is an FSDP2 collective; log-probs of u's trained tokens at worker.temperature
                  (:meth:`learner.model.Policy.trained_logprobs`, the numbers of common.logprobs.token_logprobs) vs
                  the behaviour ones (common.integrity.compare, tolerance by the served and the learner's dtypes);
                  each rank's (sample, version) results summed over the ranks
@@ -71,7 +72,7 @@ from common import integrity
 from common.config import Config
 from common.logging import get_logger
 from common.protocol import PolicyMismatch, ServedAdapter
-from learner import data
+from learner import data, segments
 from learner.model import Policy
 from learner.parallel import Parallel
 
@@ -456,24 +457,35 @@ class IntegrityCheck:
         self.reduce(out, "sum")
         return out
 
+    def _num_forwards(self, input_lens: Sequence[int], micro: Sequence[int]) -> int:
+        """Forwards of one micro-batch: one, or one per segment of a single row longer than the budget."""
+        if len(micro) != 1:
+            return 1
+        return len(segments.segment_bounds(input_lens[micro[0]], self.budget_tokens)) - 1
+
     def _micro_batches(self, input_lens: list[int]) -> list[list[int]]:
         """This rank's micro-batches (row indices) of these rows: spread over the ranks by length, packed by the
-        token budget; as many on every rank (empty ones pad the shorter ranks: each forward is a collective)."""
+        token budget; empty ones pad the ranks with fewer forwards (each forward is a collective, and a long row
+        runs one per segment), so every rank runs as many."""
         plans = [[[mine[j] for j in micro] for micro in data.plan_micro_batches([input_lens[i] for i in mine],
                                                                               self.budget_tokens)]
                  for mine in data.assign_to_ranks(input_lens, self.parallel.world_size)]
-        num_micro = max(len(plan) for plan in plans)
+        forwards = [sum(self._num_forwards(input_lens, micro) for micro in plan) for plan in plans]
         mine = plans[self.parallel.rank]
-        return mine + [[] for _ in range(num_micro - len(mine))]
+        return mine + [[] for _ in range(max(forwards) - forwards[self.parallel.rank])]
 
     def _score_micro(self, step: data.StepBatch, ks: list[int], rows: list[data.Sample], version: int,
                      out: torch.Tensor) -> None:
-        """One no-grad forward of these rows under the applied version; each row's comparison into ``out``."""
+        """The no-grad forward(s) of these rows under the applied version; each row's comparison into ``out``."""
         mb = data.collate(rows, [0.0] * len(rows)).to(self.parallel.device)
-        self.num_forwards += 1
+        bounds = segments.segment_bounds(mb.input_ids.shape[1], self.budget_tokens) if len(rows) == 1 else (0, 1)
         with torch.no_grad():
-            logp, _ = self.policy.trained_logprobs(mb.input_ids, mb.select, mb.targets[mb.select], self.temperature,
-                                                   with_entropy=False)
+            if len(bounds) > 2:
+                logp = self._score_segments(mb, bounds)
+            else:
+                self.num_forwards += 1
+                logp, _ = self.policy.trained_logprobs(mb.input_ids, mb.select, mb.targets[mb.select],
+                                                       self.temperature, with_entropy=False)
         if not rows:
             return
         counts = [r.num_trained for r in rows]
@@ -485,6 +497,21 @@ class IntegrityCheck:
                                        max_off_fraction=self.config.max_off_fraction)
             out[k] = torch.tensor([result.num_checked, result.num_off, result.max_abs_diff, result.mean_abs_diff],
                                   dtype=torch.float64)
+
+
+    def _score_segments(self, mb: data.MicroBatch, bounds: tuple[int, ...]) -> torch.Tensor:
+        """[T] log-probs of a single row longer than the budget, one forward per segment (no gradient)."""
+        row = segments.SplitRow(input_ids=mb.input_ids, select=mb.select, targets=mb.targets, bounds=bounds,
+                                num_layers=self.policy.model.config.num_hidden_layers)
+
+        def forward(input_ids, select, targets, past, with_entropy):
+            return self.policy.trained_logprobs(input_ids, select, targets, self.temperature,
+                                                with_entropy=with_entropy, past=past)
+
+        for i in range(row.num_segments):
+            self.num_forwards += 1
+            row.reference_pass(forward, i)
+        return torch.cat(row.ref_logp)
 
 
 def _restricted(sample: data.Sample, version: int) -> data.Sample:

@@ -2,8 +2,9 @@
 
 Every rank builds the tiny policy, trains one step and publishes v1 (only rank 0 knows its sha256), then checks
 one batch: two honest groups (v1 and v0, log-probs from the policy's own forward under that version), one with
-made-up log-probs and one whose evidence names another sha256 (which only rank 0 can judge). Every rank must
-keep exactly the honest groups; rank 0 prints what was kept and dropped.
+made-up log-probs and one whose evidence names another sha256 (which only rank 0 can judge), plus an honest and a
+made-up group of rows longer than the token budget (re-scored in segments). Every rank must keep exactly the
+honest groups; rank 0 prints what was kept and dropped.
 """
 
 from __future__ import annotations
@@ -28,11 +29,11 @@ from tests.learner.scripted import VOCAB, Sampled, encode_groups, make_batch, ro
 
 
 def group(policy, check: IntegrityCheck, rng: np.random.Generator, group_id: str, version: int, sha256: str,
-          made_up: bool = False) -> tuple:
+          made_up: bool = False, completion_len: int = 10) -> tuple:
     samples = []
     for _ in range(4):
         prompt = rng.integers(3, VOCAB, 6).astype(np.int32)
-        completion = rng.integers(3, VOCAB, 10 + int(rng.integers(0, 10))).astype(np.int32)
+        completion = rng.integers(3, VOCAB, completion_len + int(rng.integers(0, 10))).astype(np.int32)
         tokens = torch.as_tensor(np.concatenate([prompt, completion]), dtype=torch.int64)[None]
         with torch.no_grad(), check.history.applied(version):  # a collective forward: every rank runs it
             logits = policy.logits(tokens)[0, len(prompt) - 1:-1]
@@ -59,10 +60,14 @@ def main(model_dir: Path) -> None:
     check.record(1, snap.sha256 if snap is not None else None)
     rng = np.random.default_rng(0)
     groups = [group(policy, check, rng, "good-0", 1, ""), group(policy, check, rng, "good-1", 0, ""),
-              group(policy, check, rng, "made-up", 1, "", made_up=True), group(policy, check, rng, "bad-sha", 1, "")]
+              group(policy, check, rng, "made-up", 1, "", made_up=True), group(policy, check, rng, "bad-sha", 1, ""),
+              # rows of 95-105 positions against the 64-token budget: re-scored in 2 segments each, on whichever
+              # rank they land (the ranks' numbers of forwards differ and are padded)
+              group(policy, check, rng, "good-long", 1, "", completion_len=90),
+              group(policy, check, rng, "made-up-long", 1, "", made_up=True, completion_len=90)]
     frames = None
     if parallel.is_main:  # the evidence names rank 0's hash; rank 0 sends the frames, as the learner loop does
-        for index, sha256 in ((0, snap.sha256), (2, snap.sha256), (3, "0" * 64)):
+        for index, sha256 in ((0, snap.sha256), (2, snap.sha256), (3, "0" * 64), (4, snap.sha256), (5, snap.sha256)):
             groups[index][0].served = [served_for(1, sha256)]
         frames = encode_groups(groups)
     step = data.decode_step_batch(parallel.broadcast_frames(frames))

@@ -170,6 +170,41 @@ def test_one_noisy_token_passes(world: World) -> None:
                              change=one_off)]) == []
 
 
+def test_rows_longer_than_the_budget_are_rescored_in_segments(world: World) -> None:
+    """Rows of 245 positions against the 128-token budget: each re-scored in 2 segments (the second reads the
+    first's keys and values), giving the unsplit forward's log-probs; honest long groups pass, made-up ones fail."""
+    rng = np.random.default_rng(5)
+    long = {"prompt_len": 40, "completion_len": 206}
+
+    def long_group(group_id: str, claimed: int, scored_by: int, made_up: bool = False) -> tuple:
+        samples = sample_group(world.scorers[scored_by], rng, group_size=4, version=claimed, **long)
+        if made_up:
+            for s in samples:
+                s.logprobs = np.full_like(s.logprobs, -0.5)
+        return rollout_group(group_id, samples, [served_for(claimed, world.sha[claimed])], worker_id=group_id)
+
+    groups = [long_group("long-v1", 1, 1), long_group("long-v0", 0, 0), long_group("long-base-as-v1", 1, 0),
+              long_group("long-made-up", 1, 1, made_up=True)]
+    step = data.decode_step_batch(encode_groups(groups))
+    forwards = world.check.num_forwards
+    verdict = world.check.run(step)
+    assert [(m.group_id, m.reason) for m in verdict.mismatches] == [("long-base-as-v1", "logprobs"),
+                                                                    ("long-made-up", "logprobs")]
+    rows = 2 * len(groups)  # integrity.samples_per_group = 2
+    assert world.check.num_forwards - forwards == 2 * rows  # one forward per segment, a row per micro-batch
+    sample = step.samples[0]
+    pairs = [(0, 1)]
+    split = world.check._rescore(step, pairs)
+    budget = world.check.budget_tokens
+    try:
+        world.check.budget_tokens = 4096
+        whole = world.check._rescore(step, pairs)
+    finally:
+        world.check.budget_tokens = budget
+    assert sample.input_len > 2 * 100 and split[0, 0] == whole[0, 0] > 200
+    assert abs(float(split[0, 2]) - float(whole[0, 2])) < 1e-5 and abs(float(split[0, 3]) - float(whole[0, 3])) < 1e-6
+
+
 def test_evidence_failures(world: World) -> None:
     rng = np.random.default_rng(4)
     bad_sha = honest(world, rng, "bad-sha", 1, worker_id="e1")
@@ -217,8 +252,8 @@ def test_two_ranks_agree_and_drop_the_bad_groups(tiny_model_dir: Path) -> None:
                              str(REPO / "tests" / "learner" / "integrity_ranks.py"), str(tiny_model_dir)],
                             capture_output=True, text=True, timeout=300, env=child_env(), cwd=REPO)
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
-    assert "integrity ok on 2 ranks: kept ['good-0', 'good-1'], dropped [('made-up', 'logprobs'), " \
-           "('bad-sha', 'adapter_sha256')]" in result.stdout
+    assert "integrity ok on 2 ranks: kept ['good-0', 'good-1', 'good-long'], dropped [('made-up', 'logprobs'), " \
+           "('bad-sha', 'adapter_sha256'), ('made-up-long', 'logprobs')]" in result.stdout
 
 
 @pytest.mark.parametrize("ranks", [1, 2])
