@@ -117,7 +117,10 @@ class WireDecoder:
             raise WireError(explain(self.name, text), framing="- at `$.tensors" in text) from None
         except RecursionError:
             raise WireError(self._too_deep(data)) from None
-        return self._strict.decode(msgspec.msgpack.encode(known))  # the known fields, every check applied
+        try:  # the known fields again, every check of the record applied (only unknown fields were wrong)
+            return self._strict.decode(msgspec.msgpack.encode(known))
+        except (msgspec.ValidationError, RecursionError) as exc:  # pragma: no cover - twin and record disagree
+            raise WireError(explain(self.name, str(exc))) from None
 
     def _too_deep(self, data: Any) -> str:
         try:

@@ -315,3 +315,16 @@ def test_a_newer_peers_unknown_fields_are_ignored_and_said() -> None:
     frames[1] = msgpack.packb(grant)
     with pytest.raises(ProtocolError, match=r"LeaseGrant.leases\[0\].group_size: must be >= 1"):
         protocol.decode(frames)
+
+
+@settings(max_examples=200, deadline=None)
+@given(message=st.sampled_from(SAMPLES), extra=st.dictionaries(st.text(min_size=1, max_size=12).filter(
+    lambda k: k != "tensors"), json_values, min_size=1, max_size=4))
+def test_any_extra_fields_decode_to_the_same_record(message, extra: dict) -> None:
+    """Unknown fields added to any valid header change nothing but ``unknown_fields`` (known names keep theirs)."""
+    frames = protocol.encode(message)
+    header = msgpack.unpackb(frames[1])
+    frames[1] = msgpack.packb({**{k: v for k, v in extra.items() if k not in header}, **header})
+    record, envelope = protocol.decode(frames)
+    assert record == message
+    assert envelope.unknown_fields == any(k not in header for k in extra)
