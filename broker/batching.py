@@ -23,8 +23,6 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
-import msgpack
-
 from broker.buffer import StoredGroup
 from broker.history import TrainingHistory
 from broker.intake import holds_withdrawn
@@ -36,7 +34,8 @@ from broker.prompts import parse_group_id
 from broker.quarantine import Quarantine, Transition, WorkerKey
 from broker.stats import BrokerStats
 from broker.waiters import Waiter, WaiterQueue
-from common import framing, protocol, versions
+from common import protocol, versions
+from common.framing import TensorSpec
 from common.logging import get_logger
 from common.protocol import Kind
 
@@ -85,14 +84,12 @@ class BatchDesk:
         for group in groups:
             self.stats.count("served_staleness", versions.staleness(latest, group.max_version))
             # the submitting process as the broker knows it, not as the group claims (the learner's lora_id memory)
-            entries.append({"group": {**group.header, "worker_id": group.worker, "worker_session": group.session},
-                            "first_tensor": len(specs)})
+            entries.append(protocol.BatchEntry(group=group.header, first_tensor=len(specs)))
             base = len(frames)
-            specs.extend({**spec, "frame": base + spec["frame"]} for spec in group.wire_specs)
+            specs.extend(TensorSpec(s.name, s.dtype, s.shape, base + s.frame) for s in group.wire_specs)
             frames.extend(group.frames)
-        header = {"batch_id": batch_id, "groups": entries, "latest_version": latest, "tensors": specs}
-        message = [framing.PREAMBLE.pack(framing.MAGIC, protocol.PROTOCOL_VERSION, Kind.BATCH),
-                   msgpack.packb(header, use_bin_type=True), *frames]
+        batch = protocol.Batch(batch_id=batch_id, groups=entries, latest_version=latest)
+        message = protocol.encode_with_frames(batch, specs, frames)
         self.outbox.send(identity, Kind.BATCH, message, on_fail=lambda: self.unserve(batch_id),
                          num_bytes=sum(g.num_bytes for g in groups))
         return True

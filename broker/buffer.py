@@ -42,8 +42,8 @@ GROUP_OVERHEAD_BYTES = 24 << 10
 class StoredGroup:
     group_id: str
     key: PromptKey
-    header: dict[str, Any]  # the RolloutGroup header fields as received (without "tensors")
-    wire_specs: list[dict[str, Any]]  # the tensor specs as on the wire; "frame" indexes ``frames``
+    header: Any  # the decoded RolloutGroup record (common.protocol), worker_id and worker_session as registered
+    wire_specs: list[Any]  # the tensor specs as received (common.framing.TensorSpec); "frame" indexes ``frames``
     frames: list[Any] = field(repr=False)  # the received tensor frames, untouched
     num_bytes: int  # all frames of the message, as counted on arrival
     min_version: int  # the oldest of its tokens' versions

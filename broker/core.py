@@ -39,7 +39,7 @@ from typing import Any
 from broker import intake
 from broker.adapters import AdapterCache
 from broker.batching import BatchDesk
-from broker.dispatch import KIND_NAMES, SENDERS, HalfApplied, num_bytes, peek_kind, refusal
+from broker.dispatch import KIND_NAMES, SENDERS, HalfApplied, claimed_role, num_bytes, peek_kind, refusal
 from broker.leasing import LeaseDesk
 from broker.ledger import Reason
 from broker.outbox import Outbox, Outgoing
@@ -178,11 +178,13 @@ class BrokerCore:
             self._num_changes += 1
         self.stats.bytes_in += envelope.num_bytes
         self.stats.count("messages_in", KIND_NAMES[kind])
+        if envelope.unknown_fields:  # a newer client's fields: ignored (common.protocol's compatibility rule)
+            self.stats.count("unknown_fields", KIND_NAMES[kind])
         if self.peers.fenced_by(identity) is not None:
             self._reject(identity, "replaced", self.registrar.fenced_message(identity), ref_kind=kind)
             return
         peer = self.peers.heard(identity, now_s)
-        refused = refusal(kind, envelope.header, peer.role if peer else None, authenticated_role)
+        refused = refusal(kind, claimed_role(envelope), peer.role if peer else None, authenticated_role)
         if refused is not None:
             self._reject(identity, *refused, ref_kind=kind)
             return
@@ -294,7 +296,7 @@ class BrokerCore:
         if peer.batched_acks:  # one Ack per status for its groups of this loop pass
             self.outbox.ack_group(identity, status, gid)
         else:
-            self._send(identity, protocol.Ack(ref_kind=Kind.ROLLOUT_GROUP, ref_id=gid, status=status))
+            self._send(identity, protocol.GroupAck(ref_id=gid, status=status))
 
     def _on_batch_request(self, identity: bytes, _peer: Peer, request: protocol.BatchRequest, _env: Any, _frames: Any,
                           now_s: float) -> None:
@@ -314,7 +316,7 @@ class BrokerCore:
             return
         self._applying = True  # validated: the apply half (broker.dispatch)
         self.batching.settle(ack, now_s)
-        self._send(identity, protocol.Ack(ref_kind=Kind.BATCH_ACK, ref_id=ack.batch_id), after_persist=True)
+        self._send(identity, protocol.BatchSettled(ref_id=ack.batch_id), after_persist=True)
         self._reconsider = True  # a quarantine may have begun
 
     # -- adapters and stats --------------------------------------------------------------------------------

@@ -44,13 +44,21 @@ class HalfApplied(RuntimeError):
     """A handler raised after it began changing state: a bug; the broker process must end (see above)."""
 
 
-def refusal(kind: int, header: dict[str, Any], role: str | None, authenticated_role: str | None
+def claimed_role(envelope: framing.Envelope) -> Any:
+    """The role a Hello claims (from its record, or from its plain header when the record is invalid)."""
+    if envelope.kind != Kind.HELLO:
+        return None
+    return envelope.record.role if envelope.record is not None else envelope.header.get("role")
+
+
+def refusal(kind: int, claimed: Any, role: str | None, authenticated_role: str | None
             ) -> tuple[str, str] | None:
-    """(code, message) when a sender registered as ``role`` (None: not registered) may not send ``kind``."""
+    """(code, message) when a sender registered as ``role`` (None: not registered) may not send ``kind``;
+    ``claimed``: the role a Hello claims (:func:`claimed_role`)."""
     if kind not in SENDERS:
         return "forbidden", f"{KIND_NAMES[kind]} messages are sent by the broker, not to it"
     if authenticated_role is not None:
-        claimed = header.get("role") if kind == Kind.HELLO else role
+        claimed = claimed if kind == Kind.HELLO else role
         if claimed is not None and claimed != authenticated_role:
             return "forbidden", (f"this key is authorised as a {authenticated_role}, not as a {claimed} "
                                  "(see `loraflow keys`)")

@@ -35,7 +35,6 @@ from broker.buffer import StoredGroup
 from broker.ledger import GroupLedger, State
 from broker.prompts import PromptKey, parse_group_id
 from common import framing, protocol, versions
-from common.framing import TensorSpec
 from common.protocol import ProtocolError
 from common.versions import VersionRange
 
@@ -55,12 +54,10 @@ class Verdict:
 
 def token_versions(specs: list[Any], frames: list[Any]) -> np.ndarray:
     """The per-token policy versions of one group: a numpy view of its ``versions`` frame (specs as received,
-    :class:`common.framing.TensorSpec`, or as kept in the buffer, wire dicts)."""
+    :class:`common.framing.TensorSpec`)."""
     for spec in specs:
-        wire = spec if isinstance(spec, dict) else spec.to_wire()
-        if wire["name"] == "versions":
-            return framing.as_numpy(TensorSpec(wire["name"], wire["dtype"], tuple(wire["shape"]), wire["frame"]),
-                                    frames[wire["frame"]])
+        if spec.name == "versions":
+            return framing.as_numpy(spec, frames[spec.frame])
     raise AssertionError("a validated group always has a versions tensor")
 
 
@@ -119,9 +116,11 @@ def judge(group: protocol.RolloutGroup, envelope: framing.Envelope, identity: by
 
 def stored(group: protocol.RolloutGroup, envelope: framing.Envelope, key: PromptKey, *, worker: str, session: str,
            now_s: float) -> StoredGroup:
-    """An accepted group as the buffer keeps it: its frames untouched, its header and specs as received, and
-    the process that submitted it as registered (``worker``, ``session``), not as the group claims."""
-    return StoredGroup(group_id=group.group_id, key=key, header=envelope.header,
-                       wire_specs=[s.to_wire() for s in envelope.specs], frames=envelope.frames,
+    """An accepted group as the buffer keeps it: its frames untouched, its record and specs as received, and
+    the process that submitted it as registered (``worker``, ``session``), not as the group claims (the record
+    says so too: it is the broker's now and goes into a Batch as it is)."""
+    group.worker_id, group.worker_session = worker, session
+    return StoredGroup(group_id=group.group_id, key=key, header=group, wire_specs=envelope.specs,
+                       frames=envelope.frames,
                        num_bytes=envelope.num_bytes, min_version=group.min_version, max_version=group.max_version,
                        num_tokens=sum(group.completion_lens), worker=worker, session=session, received_s=now_s)

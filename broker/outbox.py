@@ -122,8 +122,7 @@ class Outbox:
         for (identity, status), ids in acks.items():
             for start in range(0, len(ids), step):
                 chunk = ids[start:start + step]
-                self.send_record(identity, protocol.Ack(ref_kind=Kind.ROLLOUT_GROUP, ref_id=chunk[0], status=status,
-                                                        ref_ids=chunk[1:] or None))
+                self.send_record(identity, protocol.GroupAck(ref_id=chunk[0], status=status, ref_ids=chunk[1:] or None))
 
     def take(self) -> list[Outgoing]:
         """What to send now (the batched acks of this pass included)."""

@@ -71,8 +71,7 @@ class AdapterRelay:
         self.progress.latest_version, self.progress.latest_sha256 = update.version, update.sha256.lower()
         peer.adapter_version = update.version
         self._unsaved = (update.version, stored.message)
-        self.outbox.send_record(identity, protocol.Ack(ref_kind=Kind.ADAPTER_UPDATE, ref_id=str(update.version)),
-                                after_durable=True)
+        self.outbox.send_record(identity, protocol.AdapterAck(version=update.version), after_durable=True)
         notice = stored.notice()
         for worker in self.peers.of_role("worker"):
             self.outbox.send_record(worker.identity, notice)

@@ -24,6 +24,8 @@ Counter families (Prometheus name ``loraflow_broker_<family>_total{label=...}``)
     adapters{event}       published, restored (re-published after a broker restart), withdrawn
     peers_gone{reason}    bye, dead (heartbeats missed), restarted (new session), replaced (another learner)
     state_writes{trigger} sync writes of the state file
+    unknown_fields{kind}  messages holding fields this release does not know (a newer client of the same protocol
+                          version): accepted, the fields ignored (common/protocol.py's compatibility rule)
     policy_mismatches{reason}  groups the learner's policy check failed (BatchAck.mismatches): logprobs,
                           adapter_sha256, lora_id_reused, no_evidence (common/integrity.py)
     quarantines{event}    quarantined (a worker process), probation (its restart joined), cleared (a group of a
@@ -67,7 +69,7 @@ class BrokerStats:
                 ("send_failed", "reason"), ("groups", "event"), ("leases", "event"),
                 ("served_staleness", "staleness"), ("adapters", "event"), ("peers_gone", "reason"),
                 ("state_writes", "trigger"), ("connections", "event"), ("auth", "event"),
-                ("policy_mismatches", "reason"), ("quarantines", "event"))
+                ("policy_mismatches", "reason"), ("quarantines", "event"), ("unknown_fields", "kind"))
         }
         self.bytes_in = 0
         self.bytes_out = 0
@@ -141,6 +143,7 @@ class BrokerStats:
             "peers_gone": self.family("peers_gone"),
             "connections": self.family("connections"),
             "auth": self.family("auth"),
+            "unknown_fields": self.family("unknown_fields"),
             "encryption": self.encryption,
             "state_writes": sum(self.families["state_writes"][1].values()),
             "tokens_accepted": self.tokens_accepted,

@@ -34,9 +34,10 @@ import struct
 import sys
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Annotated, Any, Literal
 
 import msgpack
+import msgspec
 import numpy as np
 
 PREAMBLE = struct.Struct("!4sHH")
@@ -63,6 +64,10 @@ class FramingError(ValueError):
     """A multipart message does not have the shape of a loraflow message."""
 
 
+class Oversize(FramingError):
+    """A message is larger than the receiver's limit (``broker.max_message_bytes``)."""
+
+
 class VersionMismatch(FramingError):
     """The peer speaks another protocol version; ``kind`` and ``peer_version`` say what it sent."""
 
@@ -72,14 +77,14 @@ class VersionMismatch(FramingError):
         self.peer_version = peer_version
 
 
-@dataclass(frozen=True, slots=True)
-class TensorSpec:
-    """Where one tensor's bytes are and how to read them."""
+class TensorSpec(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+    """Where one tensor's bytes are and how to read them. The constraints hold for specs decoded by
+    :mod:`common.protocol` (msgspec checks them in C); :func:`unpack` checks plain maps itself."""
 
-    name: str
-    dtype: str
-    shape: tuple[int, ...]
-    frame: int
+    name: Annotated[str, msgspec.Meta(min_length=1, max_length=256)]
+    dtype: Literal[tuple(DTYPE_SIZES)]  # type: ignore[valid-type]
+    shape: Annotated[tuple[Annotated[int, msgspec.Meta(ge=0, lt=1 << 40)], ...], msgspec.Meta(max_length=MAX_TENSOR_DIMS)]
+    frame: Annotated[int, msgspec.Meta(ge=0)]
 
     @property
     def num_bytes(self) -> int:
@@ -91,13 +96,32 @@ class TensorSpec:
 
 @dataclass(slots=True)
 class Envelope:
-    """A received message after framing checks: kind, header fields, tensor specs and the raw frames."""
+    """A received message after framing checks: kind, header, tensor specs and the raw frames.
+
+    :func:`unpack` decodes the header into a plain map; :func:`common.protocol.decode_envelope` decodes it
+    straight into the typed ``record`` (``error`` when that failed its validation) and decodes the plain
+    ``header`` only if something asks for it (the Error reply to an invalid record names its ids)."""
 
     kind: int
-    header: dict[str, Any]
+    header_bytes: Any  # the msgpack header frame's bytes
     specs: list[TensorSpec]
     frames: list[Any]  # zmq.Frame (or bytes); frames[i] holds the bytes of the spec with frame == i
     num_bytes: int
+    record: Any = None  # the typed message record (common.protocol)
+    error: Exception | None = None  # why the header is not a valid record (common.protocol.ProtocolError)
+    unknown_fields: bool = False  # the header held fields this release does not know (ignored, counted)
+    _header: dict[str, Any] | None = None
+
+    @property
+    def header(self) -> dict[str, Any]:
+        """The header as a plain map, without "tensors" ({} when it is not a map)."""
+        if self._header is None:
+            try:
+                header = msgpack.unpackb(self.header_bytes, raw=False, strict_map_key=False, use_list=True)
+            except Exception:  # msgpack raises several unrelated types for corrupt input
+                header = None
+            self._header = {k: v for k, v in header.items() if k != "tensors"} if isinstance(header, dict) else {}
+        return self._header
 
 
 def pack(kind: int, version: int, header: dict[str, Any], tensors: Sequence[tuple[str, Any]] = ()) -> list[Any]:
@@ -141,8 +165,10 @@ def _frame_bytes(frame: Any) -> memoryview:
     return buffer if buffer is not None else memoryview(frame)
 
 
-def unpack(frames: Sequence[Any], *, version: int, known_kinds: frozenset[int], max_bytes: int) -> Envelope:
-    """Check a received multipart message and split it; raises FramingError (VersionMismatch) on bad input."""
+def split(frames: Sequence[Any], *, version: int, known_kinds: frozenset[int], max_bytes: int
+          ) -> tuple[int, memoryview, list[int]]:
+    """(kind, header bytes, byte size of every frame) after the preamble and size checks; raises FramingError
+    (:class:`VersionMismatch`, :class:`Oversize`) on bad input. The header is not decoded yet."""
     if len(frames) < 2:
         raise FramingError(f"a message needs at least 2 frames (preamble, header), got {len(frames)}")
     preamble = _frame_bytes(frames[0])
@@ -163,10 +189,17 @@ def unpack(frames: Sequence[Any], *, version: int, known_kinds: frozenset[int], 
     sizes = [_frame_bytes(f).nbytes for f in frames]
     total = sum(sizes)
     if total > max_bytes:
-        raise FramingError(f"message of {total} bytes exceeds the limit of {max_bytes} (broker.max_message_bytes)")
+        raise Oversize(f"message of {total} bytes exceeds the limit of {max_bytes} (broker.max_message_bytes)")
     header_bytes = _frame_bytes(frames[1])
     if header_bytes.nbytes > MAX_HEADER_BYTES:
         raise FramingError(f"header of {header_bytes.nbytes} bytes exceeds {MAX_HEADER_BYTES}")
+    return kind, header_bytes, sizes
+
+
+def unpack(frames: Sequence[Any], *, version: int, known_kinds: frozenset[int], max_bytes: int) -> Envelope:
+    """Check a received multipart message and split it, the header decoded into a plain map; raises
+    FramingError (VersionMismatch, Oversize) on bad input."""
+    kind, header_bytes, sizes = split(frames, version=version, known_kinds=known_kinds, max_bytes=max_bytes)
     try:
         header = msgpack.unpackb(header_bytes, raw=False, strict_map_key=True, use_list=True)
     except Exception as exc:  # msgpack raises several unrelated types for corrupt input
@@ -175,7 +208,8 @@ def unpack(frames: Sequence[Any], *, version: int, known_kinds: frozenset[int], 
     if not isinstance(header, dict):
         raise FramingError(f"header must be a msgpack map, got {type(header).__name__}")
     specs = _parse_specs(header.pop("tensors", []), frames[2:], sizes[2:])
-    return Envelope(kind=kind, header=header, specs=specs, frames=list(frames[2:]), num_bytes=total)
+    return Envelope(kind=kind, header_bytes=header_bytes, specs=specs, frames=list(frames[2:]), num_bytes=sum(sizes),
+                    _header=header)
 
 
 _SPEC_KEYS = frozenset({"name", "dtype", "shape", "frame"})
@@ -190,7 +224,6 @@ def _parse_specs(raw_specs: Any, tensor_frames: Sequence[Any], frame_sizes: Sequ
     if frame_sizes is None:
         frame_sizes = [_frame_bytes(f).nbytes for f in tensor_frames]
     specs = []
-    seen_frames = set()
     for i, raw in enumerate(raw_specs):
         if not isinstance(raw, dict) or raw.keys() != _SPEC_KEYS:
             raise FramingError(f"tensors[{i}] must be a map with exactly name, dtype, shape, frame")
@@ -203,16 +236,27 @@ def _parse_specs(raw_specs: Any, tensor_frames: Sequence[Any], frame_sizes: Sequ
         if (not isinstance(shape, list) or len(shape) > MAX_TENSOR_DIMS
                 or not all(isinstance(d, int) and not isinstance(d, bool) and 0 <= d < 2**40 for d in shape)):
             raise FramingError(f"tensors[{i}] ({name}): shape must be a list of at most {MAX_TENSOR_DIMS} non-negative ints")
-        if not isinstance(frame, int) or isinstance(frame, bool) or not 0 <= frame < len(tensor_frames) or frame in seen_frames:
-            shown = frame if isinstance(frame, int) else f"of type {type(frame).__name__}"
-            raise FramingError(f"tensors[{i}] ({name}): frame index {shown} is out of range or used twice")
-        seen_frames.add(frame)
-        spec = TensorSpec(name, dtype, tuple(shape), frame)
-        actual = frame_sizes[frame]
-        if actual != spec.num_bytes:
-            raise FramingError(f"tensors[{i}] ({name}): {dtype}{list(shape)} needs {spec.num_bytes} bytes, frame has {actual}")
-        specs.append(spec)
+        if not isinstance(frame, int) or isinstance(frame, bool):
+            raise FramingError(f"tensors[{i}] ({name}): frame index of type {type(frame).__name__} is out of range")
+        specs.append(TensorSpec(name, dtype, tuple(shape), frame))
+    check_frames(specs, frame_sizes)
     return specs
+
+
+def check_frames(specs: Sequence[TensorSpec], frame_sizes: Sequence[int]) -> None:
+    """Every spec names its own tensor frame, and that frame has exactly the bytes its dtype and shape need."""
+    if len(specs) != len(frame_sizes):
+        raise FramingError(f"header declares {len(specs)} tensors but {len(frame_sizes)} tensor frames arrived")
+    seen = set()
+    for i, spec in enumerate(specs):
+        frame = spec.frame
+        if not 0 <= frame < len(frame_sizes) or frame in seen:
+            raise FramingError(f"tensors[{i}] ({spec.name}): frame index {frame} is out of range or used twice")
+        seen.add(frame)
+        actual, needed = frame_sizes[frame], spec.num_bytes
+        if actual != needed:
+            raise FramingError(f"tensors[{i}] ({spec.name}): {spec.dtype}{list(spec.shape)} needs {needed} bytes, "
+                               f"frame has {actual}")
 
 
 def as_numpy(spec: TensorSpec, frame: Any) -> np.ndarray:

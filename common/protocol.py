@@ -3,42 +3,73 @@
 Who sends what (all through the broker's one ROUTER socket; clients use DEALER sockets)::
 
     worker  -> broker   Hello, Heartbeat, LeaseRequest, RolloutGroup, LeaseReturn, AdapterFetch, Bye
-    broker  -> worker   Welcome, Heartbeat (pong), LeaseGrant, Ack(group, or several: ref_ids), AdapterNotice,
-                        AdapterUpdate, Error
+    broker  -> worker   Welcome, Heartbeat (pong), LeaseGrant, GroupAck (one group, or several: ref_ids),
+                        AdapterNotice, AdapterUpdate, Error
     learner -> broker   Hello, Heartbeat, AdapterUpdate (publish), BatchRequest, BatchAck, Bye
-    broker  -> learner  Welcome, Heartbeat (pong), Ack(adapter), Batch, Error
+    broker  -> learner  Welcome, Heartbeat (pong), AdapterAck, Batch, BatchSettled, Error
     anyone  -> broker   StatsRequest  ->  Stats
 
-Every record is a ``@dataclass(slots=True, kw_only=True)`` validated field by field on decode (see
-:mod:`common.schema`): wrong types, missing or unknown fields and out-of-range values raise
-:class:`ProtocolError` naming the field. Messages with tensors (RolloutGroup, AdapterUpdate, Batch) also check
+Every record is a ``msgspec.Struct`` (:class:`common.wire.Record`) whose annotations carry their bounds; a
+header is decoded straight into its record and validated in C (:mod:`common.wire`): wrong types, missing
+fields and out-of-range values raise :class:`ProtocolError` naming the field. The three replies of kind ACK
+(:data:`Ack`) are told apart by ``ref_kind``, the kind of what they acknowledge. Codes, reasons and states are
+``enum.StrEnum``: typed in the code, the same strings on the wire as ever (a raw msgpack client sends
+``"stop"`` and reads ``"accepted"``). Messages with tensors (RolloutGroup, AdapterUpdate, Batch) also check
 that the tensor frames have the names, dtypes and shapes the header implies. Contents of tensors (finite
 log-probs, token ids in range) are checked by :func:`check_group_values`, which only reads numpy views.
 
 Everything a peer sends is bounded at decode, so nothing it sends can fail later where it is re-encoded or
 shown: ``Heartbeat.counters`` and ``RolloutGroup.metrics`` hold at most 64 finite numbers under names of at most
 64 characters; other free-form values (``meta``, ``columns``, ``prompt_messages``, ``adapter_config``) nest at
-most :data:`common.schema.MAX_DEPTH` levels; every policy version is at most :data:`MAX_VERSION` (tokens carry
+most :data:`common.wire.MAX_DEPTH` levels; every policy version is at most :data:`MAX_VERSION` (tokens carry
 versions as int32). A lease id is bound to the worker it was granted to (``broker.leases``); with security off a
 learner's Hello carries the run token (``Hello.token``, :mod:`common.run_token`).
 
-Compatibility: new fields are appended with defaults. An incompatible change bumps ``PROTOCOL_VERSION``; every
-message carries it in its preamble and a mismatch is refused with an Error naming both versions.
+Compatibility: new fields are appended with defaults. Within one protocol version a field the receiver does not
+know (a newer peer's) is ignored, and the decode says so (``Envelope.unknown_fields``; the broker counts
+``unknown_fields{kind}``); a field the sender does not know (an older peer's) takes its default. An
+incompatible change bumps ``PROTOCOL_VERSION``; every message carries it in its preamble and a mismatch is
+refused with an Error naming both versions.
 """
 
 from __future__ import annotations
 
 import enum
-import math
-from collections.abc import Sequence
-from dataclasses import dataclass
-from typing import Any, ClassVar
+from collections.abc import Iterator, Sequence
+from typing import Annotated, Any, ClassVar
 
-import numpy as np
+import msgspec
+from msgspec import UNSET, Meta, UnsetType, field
 
 from common import framing
+from common.codes import (  # noqa: F401  (re-exported: the protocol's vocabulary)
+    CLIENT_STATES,
+    ENGINE_DTYPES,
+    ERROR_CODES,
+    FINISH_REASONS,
+    MISMATCH_REASONS,
+    ROLES,
+    AckStatus,
+    ClientState,
+    EngineDtype,
+    ErrorCode,
+    FinishReason,
+    GrantReason,
+    MismatchReason,
+    ProtocolError,
+    Role,
+)
 from common.framing import Envelope, FramingError, TensorSpec
-from common.schema import SchemaError, build, dump, rule
+from common.group_checks import (  # noqa: F401  (re-exported)
+    GROUP_TENSORS,
+    GROUP_TENSORS_DTYPES,
+    check_adapter_layout,
+    check_batch_layout,
+    check_group_layout,
+    check_group_values,
+    group_tensors,
+)
+from common.wire import FLOAT_MAX, MAX_KEY_LEN, Finite, Record, WireDecoder, WireError
 
 PROTOCOL_VERSION = 1
 
@@ -53,14 +84,6 @@ MAX_COUNTERS = 64  # entries of Heartbeat.counters and RolloutGroup.metrics
 MAX_SERVED = 64  # RolloutGroup.served entries: distinct versions in one group's tokens
 #: policy versions travel as int32 in the token ``versions`` tensor: no version may exceed this
 MAX_VERSION = (1 << 31) - 1
-
-
-class ProtocolError(ValueError):
-    """A message is malformed; ``code`` is the Error code to answer with."""
-
-    def __init__(self, message: str, code: str = "malformed") -> None:
-        super().__init__(message)
-        self.code = code
 
 
 class Kind(enum.IntEnum):
@@ -85,122 +108,121 @@ class Kind(enum.IntEnum):
 
 
 KNOWN_KINDS = frozenset(int(k) for k in Kind)
-ROLES = ("worker", "learner", "observer")
-ERROR_CODES = (
-    "malformed",  # framing or field validation failed
-    "protocol_version",  # preamble carries another protocol version
-    "oversize",  # message larger than broker.max_message_bytes
-    "invalid_group",  # a rollout group's contents are out of range (NaN log-prob, token id, versions)
-    "unknown_lease",  # a lease never granted to the sender for that prompt (its own expired ones still count)
-    "unknown_batch",
-    "not_registered",  # a message that needs a hello first
-    "forbidden",  # the sender's role may not send this message
-    "limit",  # too many workers, leases or bytes
-    "stale_version",  # an adapter version that does not advance the latest one
-    "replaced",  # a learner replaced by another learner process: it must stop (two never train one run)
-    "internal",
-    "quarantined",  # a worker whose rollouts failed the learner's policy check (common/integrity.py)
-)
-FINISH_REASONS = ("stop", "length", "abort", "error", "turn_limit")
-CLIENT_STATES = ("starting", "idle", "waiting", "generating", "scoring", "training", "publishing", "stopping")
-GRANT_REASONS = ("", "backpressure", "stale_adapter", "no_prompts", "draining", "limit", "quarantined")
-ACK_STATUSES = ("accepted", "duplicate")
-ENGINE_DTYPES = ("float32", "bfloat16", "float16")
-#: why the learner's policy check failed a group (common/integrity.py)
-MISMATCH_REASONS = ("logprobs", "adapter_sha256", "lora_id_reused", "no_evidence")
+
+
+# -- field types (bounds msgspec checks while it decodes) -----------------------------------------------------
+
+
+def text(max_len: int) -> Any:
+    return Annotated[str, Meta(max_length=max_len)]
+
+
+def bounded_list(item: Any, max_len: int) -> Any:
+    return Annotated[list[item], Meta(max_length=max_len)]
+
+
+Id = text(MAX_ID_LEN)
+Version = Annotated[int, Meta(ge=0, le=MAX_VERSION)]
+PublishedVersion = Annotated[int, Meta(ge=1, le=MAX_VERSION)]  # v0 is the base model: never published
+Count = Annotated[int, Meta(ge=0)]
+NonNegative = Annotated[float, Meta(ge=0, le=FLOAT_MAX)]  # finite
+Positive = Annotated[float, Meta(gt=0, le=FLOAT_MAX)]
+#: a map of finite numbers under names of at most MAX_KEY_LEN characters (counters, metrics)
+Numbers = Annotated[dict[Annotated[str, Meta(max_length=MAX_KEY_LEN)], int | Finite], Meta(max_length=MAX_COUNTERS)]
+FreeMap = Annotated[dict[str, Any], Meta(max_length=256)]  # nesting bounded after the decode (common.wire)
+
+
+class Message(Record, kw_only=True):
+    """A record sent as a whole message. ``tensors`` is the header's tensor specs: set by :func:`encode`, moved
+    to ``Envelope.specs`` by :func:`decode` (a record in hand never holds them; unset ones are not encoded)."""
+
+    KIND: ClassVar[Kind]
+    tensors: list[TensorSpec] | UnsetType = UNSET
 
 
 # -- records -------------------------------------------------------------------------------------------------
 
 
-@dataclass(slots=True, kw_only=True)
-class Hello:
+class Hello(Message, kw_only=True):
     KIND: ClassVar[Kind] = Kind.HELLO
-    role: str = rule(choices=ROLES, doc="what the client is")
-    client_id: str = rule(max_len=MAX_ID_LEN, doc="stable name of the client (worker id, 'learner')")
-    backend: str = rule("", max_len=64, doc="generation backend of a worker")
-    capacity: int = rule(1, ge=1, le=1024, doc="leases a worker can hold at once")
-    adapter_version: int = rule(0, ge=0, le=MAX_VERSION, doc="policy version the client holds")
-    host: str = rule("", max_len=256)
-    pid: int = rule(0, ge=0)
-    session: str = rule("", max_len=MAX_ID_LEN, doc="random per process start: a new session of a known id "
-                        "means the old process died and its leases are reclaimed")
-    batched_acks: bool = rule(False, doc="the client reads Ack.ref_ids, so the broker may acknowledge several "
-                              "rollout groups in one Ack")
-    token: str = rule("", max_len=128, doc="the run token a learner presents when security is off "
-                      "(common/run_token.py); other roles send none")
+    role: Role  # what the client is
+    client_id: Id  # stable name of the client (worker id, 'learner')
+    backend: text(64) = ""  # generation backend of a worker
+    capacity: Annotated[int, Meta(ge=1, le=1024)] = 1  # leases a worker can hold at once
+    adapter_version: Version = 0  # policy version the client holds
+    host: text(256) = ""
+    pid: Count = 0
+    #: random per process start: a new session of a known id means the old process died and its leases are reclaimed
+    session: Id = ""
+    #: the client reads GroupAck.ref_ids, so the broker may acknowledge several rollout groups in one GroupAck
+    batched_acks: bool = False
+    #: the run token a learner presents when security is off (common/run_token.py); other roles send none
+    token: text(128) = ""
 
 
-@dataclass(slots=True, kw_only=True)
-class Welcome:
+class Welcome(Message, kw_only=True):
     KIND: ClassVar[Kind] = Kind.WELCOME
-    broker_id: str = rule(max_len=MAX_ID_LEN, doc="random per broker start: a new id means the broker restarted")
-    latest_version: int = rule(ge=0, le=MAX_VERSION)
-    group_size: int = rule(ge=1, le=MAX_GROUP_SIZE)
-    groups_per_step: int = rule(ge=1, le=MAX_BATCH_GROUPS)
-    max_staleness: int = rule(ge=0)
-    heartbeat_interval_s: float = rule(gt=0)
-    heartbeat_timeout_s: float = rule(gt=0)
-    lease_timeout_s: float = rule(gt=0)
-    max_message_bytes: int = rule(ge=1)
-    vocab_size: int = rule(0, ge=0, doc="token ids must be below this; 0 = not checked")
+    broker_id: Id  # random per broker start: a new id means the broker restarted
+    latest_version: Version
+    group_size: Annotated[int, Meta(ge=1, le=MAX_GROUP_SIZE)]
+    groups_per_step: Annotated[int, Meta(ge=1, le=MAX_BATCH_GROUPS)]
+    max_staleness: Count
+    heartbeat_interval_s: Positive
+    heartbeat_timeout_s: Positive
+    lease_timeout_s: Positive
+    max_message_bytes: Annotated[int, Meta(ge=1)]
+    vocab_size: Count = 0  # token ids must be below this; 0 = not checked
 
 
-@dataclass(slots=True, kw_only=True)
-class Heartbeat:
+class Heartbeat(Message, kw_only=True):
     KIND: ClassVar[Kind] = Kind.HEARTBEAT
-    adapter_version: int = rule(0, ge=0, le=MAX_VERSION)
-    latest_version: int = rule(0, ge=0, le=MAX_VERSION, doc="set by the broker in its pong")
-    state: str = rule("idle", choices=CLIENT_STATES)
-    num_leases: int = rule(0, ge=0)
-    counters: dict[str, int | float] = rule(default_factory=dict, max_len=MAX_COUNTERS,
-                                            doc="cumulative client counters for stats: numbers under names of at "
-                                            "most 64 characters (common.schema.MAX_KEY_LEN)")
-    lease_ids: list[str] = rule(default_factory=list, max_len=MAX_RENEWED_LEASES,
-                                doc="leases the worker is still working on: the broker renews those it holds for "
-                                "broker.lease_timeout_s from now (a long generation is never generated twice)")
+    adapter_version: Version = 0
+    latest_version: Version = 0  # set by the broker in its pong
+    state: ClientState = ClientState.IDLE
+    num_leases: Count = 0
+    #: cumulative client counters for stats: numbers under names of at most 64 characters
+    counters: Numbers = field(default_factory=dict)
+    #: leases the worker is still working on: the broker renews those it holds for broker.lease_timeout_s from
+    #: now (a long generation is never generated twice)
+    lease_ids: bounded_list(Id, MAX_RENEWED_LEASES) = field(default_factory=list)
 
 
-@dataclass(slots=True, kw_only=True)
-class Error:
+class Error(Message, kw_only=True):
     KIND: ClassVar[Kind] = Kind.ERROR
-    code: str = rule(choices=ERROR_CODES)
-    message: str = rule(max_len=4000)
-    ref_kind: int = rule(0, ge=0, doc="kind of the message this answers")
-    ref_id: str = rule("", max_len=MAX_ID_LEN)
+    code: ErrorCode
+    message: text(4000)
+    ref_kind: Count = 0  # kind of the message this answers
+    ref_id: Id = ""
 
 
-@dataclass(slots=True, kw_only=True)
-class Bye:
+class Bye(Message, kw_only=True):
     KIND: ClassVar[Kind] = Kind.BYE
-    reason: str = rule("", max_len=256)
+    reason: text(256) = ""
 
 
-@dataclass(slots=True, kw_only=True)
-class LeaseRequest:
+class LeaseRequest(Message, kw_only=True):
     KIND: ClassVar[Kind] = Kind.LEASE_REQUEST
-    max_leases: int = rule(1, ge=1, le=1024)
-    adapter_version: int = rule(0, ge=0, le=MAX_VERSION)
-    wait_ms: int = rule(1000, ge=0, le=600_000, doc="long-poll: answer within this time even if nothing is granted")
+    max_leases: Annotated[int, Meta(ge=1, le=1024)] = 1
+    adapter_version: Version = 0
+    #: long-poll: answer within this time even if nothing is granted
+    wait_ms: Annotated[int, Meta(ge=0, le=600_000)] = 1000
 
 
-@dataclass(slots=True, kw_only=True)
-class PromptLease:
-    lease_id: str = rule(max_len=MAX_ID_LEN)
-    group_id: str = rule(max_len=MAX_ID_LEN, doc="stable per (epoch, prompt): the dedup key")
-    prompt_index: int = rule(ge=0)
-    epoch: int = rule(ge=0)
-    task: str = rule(max_len=128)
-    prompt: str = rule(max_len=MAX_TEXT_LEN)
-    answer: str = rule("", max_len=MAX_TEXT_LEN)
-    meta: dict[str, Any] = rule(default_factory=dict, max_len=256)
-    group_size: int = rule(ge=1, le=MAX_GROUP_SIZE)
-    deadline_s: float = rule(gt=0, unit="s", doc="time from grant until the lease is reclaimed")
-    prompt_messages: list[dict[str, Any]] | None = rule(None, max_len=MAX_MESSAGES,
-                                                        doc="a conversational prompt ([{role, content}], TRL's "
-                                                        "format); then ``prompt`` is empty. None: ``prompt`` is it")
-    columns: dict[str, Any] | None = rule(None, max_len=256, doc="the dataset row's other columns: the reward "
-                                          "functions' keyword arguments (see common/dataset.py)")
+class PromptLease(Record, kw_only=True):
+    lease_id: Id
+    group_id: Id  # stable per (epoch, prompt): the dedup key
+    prompt_index: Count
+    epoch: Count
+    task: text(128)
+    prompt: text(MAX_TEXT_LEN)
+    answer: text(MAX_TEXT_LEN) = ""
+    meta: FreeMap = field(default_factory=dict)
+    group_size: Annotated[int, Meta(ge=1, le=MAX_GROUP_SIZE)]
+    deadline_s: Positive  # time from grant until the lease is reclaimed
+    #: a conversational prompt ([{role, content}], TRL's format); then ``prompt`` is empty. None: ``prompt`` is it
+    prompt_messages: bounded_list(dict[str, Any], MAX_MESSAGES) | None = None
+    #: the dataset row's other columns: the reward functions' keyword arguments (see common/dataset.py)
+    columns: FreeMap | None = None
 
     @property
     def prompt_value(self) -> str | list[dict[str, Any]]:
@@ -208,49 +230,36 @@ class PromptLease:
         return self.prompt_messages if self.prompt_messages is not None else self.prompt
 
 
-@dataclass(slots=True, kw_only=True)
-class LeaseGrant:
+class LeaseGrant(Message, kw_only=True):
     KIND: ClassVar[Kind] = Kind.LEASE_GRANT
-    leases: list[PromptLease] = rule(default_factory=list, max_len=1024)
-    reason: str = rule("", choices=GRANT_REASONS, doc="why nothing (or less) was granted")
-    latest_version: int = rule(0, ge=0, le=MAX_VERSION)
+    leases: bounded_list(PromptLease, 1024) = field(default_factory=list)
+    reason: GrantReason = GrantReason.NONE  # why nothing (or less) was granted
+    latest_version: Version = 0
 
 
-@dataclass(slots=True, kw_only=True)
-class LeaseReturn:
+class LeaseReturn(Message, kw_only=True):
     KIND: ClassVar[Kind] = Kind.LEASE_RETURN
-    lease_ids: list[str] = rule(max_len=1024)
-    reason: str = rule("", max_len=256)
+    lease_ids: bounded_list(Id, 1024)
+    reason: text(256) = ""
 
 
-#: tensors of a rollout group: name -> (dtype, which length list sizes it)
-GROUP_TENSORS: dict[str, tuple[str, str]] = {
-    "prompt_ids": ("int32", "prompt_lens"),
-    "completion_ids": ("int32", "completion_lens"),
-    "logprobs": ("float32", "completion_lens"),
-    "versions": ("int32", "completion_lens"),
-    "loss_mask": ("uint8", "completion_lens"),
-}
-GROUP_TENSORS_DTYPES = frozenset(dtype for dtype, _ in GROUP_TENSORS.values())
-
-
-@dataclass(slots=True, kw_only=True)
-class ServedAdapter:
+class ServedAdapter(Record, kw_only=True):
     """What the engine served one policy version with, as the engine reports it (the evidence of
     :mod:`common.integrity`): read back from the engine after the load, never copied from what the worker meant
     to load. v0, the base model, is ``adapter=""``, ``lora_id=0``, ``sha256=""``."""
 
-    version: int = rule(ge=0, le=MAX_VERSION)
-    adapter: str = rule("", max_len=128, doc="the engine's name for the adapter (vLLM lora_name, hf peft slot)")
-    lora_id: int = rule(0, ge=0, le=MAX_VERSION, doc="the engine's int id of the loaded weights (vLLM lora_int_id, "
-                        "hf load number): one id never names two versions in one worker process")
-    sha256: str = rule("", max_len=64, doc="sha256 of the tensor bytes the engine loaded, computed as "
-                       "AdapterUpdate.sha256 (common.framing.frames_sha256 in the published tensor order)")
-    dtype: str = rule("float32", choices=ENGINE_DTYPES, doc="the engine's compute dtype (sets the tolerance)")
+    version: Version
+    adapter: text(128) = ""  # the engine's name for the adapter (vLLM lora_name, hf peft slot)
+    #: the engine's int id of the loaded weights (vLLM lora_int_id, hf load number): one id never names two
+    #: versions in one worker process
+    lora_id: Version = 0
+    #: sha256 of the tensor bytes the engine loaded, computed as AdapterUpdate.sha256
+    #: (common.framing.frames_sha256 in the published tensor order)
+    sha256: text(64) = ""
+    dtype: EngineDtype = EngineDtype.FLOAT32  # the engine's compute dtype (sets the tolerance)
 
 
-@dataclass(slots=True, kw_only=True)
-class RolloutGroup:
+class RolloutGroup(Message, kw_only=True):
     """One prompt x group_size samples. Per-sample token arrays are concatenated in sample order.
 
     ``completion_*`` covers everything after the prompt: generated tokens (loss_mask 1) and, in multi-turn
@@ -259,31 +268,29 @@ class RolloutGroup:
     """
 
     KIND: ClassVar[Kind] = Kind.ROLLOUT_GROUP
-    group_id: str = rule(max_len=MAX_ID_LEN)
-    lease_id: str = rule(max_len=MAX_ID_LEN)
-    worker_id: str = rule(max_len=MAX_ID_LEN)
-    task: str = rule("", max_len=128)
-    prompt_lens: list[int] = rule(max_len=MAX_GROUP_SIZE)
-    completion_lens: list[int] = rule(max_len=MAX_GROUP_SIZE)
-    rewards: list[float] = rule(max_len=MAX_GROUP_SIZE)
-    finish_reasons: list[str] = rule(max_len=MAX_GROUP_SIZE, choices=FINISH_REASONS)
-    min_version: int = rule(ge=0, le=MAX_VERSION, doc="oldest policy version of any generated token")
-    max_version: int = rule(ge=0, le=MAX_VERSION)
-    generate_s: float = rule(0.0, ge=0, unit="s")
-    reward_s: float = rule(0.0, ge=0, unit="s")
-    created_unix: float = rule(0.0, ge=0, unit="s")
-    num_reward_failures: int = rule(0, ge=0)
-    metrics: dict[str, int | float] = rule(default_factory=dict, max_len=MAX_COUNTERS,
-                                           doc="finite numbers under names of at most 64 characters")
-    reward_means: dict[str, Any] | None = rule(None, max_len=MAX_REWARD_FUNCTIONS,
-                                               doc="reward function name -> its mean over the samples it applied "
-                                               "to (finite numbers; a function that applied to none is absent)")
-    served: list[ServedAdapter] = rule(default_factory=list, max_len=MAX_SERVED,
-                                       doc="one entry per distinct version in ``versions``: the adapter the engine "
-                                       "served it with (checked by the learner, common/integrity.py)")
-    worker_session: str = rule("", max_len=MAX_ID_LEN, doc="set by the broker in a Batch: the Hello session of the "
-                               "process that submitted the group (whatever a worker puts here is replaced, and "
-                               "so is worker_id, by the id that process said Hello with)")
+    group_id: Id
+    lease_id: Id
+    worker_id: Id
+    task: text(128) = ""
+    prompt_lens: bounded_list(Count, MAX_GROUP_SIZE)
+    completion_lens: bounded_list(Count, MAX_GROUP_SIZE)
+    rewards: bounded_list(Finite, MAX_GROUP_SIZE)
+    finish_reasons: bounded_list(FinishReason, MAX_GROUP_SIZE)
+    min_version: Version  # oldest policy version of any generated token
+    max_version: Version
+    generate_s: NonNegative = 0.0
+    reward_s: NonNegative = 0.0
+    created_unix: NonNegative = 0.0
+    num_reward_failures: Count = 0
+    metrics: Numbers = field(default_factory=dict)  # finite numbers under names of at most 64 characters
+    #: reward function name -> its mean over the samples it applied to (a function that applied to none is absent)
+    reward_means: Annotated[dict[Id, Finite], Meta(max_length=MAX_REWARD_FUNCTIONS)] | None = None
+    #: one entry per distinct version in ``versions``: the adapter the engine served it with (checked by the
+    #: learner, common/integrity.py)
+    served: bounded_list(ServedAdapter, MAX_SERVED) = field(default_factory=list)
+    #: set by the broker in a Batch: the Hello session of the process that submitted the group (whatever a worker
+    #: puts here is replaced, and so is worker_id, by the id that process said Hello with)
+    worker_session: Id = ""
 
     @property
     def num_samples(self) -> int:
@@ -299,163 +306,230 @@ def reward_means_of(groups: Sequence[RolloutGroup]) -> dict[str, float]:
     return {name: sum(values) / len(values) for name, values in sums.items()}
 
 
-@dataclass(slots=True, kw_only=True)
-class Ack:
+class GroupAck(Message, kw_only=True, tag_field="ref_kind", tag=int(Kind.ROLLOUT_GROUP)):
+    """Rollout groups the broker holds (accepted now, or earlier: duplicate); the worker drops its copies."""
+
     KIND: ClassVar[Kind] = Kind.ACK
-    ref_kind: int = rule(ge=0, doc="kind of the acknowledged message")
-    ref_id: str = rule(max_len=MAX_ID_LEN, doc="group id or adapter version")
-    status: str = rule("accepted", choices=ACK_STATUSES)
-    ref_ids: list[str] | None = rule(None, max_len=MAX_BATCH_GROUPS, doc="more ids this Ack acknowledges, with the "
-                                     "same ref_kind and status (sent only to clients that said "
-                                     "Hello(batched_acks=True)); None: ref_id alone")
+    ref_kind: ClassVar[int] = Kind.ROLLOUT_GROUP  # on the wire: the tag telling the replies of kind ACK apart
+    ref_id: Id  # the group id
+    status: AckStatus = AckStatus.ACCEPTED
+    #: more group ids this GroupAck acknowledges, with the same status (sent only to clients that said
+    #: Hello(batched_acks=True)); None: ref_id alone
+    ref_ids: bounded_list(Id, MAX_BATCH_GROUPS) | None = None
 
     @property
     def ids(self) -> list[str]:
-        """Every id this Ack acknowledges: ref_id, then ref_ids."""
+        """Every group id this GroupAck acknowledges: ref_id, then ref_ids."""
         return [self.ref_id, *self.ref_ids] if self.ref_ids else [self.ref_id]
 
 
-@dataclass(slots=True, kw_only=True)
-class AdapterUpdate:
+class AdapterAck(Message, kw_only=True, tag_field="ref_kind", tag=int(Kind.ADAPTER_UPDATE)):
+    """The broker took adapter ``version`` (it relays it to the workers)."""
+
+    KIND: ClassVar[Kind] = Kind.ACK
+    ref_kind: ClassVar[int] = Kind.ADAPTER_UPDATE
+    version: PublishedVersion
+    ref_id: Id = ""  # the version as text, for clients that read an Ack's ref_id (set from version)
+
+    def __post_init__(self) -> None:
+        if not self.ref_id:
+            self.ref_id = str(self.version)
+
+
+class BatchSettled(Message, kw_only=True, tag_field="ref_kind", tag=int(Kind.BATCH_ACK)):
+    """The broker applied (and persisted) a BatchAck; the learner stops re-sending it."""
+
+    KIND: ClassVar[Kind] = Kind.ACK
+    ref_kind: ClassVar[int] = Kind.BATCH_ACK
+    ref_id: Id  # the batch id
+
+    @property
+    def batch_id(self) -> str:
+        return self.ref_id
+
+
+#: every reply of kind ACK (``isinstance(record, Ack)``); ``ref_kind`` says which
+Ack = GroupAck | AdapterAck | BatchSettled
+
+
+class AdapterUpdate(Message, kw_only=True):
     """A LoRA adapter version; tensors carry PEFT state-dict names. sha256 covers the tensor bytes in order."""
 
     KIND: ClassVar[Kind] = Kind.ADAPTER_UPDATE
-    version: int = rule(ge=1, le=MAX_VERSION)
-    step: int = rule(0, ge=0)
-    sha256: str = rule(max_len=64)
-    adapter_config: dict[str, Any] = rule(max_len=256, doc="PEFT adapter_config.json contents")
-    base_model: str = rule("", max_len=4096)
-    created_unix: float = rule(0.0, ge=0)
+    version: PublishedVersion
+    step: Count = 0
+    sha256: text(64)
+    adapter_config: FreeMap  # PEFT adapter_config.json contents
+    base_model: text(4096) = ""
+    created_unix: NonNegative = 0.0
 
 
-@dataclass(slots=True, kw_only=True)
-class AdapterNotice:
+class AdapterNotice(Message, kw_only=True):
     KIND: ClassVar[Kind] = Kind.ADAPTER_NOTICE
-    version: int = rule(ge=1, le=MAX_VERSION)
-    num_bytes: int = rule(ge=0)
-    sha256: str = rule(max_len=64)
+    version: PublishedVersion
+    num_bytes: Count
+    sha256: text(64)
 
 
-@dataclass(slots=True, kw_only=True)
-class AdapterFetch:
+class AdapterFetch(Message, kw_only=True):
     KIND: ClassVar[Kind] = Kind.ADAPTER_FETCH
-    version: int = rule(0, ge=0, le=MAX_VERSION, doc="0 = the newest")
+    version: Version = 0  # 0 = the newest
 
 
-@dataclass(slots=True, kw_only=True)
-class BatchRequest:
+class BatchRequest(Message, kw_only=True):
     KIND: ClassVar[Kind] = Kind.BATCH_REQUEST
-    num_groups: int = rule(ge=1, le=MAX_BATCH_GROUPS)
-    wait_ms: int = rule(1000, ge=0, le=600_000)
-    learner_version: int = rule(0, ge=0, le=MAX_VERSION)
+    num_groups: Annotated[int, Meta(ge=1, le=MAX_BATCH_GROUPS)]
+    wait_ms: Annotated[int, Meta(ge=0, le=600_000)] = 1000
+    learner_version: Version = 0
 
 
-@dataclass(slots=True, kw_only=True)
-class BatchEntry:
+class BatchEntry(Record, kw_only=True):
     group: RolloutGroup
-    first_tensor: int = rule(ge=0, doc="index of the group's first tensor spec in the batch")
+    first_tensor: Count  # index of the group's first tensor spec in the batch
 
 
-@dataclass(slots=True, kw_only=True)
-class Batch:
+class Batch(Message, kw_only=True):
     """Whole groups for one learner step; empty when the long-poll timed out."""
 
     KIND: ClassVar[Kind] = Kind.BATCH
-    batch_id: str = rule("", max_len=MAX_ID_LEN)
-    groups: list[BatchEntry] = rule(default_factory=list, max_len=MAX_BATCH_GROUPS)
-    latest_version: int = rule(0, ge=0, le=MAX_VERSION)
+    batch_id: Id = ""
+    groups: bounded_list(BatchEntry, MAX_BATCH_GROUPS) = field(default_factory=list)
+    latest_version: Version = 0
 
 
-@dataclass(slots=True, kw_only=True)
-class BatchAck:
-    KIND: ClassVar[Kind] = Kind.BATCH_ACK
-    batch_id: str = rule(max_len=MAX_ID_LEN)
-    step: int = rule(ge=0)
-    trained_version: int = rule(ge=0, le=MAX_VERSION, doc="policy version of the parameters the step updated")
-    group_ids: list[str] = rule(default_factory=list, max_len=MAX_BATCH_GROUPS,
-                                doc="exactly the groups done with (trained, or already trained): served groups not "
-                                "listed are re-queued; lets a restarted broker recognise a batch it never served")
-    checkpoint_version: int = rule(0, ge=0, le=MAX_VERSION,
-                                   doc="newest version covered by a durable learner checkpoint")
-    mismatches: list[PolicyMismatch] = rule(default_factory=list, max_len=MAX_BATCH_GROUPS,
-                                            doc="groups of the batch that failed the policy check: not trained, "
-                                            "not listed in group_ids (so re-queued); the broker counts them "
-                                            "against the worker that sent them")
-
-
-@dataclass(slots=True, kw_only=True)
-class PolicyMismatch:
+class PolicyMismatch(Record, kw_only=True):
     """One group the learner refused to train because its tokens are not what the version it claims generates."""
 
-    group_id: str = rule(max_len=MAX_ID_LEN)
-    worker_id: str = rule("", max_len=MAX_ID_LEN, doc="as the group says; the broker uses its own record")
-    reason: str = rule(choices=MISMATCH_REASONS)
-    version: int = rule(0, ge=0, le=MAX_VERSION, doc="the claimed version that failed")
-    num_checked: int = rule(0, ge=0, doc="tokens compared")
-    num_off: int = rule(0, ge=0, doc="tokens off by more than the tolerance")
-    max_abs_diff: float = rule(0.0, ge=0, doc="largest |behaviour - recomputed| log-prob (nats)")
-    mean_abs_diff: float = rule(0.0, ge=0, doc="mean |behaviour - recomputed| log-prob (nats)")
-    detail: str = rule("", max_len=512)
+    group_id: Id
+    worker_id: Id = ""  # as the group says; the broker uses its own record
+    reason: MismatchReason
+    version: Version = 0  # the claimed version that failed
+    num_checked: Count = 0  # tokens compared
+    num_off: Count = 0  # tokens off by more than the tolerance
+    max_abs_diff: NonNegative = 0.0  # largest |behaviour - recomputed| log-prob (nats)
+    mean_abs_diff: NonNegative = 0.0  # mean |behaviour - recomputed| log-prob (nats)
+    detail: text(512) = ""
 
 
-@dataclass(slots=True, kw_only=True)
-class StatsRequest:
+class BatchAck(Message, kw_only=True):
+    KIND: ClassVar[Kind] = Kind.BATCH_ACK
+    batch_id: Id
+    step: Count
+    trained_version: Version  # policy version of the parameters the step updated
+    #: exactly the groups done with (trained, or already trained): served groups not listed are re-queued; lets a
+    #: restarted broker recognise a batch it never served
+    group_ids: bounded_list(Id, MAX_BATCH_GROUPS) = field(default_factory=list)
+    checkpoint_version: Version = 0  # newest version covered by a durable learner checkpoint
+    #: groups of the batch that failed the policy check: not trained, not listed in group_ids (so re-queued); the
+    #: broker counts them against the worker that sent them
+    mismatches: bounded_list(PolicyMismatch, MAX_BATCH_GROUPS) = field(default_factory=list)
+
+
+class StatsRequest(Message, kw_only=True):
     KIND: ClassVar[Kind] = Kind.STATS_REQUEST
 
 
-@dataclass(slots=True, kw_only=True)
-class Stats:
+class Stats(Message, kw_only=True):
     KIND: ClassVar[Kind] = Kind.STATS
-    snapshot: dict[str, Any] = rule(default_factory=dict)
+    snapshot: dict[str, Any] = field(default_factory=dict)
 
 
-MESSAGES: dict[int, type] = {
+MESSAGES: dict[int, Any] = {
     int(cls.KIND): cls
-    for cls in (Hello, Welcome, Heartbeat, Error, Bye, LeaseRequest, LeaseGrant, LeaseReturn, RolloutGroup, Ack,
+    for cls in (Hello, Welcome, Heartbeat, Error, Bye, LeaseRequest, LeaseGrant, LeaseReturn, RolloutGroup,
                 AdapterUpdate, AdapterNotice, AdapterFetch, BatchRequest, Batch, BatchAck, StatsRequest, Stats)
 }
+MESSAGES[Kind.ACK] = Ack
 assert set(MESSAGES) == KNOWN_KINDS
+
+
+def _lease_values(grant: LeaseGrant) -> Iterator[tuple[str, Any]]:
+    for i, lease in enumerate(grant.leases):
+        yield f"leases[{i}].meta", lease.meta
+        if lease.columns is not None:
+            yield f"leases[{i}].columns", lease.columns
+        for j, message in enumerate(lease.prompt_messages or ()):
+            yield f"leases[{i}].prompt_messages[{j}]", message
+
+
+#: where each kind keeps free-form values (their nesting is bounded after the decode, common.wire)
+_FREE_FORM = {
+    Kind.LEASE_GRANT: _lease_values,
+    Kind.ADAPTER_UPDATE: lambda update: [("adapter_config", update.adapter_config)],
+    Kind.STATS: lambda stats: [("snapshot", stats.snapshot)],
+}
+_DECODERS = {kind: WireDecoder("Ack" if kind == Kind.ACK else cls.__name__, cls, _FREE_FORM.get(kind))
+             for kind, cls in MESSAGES.items()}
+_encode_header = msgspec.msgpack.Encoder().encode
+_NO_SPECS: list[TensorSpec] = []
 
 
 # -- encode / decode -----------------------------------------------------------------------------------------
 
 
-def encode(message: Any, tensors: Sequence[tuple[str, Any]] = ()) -> list[Any]:
+def encode(message: Message, tensors: Sequence[tuple[str, Any]] = ()) -> list[Any]:
     """Frames of a message record plus its tensors ((name, array) pairs, sent zero-copy)."""
-    return framing.pack(int(message.KIND), PROTOCOL_VERSION, dump(message), tensors)
+    specs, buffers = [], []
+    for index, (name, array) in enumerate(tensors):
+        dtype, shape, buffer = framing.wire_array(array)
+        specs.append(TensorSpec(name, dtype, shape, index))
+        buffers.append(buffer)
+    return encode_with_frames(message, specs, buffers)
 
 
-def encode_with_frames(message: Any, specs: Sequence[TensorSpec], frames: Sequence[Any]) -> list[Any]:
+def encode_with_frames(message: Message, specs: Sequence[TensorSpec], frames: Sequence[Any]) -> list[Any]:
     """Frames of a message whose tensor frames were received earlier and are forwarded untouched."""
-    return framing.pack_raw(int(message.KIND), PROTOCOL_VERSION, dump(message), specs, frames)
+    header = _encode_header(msgspec.structs.replace(message, tensors=list(specs)))
+    return [framing.PREAMBLE.pack(framing.MAGIC, PROTOCOL_VERSION, message.KIND), header, *frames]
 
 
 def decode_envelope(frames: Sequence[Any], max_bytes: int) -> Envelope:
-    """Framing checks only (preamble, version, size, header, tensor frame sizes)."""
+    """Framing checks and the header decoded into its record: raises ProtocolError when the message's shape is
+    wrong (preamble, version, size, not msgpack, tensor specs and frames); a header whose *fields* are invalid
+    gives an envelope whose ``error`` :func:`decode_record` raises (the broker checks who sent it first)."""
     try:
-        return framing.unpack(frames, version=PROTOCOL_VERSION, known_kinds=KNOWN_KINDS, max_bytes=max_bytes)
+        kind, header_bytes, sizes = framing.split(frames, version=PROTOCOL_VERSION, known_kinds=KNOWN_KINDS,
+                                                  max_bytes=max_bytes)
     except framing.VersionMismatch as exc:
-        raise ProtocolError(str(exc), code="protocol_version") from None
+        raise ProtocolError(str(exc), code=ErrorCode.PROTOCOL_VERSION) from None
+    except framing.Oversize as exc:
+        raise ProtocolError(str(exc), code=ErrorCode.OVERSIZE) from None
     except FramingError as exc:
-        code = "oversize" if "exceeds the limit" in str(exc) else "malformed"
-        raise ProtocolError(str(exc), code=code) from None
+        raise ProtocolError(str(exc)) from None
+    envelope = Envelope(kind=kind, header_bytes=header_bytes, specs=_NO_SPECS, frames=list(frames[2:]),
+                        num_bytes=sum(sizes))
+    try:
+        record, envelope.unknown_fields = _DECODERS[kind].decode(header_bytes)
+    except WireError as exc:
+        if exc.framing:
+            raise ProtocolError(str(exc)) from None
+        envelope.error = ProtocolError(str(exc))
+        return envelope
+    specs = record.tensors
+    if specs is not UNSET:
+        record.tensors = UNSET
+        envelope.specs = specs
+    try:
+        framing.check_frames(envelope.specs, sizes[2:])
+    except FramingError as exc:
+        raise ProtocolError(str(exc)) from None
+    envelope.record = record
+    return envelope
 
 
 def decode_record(envelope: Envelope) -> Any:
     """The typed record of an envelope, with the tensor layout its kind requires checked."""
-    cls = MESSAGES[envelope.kind]
-    try:
-        record = build(cls, envelope.header, cls.__name__)
-    except SchemaError as exc:
-        raise ProtocolError(str(exc)) from None
-    if cls is RolloutGroup:
+    if envelope.error is not None:
+        raise envelope.error
+    record, kind = envelope.record, envelope.kind
+    if kind == Kind.ROLLOUT_GROUP:
         check_group_layout(record, envelope.specs)
-    elif cls is AdapterUpdate:
+    elif kind == Kind.ADAPTER_UPDATE:
         check_adapter_layout(envelope.specs)
-    elif cls is Batch:
+    elif kind == Kind.BATCH:
         check_batch_layout(record, envelope.specs)
     elif envelope.specs:
-        raise ProtocolError(f"{cls.__name__} carries no tensors, got {len(envelope.specs)}")
+        raise ProtocolError(f"{type(record).__name__} carries no tensors, got {len(envelope.specs)}")
     return record
 
 
@@ -463,128 +537,6 @@ def decode(frames: Sequence[Any], max_bytes: int = 1 << 31) -> tuple[Any, Envelo
     """(record, envelope) of a received multipart message; raises ProtocolError on any bad input."""
     envelope = decode_envelope(frames, max_bytes)
     return decode_record(envelope), envelope
-
-
-# -- layout and value checks ---------------------------------------------------------------------------------
-
-
-def check_group_layout(group: RolloutGroup, specs: Sequence[TensorSpec]) -> None:
-    """Per-sample lists agree in length; the five tensors exist with the right dtypes and 1-D sizes."""
-    n = len(group.rewards)
-    if n == 0:
-        raise ProtocolError(f"RolloutGroup {group.group_id}: a group needs at least one sample")
-    for name in ("prompt_lens", "completion_lens", "finish_reasons"):
-        if len(getattr(group, name)) != n:
-            raise ProtocolError(f"RolloutGroup {group.group_id}: {name} has {len(getattr(group, name))} entries, "
-                                f"rewards has {n}")
-    if any(x < 0 for x in group.prompt_lens) or any(x < 0 for x in group.completion_lens):
-        raise ProtocolError(f"RolloutGroup {group.group_id}: sequence lengths must be >= 0")
-    if group.min_version > group.max_version:
-        raise ProtocolError(f"RolloutGroup {group.group_id}: min_version {group.min_version} > "
-                            f"max_version {group.max_version}")
-    for name, mean in (group.reward_means or {}).items():
-        if len(name) > MAX_ID_LEN or isinstance(mean, bool) or not isinstance(mean, int | float) \
-                or not math.isfinite(mean):
-            raise ProtocolError(f"RolloutGroup {group.group_id}: reward_means[{name[:MAX_ID_LEN]!r}] must be a "
-                                f"finite number under a name of at most {MAX_ID_LEN} characters, got {mean!r:.40}")
-    by_name = {s.name: s for s in specs}
-    if len(by_name) != len(specs) or set(by_name) != set(GROUP_TENSORS):
-        raise ProtocolError(f"RolloutGroup {group.group_id}: tensors must be exactly {sorted(GROUP_TENSORS)}, "
-                            f"got {sorted(s.name for s in specs)}")
-    for name, (dtype, lens_field) in GROUP_TENSORS.items():
-        spec = by_name[name]
-        expected = sum(getattr(group, lens_field))
-        if spec.dtype != dtype or spec.shape != (expected,):
-            raise ProtocolError(f"RolloutGroup {group.group_id}: {name} must be {dtype}[{expected}], "
-                                f"got {spec.dtype}{list(spec.shape)}")
-
-
-def check_adapter_layout(specs: Sequence[TensorSpec]) -> None:
-    if not specs:
-        raise ProtocolError("AdapterUpdate carries no tensors")
-    names = [s.name for s in specs]
-    if len(set(names)) != len(names):
-        raise ProtocolError("AdapterUpdate: tensor names must be unique")
-    for s in specs:
-        if s.dtype not in ("float32", "float16", "bfloat16"):
-            raise ProtocolError(f"AdapterUpdate: {s.name} must be a floating dtype, got {s.dtype}")
-
-
-def check_batch_layout(batch: Batch, specs: Sequence[TensorSpec]) -> None:
-    expected_first = 0
-    for i, entry in enumerate(batch.groups):
-        if entry.first_tensor != expected_first:
-            raise ProtocolError(f"Batch: groups[{i}].first_tensor is {entry.first_tensor}, expected {expected_first}")
-        check_group_layout(entry.group, specs[expected_first:expected_first + len(GROUP_TENSORS)])
-        expected_first += len(GROUP_TENSORS)
-    if expected_first != len(specs):
-        raise ProtocolError(f"Batch: {len(specs)} tensors for {len(batch.groups)} groups")
-
-
-_NUMPY_DTYPES = {name: np.dtype(name) for name in GROUP_TENSORS_DTYPES}
-_UINT32 = np.dtype(np.uint32)
-_MAX, _MIN = np.maximum.reduce, np.minimum.reduce  # the reductions behind ndarray.max/min, one Python call less
-
-
-def _group_arrays(specs: Sequence[TensorSpec], frames: Sequence[Any]) -> dict[str, np.ndarray]:
-    """name -> numpy view of each tensor frame of a group whose layout was checked (1-D, known dtypes)."""
-    arrays = {}
-    for s in specs:
-        dtype = _NUMPY_DTYPES.get(s.dtype)
-        if dtype is None or len(s.shape) != 1:
-            arrays[s.name] = framing.as_numpy(s, frames[s.frame])
-        else:
-            frame = frames[s.frame]
-            arrays[s.name] = np.frombuffer(frame.buffer if hasattr(frame, "buffer") else frame, dtype=dtype)
-    return arrays
-
-
-def check_group_values(group: RolloutGroup, specs: Sequence[TensorSpec], frames: Sequence[Any], *,
-                       vocab_size: int, latest_version: int) -> None:
-    """Tensor contents in range, read through numpy views (no copies): raises ProtocolError('invalid_group').
-
-    - token ids in [0, vocab_size) (when vocab_size > 0)
-    - log-probs finite and <= 1e-3 (a log-probability; slack for float rounding) at every position, also where
-      loss_mask is 0 (environment tokens carry log-prob 0)
-    - loss_mask only 0 or 1; versions within [min_version, max_version] and max_version <= latest_version
-    - rewards finite (checked by the record already)
-
-    Seven reductions in all (one pass over each id and mask tensor, two over log-probs and versions).
-    """
-    arrays = _group_arrays(specs, frames)
-
-    def bad(what: str) -> ProtocolError:
-        return ProtocolError(f"RolloutGroup {group.group_id}: {what}", code="invalid_group")
-
-    if vocab_size > 0:
-        for name in ("prompt_ids", "completion_ids"):
-            ids = arrays[name]
-            # one pass for both bounds: as unsigned, negative int32 ids are >= 2**31 > any vocab size
-            if ids.size and int(_MAX(ids.view(_UINT32))) >= vocab_size:
-                raise bad(f"{name} has ids outside [0, {vocab_size}): min {int(ids.min())}, max {int(ids.max())}")
-    mask = arrays["loss_mask"]
-    if mask.size and int(_MAX(mask)) > 1:
-        raise bad("loss_mask must hold only 0 and 1")
-    logprobs = arrays["logprobs"]
-    if logprobs.size:
-        high, low = float(_MAX(logprobs)), float(_MIN(logprobs))  # NaN propagates into both
-        if not (math.isfinite(high) and math.isfinite(low)):
-            raise bad("logprobs contain NaN or inf")
-        if high > 1e-3:
-            raise bad(f"logprobs must be <= 0, got {high}")
-    if group.max_version > latest_version:
-        raise bad(f"max_version {group.max_version} is newer than the latest published version {latest_version}")
-    versions = arrays["versions"]
-    if versions.size:
-        oldest, newest = int(_MIN(versions)), int(_MAX(versions))
-        if oldest < group.min_version or newest > group.max_version:
-            raise bad(f"token versions span [{oldest}, {newest}], header says "
-                      f"[{group.min_version}, {group.max_version}]")
-
-
-def group_tensors(group_specs: Sequence[TensorSpec], frames: Sequence[Any]) -> dict[str, Any]:
-    """name -> torch tensor aliasing the frames (see framing's lifetime rules)."""
-    return {s.name: framing.as_torch(s, frames[s.frame]) for s in group_specs}
 
 
 def error_reply(exc: ProtocolError, ref_kind: int = 0, ref_id: str = "") -> Error:

@@ -1,4 +1,8 @@
-"""Typed records from untrusted mappings: the one validator behind wire messages and config files.
+"""Typed records from untrusted mappings: the validator behind config files and the persisted broker state.
+
+(Wire messages are ``msgspec`` Structs decoded and validated in C, :mod:`common.wire`; config stays here
+because its records carry a documentation, a unit and a range per field for the generated reference
+(:func:`describe`), and its errors name TOML paths and reject unknown keys, so that typos are caught.)
 
 A record is a ``@dataclass(slots=True, kw_only=True)`` whose fields are declared with :func:`rule`, which
 records the field's documentation, unit and allowed range next to its type::
@@ -10,15 +14,14 @@ records the field's documentation, unit and allowed range next to its type::
 :func:`build` turns a mapping (a decoded msgpack header, a TOML table) into such a record. It checks every
 field against its annotation and rule and raises :class:`SchemaError` naming the path of the first bad
 value (``"hello.capacity: must be >= 1, got 0"``); unknown keys are rejected so that typos in config files
-are caught and wire peers cannot smuggle fields. :func:`dump` goes the other way, to plain msgpack/TOML
+are caught. :func:`dump` goes the other way, to plain msgpack/TOML
 friendly values.
 
 Supported annotations: ``int``, ``float``, ``str``, ``bool``, ``bytes``, ``list[T]``, ``dict[str, Any]``,
 ``T | None``, unions of those (``str | list[str]``: the first that fits) and nested record classes. ``bool`` is never accepted for ``int``; ``int`` is accepted for
 ``float``. ``dict[str, V]`` (``V`` not ``Any``) checks every key (at most :data:`MAX_KEY_LEN` characters) and
 value; a free-form value (``Any``, ``dict[str, Any]``) is walked without recursion and may nest at most
-``max_depth`` levels (default :data:`MAX_DEPTH`): decoded wire headers are re-encoded and rendered later, and a
-value nested near msgpack's own limit would otherwise fail there, far from the peer that sent it.
+``max_depth`` levels (default :data:`MAX_DEPTH`, :func:`common.wire.check_depth`).
 """
 
 from __future__ import annotations
@@ -31,10 +34,10 @@ from dataclasses import MISSING
 from functools import cache
 from typing import Any, TypeVar
 
+from common.wire import MAX_DEPTH, MAX_KEY_LEN, check_depth
+
 T = TypeVar("T")
 
-MAX_DEPTH = 32  # levels a free-form value may nest (a map inside a list inside a map is 3)
-MAX_KEY_LEN = 64  # characters of each key of a typed map (dict[str, int | float] counters, metrics)
 
 
 class SchemaError(ValueError):
@@ -85,100 +88,19 @@ _NO_RULE = Rule()
 
 
 @cache
-def _fields(cls: type) -> tuple[tuple[str, Any, Rule, bool, Any], ...]:
-    """(name, resolved annotation, rule, required, fast predicate or None) per field, cached per class."""
+def _fields(cls: type) -> tuple[tuple[str, Any, Rule, bool], ...]:
+    """(name, resolved annotation, rule, required) per field, cached per class."""
     hints = typing.get_type_hints(cls)
     out = []
     for f in dataclasses.fields(cls):
         required = f.default is MISSING and f.default_factory is MISSING
-        out.append((f.name, hints[f.name], rule_of(f), required, _fast_check(hints[f.name], rule_of(f))))
+        out.append((f.name, hints[f.name], rule_of(f), required))
     return tuple(out)
 
 
 @cache
 def _known(cls: type) -> frozenset[str]:
     return frozenset(name for name, *_ in _fields(cls))
-
-
-def _scalar_ok(annotation: Any, rule_: Rule) -> Any:
-    """A predicate accepting the plain, in-range values of a scalar annotation (None if not a plain scalar).
-
-    It only ever says yes to values :func:`check_value` would return unchanged; anything else (conversions,
-    errors) goes the generic way, which also writes the error messages.
-    """
-    kinds = {int: int, float: float, str: str, bool: bool}
-    kind = kinds.get(annotation) if isinstance(annotation, type) else None
-    if kind is None:
-        return None
-    ge, le, gt, max_len, choices = rule_.ge, rule_.le, rule_.gt, rule_.max_len, rule_.choices
-    check_finite = kind is float and rule_.finite
-    numeric = kind in (int, float)
-
-    def ok(value: Any) -> bool:
-        if type(value) is not kind:
-            return False
-        if numeric:
-            if check_finite and not math.isfinite(value):
-                return False
-            if (ge is not None and value < ge) or (gt is not None and value <= gt) or (le is not None and value > le):
-                return False
-        elif max_len is not None and kind is str and len(value) > max_len:
-            return False
-        return choices is None or value in choices
-
-    return ok
-
-
-def _fast_check(annotation: Any, rule_: Rule) -> Any:
-    """A predicate for values that pass as they are (plain scalars, lists of them); None = always generic."""
-    ok = _scalar_ok(annotation, rule_)
-    if ok is not None:
-        return ok
-    if typing.get_origin(annotation) is list:
-        (item_type,) = typing.get_args(annotation)
-        if item_type in (int, float, str):
-            return _plain_list_ok(item_type, rule_)
-        item_ok = _scalar_ok(item_type, dataclasses.replace(rule_, max_len=None))
-        if item_ok is None:
-            return None
-        max_len = rule_.max_len
-
-        def list_ok(value: Any) -> bool:
-            return type(value) is list and (max_len is None or len(value) <= max_len) and all(map(item_ok, value))
-
-        return list_ok
-    return None
-
-
-def _plain_list_ok(item_type: type, rule_: Rule) -> Any:
-    """The list predicate of :func:`_fast_check` for ints, floats or strings, without a Python call per item:
-    item types, bounds, finiteness and choices are checked by builtins over the whole list."""
-    only = {item_type}
-    ge, le, gt, max_len = rule_.ge, rule_.le, rule_.gt, rule_.max_len
-    choices = frozenset(rule_.choices) if rule_.choices is not None else None
-    finite = item_type is float and rule_.finite
-    bounded = item_type is not str and (ge is not None or le is not None or gt is not None)
-
-    def list_ok(value: Any) -> bool:
-        if type(value) is not list or (max_len is not None and len(value) > max_len):
-            return False
-        if not value:
-            return True
-        if set(map(type, value)) != only:  # (bool is not int here: type(True) is bool)
-            return False
-        if finite:
-            try:
-                if not math.isfinite(math.fsum(value)):  # NaN and inf carry into the sum
-                    return False
-            except (OverflowError, ValueError):  # finite values whose sum overflows; inf - inf
-                return False
-        if bounded:
-            low, high = min(value), max(value)
-            if (ge is not None and low < ge) or (gt is not None and low <= gt) or (le is not None and high > le):
-                return False
-        return choices is None or choices.issuperset(value)
-
-    return list_ok
 
 
 def build(cls: type[T], mapping: Any, path: str) -> T:
@@ -191,13 +113,9 @@ def build(cls: type[T], mapping: Any, path: str) -> T:
     if unknown:
         raise SchemaError(f"{path}: unknown field(s) {sorted(map(str, unknown))}; known: {sorted(known)}")
     kwargs = {}
-    for name, annotation, rule_, required, fast in fields:
+    for name, annotation, rule_, required in fields:
         if name in mapping:
-            value = mapping[name]
-            if fast is not None and fast(value):
-                kwargs[name] = list(value) if type(value) is list else value
-            else:
-                kwargs[name] = check_value(value, annotation, rule_, f"{path}.{name}")
+            kwargs[name] = check_value(mapping[name], annotation, rule_, f"{path}.{name}")
         elif required:
             raise SchemaError(f"{path}.{name}: required field is missing")
     return cls(**kwargs)
@@ -256,22 +174,10 @@ def check_value(value: Any, annotation: Any, rule_: Rule, path: str) -> Any:
 
 
 def _check_depth(value: Any, rule_: Rule, path: str) -> None:
-    """A free-form value nests at most ``rule_.max_depth`` (default MAX_DEPTH) levels; walked with a stack, so a
-    value nested deeper than Python's recursion limit is refused here instead of failing wherever it is used."""
-    max_depth = MAX_DEPTH if rule_.max_depth is None else rule_.max_depth
-    stack = [(value, 1)]
-    while stack:
-        item, depth = stack.pop()
-        if isinstance(item, dict):
-            children = item.values()
-        elif isinstance(item, list | tuple):
-            children = item
-        else:
-            continue
-        if depth > max_depth:
-            raise SchemaError(f"{path}: nested more than {max_depth} levels deep (maps and lists in one another); "
-                              "flatten it")
-        stack.extend((child, depth + 1) for child in children if isinstance(child, dict | list | tuple))
+    """A free-form value nests at most ``rule_.max_depth`` (default MAX_DEPTH) levels (walked without recursion)."""
+    problem = check_depth(value, MAX_DEPTH if rule_.max_depth is None else rule_.max_depth)
+    if problem is not None:
+        raise SchemaError(f"{path}: {problem}")
 
 
 def _preview(value: Any) -> str:

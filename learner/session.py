@@ -4,9 +4,9 @@
     want_batch(); poll()  BatchRequest(num_groups, wait_ms, version) ->
                         <- Batch                                       (empty after wait_ms: asked again)
     publish(snapshot)     AdapterUpdate(version) + LoRA tensors        ->
-                        <- Ack(ADAPTER_UPDATE, str(version))           (time from send to here is recorded)
+                        <- AdapterAck(version)                         (time from send to here is recorded)
     ack_batch(ack)        BatchAck(batch_id, step, group ids, ...)     ->
-                        <- Ack(BATCH_ACK, batch_id)                    (kept until then)
+                        <- BatchSettled(batch_id)                      (kept until then)
     Reconnected (a new broker process, or the same one after a cut link):  re-send every unacknowledged BatchAck,
                                          the outstanding BatchRequest, and the newest adapter unless the broker
                                          holds it (the same broker at that version) or knows a newer version.
@@ -28,7 +28,17 @@ from dataclasses import dataclass
 from common.config import Config
 from common.logging import get_logger
 from common.metrics import Metrics
-from common.protocol import Ack, Batch, BatchAck, BatchRequest, Error, Hello, Kind, Welcome
+from common.protocol import (
+    AdapterAck,
+    Batch,
+    BatchAck,
+    BatchRequest,
+    BatchSettled,
+    Error,
+    Hello,
+    Kind,
+    Welcome,
+)
 from common.transport import BrokerLink, BrokerUnavailable, Incoming, Reconnected
 from learner.publish import AdapterSnapshot
 
@@ -44,7 +54,7 @@ class LearnerReplaced(RuntimeError):
 
 
 @dataclass(slots=True)
-class AdapterAck:
+class AdapterAckTime:
     version: int
     seconds: float  # from sending the AdapterUpdate to the broker's Ack: the adapter is available to workers
 
@@ -70,7 +80,7 @@ class BrokerSession:
         self._surplus: collections.deque[Incoming] = collections.deque()  # batches that came unasked
         self._newest: AdapterSnapshot | None = None
         self._adapter_sent_at: dict[int, float] = {}
-        self.adapter_acks: list[AdapterAck] = []  # taken by the loop for its metrics
+        self.adapter_acks: list[AdapterAckTime] = []  # taken by the loop for its metrics
 
     def start(self, timeout_s: float) -> Welcome:
         deadline = time.monotonic() + timeout_s
@@ -143,8 +153,12 @@ class BrokerSession:
             if self._wanted is not None:  # the long-poll ran out: ask again
                 self._send_request()
             return None
-        if isinstance(record, Ack):
-            self._on_ack(record)
+        if isinstance(record, AdapterAck):
+            sent_at = self._adapter_sent_at.pop(record.version, None)
+            if sent_at is not None:
+                self.adapter_acks.append(AdapterAckTime(record.version, time.monotonic() - sent_at))
+        elif isinstance(record, BatchSettled):
+            self._unacked_batches.pop(record.batch_id, None)
         elif isinstance(record, Error):
             self._on_error(record)
         else:
@@ -170,15 +184,6 @@ class BrokerSession:
         self.link.send(snap.update(), snap.tensors)
 
     # -- replies ---------------------------------------------------------------------------------------------
-
-    def _on_ack(self, ack: Ack) -> None:
-        if ack.ref_kind == Kind.BATCH_ACK:
-            self._unacked_batches.pop(ack.ref_id, None)
-        elif ack.ref_kind == Kind.ADAPTER_UPDATE:
-            version = int(ack.ref_id)
-            sent_at = self._adapter_sent_at.pop(version, None)
-            if sent_at is not None:
-                self.adapter_acks.append(AdapterAck(version, time.monotonic() - sent_at))
 
     def _on_error(self, error: Error) -> None:
         self.metrics.inc("broker_errors", code=error.code)

@@ -5,7 +5,7 @@ thread) and adds a dispatcher thread that handles everything the broker sends, s
 processed while the worker loop is busy generating::
 
     LeaseGrant      -> grants queue (the worker loop starts the groups); reason stale_adapter -> fetch newest
-    Ack(group)      -> drop the kept copy of that group (accepted or duplicate; one Ack may name several groups)
+    GroupAck        -> drop the kept copy of that group (accepted or duplicate; one GroupAck may name several)
     Error(invalid_group, group id) -> drop it too (the broker re-queued the prompt), counted
     AdapterNotice   -> remember the newest version published; fetch it when the next adapter is wanted
     AdapterUpdate   -> verify + write (AdapterStore) -> the adapter slot (the loop takes it between chunks)
@@ -246,17 +246,16 @@ class BrokerSession:
                 self._fetch_if_wanted(force=True)
             self.grants.put(record)
             self.wake.set()
-        elif isinstance(record, protocol.Ack):
-            if record.ref_kind == Kind.ROLLOUT_GROUP:
-                for group_id in record.ids:  # one Ack may cover several groups (Hello.batched_acks)
-                    with self._lock:
-                        pending = self._unacked.pop(group_id, None)
-                    if pending is not None:
-                        self.metrics.inc("groups_acked", status=record.status)
-                        log.info("group_acked", group_id=group_id, status=record.status,
-                                 rtt_ms=round((time.monotonic() - pending.first_sent) * 1000, 1),
-                                 sends=pending.num_sends)
-                        self.wake.set()
+        elif isinstance(record, protocol.GroupAck):
+            for group_id in record.ids:  # one GroupAck may cover several groups (Hello.batched_acks)
+                with self._lock:
+                    pending = self._unacked.pop(group_id, None)
+                if pending is not None:
+                    self.metrics.inc("groups_acked", status=record.status)
+                    log.info("group_acked", group_id=group_id, status=record.status,
+                             rtt_ms=round((time.monotonic() - pending.first_sent) * 1000, 1),
+                             sends=pending.num_sends)
+                    self.wake.set()
         elif isinstance(record, AdapterNotice):
             self._published(record.version)
         elif isinstance(record, AdapterUpdate):

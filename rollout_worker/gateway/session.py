@@ -28,9 +28,10 @@ A session is owned by the worker's thread (see :mod:`rollout_worker.gateway.engi
 
 from __future__ import annotations
 
-import dataclasses
 from dataclasses import dataclass, field
 from typing import Any
+
+import msgspec
 
 from common.chat import ChatFormat
 from common.protocol import ServedAdapter
@@ -147,4 +148,4 @@ class Session:
                 "loss_mask": self.loss_mask, "tito_divergence": dict(self.divergences),
                 "calls": [{"prompt_ids": c.prompt_ids, "token_ids": c.token_ids, "logprobs": c.logprobs,
                            "version": c.version, "finish_reason": c.finish_reason,
-                           "served": dataclasses.asdict(c.served)} for c in self.calls]}
+                           "served": msgspec.structs.asdict(c.served)} for c in self.calls]}

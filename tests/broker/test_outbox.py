@@ -5,7 +5,7 @@ from __future__ import annotations
 from broker.outbox import Outbox
 from broker.stats import BrokerStats
 from common import protocol
-from common.protocol import Ack, Heartbeat, Kind
+from common.protocol import AdapterAck, BatchSettled, Heartbeat, Kind
 
 A, B = b"worker/a", b"learner/b"
 
@@ -18,12 +18,12 @@ def test_now_and_after_durable_replies_leave_in_order_of_their_writes() -> None:
     stats = BrokerStats()
     box = Outbox(stats)
     box.send_record(A, Heartbeat())
-    box.send_record(B, Ack(ref_kind=Kind.BATCH_ACK, ref_id="b1"), after_durable=True)
+    box.send_record(B, BatchSettled(ref_id="b1"), after_durable=True)
     assert box.needs_write and box.has_ready(0)
     assert kinds(box.take()) == [(A, Kind.HEARTBEAT)]  # the ack waits for a write
     box.written(1)
     assert not box.needs_write and box.num_awaiting == 1
-    box.send_record(B, Ack(ref_kind=Kind.BATCH_ACK, ref_id="b2"), after_durable=True)
+    box.send_record(B, BatchSettled(ref_id="b2"), after_durable=True)
     box.written(2)
     box.release(0)
     assert box.take() == [] and not box.has_ready(0)
@@ -38,7 +38,7 @@ def test_now_and_after_durable_replies_leave_in_order_of_their_writes() -> None:
 
 def test_without_a_state_file_written_lets_them_out_at_once() -> None:
     box = Outbox(BrokerStats())
-    box.send_record(B, Ack(ref_kind=Kind.ADAPTER_UPDATE, ref_id="3"), after_durable=True)
+    box.send_record(B, AdapterAck(version=3), after_durable=True)
     box.written(None)
     assert kinds(box.take()) == [(B, Kind.ACK)] and box.num_awaiting == 0
 
@@ -70,9 +70,9 @@ def test_a_refused_send_runs_its_undo_once_it_fails() -> None:
 
 def test_drain_hands_out_everything_written_or_not() -> None:
     box = Outbox(BrokerStats())
-    box.send_record(B, Ack(ref_kind=Kind.BATCH_ACK, ref_id="b1"), after_durable=True)
+    box.send_record(B, BatchSettled(ref_id="b1"), after_durable=True)
     box.written(7)
-    box.send_record(B, Ack(ref_kind=Kind.BATCH_ACK, ref_id="b2"), after_durable=True)
+    box.send_record(B, BatchSettled(ref_id="b2"), after_durable=True)
     box.ack_group(A, "accepted", "0:1")
     box.send_record(A, Heartbeat())
     out = box.drain()

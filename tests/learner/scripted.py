@@ -33,13 +33,14 @@ import zmq
 
 from common import framing, protocol
 from common.protocol import (
-    Ack,
+    AdapterAck,
     AdapterNotice,
     AdapterUpdate,
     Batch,
     BatchAck,
     BatchEntry,
     BatchRequest,
+    BatchSettled,
     Bye,
     Error,
     Heartbeat,
@@ -210,7 +211,7 @@ class ScriptedBroker:
                        for s in envelope.specs}
             self.published.append(Published(record.version, record.step, record.sha256, tensors,
                                             record.adapter_config))
-            self._send(identity, protocol.encode(Ack(ref_kind=Kind.ADAPTER_UPDATE, ref_id=str(record.version))))
+            self._send(identity, protocol.encode(AdapterAck(version=record.version)))
         elif isinstance(record, BatchRequest):
             self.num_requests += 1
             if self.refuse_requests:
@@ -221,7 +222,7 @@ class ScriptedBroker:
         elif isinstance(record, BatchAck):
             self.acks.append(record)
             if self.answer_batch_acks:
-                self._send(identity, protocol.encode(Ack(ref_kind=Kind.BATCH_ACK, ref_id=record.batch_id)))
+                self._send(identity, protocol.encode(BatchSettled(ref_id=record.batch_id)))
         elif isinstance(record, Bye):
             self.byes.append(record)
 

@@ -5,11 +5,12 @@ from __future__ import annotations
 
 import json
 import tempfile
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import torch
+from msgspec.structs import replace
 
 from common import protocol
 from common.framing import Envelope, frames_sha256

@@ -4,11 +4,11 @@ from __future__ import annotations
 
 import hashlib
 import json
-from dataclasses import replace
 from pathlib import Path
 
 import pytest
 import torch
+from msgspec.structs import replace
 from safetensors.torch import load_file
 
 from common import protocol

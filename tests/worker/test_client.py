@@ -15,7 +15,7 @@ import zmq
 from common import protocol
 from common.config import load_config
 from common.metrics import Metrics
-from common.protocol import Ack, Error, Kind, LeaseGrant, Welcome
+from common.protocol import Error, GroupAck, Kind, LeaseGrant, Welcome
 from rollout_worker.adapters import AdapterStore
 from rollout_worker.client import BrokerSession
 from rollout_worker.rollout import FinishedGroup
@@ -90,14 +90,14 @@ def test_groups_are_kept_until_acked_and_resent_after_a_broker_restart(broker: S
         session.submit(finished_group(group_id))
     for _ in range(3):
         broker.recv(Kind.ROLLOUT_GROUP)
-    broker.send(Ack(ref_kind=Kind.ROLLOUT_GROUP, ref_id="0:1", status="accepted"))
+    broker.send(GroupAck(ref_id="0:1", status="accepted"))
     broker.send(Error(code="invalid_group", message="bad", ref_kind=Kind.ROLLOUT_GROUP, ref_id="0:3"))
     wait_for(lambda: session.num_unacked == 1, 5, "the ack and the rejection to be processed")
     assert session.metrics.counter("groups_rejected", reason="invalid_group") == 1
     broker.welcome("b2")  # a restarted broker: the session re-sends what was not acknowledged
     resent, frames = broker.recv(Kind.ROLLOUT_GROUP)
     assert resent.group_id == "0:2" and np.frombuffer(frames[1], np.int32).tolist() == [3, 4, 5]
-    broker.send(Ack(ref_kind=Kind.ROLLOUT_GROUP, ref_id="0:2", status="duplicate"))
+    broker.send(GroupAck(ref_id="0:2", status="duplicate"))
     wait_for(lambda: session.num_unacked == 0, 5, "the duplicate ack")
     assert session.metrics.counter("groups_acked", status="duplicate") == 1
     assert session.metrics.counter("groups_resent") == 1
