@@ -9,6 +9,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
+import msgspec
 import pytest
 
 from common.config import ConfigError, WorkerConfig
@@ -147,8 +148,7 @@ def test_rollouts_score_groups_with_trl_rewards_and_count_failures_per_function(
     rollouts = Rollouts(backend, EnvResolver(""), config, worker_id="w1", max_seq_len=512, metrics=Metrics(),
                         rewards=load_rewards(config))
     item = lease("0:0", prompt="3+4=", answer="7", group_size=4)
-    rollouts.add(type(item)(**{**{f: getattr(item, f) for f in item.__dataclass_fields__},
-                               "columns": {"answer": "7", "level": 2}}))
+    rollouts.add(msgspec.structs.replace(item, columns={"answer": "7", "level": 2}))
     (finished,) = run_to_end(rollouts)
     group: RolloutGroup = finished.group
     assert group.rewards == [1.5, 0.5, 1.5, 0.5] and group.finish_reasons == ["stop"] * 4
