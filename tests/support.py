@@ -102,6 +102,16 @@ class Processes:
                 proc.popen.wait(timeout=10)
 
 
+def run_ranks(script: str, ranks: int, *args: str, timeout_s: float = 300) -> str:
+    """Run ``tests/learner/<script>`` under torchrun on ``ranks`` CPU ranks (gloo); its stdout, after asserting
+    that every rank exited 0 (the tail of its output otherwise)."""
+    result = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone",
+                             f"--nproc_per_node={ranks}", str(REPO / "tests" / "learner" / script), *args],
+                            capture_output=True, text=True, timeout=timeout_s, env=child_env(), cwd=REPO)
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    return result.stdout
+
+
 def wait_for(condition: Callable[[], Any], timeout_s: float, what: str, procs: Processes | None = None,
              interval_s: float = 0.05) -> Any:
     """Poll ``condition`` until it returns something truthy; fail with ``what`` and the logs on timeout."""

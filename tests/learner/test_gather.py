@@ -3,21 +3,14 @@ gather (``get_model_state_dict``), on 1, 2 and 3 ranks with row counts that do n
 
 from __future__ import annotations
 
-import subprocess
-import sys
-
 import pytest
 
-from tests.support import REPO, child_env
+from tests.support import run_ranks
 
 
 @pytest.mark.parametrize("ranks", [1, 2, 3])
 def test_one_collective_gather_equals_torchs(ranks: int) -> None:
-    result = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone",
-                             f"--nproc_per_node={ranks}", str(REPO / "tests" / "learner" / "gather_ranks.py")],
-                            capture_output=True, text=True, timeout=180, env=child_env(), cwd=REPO)
-    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
-    assert f"gather ok on {ranks} ranks" in result.stdout
+    assert f"gather ok on {ranks} ranks" in run_ranks("gather_ranks.py", ranks, timeout_s=180)
 
 
 def test_parameters_that_are_not_row_shards_take_torchs_gather() -> None:

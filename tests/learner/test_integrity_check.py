@@ -12,8 +12,6 @@ the same groups, also one whose sha256 only rank 0 can judge (tests/learner/inte
 from __future__ import annotations
 
 import dataclasses
-import subprocess
-import sys
 from pathlib import Path
 
 import numpy as np
@@ -36,7 +34,7 @@ from tests.learner.scripted import (
     sample_group,
     served_for,
 )
-from tests.support import REPO, child_env
+from tests.support import run_ranks
 
 OVERRIDES = ["learner.lora_rank=8", "learner.lr=0.05", "learner.warmup_steps=0", "learner.grad_clip=0",
              "learner.micro_batch_tokens=128", "integrity.samples_per_group=2", "run.max_staleness=4"]
@@ -248,12 +246,9 @@ def test_a_version_the_history_does_not_hold_is_unverifiable_and_passes(world: W
 
 
 def test_two_ranks_agree_and_drop_the_bad_groups(tiny_model_dir: Path) -> None:
-    result = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
-                             str(REPO / "tests" / "learner" / "integrity_ranks.py"), str(tiny_model_dir)],
-                            capture_output=True, text=True, timeout=300, env=child_env(), cwd=REPO)
-    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    stdout = run_ranks("integrity_ranks.py", 2, str(tiny_model_dir))
     assert "integrity ok on 2 ranks: kept ['good-0', 'good-1', 'good-long'], dropped [('made-up', 'logprobs'), " \
-           "('bad-sha', 'adapter_sha256'), ('made-up-long', 'logprobs')]" in result.stdout
+           "('bad-sha', 'adapter_sha256'), ('made-up-long', 'logprobs')]" in stdout
 
 
 @pytest.mark.parametrize("ranks", [1, 2])

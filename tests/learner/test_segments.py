@@ -11,8 +11,6 @@
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -24,7 +22,7 @@ from learner.loss import LossConfig
 from learner.model import build_policy
 from learner.parallel import init_parallel
 from learner.step import forward_backward
-from tests.support import REPO, child_env
+from tests.support import run_ranks
 
 
 @pytest.fixture(scope="module")
@@ -141,8 +139,4 @@ def test_aligned_passes_keep_each_ranks_order_and_run_the_same_kinds(seed: int) 
 def test_split_rows_on_two_ranks_train_as_unsplit(tiny_model_dir: Path) -> None:
     """Rank 0 splits a row in 4, rank 1 one in 2 and packs the rest: the passes line up (a mismatch would hang
     or mix the ranks' all-gathers) and each rank's numbers equal the unsplit step's."""
-    result = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
-                             str(REPO / "tests" / "learner" / "segments_ranks.py"), str(tiny_model_dir)],
-                            capture_output=True, text=True, timeout=300, env=child_env(), cwd=REPO)
-    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
-    assert "segments ok on 2 ranks" in result.stdout
+    assert "segments ok on 2 ranks" in run_ranks("segments_ranks.py", 2, str(tiny_model_dir))
