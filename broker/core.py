@@ -87,8 +87,13 @@ class BrokerCore:
         self.quarantine = Quarantine(after=config.integrity.quarantine_after, window=config.integrity.quarantine_window)
         self.writer = (StateWriter(self.state_path, min_interval_s=broker.state_write_interval_ms / 1000)
                        if self.state_path else None)
+
+        def to_unix(t: float) -> float:
+            return self.started_unix + (t - self.started_s)
+
         restored = restore(config, task, state_path=self.state_path, stats=self.stats, broker_id=self.broker_id,
-                           adapter_path=self.writer.adapter_path if self.writer else None, adapters=adapters)
+                           adapter_path=self.writer.adapter_path if self.writer else None, adapters=adapters,
+                           quarantine=self.quarantine, to_unix=to_unix)
         self.ledger, self.progress, self.history = restored.ledger, restored.progress, restored.history
         self.lease_secret = restored.lease_secret
         self.ledger.source.on_reserve = lambda _end: self.persist()
@@ -97,7 +102,7 @@ class BrokerCore:
                      progress=self.progress, outbox=self.outbox)
         self.leasing = LeaseDesk(config, task_label=self.task_label, **parts)
         self.batching = BatchDesk(broker_id=self.broker_id, max_staleness=run.max_staleness, stats=self.stats,
-                                  to_unix=lambda t: self.started_unix + (t - self.started_s), **parts)
+                                  to_unix=to_unix, **parts)
         self.relay = AdapterRelay(adapters, history=self.history, progress=self.progress, peers=self.peers,
                                   outbox=self.outbox, stats=self.stats)
         # run_token: a learner's Hello must carry it (security off; common/run_token.py); None: not checked
@@ -117,7 +122,7 @@ class BrokerCore:
         self._next_stats_s = now_s
         self.keeper = StateKeeper(self.writer, stats=self.stats, adapter=self.relay.take_unsaved,
                                   state=lambda: state_of(config, self.ledger, self.progress, self.history,
-                                                         self.lease_secret))
+                                                         self.lease_secret, self.quarantine, to_unix))
         self.persist()
 
     @property

@@ -24,7 +24,14 @@ its groups are refused (Error ``quarantined``); a process on probation holds one
 
 Pure logic: no sockets, the caller's clock (``now_s``, ``time.monotonic()``). Bounded: at most
 :data:`MAX_TRACKED` processes are remembered (the least recently checked healthy ones are forgotten first).
-Kept in memory only: a restarted broker quarantines a faulty worker again after ``quarantine_after`` failures.
+
+Survives a broker restart: the state file (:mod:`broker.state`, field ``quarantine``) keeps up to
+:data:`MAX_PERSISTED` flagged records (:meth:`Quarantine.persisted`: the current ones before the superseded,
+the most recently flagged first), and :meth:`Quarantine.put` puts them back, so a quarantined process that
+reconnects to the new broker (same session) stays out and a restarted one (new session) is on probation as
+before. Healthy records are not kept: a process's passes before the restart are forgotten. A flagged record past
+the cap is lost at a restart (the state file counts them): that process starts clean and is quarantined again
+after ``quarantine_after`` failures, and a restart of it is not sent to probation.
 """
 
 from __future__ import annotations
@@ -41,6 +48,7 @@ WorkerKey = tuple[str, str]
 
 MAX_EVIDENCE = 4  # failures kept per process, newest last
 MAX_TRACKED = 4096  # worker processes remembered
+MAX_PERSISTED = 128  # flagged processes kept in the state file (the Stats view lists 64 of each status)
 
 
 class Status(enum.StrEnum):
@@ -147,6 +155,21 @@ class Quarantine:
             record.num_quarantines = max(record.num_quarantines, old.num_quarantines)
             record.evidence.extend(old.evidence)
         return True
+
+    def put(self, worker: WorkerKey, record: Record) -> None:
+        """A record a previous broker persisted, back as it was (the caller built it on this clock)."""
+        if record.outcomes.maxlen != self.window:
+            record.outcomes = deque(record.outcomes, maxlen=self.window)
+        self._records.pop(worker, None)
+        self._forget_one()
+        self._records[worker] = record
+
+    def persisted(self, limit: int = MAX_PERSISTED) -> tuple[list[tuple[WorkerKey, Record]], int]:
+        """The flagged records a restarted broker needs, at most ``limit`` of them (current processes before
+        superseded ones, then the most recently flagged first), and how many flagged ones were left out."""
+        rows = [(k, r) for k, r in self._records.items() if r.status is not Status.OK]
+        rows.sort(key=lambda kr: (kr[1].superseded, -kr[1].since_s))
+        return rows[:limit], max(0, len(rows) - limit)
 
     def _touch(self, worker: WorkerKey) -> Record:
         record = self._records.pop(worker, None)

@@ -3,13 +3,19 @@
 :func:`restore` reads ``state.json`` (:mod:`broker.state`) and ``adapter.bin`` and returns the parts the core
 runs on: the group ledger (every pending key and the reserved block re-queued, the cursor after the block:
 :meth:`broker.ledger.GroupLedger.restored`), where the run stands (:class:`broker.progress.RunProgress`), the
-training history and the lease secret (so that leases granted before the restart still verify).
+training history and the lease secret (so that leases granted before the restart still verify), and it puts
+the flagged worker processes back into the quarantine (a quarantined process stays out across the restart).
 :func:`state_of` is the inverse: the state to write, read off the same parts, and :class:`StateKeeper` writes it.
+Times in the file are wall clock (``time.time()``); the parts run on the core's monotonic clock, and
+``to_unix`` converts (the core's: its start time on both clocks).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import secrets
+import time
+from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass
 from functools import partial
@@ -23,7 +29,18 @@ from broker.leases import LeaseTable
 from broker.ledger import GroupLedger
 from broker.progress import RunProgress
 from broker.prompts import PromptSource
-from broker.state import BrokerState, StateWriter, check_matches, load_adapter, load_state, make_state
+from broker.quarantine import MAX_EVIDENCE, Evidence, Quarantine, Record, Status
+from broker.state import (
+    BrokerState,
+    EvidenceEntry,
+    QuarantineEntry,
+    QuarantineState,
+    StateWriter,
+    check_matches,
+    load_adapter,
+    load_state,
+    make_state,
+)
 from broker.stats import BrokerStats
 from common import protocol
 from common.config import Config
@@ -44,8 +61,10 @@ class Restored:
 
 
 def restore(config: Config, task: Task, *, state_path: Path | None, adapter_path: Path | None,
-            adapters: AdapterCache, stats: BrokerStats, broker_id: str) -> Restored:
-    """The ledger, progress, history and newest adapter (into ``adapters``) as the last process left them."""
+            adapters: AdapterCache, stats: BrokerStats, broker_id: str, quarantine: Quarantine,
+            to_unix: Callable[[float], float]) -> Restored:
+    """The ledger, progress, history and newest adapter (into ``adapters``) as the last process left them, and
+    its flagged worker processes (into ``quarantine``)."""
     broker, run, learner = config.broker, config.run, config.learner
     source = partial(PromptSource, task, prompt_limit=broker.prompt_limit, num_epochs=broker.num_epochs,
                      reserve_block=max(RESERVE_BLOCK, 4 * config.capacity_groups))
@@ -62,6 +81,7 @@ def restore(config: Config, task: Task, *, state_path: Path | None, adapter_path
         lease_secret = persisted.lease_secret or lease_secret
         history = TrainingHistory(max_records=max_records, learner_session=persisted.learner_session,
                                   uncommitted=persisted.uncommitted_records(), withdrawn=persisted.withdrawn_ranges())
+        _restore_quarantine(persisted.quarantine, quarantine, to_unix)
     if adapter_path is not None:
         _restore_adapter(adapter_path, adapters, progress, history)
     progress.base_version = progress.latest_version
@@ -96,8 +116,54 @@ def _restore_adapter(path: Path, adapters: AdapterCache, progress: RunProgress, 
     log.info("adapter_restored", version=update.version, path=str(path))
 
 
+def _evidence_fields(evidence: Evidence | EvidenceEntry) -> dict[str, Any]:
+    """What an Evidence and its state-file entry share (all but the time, on their own clocks)."""
+    return {name: getattr(evidence, name) for name in _EVIDENCE_FIELDS}
+
+
+_EVIDENCE_FIELDS = tuple(f.name for f in dataclasses.fields(Evidence) if f.name != "at_s")
+
+
+def _restore_quarantine(persisted: QuarantineState, quarantine: Quarantine, to_unix: Callable[[float], float]) -> None:
+    """Put the persisted records back, on this process's clock (a time ahead of now, from a clock that went back
+    or another machine's, counts as now)."""
+    offset_s = to_unix(0.0)
+    now_s = time.time() - offset_s
+
+    def to_s(unix: float) -> float:
+        return min(unix - offset_s, now_s)
+
+    for entry in sorted(persisted.entries, key=lambda e: e.since_unix):  # least recently flagged first
+        evidence = deque((Evidence(**_evidence_fields(e), at_s=to_s(e.when_unix)) for e in entry.evidence),
+                         maxlen=MAX_EVIDENCE)
+        # the order of passes and failures in the window is not kept: failures first (they leave it first)
+        outcomes = deque([True] * entry.num_failed + [False] * (entry.num_checked - entry.num_failed),
+                         maxlen=quarantine.window)
+        quarantine.put((entry.worker, entry.session),
+                       Record(outcomes=outcomes, evidence=evidence, status=Status(entry.status),
+                              since_s=to_s(entry.since_unix), num_quarantines=entry.num_quarantines,
+                              superseded=entry.superseded))
+    if persisted.entries or persisted.num_left_out:
+        log.info("quarantine_restored", num_quarantined=quarantine.count(Status.QUARANTINED),
+                 num_probation=quarantine.count(Status.PROBATION), num_records=len(persisted.entries))
+    if persisted.num_left_out:
+        log.warning("quarantine_records_lost", num_left_out=persisted.num_left_out,
+                    why="more flagged worker processes than the state file keeps; they start clean")
+
+
+def _quarantine_state(quarantine: Quarantine, to_unix: Callable[[float], float]) -> QuarantineState:
+    rows, num_left_out = quarantine.persisted()
+    entries = [QuarantineEntry(
+        worker=worker, session=session, status=str(r.status), since_unix=round(to_unix(r.since_s), 3),
+        num_failed=sum(r.outcomes), num_checked=len(r.outcomes), num_quarantines=r.num_quarantines,
+        superseded=r.superseded,
+        evidence=[EvidenceEntry(**_evidence_fields(e), when_unix=round(to_unix(e.at_s), 3)) for e in r.evidence])
+        for (worker, session), r in rows]
+    return QuarantineState(entries=entries, num_left_out=num_left_out)
+
+
 def state_of(config: Config, ledger: GroupLedger, progress: RunProgress, history: TrainingHistory,
-             lease_secret: str) -> BrokerState:
+             lease_secret: str, quarantine: Quarantine, to_unix: Callable[[float], float]) -> BrokerState:
     """The state file's contents now."""
     prompts = ledger.source
     return make_state(
@@ -105,7 +171,7 @@ def state_of(config: Config, ledger: GroupLedger, progress: RunProgress, history
         reserved_until=prompts.reserved_until, pending=ledger.pending_keys(), latest_version=progress.latest_version,
         num_trained_groups=progress.num_trained_total, latest_sha256=progress.latest_sha256,
         learner_session=history.learner_session, uncommitted=history.uncommitted.items(),
-        withdrawn=history.withdrawn, lease_secret=lease_secret)
+        withdrawn=history.withdrawn, lease_secret=lease_secret, quarantine=_quarantine_state(quarantine, to_unix))
 
 
 class StateKeeper:

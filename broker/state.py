@@ -14,6 +14,10 @@
   trained on parameters of version ``>= v`` are re-queued (see :mod:`broker.core`);
 - ``withdrawn``: inclusive ``[lo, hi]`` ranges of versions a restarted learner rolled back (never served again,
   no group holding one of their tokens is buffered or trained);
+- ``quarantine``: the worker processes quarantined or on probation (:mod:`broker.quarantine`), each with its
+  session, status, since when (wall clock), counts and last few failures (:class:`QuarantineEntry`), at most
+  :data:`broker.quarantine.MAX_PERSISTED` of them, and ``num_left_out``: flagged ones past that cap. A file
+  written before the field existed loads with none;
 - the task identity (``task``, ``seed``, ``epoch_size``) so a state file of another dataset is refused.
 
 What is deliberately *not* kept: the rollout buffer. Buffered and training groups are tensor bytes (up to
@@ -54,10 +58,48 @@ from pathlib import Path
 from typing import Any
 
 from broker.prompts import PromptKey
-from common.protocol import MAX_VERSION
-from common.schema import SchemaError, build, rule
+from broker.quarantine import MAX_EVIDENCE, MAX_PERSISTED, Status
+from common.protocol import MAX_ID_LEN, MAX_VERSION, MISMATCH_REASONS
+from common.schema import SchemaError, build, dump, rule
 
 STATE_FORMAT = 1
+MAX_QUARANTINE_WINDOW = 10_000  # integrity.quarantine_window's bound
+
+
+@dataclass(slots=True, kw_only=True)
+class EvidenceEntry:
+    """One failed group of a flagged worker process (:class:`broker.quarantine.Evidence`, wall clock)."""
+
+    group_id: str = rule(max_len=MAX_ID_LEN)
+    reason: str = rule(choices=MISMATCH_REASONS)
+    version: int = rule(0, ge=0, le=MAX_VERSION)
+    num_checked: int = rule(0, ge=0)
+    num_off: int = rule(0, ge=0)
+    max_abs_diff: float = rule(0.0, ge=0)
+    mean_abs_diff: float = rule(0.0, ge=0)
+    detail: str = rule("", max_len=512)
+    when_unix: float = rule(ge=0, unit="s", doc="when the broker heard of the failure")
+
+
+@dataclass(slots=True, kw_only=True)
+class QuarantineEntry:
+    """One quarantined or probation worker process (:class:`broker.quarantine.Record`, wall clock)."""
+
+    worker: str = rule(max_len=MAX_ID_LEN, doc="client id")
+    session: str = rule(max_len=MAX_ID_LEN, doc="Hello session of the process")
+    status: str = rule(choices=(str(Status.QUARANTINED), str(Status.PROBATION)))
+    since_unix: float = rule(ge=0, unit="s", doc="when the status was set")
+    num_failed: int = rule(0, ge=0, le=MAX_QUARANTINE_WINDOW, doc="failed groups among its last num_checked")
+    num_checked: int = rule(0, ge=0, le=MAX_QUARANTINE_WINDOW, doc="its last checked groups (the window)")
+    num_quarantines: int = rule(0, ge=0)
+    superseded: bool = rule(False, doc="a newer session of its client id said Hello")
+    evidence: list[EvidenceEntry] = rule(default_factory=list, max_len=MAX_EVIDENCE, doc="oldest first")
+
+
+@dataclass(slots=True, kw_only=True)
+class QuarantineState:
+    entries: list[QuarantineEntry] = rule(default_factory=list, max_len=MAX_PERSISTED)
+    num_left_out: int = rule(0, ge=0, doc="flagged processes past the cap, not kept")
 
 
 @dataclass(slots=True, kw_only=True)
@@ -80,6 +122,7 @@ class BrokerState:
     withdrawn: list[list[int]] = rule(default_factory=list, doc="[lo, hi] version ranges rolled back")
     lease_secret: str = rule("", max_len=64, doc="hex key of the MACs that bind lease ids to their holder "
                              "(broker.leases); kept so that groups re-sent after a restart still verify")
+    quarantine: QuarantineState = rule(default_factory=QuarantineState, doc="flagged worker processes")
 
     @property
     def cursor_key(self) -> PromptKey:
@@ -116,13 +159,15 @@ def _key(value: list[int], name: str) -> PromptKey:
 def make_state(*, task: str, seed: int, epoch_size: int | None, cursor: PromptKey, reserved_until: PromptKey,
                pending: list[PromptKey], latest_version: int, num_trained_groups: int, latest_sha256: str = "",
                learner_session: str = "", uncommitted: Iterable[tuple[PromptKey, int]] = (),
-               withdrawn: Iterable[tuple[int, int]] = (), lease_secret: str = "") -> BrokerState:
+               withdrawn: Iterable[tuple[int, int]] = (), lease_secret: str = "",
+               quarantine: QuarantineState | None = None) -> BrokerState:
     return BrokerState(task=task, seed=seed, epoch_size=epoch_size or 0, cursor=list(cursor),
                        reserved_until=list(reserved_until), pending=[list(k) for k in pending],
                        latest_version=latest_version, num_trained_groups=num_trained_groups,
                        written_unix=round(time.time(), 3), latest_sha256=latest_sha256,
                        learner_session=learner_session, uncommitted=[[*k, v] for k, v in uncommitted],
-                       withdrawn=[list(r) for r in withdrawn], lease_secret=lease_secret)
+                       withdrawn=[list(r) for r in withdrawn], lease_secret=lease_secret,
+                       quarantine=quarantine or QuarantineState())
 
 
 def save_state(path: str | os.PathLike, state: BrokerState) -> None:
@@ -131,9 +176,11 @@ def save_state(path: str | os.PathLike, state: BrokerState) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
     with open(tmp, "w") as f:
-        # every field is a plain JSON value already: skip schema.dump's per-element walk (the file is written up
-        # to every state_write_interval_ms and holds hundreds of keys); dumps, not dump: only dumps runs in C
-        f.write(json.dumps({name: getattr(state, name) for name in _FIELD_NAMES}, separators=(",", ":")))
+        # every field but the quarantine is a plain JSON value already: skip schema.dump's per-element walk (the
+        # file is written up to every state_write_interval_ms and holds hundreds of keys); dumps, not dump: only
+        # dumps runs in C, calling schema.dump for the records it cannot write (the quarantine's)
+        f.write(json.dumps({name: getattr(state, name) for name in _FIELD_NAMES}, separators=(",", ":"),
+                           default=dump))
         f.flush()
         os.fsync(f.fileno())
     os.replace(tmp, path)
@@ -153,6 +200,10 @@ def load_state(path: str | os.PathLike) -> BrokerState | None:
                          "cursor from the beginning") from None
     if state.reserved_key < state.cursor_key:
         raise ValueError(f"{path}: reserved_until {state.reserved_until} is before cursor {state.cursor}")
+    for i, entry in enumerate(state.quarantine.entries):
+        if entry.num_failed > entry.num_checked:
+            raise ValueError(f"{path}: not a valid broker state file (broker_state.quarantine.entries[{i}]: "
+                             f"num_failed {entry.num_failed} > num_checked {entry.num_checked}); move it away")
     return state
 
 
