@@ -1,7 +1,8 @@
 """The agent gateway's cost: per-request latency and tokens/s through HTTP vs the same engine driven directly.
 
     .venv/bin/python -m bench.gateway [--backend vllm] [--tokens 32] [--calls 4] [--sessions 1,8,64]
-                                      [--latency-requests 40] [--repeats 3] [--burn 0.2] [--pin]
+                                      [--latency-requests 40] [--repeats 3] [--cores shared,split] [--burn 0.2]
+                                      [--profile]
 
 One backend on the tiny model, one engine thread owning it, as in a worker: ``vllm`` (the default; vLLM's CPU
 engine, its engine core in a process of its own, fed continuously: ``Backend.submit`` / ``advance``) or ``hf``
@@ -20,11 +21,17 @@ the text the model returned, a new turn ``TURN``), as an agent sends it:
   (``plain HTTP``), which leaves out the openai client's own CPU (httpx, pydantic).
 
 The clients' own CPU is the harness's, not the gateway's; on a 2-core machine it still competes with the engine.
-``--pin`` (for a quiet machine) puts, hf, this process (engine + HTTP server, and the direct run) on CPU 0 and the
-client process on CPU 1; vllm, everything but the model runner (which vLLM binds to its own cores, leaving one
-for its scheduler and the frontend) on the cores the model runner is not bound to: this process, vLLM's engine
-core (its scheduler) and the clients, vLLM's own layout for a frontend. On a shared machine whatever else runs on
-the pinned cores would starve the engine instead.
+``--cores`` says where things run (:class:`Placement`), the same for direct and gateway; both placements by
+default, interleaved run by run:
+
+- ``shared`` (the JSON line's ``ratio``): as a worker runs on this machine: vLLM binds its model runner to CPU 0
+  (its ``auto`` binding; ``VLLM_CPU_OMP_THREADS_BIND`` is left unset, so direct and gateway share one engine
+  and one binding), everything else (this process, vLLM's engine core, the clients) on both CPUs;
+- ``split``: as on a GPU host, where the harness has cores of its own: the engine side on CPU 0 (this process's
+  threads, the gateway's HTTP server thread among them, so its cost still counts; vLLM's engine core and model
+  runner), the clients' process on CPU 1. Printed beside the shared figure and in the JSON line
+  (``ratio_by_cores``, ``by_cores``). On a loaded machine another process on CPU 0 slows both sides alike.
+
 On the random tiny model the sampled bytes often re-encode otherwise (invalid UTF-8, special ids), so most
 calls after the first take the prefix check's divergence path (``tito_divergence{reason="tokens"}``): the
 check's slower case is what is measured.
@@ -42,7 +49,9 @@ Latency: ``--latency-requests`` sessions one after another, one request of ``--t
 p99 of the gateway's end-to-end time (client to reply), next to the direct call's. Throughput runs alternate
 direct and gateway ``--repeats`` times per session count and report the medians (the run of median tokens/s). Tokens/s counts the tokens actually generated
 (a sequence may end early at EOS). The JSON line's value is gateway (openai clients) / direct tokens/s at the
-largest session count, reference 0.9 (the target: at most 10 % throughput cost at 64 sessions).
+largest session count in the first ``--cores`` placement (``cores``; shared by default), reference 0.9 (the
+target: at most 10 % throughput cost at 64 sessions); the load average at the start and end goes with it.
+``--profile`` prints where the engine and HTTP server threads' CPU goes (cProfile on each thread's CPU clock).
 
 ``--burn F`` is a control for a machine without spare cores: direct is run again beside a process that keeps
 ``F`` of a core busy in 1 ms slices, about the CPU the clients and the HTTP server take (no gateway involved), so
@@ -53,6 +62,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import multiprocessing as mp
 import os
 import statistics
@@ -164,18 +174,55 @@ def thread_cpu_s(thread: threading.Thread) -> float:
     return time.clock_gettime(time.pthread_getcpuclockid(thread.ident))
 
 
+class ThreadProfiles:
+    """``--profile``: cProfile of the gateway's engine thread and HTTP server thread, each timed by its own
+    thread's CPU clock (so waits cost nothing), summed over the gateway runs and printed at the end."""
+
+    def __init__(self) -> None:
+        import cProfile
+
+        self.engine = cProfile.Profile(time.thread_time)
+        self.server = cProfile.Profile(time.thread_time)
+
+    def print(self, num_calls: int, top: int = 25) -> None:
+        import io
+        import pstats
+
+        for name, prof in (("engine thread", self.engine), ("HTTP server thread", self.server)):
+            out = io.StringIO()
+            stats = pstats.Stats(prof, stream=out)
+            print(f"profile, {name}: {stats.total_tt / max(1, num_calls) * 1e3:.3f} ms CPU per call over "
+                  f"{num_calls} calls; top by own time:")
+            stats.sort_stats("tottime").print_stats(top)
+            print("\n".join(out.getvalue().splitlines()[-top - 2:]))
+            out.seek(0), out.truncate()
+            stats.sort_stats("cumulative").print_stats(r"gateway/|common/chat|backends/")
+            print(f"profile, {name}: the gateway's, chat's and backends' functions by cumulative time:")
+            print("\n".join(line for line in out.getvalue().splitlines() if "/work/" in line or "ncalls" in line))
+
+
 class Driver:
     """The worker loop's part on a thread of its own: pump requests, run chunk rounds while any call is in
     flight; notes each round's batch size."""
 
-    def __init__(self, engine: Any) -> None:
+    def __init__(self, engine: Any, profile: Any = None) -> None:
         self.engine = engine
+        self.profile = profile
         self.stop = threading.Event()
         self.rounds: list[int] = []
         self.thread = threading.Thread(target=self._loop, daemon=True, name="bench-engine")
         self.thread.start()
 
     def _loop(self) -> None:
+        if self.profile is None:
+            return self._run()
+        self.profile.enable()
+        try:
+            return self._run()
+        finally:
+            self.profile.disable()
+
+    def _run(self) -> None:
         engine = self.engine
         while not self.stop.is_set():
             engine.wake.clear()
@@ -286,12 +333,12 @@ class Plan:
         return time.perf_counter()
 
 
-def clients(plan: Plan, out: Any, kind: str, cpu: int | None) -> None:
+def clients(plan: Plan, out: Any, kind: str, cpus: set[int] | None) -> None:
     """In a child process: one client per session URL, ``calls`` completions each; puts (tokens, elapsed,
     latencies, CPU seconds of the measured window) on ``out``. ``kind`` "raw": plain aiohttp POSTs instead of
     openai clients."""
-    if cpu is not None:
-        os.sched_setaffinity(0, {cpu})
+    if cpus is not None:
+        os.sched_setaffinity(0, cpus)
     run = raw_clients if kind == "raw" else openai_clients
     out.put(asyncio.run(run(plan)))
 
@@ -356,7 +403,7 @@ async def raw_clients(plan: Plan) -> tuple[int, float, list[float], float]:
 class Gateway:
     """The gateway under test: engine + HTTP server in this process; sessions opened per run."""
 
-    def __init__(self, backend: Any, chunk: int, tokens: int, client_cpu: int | None) -> None:
+    def __init__(self, backend: Any, chunk: int, tokens: int, profile: ThreadProfiles | None = None) -> None:
         from common.config import WorkerConfig
         from common.metrics import Metrics
         from rollout_worker.gateway.engine import GatewayEngine
@@ -367,7 +414,9 @@ class Gateway:
                                     wake=threading.Event())
         self.server = GatewayServer(self.engine, host="127.0.0.1", port=0, max_request_bytes=1 << 20,
                                     metrics=Metrics()).start()
-        self.client_cpu = client_cpu
+        self.client_cpus: set[int] | None = None  # set per run (--cores)
+        self.profile = profile
+        self.num_profiled_calls = 0
         self._num_runs = 0
 
     def run(self, sessions: int, tokens: int, calls: int, kind: str = "openai", serial: bool = False) -> Run:
@@ -381,11 +430,16 @@ class Gateway:
         out = ctx.Queue()
         plan = Plan(urls=[f"{self.server.url}/sessions/{sid}" for sid in ids], tokens=tokens, calls=calls,
                     serial=serial, ready=ctx.Event(), go=ctx.Event())
-        proc = ctx.Process(target=clients, args=(plan, out, kind, self.client_cpu))
+        proc = ctx.Process(target=clients, args=(plan, out, kind, self.client_cpus))
         proc.start()
         if not plan.ready.wait(600):
             raise RuntimeError("the client process did not start")
-        driver = Driver(self.engine)  # the clients are imported and connected: the clock starts
+        profile = self.profile if not serial else None
+        if profile is not None:  # on the server's own thread (cProfile profiles the thread that enables it)
+            self.server.loop.call_soon_threadsafe(profile.server.enable)
+            self.num_profiled_calls += sessions * calls
+        driver = Driver(self.engine, profile.engine if profile is not None else None)  # the clients are
+        # imported and connected: the clock starts
         cpu0, server0, generate0 = thread_cpu_s(driver.thread), self.server_cpu_s(), GENERATE_CPU.seconds
         core0, (sub_wall0, sub_cpu0) = GENERATE_CPU.core_cpu_s(), GENERATE_CPU.submits()
         plan.go.set()
@@ -395,6 +449,8 @@ class Gateway:
         sub_wall, sub_cpu = GENERATE_CPU.submits()
         proc.join(30)
         driver.close()
+        if profile is not None:
+            asyncio.run_coroutine_threadsafe(_call(profile.server.disable), self.server.loop).result(10)
         for sid in ids:
             self.engine.close(sid)
         return Run(tok_s=num_tokens / elapsed, wall_s=elapsed, rounds=driver.rounds, generate_cpu_s=generate_cpu_s,
@@ -407,6 +463,10 @@ class Gateway:
 
     def close(self) -> None:
         self.server.close()
+
+
+async def _call(fn: Any) -> None:
+    fn()
 
 
 def burn(fraction: float, stop: Any) -> None:
@@ -432,20 +492,53 @@ def direct_burned(backend: Any, fraction: float, *args: Any) -> Run:
         proc.join(30)
 
 
-def pin_frontend() -> str:
-    """vllm ``--pin``: this thread (and the threads and client processes it starts later) and every thread of the
-    engine core's processes on the CPUs the model runner is not bound to; returns what it did."""
-    import psutil
+class Placement:
+    """``--cores``: where the engine side and the clients run, the same for direct and gateway.
 
-    everything = set(os.sched_getaffinity(0))
-    runner = {cpu for p in GENERATE_CPU.cores for cpu in p.cpu_affinity() if set(p.cpu_affinity()) < everything}
-    rest = everything - runner
-    if not runner or not rest:
-        return f"no (the model runner is bound to {sorted(runner) or 'nothing'})"
-    for proc in [psutil.Process(), *(p for p in GENERATE_CPU.cores if set(p.cpu_affinity()) == everything)]:
-        for thread in proc.threads():
-            os.sched_setaffinity(thread.id, rest)
-    return f"model runner CPUs {sorted(runner)}; this process, the engine core and the clients CPUs {sorted(rest)}"
+    ``shared``: as a worker runs on this machine: vLLM binds its model runner to the CPUs of its choice
+    (``VLLM_CPU_OMP_THREADS_BIND`` unset: vLLM's ``auto``, on 2 cores the model runner on CPU 0, one CPU left for
+    the rest), everything else (this process: the direct run, the engine thread, the HTTP server thread; vLLM's
+    engine core; the clients) on every CPU. ``split``: as on a GPU host, where the harness has cores of its
+    own: the engine side (this process's threads, the HTTP server's included, and vLLM's processes) on the model
+    runner's CPUs, the clients' process on the others (on 2 cores: CPU 0 and CPU 1). hf: the engine side on
+    the first CPU. Applied before each run (threads started since, tokenizers' pools among them, follow)."""
+
+    def __init__(self, streaming: bool) -> None:
+        import psutil
+
+        self.everything = set(os.sched_getaffinity(0))
+        engines = [p for p in GENERATE_CPU.cores if p.is_running()]  # vllm: engine core, model runner
+        self.runners = [p for p in engines if set(p.cpu_affinity()) < self.everything]  # bound by vLLM: kept
+        self.others = [psutil.Process(), *(p for p in engines if p not in self.runners)]
+        runner = {cpu for p in self.runners for cpu in p.cpu_affinity()}
+        self.engine_cpus = runner if streaming and runner else {min(self.everything)}
+        self.client_cpus = self.everything - self.engine_cpus
+
+    def describe(self, config: str) -> str:
+        if config == "shared":
+            runner = sorted({cpu for p in self.runners for cpu in p.cpu_affinity()})
+            return f"shared: model runner CPUs {runner or 'unbound'}, the rest on all CPUs"
+        return f"split: engine side CPUs {sorted(self.engine_cpus)}, clients CPUs {sorted(self.client_cpus)}"
+
+    def state(self) -> str:
+        """The CPUs each process's threads may run on now (a check that the placement holds)."""
+        out = []
+        for proc in [*self.others, *self.runners]:
+            with contextlib.suppress(Exception):
+                cpus = sorted({tuple(sorted(os.sched_getaffinity(t.id))) for t in proc.threads()})
+                out.append(f"{proc.name()}[{proc.pid}] {' '.join(','.join(map(str, c)) for c in cpus)}")
+        return "; ".join(out)
+
+    def apply(self, config: str) -> set[int] | None:
+        """Pin the engine side for ``config``; returns the CPUs for the clients' process."""
+        if config == "split" and not self.client_cpus:
+            raise SystemExit("--cores split needs 2 CPUs or more")
+        engine = self.engine_cpus if config == "split" else self.everything
+        for proc in self.others:
+            for thread in proc.threads():
+                with contextlib.suppress(ProcessLookupError):  # a thread that ended since
+                    os.sched_setaffinity(thread.id, engine)
+        return self.client_cpus if config == "split" else self.everything
 
 
 def pct(values: list[float], q: float) -> float:
@@ -457,6 +550,45 @@ def median_run(runs: list[Run]) -> Run:
     return sorted(runs, key=lambda r: r.tok_s)[len(runs) // 2]
 
 
+def load() -> str:
+    one, five, fifteen = os.getloadavg()
+    return f"{one:.2f} {five:.2f} {fifteen:.2f}"
+
+
+def describe_count(n: int, runs: tuple[Run, Run, Run]) -> str:
+    d, g, r = runs
+    return (f"{n:3d} sessions: direct  {d.describe()}\n"
+            f"              gateway {g.describe()} (openai clients), ratio {g.tok_s / d.tok_s:.3f}\n"
+            f"              gateway {r.describe()} (plain HTTP clients), ratio {r.tok_s / d.tok_s:.3f}\n"
+            f"              worker CPU per token: direct {d.worker_cpu_per_token_ms:.3f} ms, gateway "
+            f"{g.worker_cpu_per_token_ms:.3f} ms (openai) / {r.worker_cpu_per_token_ms:.3f} ms (plain), ratios "
+            f"{d.worker_cpu_per_token_ms / g.worker_cpu_per_token_ms:.3f} / "
+            f"{d.worker_cpu_per_token_ms / r.worker_cpu_per_token_ms:.3f}")
+
+
+def figures(results: dict[int, tuple[Run, Run, Run]]) -> dict[str, Any]:
+    """One placement's figures for the JSON line."""
+    top = max(results)
+    d, g, r = results[top]
+    return {
+        "ratios": {str(n): round(g.tok_s / d.tok_s, 3) for n, (d, g, _) in results.items()},
+        "plain_http_ratios": {str(n): round(r.tok_s / d.tok_s, 3) for n, (d, _, r) in results.items()},
+        "tok_s_direct_openai_plain": {str(n): [round(x.tok_s, 1) for x in runs] for n, runs in results.items()},
+        "worker_cpu_ratios": {str(n): [round(d.worker_cpu_per_token_ms / x.worker_cpu_per_token_ms, 3)
+                                       for x in (g, r)] for n, (d, g, r) in results.items()},
+        "rounds_direct_openai_plain": {str(n): [len(x.rounds) for x in runs] for n, runs in results.items()},
+        "round_ms_direct_openai_plain": {str(n): [round(x.round_ms, 2) for x in runs] for n, runs in results.items()},
+        "engine_steps_ratio_at_top": [round(len(d.rounds) / len(x.rounds), 3) for x in (g, r)],
+        "direct_engine_besides_ms_per_call": round(d.bookkeeping_cpu_s / d.num_calls * 1e3, 3),
+        "submit_wall_cpu_ms_per_call_direct_openai_plain": [[round(x.submit_wall_s / x.num_calls * 1e3, 3),
+                                                             round(x.submit_cpu_s / x.num_calls * 1e3, 3)]
+                                                            for x in results[top]],
+        "ms_per_call_at_top": {kind: {"engine_besides_generate": round(x.bookkeeping_cpu_s / x.num_calls * 1e3, 3),
+                                      "http_server": round(x.server_cpu_s / x.num_calls * 1e3, 3),
+                                      "clients": round(x.client_cpu_s / x.num_calls * 1e3, 3)}
+                               for kind, x in (("openai", g), ("plain", r))}}
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--backend", choices=("vllm", "hf"), default="vllm")
@@ -466,20 +598,24 @@ def main() -> None:
     parser.add_argument("--latency-requests", type=int, default=40)
     parser.add_argument("--chunk", type=int, default=16)
     parser.add_argument("--repeats", type=int, default=3, help="interleaved direct/gateway runs per count (median)")
+    parser.add_argument("--cores", default="shared,split", help="where the engine side and the clients run "
+                        "(Placement): shared, split, or both (interleaved; the JSON ratio is the first's)")
     parser.add_argument("--switch-interval", type=float, default=0.0, help="sys.setswitchinterval of this process "
                         "(seconds; 0: Python's default, 5 ms)")
     parser.add_argument("--burn", type=float, default=0.0, help="also run direct beside a process that keeps this "
                         "fraction of a core busy in 1 ms slices (a control: CPU taken as the clients and the HTTP "
-                        "server take it, without the gateway)")
-    parser.add_argument("--pin", action="store_true", help="hf: engine on CPU 0, clients on CPU 1; vllm: all but the "
-                        "model runner off its cores (a quiet machine only: "
-                        "on a shared one, whatever else runs on CPU 0 starves the engine)")
+                        "server take it, without the gateway; shared cores only)")
+    parser.add_argument("--profile", action="store_true", help="cProfile the gateway's engine and HTTP server "
+                        "threads (CPU clock) over the throughput runs and print where their CPU goes (diagnosis "
+                        "only: the profiler's own cost makes the run's figures worse)")
     args = parser.parse_args()
-    if args.pin and args.backend == "hf":
-        os.sched_setaffinity(0, {0})
+    configs = [c for c in args.cores.split(",") if c]
+    if not configs or set(configs) - {"shared", "split"}:
+        parser.error(f"--cores {args.cores!r}: shared, split or shared,split")
     os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
     if args.switch_interval:
         sys.setswitchinterval(args.switch_interval)
+    load_start = load()
     from common.logging import setup_logging
 
     setup_logging("bench", level="warning")
@@ -501,74 +637,73 @@ def main() -> None:
     else:
         backend = HfBackend(model_dir, sampling=Sampling(), device="cpu", seed=0)
     GENERATE_CPU.install(backend)
-    client_cpu, pinned = (1 if args.pin else None), "engine CPU 0, clients CPU 1" if args.pin else "no"
-    if args.pin and backend.streaming:
-        pinned = pin_frontend()
-    gateway = Gateway(backend, args.chunk, args.tokens, client_cpu if not backend.streaming else None)
+    placement = Placement(backend.streaming)
+    profile = ThreadProfiles() if args.profile else None
+    gateway = Gateway(backend, args.chunk, args.tokens, profile)
     direct(backend, args.chunk, 2, args.tokens, 2)  # warm-up
-    print(f"backend {args.backend} ({'streaming' if backend.streaming else f'chunk {args.chunk}'}); pinned: "
-          f"{pinned}; {args.calls} calls of {args.tokens} tokens per "
-          "session", flush=True)
+    print(f"backend {args.backend} ({'streaming' if backend.streaming else f'chunk {args.chunk}'}); "
+          f"{args.calls} calls of {args.tokens} tokens per session; load average at the start {load_start}; "
+          f"cores: {'; '.join(placement.describe(c) for c in configs)}", flush=True)
 
-    # latency: one request at a time
+    # latency: one request at a time, in the first placement
+    gateway.client_cpus = placement.apply(configs[0])
     direct_lat = [direct(backend, args.chunk, 1, args.tokens, 1).wall_s for _ in range(args.latency_requests)]
     gateway_lat = gateway.run(args.latency_requests, args.tokens, 1, serial=True).latencies
-    print(f"latency, 1 session, {args.tokens} tokens: direct median {statistics.median(direct_lat) * 1e3:.1f} ms "
-          f"p99 {pct(direct_lat, 0.99) * 1e3:.1f} ms | gateway median {statistics.median(gateway_lat) * 1e3:.1f} ms "
-          f"p99 {pct(gateway_lat, 0.99) * 1e3:.1f} ms | overhead median "
-          f"{(statistics.median(gateway_lat) - statistics.median(direct_lat)) * 1e3:.1f} ms")
+    print(f"latency ({configs[0]}), 1 session, {args.tokens} tokens: direct median "
+          f"{statistics.median(direct_lat) * 1e3:.1f} ms p99 {pct(direct_lat, 0.99) * 1e3:.1f} ms | gateway median "
+          f"{statistics.median(gateway_lat) * 1e3:.1f} ms p99 {pct(gateway_lat, 0.99) * 1e3:.1f} ms | overhead "
+          f"median {(statistics.median(gateway_lat) - statistics.median(direct_lat)) * 1e3:.1f} ms")
 
-    results: dict[int, tuple[Run, Run, Run]] = {}
+    results: dict[str, dict[int, tuple[Run, Run, Run]]] = {c: {} for c in configs}
     burned: dict[int, float] = {}  # --burn: direct beside the burner / direct
+    shown: set[str] = set()
     for n in [int(x) for x in args.sessions.split(",")]:
-        d_runs, g_runs, r_runs, b_runs = [], [], [], []
-        for _ in range(args.repeats):  # interleaved: a shared machine's load hits both alike
-            d_runs.append(direct(backend, args.chunk, n, args.tokens, args.calls))
-            g_runs.append(gateway.run(n, args.tokens, args.calls))
-            r_runs.append(gateway.run(n, args.tokens, args.calls, "raw"))
-            if args.burn:
-                b_runs.append(direct_burned(backend, args.burn, args.chunk, n, args.tokens, args.calls))
-        d, g, r = (median_run(x) for x in (d_runs, g_runs, r_runs))
-        results[n] = (d, g, r)
-        if b_runs:
-            b = median_run(b_runs)
-            burned[n] = b.tok_s / d.tok_s
-            print(f"{n:3d} sessions: direct beside a {args.burn:.0%}-of-a-core burner {b.describe()}, ratio "
-                  f"{burned[n]:.3f}")
-        print(f"{n:3d} sessions: direct  {d.describe()}\n"
-              f"              gateway {g.describe()} (openai clients), ratio {g.tok_s / d.tok_s:.3f}\n"
-              f"              gateway {r.describe()} (plain HTTP clients), ratio {r.tok_s / d.tok_s:.3f}\n"
-              f"              worker CPU per token: direct {d.worker_cpu_per_token_ms:.3f} ms, gateway "
-              f"{g.worker_cpu_per_token_ms:.3f} ms (openai) / {r.worker_cpu_per_token_ms:.3f} ms (plain), ratios "
-              f"{d.worker_cpu_per_token_ms / g.worker_cpu_per_token_ms:.3f} / "
-              f"{d.worker_cpu_per_token_ms / r.worker_cpu_per_token_ms:.3f}")
+        runs: dict[str, list[list[Run]]] = {c: [[], [], []] for c in configs}
+        b_runs = []
+        for _ in range(args.repeats):  # interleaved: a shared machine's load hits both sides and placements alike
+            for config in configs:
+                gateway.client_cpus = placement.apply(config)
+                if config not in shown:
+                    shown.add(config)
+                    print(f"[{config} cores] threads' CPUs: {placement.state()}; clients: "
+                          f"{','.join(map(str, sorted(gateway.client_cpus or [])))}", flush=True)
+                d_runs, g_runs, r_runs = runs[config]
+                d_runs.append(direct(backend, args.chunk, n, args.tokens, args.calls))
+                g_runs.append(gateway.run(n, args.tokens, args.calls))
+                r_runs.append(gateway.run(n, args.tokens, args.calls, "raw"))
+                if args.burn and config == "shared":
+                    b_runs.append(direct_burned(backend, args.burn, args.chunk, n, args.tokens, args.calls))
+        for config in configs:
+            d, g, r = (median_run(x) for x in runs[config])
+            results[config][n] = (d, g, r)
+            print(f"[{config} cores] {describe_count(n, (d, g, r))}")
+            if b_runs and config == "shared":
+                b = median_run(b_runs)
+                burned[n] = b.tok_s / d.tok_s
+                print(f"[shared cores] {n:3d} sessions: direct beside a {args.burn:.0%}-of-a-core burner "
+                      f"{b.describe()}, ratio {burned[n]:.3f}")
+        print(f"load average {load()}", flush=True)
     gateway.close()
     backend.close()
-    top = max(results)
-    d, g, r = results[top]
-    report("gateway", f"tokens_per_s_ratio_at_{top}_sessions", g.tok_s / d.tok_s, "ratio", 0.9,
-           ratio=g.tok_s / d.tok_s, gateway_tok_s=round(g.tok_s, 1), direct_tok_s=round(d.tok_s, 1),
-           backend=args.backend, pinned=args.pin, latency_median_ms=round(statistics.median(gateway_lat) * 1e3, 2),
+    if profile is not None:
+        profile.print(gateway.num_profiled_calls)
+    top = max(results[configs[0]])
+    ratio = {c: results[c][top][1].tok_s / results[c][top][0].tok_s for c in configs}
+    plain = {c: results[c][top][2].tok_s / results[c][top][0].tok_s for c in configs}
+    print(f"at {top} sessions, gateway / direct tok/s: " + "; ".join(
+        f"{c} cores {ratio[c]:.3f} (openai clients), {plain[c]:.3f} (plain HTTP)" for c in configs))
+    d, g, _ = results[configs[0]][top]
+    report("gateway", f"tokens_per_s_ratio_at_{top}_sessions", ratio[configs[0]], "ratio", 0.9,
+           ratio=ratio[configs[0]], cores=configs[0], gateway_tok_s=round(g.tok_s, 1), direct_tok_s=round(d.tok_s, 1),
+           ratio_by_cores={c: round(x, 4) for c, x in ratio.items()},
+           plain_http_ratio_by_cores={c: round(x, 4) for c, x in plain.items()},
+           backend=args.backend, load_average_start=load_start, load_average_end=load(),
+           latency_median_ms=round(statistics.median(gateway_lat) * 1e3, 2),
            latency_p99_ms=round(pct(gateway_lat, 0.99) * 1e3, 2),
            direct_latency_median_ms=round(statistics.median(direct_lat) * 1e3, 2),
            direct_latency_p99_ms=round(pct(direct_lat, 0.99) * 1e3, 2),
-           ratios={str(n): round(g.tok_s / d.tok_s, 3) for n, (d, g, _) in results.items()},
-           plain_http_ratios={str(n): round(r.tok_s / d.tok_s, 3) for n, (d, _, r) in results.items()},
-           worker_cpu_ratios={str(n): [round(d.worker_cpu_per_token_ms / x.worker_cpu_per_token_ms, 3) for x in (g, r)]
-                              for n, (d, g, r) in results.items()},
-           rounds_direct_openai_plain={str(n): [len(x.rounds) for x in runs] for n, runs in results.items()},
-           round_ms_direct_openai_plain={str(n): [round(x.round_ms, 2) for x in runs] for n, runs in results.items()},
-           generate_cpu_s_direct_openai_plain=[round(x.generate_cpu_s, 3) for x in results[top]],
            burner_fraction=args.burn, burned_direct_ratios={str(n): round(x, 3) for n, x in burned.items()},
-           engine_steps_ratio_at_top=[round(len(d.rounds) / len(x.rounds), 3) for x in (g, r)],
-           direct_engine_besides_ms_per_call=round(d.bookkeeping_cpu_s / d.num_calls * 1e3, 3),
-           submit_wall_cpu_ms_per_call_direct_openai_plain=[[round(x.submit_wall_s / x.num_calls * 1e3, 3),
-                                                             round(x.submit_cpu_s / x.num_calls * 1e3, 3)]
-                                                            for x in results[top]],
-           ms_per_call_at_top={kind: {"engine_besides_generate": round(x.bookkeeping_cpu_s / x.num_calls * 1e3, 3),
-                                      "http_server": round(x.server_cpu_s / x.num_calls * 1e3, 3),
-                                      "clients": round(x.client_cpu_s / x.num_calls * 1e3, 3)}
-                               for kind, x in (("openai", g), ("plain", r))})
+           by_cores={c: figures(results[c]) for c in configs})
 
 
 if __name__ == "__main__":

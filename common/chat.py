@@ -196,14 +196,17 @@ class ChatFormat:
         conversation += [*assistant_message(turn_text), reply]
         return self.join(held_ids, before + turn_text, self.render(conversation))
 
-    def join(self, held_ids: Sequence[int], held_text: str, after: str) -> Appended:
+    def join(self, held_ids: Sequence[int], held_text: str, after: str,
+             after_ids: Sequence[int] | None = None) -> Appended:
         """The ids that follow ``held_ids`` (whose text is about ``held_text``) in the rendering ``after``: the
         rest of ``after``'s ids when they start with ``held_ids``, else (counted by the caller) the ids of the
-        text after ``held_text``, or after the longest common text prefix (see the module docstring)."""
-        after_ids = self.encode_text(after, special=False)
+        text after ``held_text``, or after the longest common text prefix (see the module docstring).
+        ``after_ids``: ``after``'s ids, when the caller has encoded it already."""
+        if after_ids is None:
+            after_ids = self.encode_text(after, special=False)
         held = list(held_ids)
-        if after_ids[:len(held)] == held:
-            return Appended(token_ids=after_ids[len(held):])
+        if list(after_ids[:len(held)]) == held:
+            return Appended(token_ids=list(after_ids[len(held):]))
         if after.startswith(held_text):
             suffix = self.encode_text(after[len(held_text):], special=False)
             if held and suffix and suffix[0] == held[-1]:

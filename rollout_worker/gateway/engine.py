@@ -54,6 +54,7 @@ from common.protocol import ServedAdapter
 from rollout_worker.backends.base import Backend, GenDelta, GenRequest
 from rollout_worker.gateway import openai_api as api
 from rollout_worker.gateway.session import ACTIVE, FINISHED, PrefixDivergence, Session
+from rollout_worker.gateway.stream_text import TextStream, byte_fallback_ids
 from rollout_worker.gateway.tools import PARSERS, template_messages
 
 log = get_logger("gateway")
@@ -128,9 +129,10 @@ class Call:
     max_tokens: int
     token_ids: list[int] = field(default_factory=list)
     logprobs: list[float] = field(default_factory=list)
-    sent: int = 0  # characters already streamed
+    stream: TextStream | None = None  # a streamed response's text (SSE), decoded step by step
     key: str = ""  # the request's name (streaming: its request id in the engine)
     served: dict[int, ServedAdapter] = field(default_factory=dict)  # the engine's report of this call's chunks
+    last_report: ServedAdapter | None = None  # the report kept last: an equal one after it changes nothing
 
 
 class GatewayEngine:
@@ -148,6 +150,7 @@ class GatewayEngine:
         self.metrics = metrics
         self.wake = wake
         self.parse_tools = PARSERS[config.tool_parser]
+        self.byte_ids = byte_fallback_ids(self.chat.tokenizer)  # streamed text waits for a run of them to end
         self.inbox: queue.SimpleQueue[Job] = queue.SimpleQueue()
         self.sessions: dict[str, Session] = {}
         self.finished: OrderedDict[str, None] = OrderedDict()
@@ -290,9 +293,12 @@ class GatewayEngine:
         if params.max_tokens > self.config.max_new_tokens:
             self.metrics.inc("gateway_max_tokens_capped")
         self._num_calls += 1
-        call = Call(job=job, session=session, prompt_ids=list(ids), version=version,
+        call = Call(job=job, session=session, prompt_ids=ids, version=version,
                     max_tokens=min(params.max_tokens, self.config.max_new_tokens, room),
                     key=f"gw/{session.id}/{self._num_calls}")
+        if job.events is not None and not params.parse_tools:  # SSE text as it comes (tool calls: at the end)
+            call.stream = TextStream(self.backend.decode, hold=max(map(len, params.stop), default=1) - 1,
+                                     byte_ids=self.byte_ids)
         if self.streaming:  # the whole turn into the running batch; it leaves the engine when it ends
             self.backend.submit(call.key, GenRequest(token_ids=call.prompt_ids, max_tokens=call.max_tokens,
                                                      version=version, key=call.key))
@@ -359,8 +365,10 @@ class GatewayEngine:
         start = len(call.token_ids)
         call.token_ids += token_ids
         call.logprobs += logprobs
-        self.backend.keep_served(call.served, served)
-        self.backend.keep_served(call.session.served, served)
+        if served != call.last_report:  # keep_served is idempotent: a step's report is most often the last one's
+            self.backend.keep_served(call.served, served)
+            self.backend.keep_served(call.session.served, served)
+            call.last_report = served
         end = "stop" if eos else ""
         params = call.job.params
         assert params is not None
@@ -371,16 +379,12 @@ class GatewayEngine:
         return len(call.token_ids) - start, end
 
     def _answer(self, call: Call, end: str, outbox: Outbox) -> None:
-        """A call that ended is recorded and answered; a streamed response (SSE) gets its new text."""
-        params = call.job.params
-        assert params is not None
+        """A call that ended is recorded and answered; a streamed response (SSE) gets its new text (decoded from
+        the last tokens only: :mod:`.stream_text`)."""
         if end:
             self._finish(call, end, outbox)
-        elif call.job.events is not None and not params.parse_tools:
-            text = self.backend.decode(call.token_ids)
-            if len(text) > call.sent and not text.endswith("\ufffd"):  # a split character waits for its rest
-                call.job.delta(text[call.sent:], outbox)
-                call.sent = len(text)
+        elif call.stream is not None:
+            call.job.delta(call.stream.push(call.token_ids), outbox)
 
     def _cut_at_stop(self, call: Call, stops: list[str], start: int) -> bool:
         """Keep the tokens up to the first stop string (the tokens after it are not part of the turn)."""
@@ -428,8 +432,13 @@ class GatewayEngine:
                 id=rid, model=params.model, content=content, tool_calls=tool_calls, finish_reason=finish_reason,
                 logprobs=api.chat_logprobs(tokens, call.logprobs) if params.logprobs else None,
                 prompt_tokens=len(call.prompt_ids), completion_tokens=len(ids))
-        if call.job.events is not None and not params.parse_tools:
-            call.job.delta(text[call.sent:], outbox)
+        if call.stream is not None:
+            rest = call.stream.rest(text)
+            if rest is None:  # never seen on the tokenizers the tests build (tests/worker/test_gateway_text.py)
+                self.metrics.inc("gateway_stream_text_mismatch")
+                log.warning("gateway_stream_text_mismatch", session=session.id, sent=call.stream.sent[-80:],
+                            text=text[-80:])
+            call.job.delta(rest or "", outbox)
         call.job.reply(200, body, outbox)
 
     def fail_all(self, message: str) -> None:

@@ -26,10 +26,10 @@ from __future__ import annotations
 
 import asyncio
 import hmac
-import json
 import threading
 from typing import Any
 
+import msgspec
 from aiohttp import web
 
 from common.logging import get_logger
@@ -42,6 +42,16 @@ log = get_logger("gateway")
 REPLY_TIMEOUT_S = 3600.0  # a handler never waits forever on the worker thread
 
 
+def new_event_loop() -> asyncio.AbstractEventLoop:
+    """uvloop's event loop where it is installed (vllm brings it), else asyncio's: the server thread's CPU per
+    request is mostly the loop's and aiohttp's, and uvloop's loop and transports are C."""
+    try:
+        import uvloop
+    except ImportError:
+        return asyncio.new_event_loop()
+    return uvloop.new_event_loop()
+
+
 class GatewayServer:
     """The HTTP front of a :class:`GatewayEngine` (see the module docstring)."""
 
@@ -52,7 +62,7 @@ class GatewayServer:
         self.max_request_bytes = max_request_bytes
         self.token = token
         self.metrics = metrics
-        self.loop = asyncio.new_event_loop()
+        self.loop = new_event_loop()
         self._ready = threading.Event()
         self._error: BaseException | None = None
         self._runner: web.AppRunner | None = None
@@ -119,29 +129,29 @@ class GatewayServer:
             response = await handler(request)
         except api.ApiError as exc:
             self.metrics.inc("gateway_errors", code=exc.code or str(exc.status))
-            return web.json_response(exc.body(), status=exc.status)
+            return _json_response(exc.body(), status=exc.status)
         except web.HTTPRequestEntityTooLarge:
             self.metrics.inc("gateway_errors", code="request_too_large")
             error = api.ApiError(413, f"the request is larger than worker.gateway_max_request_bytes = "
                                  f"{self.max_request_bytes}", code="request_too_large")
-            return web.json_response(error.body(), status=413)
+            return _json_response(error.body(), status=413)
         except web.HTTPException as exc:  # unknown route, wrong method
             error = api.ApiError(exc.status, f"{request.method} {request.path}: {exc.reason}", code="not_found"
                                  if exc.status == 404 else None)
-            return web.json_response(error.body(), status=exc.status)
+            return _json_response(error.body(), status=exc.status)
         return response
 
     async def _json(self, request: web.Request) -> Any:
         raw = await request.read()
         try:
-            return json.loads(raw)
-        except ValueError as exc:
+            return _decode(raw)
+        except msgspec.DecodeError as exc:
             raise api.ApiError(400, f"the request body is not valid JSON: {exc}", code="invalid_json") from exc
 
     # -- routes ------------------------------------------------------------------------------------------------
 
     async def _models(self, request: web.Request) -> web.Response:
-        return web.json_response({"object": "list", "data": [{"id": m, "object": "model", "created": 0,
+        return _json_response({"object": "list", "data": [{"id": m, "object": "model", "created": 0,
                                                               "owned_by": "loraflow"} for m in self.engine.models]})
 
     async def _chat(self, request: web.Request) -> web.StreamResponse:
@@ -158,7 +168,7 @@ class GatewayServer:
         job = self._job(kind, request.match_info.get("sid"), params=params)
         if not params.stream:
             status, reply = await self._await(job)
-            return web.json_response(reply, status=status)
+            return _json_response(reply, status=status)
         return await self._stream(request, job, params)
 
     async def _stream(self, request: web.Request, job: Job, params: api.Params) -> web.StreamResponse:
@@ -167,9 +177,10 @@ class GatewayServer:
         response: web.StreamResponse | None = None
         rid, first = api.new_id(params.kind), True
         while True:
-            event = await asyncio.wait_for(job.events.get(), REPLY_TIMEOUT_S)
+            async with asyncio.timeout(REPLY_TIMEOUT_S):
+                event = await job.events.get()
             if event[0] == "done" and event[1] != 200 and response is None:
-                return web.json_response(event[2], status=event[1])  # refused before any token: a plain error
+                return _json_response(event[2], status=event[1])  # refused before any token: a plain error
             if response is None:
                 response = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
                 await response.prepare(request)
@@ -200,15 +211,15 @@ class GatewayServer:
         if not isinstance(body, dict):
             raise api.ApiError(400, "the body must be an object {\"reward\": float, \"metrics\": {...}}")
         status, reply = await self._await(self._job("finish", request.match_info["sid"], body=body))
-        return web.json_response(reply, status=status)
+        return _json_response(reply, status=status)
 
     async def _trajectory(self, request: web.Request) -> web.Response:
         status, reply = await self._await(self._job("trajectory", request.match_info["sid"]))
-        return web.json_response(reply, status=status)
+        return _json_response(reply, status=status)
 
     async def _claim(self, request: web.Request) -> web.Response:
         status, reply = await self._await(self._job("claim", None))
-        return web.json_response(reply, status=status) if status != 204 else web.Response(status=204)
+        return _json_response(reply, status=status) if status != 204 else web.Response(status=204)
 
     def _job(self, kind: str, session_id: str | None, **fields: Any) -> Job:
         loop = asyncio.get_running_loop()
@@ -216,8 +227,17 @@ class GatewayServer:
 
     async def _await(self, job: Job) -> tuple[int, dict[str, Any]]:
         self.engine.submit(job)
-        return await asyncio.wait_for(job.future, REPLY_TIMEOUT_S)
+        async with asyncio.timeout(REPLY_TIMEOUT_S):
+            return await job.future
+
+
+_decode = msgspec.json.Decoder().decode  # JSON in C: a request's decode and its reply's encode ~5x faster than json
+_encode = msgspec.json.Encoder().encode
+
+
+def _json_response(body: Any, status: int = 200) -> web.Response:
+    return web.Response(body=_encode(body), status=status, content_type="application/json", charset="utf-8")
 
 
 async def _send(response: web.StreamResponse, event: dict[str, Any]) -> None:
-    await response.write(b"data: " + json.dumps(event).encode() + b"\n\n")
+    await response.write(b"data: " + _encode(event) + b"\n\n")

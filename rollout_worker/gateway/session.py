@@ -99,27 +99,26 @@ class Session:
             text, ids = prompt, chat.encode_text(prompt)
         held = self.held_ids
         if not held:
-            self.prompt_ids = list(ids)
+            self.prompt_ids = ids
             self.anchor_text = text
             return list(ids), ""
         if ids[:len(held)] == held:
             new, reason = ids[len(held):], ""
-        else:
-            appended = chat.join(held, self.anchor_text, text)
+        else:  # the rendering is encoded once: join starts from its ids
+            appended = chat.join(held, self.anchor_text, text, after_ids=ids)
             new, reason = appended.token_ids, appended.mismatch or "tokens"
             if refuse:
                 raise PrefixDivergence(reason)
             self.divergences[reason] = self.divergences.get(reason, 0) + 1
         self._append(new, [0.0] * len(new), version, trained=False)
         self.anchor_text = text
-        return self.held_ids, reason
+        return held + new, reason
 
     def record(self, chat: ChatFormat, *, prompt_ids: list[int], token_ids: list[int], logprobs: list[float],
                version: int, finish_reason: str, turn_text: str, served: ServedAdapter) -> None:
         """A call's generated tokens join the trajectory (loss mask 1), with the engine's report of the call."""
-        self.calls.append(CallRecord(prompt_ids=list(prompt_ids), token_ids=list(token_ids),
-                                     logprobs=list(logprobs), version=version, finish_reason=finish_reason,
-                                     served=served))
+        self.calls.append(CallRecord(prompt_ids=prompt_ids, token_ids=token_ids, logprobs=logprobs, version=version,
+                                     finish_reason=finish_reason, served=served))  # the call's own lists: it ended
         self._append(token_ids, logprobs, version, trained=True)
         self.anchor_text += turn_text
         self.turn_texts.append(turn_text)
