@@ -115,10 +115,13 @@ def run_clean(root: Path, model_dir: Path, minutes: float, use_vllm: bool) -> di
             "redone_steps": found.redone_steps}
 
 
-def honest_batch(policy: Any, check: Any, rng: Any, *, versions: list[int], groups: int, group_size: int,
-                 prompt_len: int, completion_len: int, sha256: dict[int, str]) -> Any:
+def honest_batch(policy: Any, rng: Any, *, versions: list[int], groups: int, group_size: int, prompt_len: int,
+                 completion_len: int, sha256: dict[int, str]) -> Any:
     """A step batch whose log-probs are the policy's own under each group's version (random tokens): what an
-    honest fp32 engine would send. Group g claims ``versions[g % len(versions)]``."""
+    honest fp32 engine would send. Group g claims ``versions[g % len(versions)]``: version 0 is the base (the
+    adapter disabled: v0's B is zero), version 1 the parameters as they are."""
+    import contextlib
+
     import torch
 
     from common.protocol import ServedAdapter
@@ -130,7 +133,7 @@ def honest_batch(policy: Any, check: Any, rng: Any, *, versions: list[int], grou
         tokens = torch.as_tensor(rng.integers(3, policy.vocab_size, (group_size, prompt_len + completion_len)))
         select = torch.zeros(group_size, prompt_len + completion_len - 1, dtype=torch.bool)
         select[:, prompt_len - 1:] = True
-        with torch.no_grad(), check.history.applied(version):
+        with torch.no_grad(), policy.reference() if version == 0 else contextlib.nullcontext():
             logp, _ = policy.trained_logprobs(tokens[:, :-1], select, tokens[:, 1:][select], with_entropy=False)
         for k, row in enumerate(logp.reshape(group_size, completion_len)):
             samples.append(data.Sample(group=g, tokens=tokens[k], prompt_len=prompt_len, behaviour_logp=row.clone(),
@@ -173,13 +176,13 @@ def run_isolated(shape: str, repeats: int) -> dict[str, Any]:
     check.record(0, "")
     loss_config = LossConfig.from_learner(config.learner)
     rng = np.random.default_rng(0)
-    warm = honest_batch(policy, check, rng, versions=[0], groups=groups, group_size=group_size,
+    warm = honest_batch(policy, rng, versions=[0], groups=groups, group_size=group_size,
                         prompt_len=prompt_len, completion_len=completion_len, sha256={0: ""})
     train_step(policy, optimizer, scheduler, warm, parallel=parallel, config=config, loss_config=loss_config)
     snap = publish.snapshot(policy, version=1, step=1, is_main=True)
     check.record(1, snap.sha256)
     sha = {0: "", 1: snap.sha256}
-    batches = {name: honest_batch(policy, check, rng, versions=versions, groups=groups, group_size=group_size,
+    batches = {name: honest_batch(policy, rng, versions=versions, groups=groups, group_size=group_size,
                                   prompt_len=prompt_len, completion_len=completion_len, sha256=sha)
                for name, versions in (("current", [1]), ("previous", [0]))}
 

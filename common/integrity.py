@@ -91,14 +91,39 @@ def compare(behaviour: Sequence[float] | np.ndarray, recomputed: Sequence[float]
     r = np.asarray(recomputed, dtype=np.float64)
     if b.shape != r.shape:
         raise ValueError(f"compare: {b.shape} behaviour vs {r.shape} recomputed log-probs")
+    num_checked, num_off, max_diff, mean_diff = compare_rows(b.ravel(), r.ravel(), [b.size], [token_tolerance])[0]
+    return Comparison(num_checked=int(num_checked), num_off=int(num_off), max_abs_diff=float(max_diff),
+                      mean_abs_diff=float(mean_diff), passed=num_off <= max_off_fraction * b.size)
+
+
+def compare_rows(behaviour: np.ndarray, recomputed: np.ndarray, counts: Sequence[int],
+                 token_tolerances: Sequence[float]) -> np.ndarray:
+    """:func:`compare` of many samples at once: ``behaviour`` and ``recomputed`` [T] hold the samples' tokens one
+    after the other (``counts[k]`` of sample k, checked at ``token_tolerances[k]``) -> [K, 4] float64 (num_checked,
+    num_off, max |diff|, mean |diff|) per sample; the |diff|s of finite values only, inf when a sample has none;
+    a sample without tokens is all zeros."""
+    b = np.asarray(behaviour, dtype=np.float64)
+    r = np.asarray(recomputed, dtype=np.float64)
+    counts = np.asarray(counts, dtype=np.int64)
+    if b.shape != r.shape or b.ndim != 1 or b.size != counts.sum():
+        raise ValueError(f"compare_rows: {b.shape} behaviour vs {r.shape} recomputed log-probs for "
+                         f"{counts.sum()} tokens")
+    num = len(counts)
+    out = np.zeros((num, 4), dtype=np.float64)
     if b.size == 0:
-        return Comparison(num_checked=0, num_off=0, max_abs_diff=0.0, mean_abs_diff=0.0, passed=True)
+        return out
+    rows = np.repeat(np.arange(num), counts)
     diff = np.abs(b - r)
     finite = np.isfinite(diff)
-    off = ~finite | (diff > token_tolerance)
-    num_off = int(off.sum())
-    shown = diff[finite]
-    return Comparison(num_checked=int(b.size), num_off=num_off,
-                      max_abs_diff=float(shown.max()) if shown.size else float("inf"),
-                      mean_abs_diff=float(shown.mean()) if shown.size else float("inf"),
-                      passed=num_off <= max_off_fraction * b.size)
+    off = ~finite | (diff > np.repeat(np.asarray(token_tolerances, dtype=np.float64), counts))
+    num_finite = np.bincount(rows, weights=finite, minlength=num)
+    largest = np.full(num, -np.inf)
+    np.maximum.at(largest, rows, np.where(finite, diff, -np.inf))
+    has = counts > 0
+    out[:, 0] = counts
+    out[:, 1] = np.bincount(rows, weights=off, minlength=num)
+    out[:, 2] = np.where(num_finite > 0, largest, np.inf)
+    out[:, 3] = np.where(num_finite > 0, np.bincount(rows, weights=np.where(finite, diff, 0.0), minlength=num)
+                         / np.maximum(num_finite, 1), np.inf)
+    out[~has] = 0.0
+    return out

@@ -11,15 +11,17 @@ Why this check and these tolerances: :mod:`common.integrity`.
       choose     integrity.samples_per_group samples per group, ranked by blake2b(seed, group_id, k): the seed is
                  drawn by rank 0 at start-up and broadcast, so every rank picks the same ones and no worker can know
                  which (samples with trained tokens first)
-      re-score   per claimed version u the history holds, except the one the parameters hold (free_version): the
-                 chosen samples with trained tokens of u, spread over the ranks by length and packed in
-                 learner.micro_batch_tokens micro-batches; one no-grad forward each with u's LoRA tensors swapped
-                 in (:meth:`AdapterHistory.applied`), a row longer than the budget one forward per segment
+      re-score   the chosen samples' trained tokens of every claimed version u the history holds, except the
+                 one the parameters hold (free_version), all versions together: one row per (sample, version),
+                 spread over the ranks by length and packed in learner.micro_batch_tokens micro-batches, a
+                 micro-batch's rows sorted by version; one no-grad forward each in which every LoRA module adds
+                 each block of rows' own version's delta from the history's tensors (:meth:`AdapterHistory.scoring`:
+                 the parameters are never written), a row longer than the budget one forward per segment
                  (:meth:`learner.segments.SplitRow.reference_pass`: each segment reads the earlier ones' keys and
-                 values); every rank runs as many forwards, each is an FSDP2 collective; log-probs of u's trained tokens at worker.temperature
-                 (:meth:`learner.model.Policy.trained_logprobs`, the numbers of common.logprobs.token_logprobs) vs
-                 the behaviour ones (common.integrity.compare, tolerance by the served and the learner's dtypes);
-                 each rank's (sample, version) results summed over the ranks
+                 values); every rank runs as many forwards, each is an FSDP2 collective; log-probs of the trained
+                 tokens at worker.temperature (:meth:`learner.model.Policy.trained_logprobs`, the numbers of
+                 common.logprobs.token_logprobs) vs the behaviour ones (common.integrity.compare_rows, tolerance
+                 by the served and the learner's dtypes); each rank's (sample, version) results summed over the ranks
       agree      all_reduce MAX of the per-group fail flags: every rank drops the same groups
     TrainedCheck(surviving groups, free_version)   the free path: no forward of its own
       observe    the training forward's log-probs of each micro-batch (detached): those of the chosen samples'
@@ -35,13 +37,19 @@ free_version is the version :meth:`IntegrityCheck.record` last saw the parameter
 optimizer's next step (:meth:`IntegrityCheck.watch`): with learner.publish_every > 1 a step between two
 publishes holds no version, and every version is re-scored.
 
-The history (:class:`AdapterHistory`) holds the LoRA tensors (this rank's local shards under FSDP2) of the last
-``run.max_staleness + 1`` versions, recorded at each publish, and v0 (the zero-B start) on a fresh start; staler
-tokens never reach the check (:func:`learner.train.mask_stale_tokens` gives them loss mask 0 first, and a group
+The history (:class:`AdapterHistory`) holds the LoRA tensors (whole, gathered from the ranks' shards when
+recorded: a few MB a version) of the last ``run.max_staleness + 1`` versions, recorded at each publish, and v0
+(the zero-B start) on a fresh start; staler tokens never reach the check (:func:`learner.train.mask_stale_tokens` gives them loss mask 0 first, and a group
 with no token within the bound is skipped as ``stale``). A version it does not hold can only be one from
 before a learner restart that its checkpoint does not cover (the resumed learner holds the checkpoint's weights
 under its version and the version it republishes them as): its tokens are counted ``unverifiable`` and pass, the
 evidence is still checked.
+
+Why one forward for all versions, and no swap: on a small model a forward costs about the same whatever its
+rows (Python per layer and module, FSDP2's per-parameter unshard), so a step's re-scoring costs its number of
+forwards; LoRA's delta is two small matmuls per module, so each row can take its own version's tensors in one
+forward, where swapping versions in and out of the parameters costs a forward per version and two copies of
+every LoRA tensor. (Measured, where it goes and what is left: BENCHMARKS.md "Policy integrity".)
 
 No group can make the check raise: what it reads was validated when rank 0 selected the batch (lengths, token
 ids, versions within the group's range, finite log-probs: an ``invalid`` group never gets here), and a group's
@@ -57,16 +65,20 @@ from __future__ import annotations
 
 import collections
 import contextlib
+import functools
 import hashlib
 import secrets
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
 import numpy as np
 import torch
+from peft.tuners.lora import Linear as LoraLinear
+from peft.tuners.lora import LoraLayer
 from torch import nn
-from torch.distributed.tensor import DTensor
+from torch.distributed.tensor import DTensor, Shard
 
 from common import integrity
 from common.config import Config
@@ -89,30 +101,89 @@ _DTYPE_NAMES = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.floa
 # -- the adapter history ---------------------------------------------------------------------------------------
 
 
-def _local(param: torch.Tensor) -> torch.Tensor:
-    """The tensor this rank stores for a parameter: the local shard of a DTensor (a view of FSDP2's storage)."""
-    return param.to_local() if isinstance(param, DTensor) else param
+def _whole(params: Sequence[torch.Tensor]) -> list[torch.Tensor]:
+    """Collective (parameters sharded over several ranks): each parameter's whole tensor, detached (on one rank the
+    parameter's own storage: copy it before it changes). FSDP2's
+    shards (``Shard(0)`` of a 1-D mesh: rank r holds rows ``[r c, (r + 1) c)``, c = ceil(rows / R), a short or
+    empty last shard) travel in one all_gather of one flat buffer a rank, not one collective per tensor."""
+    sharded = [p for p in params if isinstance(p, DTensor)]
+    if not sharded:
+        return [p.detach() for p in params]
+    mesh = sharded[0].device_mesh
+    world = mesh.size()
+    if world == 1:
+        return [(p.to_local() if isinstance(p, DTensor) else p).detach() for p in params]
+    if len(sharded) != len(params) or any(p.device_mesh != mesh or tuple(p.placements) != (Shard(0),)
+                                          for p in sharded):
+        return [(p.full_tensor() if isinstance(p, DTensor) else p).detach() for p in params]
+    chunks = [-(-p.shape[0] // world) for p in params]                       # rows of a full shard
+    sizes = [c * p[0].numel() for c, p in zip(chunks, params, strict=True)]  # elements of a padded shard
+    flat = torch.zeros(sum(sizes), dtype=params[0].dtype, device=params[0].to_local().device)
+    for piece, p in zip(flat.split(sizes), params, strict=True):
+        local = p.to_local().detach().reshape(-1)
+        piece[:local.numel()] = local
+    gathered = [torch.empty_like(flat) for _ in range(world)]
+    torch.distributed.all_gather(gathered, flat, group=mesh.get_group())
+    pieces = list(zip(*(g.split(sizes) for g in gathered), strict=True))   # per parameter: every rank's piece
+    return [torch.cat([r.view(c, *p.shape[1:]) for r in ranks])[:p.shape[0]]
+            for ranks, c, p in zip(pieces, chunks, params, strict=True)]
+
+
+def lora_modules(model: nn.Module) -> list[tuple[str, LoraLinear]]:
+    """(name, module) of every LoRA layer, each a plain peft ``lora.Linear`` of one adapter (what
+    :meth:`AdapterHistory.scoring` computes); ValueError for any other kind (DoRA, a LoRA bias, merged weights,
+    another layer type), which the learner never builds (:func:`learner.model.lora_config_for`)."""
+    found = []
+    for name, module in model.named_modules():
+        if not isinstance(module, LoraLayer):
+            continue
+        adapters = list(module.lora_A.keys())
+        plain = (isinstance(module, LoraLinear) and len(adapters) == 1 and not module.merged
+                 and not module.use_dora.get(adapters[0], False)
+                 and not getattr(module, "lora_bias", {}).get(adapters[0], False)
+                 and adapters[0] not in getattr(module, "lora_variant", {}))
+        if not plain:
+            raise ValueError(f"{name}: the policy check re-scores plain LoRA linear layers of one adapter only, "
+                             f"not a {type(module).__name__} with adapters {adapters}")
+        found.append((name, module))
+    return found
 
 
 @dataclass(slots=True, kw_only=True)
 class HeldVersion:
-    tensors: list[torch.Tensor]  # this rank's copy of each trainable parameter, in parameter order
-    sha256: str | None           # as published (v0: ""); None where unknown (ranks other than 0)
+    weights: list[tuple[torch.Tensor, torch.Tensor]]  # per LoRA module: A [r, in], (scaling * B)^T [r, out] (a
+                                                      # transposed view), whole tensors
+    sha256: str | None                                # as published (v0: ""); None where unknown (ranks but 0)
 
 
 class AdapterHistory:
-    """The LoRA tensors of the newest ``keep`` versions, and the swap that puts one of them in the parameters."""
+    """The LoRA tensors of the newest ``keep`` versions, and the scoring forward that applies them.
 
-    def __init__(self, params: Sequence[nn.Parameter], *, keep: int) -> None:
-        self._params = list(params)
+    Each version is held whole (gathered from the ranks' shards when recorded) in the dtype the forward computes
+    in (FSDP2 gathers the LoRA parameters in the compute dtype too), as each module's ``A`` and ``scaling * B``
+    transposed: a LoRA delta is then ``(x A^T) (sB)^T``, one matmul and one ``addmm_``. Under :meth:`scoring`
+    every LoRA module computes ``base(x) + delta`` with a version's tensors per block of rows instead of its
+    parameters: the parameters are never written (nothing to swap in and out), and one forward scores the rows
+    of several versions together."""
+
+    def __init__(self, model: nn.Module, *, keep: int, dtype: torch.dtype) -> None:
+        self._modules = [module for _, module in lora_modules(model)]
         self._keep = max(1, keep)
+        self._dtype = dtype
         self._held: collections.OrderedDict[int, HeldVersion] = collections.OrderedDict()
+        self._blocks: list[tuple[int, int, list[tuple[torch.Tensor, torch.Tensor]]]] = []
+        self._rows = 0  # rows of the forward those blocks are for
 
     def record(self, version: int, sha256: str | None) -> None:
-        """The parameters as they are now are ``version`` (published with ``sha256``); the oldest is forgotten."""
+        """Collective (under several ranks): the parameters as they are now are ``version`` (published with
+        ``sha256``); the oldest is forgotten."""
+        adapters = [next(iter(module.lora_A.keys())) for module in self._modules]
         with torch.no_grad():
-            tensors = [_local(p).detach().clone() for p in self._params]
-        self._held[version] = HeldVersion(tensors=tensors, sha256=sha256)
+            whole = _whole([t for module, adapter in zip(self._modules, adapters, strict=True)
+                            for t in (module.lora_A[adapter].weight, module.lora_B[adapter].weight)])
+        weights = [(a.to(self._dtype, copy=True), (b * module.scaling[adapter]).to(self._dtype).t())
+                   for module, adapter, a, b in zip(self._modules, adapters, whole[0::2], whole[1::2], strict=True)]
+        self._held[version] = HeldVersion(weights=weights, sha256=sha256)
         self._held.move_to_end(version)
         while len(self._held) > self._keep:
             self._held.popitem(last=False)
@@ -130,19 +201,39 @@ class AdapterHistory:
         return list(self._held)
 
     @contextlib.contextmanager
-    def applied(self, version: int) -> Iterator[None]:
-        """The parameters hold ``version``'s tensors for the duration (no grad), then exactly the current ones."""
-        held = self._held[version]
-        with torch.no_grad():
-            local = [_local(p) for p in self._params]
-            saved = [t.clone() for t in local]
-            for target, source in zip(local, held.tensors, strict=True):
-                target.copy_(source)
-            try:
-                yield
-            finally:
-                for target, source in zip(local, saved, strict=True):
-                    target.copy_(source)
+    def scoring(self) -> Iterator[Callable[[Sequence[tuple[int, int, int]]], None]]:
+        """For the duration every LoRA module applies held versions instead of its parameters (no dropout, no
+        gradient); yields ``use(blocks)``: the next forwards' rows ``start:end`` under ``version``, for each
+        (start, end, version) (rows in no block get the base alone)."""
+        def use(blocks: Sequence[tuple[int, int, int]]) -> None:
+            self._blocks = [(start, end, self._held[version].weights) for start, end, version in blocks]
+            self._rows = blocks[-1][1] if blocks else 0
+
+        if any("forward" in vars(m) for m in self._modules):
+            raise RuntimeError("a LoRA module's forward is already replaced: AdapterHistory.scoring does not nest")
+        for k, module in enumerate(self._modules):
+            module.forward = functools.partial(self._forward, k, module.base_layer)
+        try:
+            with torch.no_grad():
+                yield use
+        finally:
+            for module in self._modules:
+                del module.forward
+            self._blocks = []
+
+    def _forward(self, k: int, base_layer: nn.Module, x: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor:
+        """LoRA module ``k`` under :meth:`scoring`: x [B, L, in] -> base(x) + each block's delta [B, L, out]."""
+        result = base_layer(x, *args, **kwargs)
+        if len(self._blocks) > 1 and x.shape[0] != self._rows:
+            raise ValueError(f"a LoRA layer's input {tuple(x.shape)} is not the batch's {self._rows} rows: rows "
+                             "of several versions cannot be re-scored in one forward of this model")
+        for start, end, weights in self._blocks:
+            a, bt = weights[k]
+            whole = len(self._blocks) == 1
+            rows, out = (x, result) if whole else (x[start:end], result[start:end])
+            hidden = torch.nn.functional.linear(rows.to(a.dtype), a)                           # [b, L, r]
+            out.view(-1, out.shape[-1]).addmm_(hidden.view(-1, hidden.shape[-1]), bt)
+        return result
 
 
 @contextlib.contextmanager
@@ -293,7 +384,7 @@ class Verdict:
                                    # agreement with the learner, what the tolerance must cover
     num_free_tokens: int = 0  # checked tokens whose log-probs came from the training forward (no extra forward)
     free_seconds: float = 0.0  # the part of ``seconds`` those took (their comparison, and a redo)
-    num_forwards: int = 0     # re-scoring forwards run on this rank (one per version and micro-batch)
+    num_forwards: int = 0     # re-scoring forwards run on this rank (one per micro-batch of all versions' rows)
     redone: bool = False      # forward/backward ran again without a group the training forward failed
 
 
@@ -308,7 +399,7 @@ class IntegrityCheck:
         self.temperature = config.worker.temperature
         self.budget_tokens = config.learner.micro_batch_tokens
         self.learner_dtype = _DTYPE_NAMES.get(policy.compute_dtype, str(policy.compute_dtype))
-        self.history = AdapterHistory(policy.trainable_parameters(), keep=config.run.max_staleness + 1)
+        self.history = AdapterHistory(policy.model, keep=config.run.max_staleness + 1, dtype=policy.compute_dtype)
         self.lora_ids = LoraIds()
         self.seed = parallel.broadcast_int(secrets.randbits(62))  # collective: every rank builds one at start-up
         self.current_version: int | None = None  # the version the parameters hold (None once a step changed them)
@@ -317,12 +408,16 @@ class IntegrityCheck:
         self.num_redone_steps = 0  # steps whose forward/backward ran again without a group the free path failed
         self._chosen: dict[str, list[int]] = {}  # group id -> positions of its chosen samples (this step's)
         self._facts: tuple[data.StepBatch, StepFacts] | None = None  # of the batch run() saw last
+        self._record_seconds = 0.0  # spent in record() since the last verdict
 
     def record(self, version: int, sha256: str | None) -> None:
-        """The parameters now hold ``version`` (call on every rank after each publish)."""
+        """Collective: the parameters now hold ``version`` (call on every rank after each publish). Its seconds
+        count in the next verdict's: keeping a version is part of the check's cost."""
         if self.enabled:
+            started = time.monotonic()
             self.history.record(version, sha256)
             self.current_version = version
+            self._record_seconds += time.monotonic() - started
 
     def watch(self, optimizer: torch.optim.Optimizer) -> None:
         """Forget which version the parameters hold at every step of ``optimizer`` (they no longer hold any)."""
@@ -352,7 +447,8 @@ class IntegrityCheck:
         verdict = self.judge(step, evidence, pairs, self._rescore(step, pairs))
         verdict.num_unverifiable_tokens = unverifiable
         verdict.num_forwards = self.num_forwards - forwards
-        verdict.seconds = time.monotonic() - started
+        verdict.seconds = time.monotonic() - started + self._record_seconds
+        self._record_seconds = 0.0
         return verdict
 
     def judge(self, step: data.StepBatch, evidence: Sequence[PolicyMismatch | None], pairs: list[tuple[int, int]],
@@ -441,19 +537,19 @@ class IntegrityCheck:
         return pairs, unverifiable
 
     def _rescore(self, step: data.StepBatch, pairs: list[tuple[int, int]]) -> torch.Tensor:
-        """Collective: [P, 4] float64 (num_checked, num_off, max |diff|, mean |diff|) of each pair, on every rank."""
+        """Collective: [P, 4] float64 (num_checked, num_off, max |diff|, mean |diff|) of each pair, on every rank.
+        The rows of every version together, packed in micro-batches; a micro-batch's rows sorted by version, each
+        version's block scored under its tensors (:meth:`AdapterHistory.scoring`)."""
         out = torch.zeros(len(pairs), 4, dtype=torch.float64)
         if not pairs:  # every rank has the same pairs: none anywhere
             return out
-        by_version: dict[int, list[int]] = {}
-        for k, (_, version) in enumerate(pairs):
-            by_version.setdefault(version, []).append(k)
-        for version, ks in sorted(by_version.items()):
-            rows = [_restricted(step.samples[pairs[k][0]], version) for k in ks]
-            modes = contextlib.nullcontext() if self.exact_training_forward else eval_mode(self.policy.model)
-            with modes, self.history.applied(version):
-                for micro in self._micro_batches([r.input_len for r in rows]):
-                    self._score_micro(step, [ks[i] for i in micro], [rows[i] for i in micro], version, out)
+        rows = [_restricted(step.samples[i], version) for i, version in pairs]
+        modes = contextlib.nullcontext() if self.exact_training_forward else eval_mode(self.policy.model)
+        with modes, self.history.scoring() as use:
+            for micro in self._micro_batches([r.input_len for r in rows]):
+                ks = sorted(micro, key=lambda k: pairs[k][1])
+                use(_blocks([pairs[k][1] for k in ks]))
+                self._score_micro(step, ks, [rows[k] for k in ks], [pairs[k][1] for k in ks], out)
         self.reduce(out, "sum")
         return out
 
@@ -474,30 +570,23 @@ class IntegrityCheck:
         mine = plans[self.parallel.rank]
         return mine + [[] for _ in range(max(forwards) - forwards[self.parallel.rank])]
 
-    def _score_micro(self, step: data.StepBatch, ks: list[int], rows: list[data.Sample], version: int,
+    def _score_micro(self, step: data.StepBatch, ks: list[int], rows: list[data.Sample], versions: list[int],
                      out: torch.Tensor) -> None:
-        """The no-grad forward(s) of these rows under the applied version; each row's comparison into ``out``."""
+        """The no-grad forward(s) of these rows (pairs ``ks``, of ``versions``) under the scoring history; each
+        row's comparison into ``out``."""
         mb = data.collate(rows, [0.0] * len(rows)).to(self.parallel.device)
         bounds = segments.segment_bounds(mb.input_ids.shape[1], self.budget_tokens) if len(rows) == 1 else (0, 1)
-        with torch.no_grad():
-            if len(bounds) > 2:
-                logp = self._score_segments(mb, bounds)
-            else:
-                self.num_forwards += 1
-                logp, _ = self.policy.trained_logprobs(mb.input_ids, mb.select, mb.targets[mb.select],
-                                                       self.temperature, with_entropy=False)
+        if len(bounds) > 2:
+            logp = self._score_segments(mb, bounds)
+        else:
+            self.num_forwards += 1
+            logp, _ = self.policy.trained_logprobs(mb.input_ids, mb.select, mb.targets[mb.select],
+                                                   self.temperature, with_entropy=False)
         if not rows:
             return
-        counts = [r.num_trained for r in rows]
-        recomputed = logp.float().cpu().split(counts)
-        behaviour = mb.behaviour_logp.cpu().split(counts)
-        for k, row, mine, theirs in zip(ks, rows, recomputed, behaviour, strict=True):
-            result = integrity.compare(theirs.numpy(), mine.numpy(),
-                                       token_tolerance=self._tolerance(step, row.group, version),
-                                       max_off_fraction=self.config.max_off_fraction)
-            out[k] = torch.tensor([result.num_checked, result.num_off, result.max_abs_diff, result.mean_abs_diff],
-                                  dtype=torch.float64)
-
+        tolerances = [self._tolerance(step, row.group, version) for row, version in zip(rows, versions, strict=True)]
+        out[ks] = torch.from_numpy(integrity.compare_rows(mb.behaviour_logp.cpu().numpy(), logp.float().cpu().numpy(),
+                                                          [r.num_trained for r in rows], tolerances))
 
     def _score_segments(self, mb: data.MicroBatch, bounds: tuple[int, ...]) -> torch.Tensor:
         """[T] log-probs of a single row longer than the budget, one forward per segment (no gradient)."""
@@ -512,6 +601,17 @@ class IntegrityCheck:
             self.num_forwards += 1
             row.reference_pass(forward, i)
         return torch.cat(row.ref_logp)
+
+
+def _blocks(versions: Sequence[int]) -> list[tuple[int, int, int]]:
+    """(start, end, version) of each run of equal versions in ``versions`` (rows sorted by version)."""
+    blocks: list[tuple[int, int, int]] = []
+    for row, version in enumerate(versions):
+        if blocks and blocks[-1][2] == version:
+            blocks[-1] = (blocks[-1][0], row + 1, version)
+        else:
+            blocks.append((row, row + 1, version))
+    return blocks
 
 
 def _restricted(sample: data.Sample, version: int) -> data.Sample:
@@ -560,18 +660,17 @@ class TrainedCheck:
                            free_seconds=self.seconds)
         out = torch.zeros(len(self.pairs), 4, dtype=torch.float64)
         if self._seen:
-            recomputed = torch.cat([piece for _, piece in self._seen]).float().cpu().split(
-                [piece.numel() for _, piece in self._seen])
-            for (k, _), mine in zip(self._seen, recomputed, strict=True):
+            behaviour, claimed_rows, counts, tolerances = [], [], [], []
+            for k, _ in self._seen:
                 sample = self.step.samples[self.pairs[k][0]]
                 claimed = sample.versions[sample.loss_mask] == self.version
-                result = integrity.compare(sample.behaviour_logp[sample.loss_mask][claimed].numpy(),
-                                           mine[claimed].numpy(),
-                                           token_tolerance=self.check._tolerance(self.step, sample.group,
-                                                                                 self.version),
-                                           max_off_fraction=self.check.config.max_off_fraction)
-                out[k] = torch.tensor([result.num_checked, result.num_off, result.max_abs_diff,
-                                       result.mean_abs_diff], dtype=torch.float64)
+                claimed_rows.append(claimed)
+                behaviour.append(sample.behaviour_logp[sample.loss_mask][claimed])
+                counts.append(int(claimed.sum()))
+                tolerances.append(self.check._tolerance(self.step, sample.group, self.version))
+            recomputed = torch.cat([piece for _, piece in self._seen]).float().cpu()[torch.cat(claimed_rows)]
+            out[[k for k, _ in self._seen]] = torch.from_numpy(integrity.compare_rows(
+                torch.cat(behaviour).numpy(), recomputed.numpy(), counts, tolerances))
         self.check.reduce(out, "sum")
         verdict = self.check.judge(self.step, [None] * self.step.num_groups, self.pairs, out)
         verdict.num_free_tokens = verdict.num_checked_tokens

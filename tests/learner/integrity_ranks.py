@@ -1,7 +1,8 @@
 """Run under torchrun by tests/learner/test_integrity_check.py: the policy check on 2 ranks (gloo, CPU).
 
 Every rank builds the tiny policy, trains one step and publishes v1 (only rank 0 knows its sha256), then checks
-one batch: two honest groups (v1 and v0, log-probs from the policy's own forward under that version), one with
+one batch: two honest groups (v1 and v0, log-probs from a reference model in rank 0: the base, or the base + the
+published v1 through peft), one with
 made-up log-probs and one whose evidence names another sha256 (which only rank 0 can judge), plus an honest and a
 made-up group of rows longer than the token budget (re-scored in segments). Every rank must keep exactly the
 honest groups; rank 0 prints what was kept and dropped.
@@ -16,28 +17,33 @@ from pathlib import Path
 import numpy as np
 import torch
 import torch.distributed as dist
+from torch.distributed.tensor import Shard, distribute_tensor
 
 from common.config import load_config
-from common.logprobs import token_logprobs
-from learner import data, publish
+from learner import data, integrity, publish
 from learner.integrity import IntegrityCheck
 from learner.loss import LossConfig
 from learner.model import build_policy
 from learner.parallel import init_parallel
 from learner.step import make_optimizer, train_step
-from tests.learner.scripted import VOCAB, Sampled, encode_groups, make_batch, rollout_group, served_for
+from tests.learner.scripted import (
+    VOCAB,
+    Sampled,
+    Scorer,
+    encode_groups,
+    make_batch,
+    rollout_group,
+    served_for,
+)
 
 
-def group(policy, check: IntegrityCheck, rng: np.random.Generator, group_id: str, version: int, sha256: str,
+def group(scorers: dict[int, Scorer], rng: np.random.Generator, group_id: str, version: int, sha256: str,
           made_up: bool = False, completion_len: int = 10) -> tuple:
     samples = []
     for _ in range(4):
         prompt = rng.integers(3, VOCAB, 6).astype(np.int32)
         completion = rng.integers(3, VOCAB, completion_len + int(rng.integers(0, 10))).astype(np.int32)
-        tokens = torch.as_tensor(np.concatenate([prompt, completion]), dtype=torch.int64)[None]
-        with torch.no_grad(), check.history.applied(version):  # a collective forward: every rank runs it
-            logits = policy.logits(tokens)[0, len(prompt) - 1:-1]
-        logp = token_logprobs(logits, torch.as_tensor(completion, dtype=torch.int64)).numpy()
+        logp = scorers[version].logprobs(prompt, completion, 1.0)
         if made_up:
             logp = np.full_like(logp, -0.5)
         n = len(completion)
@@ -54,21 +60,25 @@ def main(model_dir: Path) -> None:
     optimizer, scheduler = make_optimizer(policy, config.learner)
     check = IntegrityCheck(config, policy, parallel)
     check.record(0, "")
+    # the history's gather of FSDP2 shards, uneven ones too (rows not a multiple of the ranks, a rank with none)
+    full = [torch.arange(15.0).view(5, 3), torch.arange(4.0).view(1, 4), torch.arange(6.0).view(6, 1)]
+    whole = integrity._whole([distribute_tensor(t, parallel.mesh, [Shard(0)]) for t in full])
+    assert all(torch.equal(a, b) for a, b in zip(whole, full, strict=True)), whole
     train_step(policy, optimizer, scheduler, data.decode_step_batch(make_batch(3, 0, num_groups=2, group_size=4)),
                parallel=parallel, config=config, loss_config=LossConfig.from_learner(config.learner))
     snap = publish.snapshot(policy, version=1, step=1, is_main=parallel.is_main)
     check.record(1, snap.sha256 if snap is not None else None)
-    rng = np.random.default_rng(0)
-    groups = [group(policy, check, rng, "good-0", 1, ""), group(policy, check, rng, "good-1", 0, ""),
-              group(policy, check, rng, "made-up", 1, "", made_up=True), group(policy, check, rng, "bad-sha", 1, ""),
-              # rows of 95-105 positions against the 64-token budget: re-scored in 2 segments each, on whichever
-              # rank they land (the ranks' numbers of forwards differ and are padded)
-              group(policy, check, rng, "good-long", 1, "", completion_len=90),
-              group(policy, check, rng, "made-up-long", 1, "", made_up=True, completion_len=90)]
     frames = None
-    if parallel.is_main:  # the evidence names rank 0's hash; rank 0 sends the frames, as the learner loop does
-        for index, sha256 in ((0, snap.sha256), (2, snap.sha256), (3, "0" * 64), (4, snap.sha256), (5, snap.sha256)):
-            groups[index][0].served = [served_for(1, sha256)]
+    if parallel.is_main:  # rank 0 builds the batch and sends the frames, as the learner loop does
+        rng = np.random.default_rng(0)
+        scorers = {0: Scorer(model_dir), 1: Scorer(model_dir, snap.tensors, policy.lora_config)}
+        groups = [group(scorers, rng, "good-0", 1, snap.sha256), group(scorers, rng, "good-1", 0, ""),
+                  group(scorers, rng, "made-up", 1, snap.sha256, made_up=True),
+                  group(scorers, rng, "bad-sha", 1, "0" * 64),  # only rank 0 knows the published hash
+                  # rows of 95-105 positions against the 64-token budget: re-scored in 2 segments each, on
+                  # whichever rank they land (the ranks' numbers of forwards differ and are padded)
+                  group(scorers, rng, "good-long", 1, snap.sha256, completion_len=90),
+                  group(scorers, rng, "made-up-long", 1, snap.sha256, made_up=True, completion_len=90)]
         frames = encode_groups(groups)
     step = data.decode_step_batch(parallel.broadcast_frames(frames))
     verdict = check.run(step)

@@ -5,7 +5,7 @@ through peft, float32), checked by a real sharded policy that trained two versio
 Correct groups pass (no false positive over many groups, several versions); log-probs of the base claiming v1,
 of v2 claiming v1, at another temperature, made up, or correct plus noise fail with ``logprobs``; one noisy
 token passes; a wrong sha256, missing evidence and a reused lora_id fail on the evidence. The adapter history
-swaps a version in and restores the current parameters bit for bit. 2 ranks (torchrun, gloo): every rank drops
+scores each version with its own tensors in one forward and never writes the parameters. 2 ranks (torchrun, gloo): every rank drops
 the same groups, also one whose sha256 only rank 0 can judge (tests/learner/integrity_ranks.py).
 """
 
@@ -92,14 +92,28 @@ def honest(world: World, rng: np.random.Generator, group_id: str, version: int, 
     return rollout_group(group_id, samples, [served_for(version, world.sha[version])], worker_id=worker_id)
 
 
-def test_versions_differ_and_the_history_restores_the_parameters_exactly(world: World) -> None:
+def test_the_history_scores_each_version_as_it_was_and_never_writes_the_parameters(world: World) -> None:
+    """Under AdapterHistory.scoring, each held version's log-probs of a probe equal those of the logits recorded
+    while the parameters held it, alone and with all three versions' rows in one forward (a block each)."""
     current = [p.to_local().detach().clone() for p in world.policy.trainable_parameters()]
-    for version in (0, 1, 2):
-        with world.check.history.applied(version), torch.no_grad():
-            assert torch.equal(world.policy.logits(PROBE), world.logits[version])
+    inputs, targets = PROBE[:, :-1], PROBE[0, 1:]
+    select = torch.ones_like(inputs, dtype=torch.bool)
+    expected = {v: torch.log_softmax(world.logits[v][0, :-1].float(), -1).gather(-1, targets[:, None])[:, 0]
+                for v in (0, 1, 2)}
+    with world.check.history.scoring() as use:
+        for version in (0, 1, 2):
+            use([(0, 1, version)])
+            logp, _ = world.policy.trained_logprobs(inputs, select, targets, 1.0, with_entropy=False)
+            assert (logp - expected[version]).abs().max() < 1e-5
+        use([(0, 1, 2), (1, 3, 0), (3, 4, 1)])
+        logp, _ = world.policy.trained_logprobs(inputs.repeat(4, 1), select.repeat(4, 1), targets.repeat(4), 1.0,
+                                                with_entropy=False)
+        for row, version in enumerate((2, 0, 0, 1)):
+            assert (logp.view(4, -1)[row] - expected[version]).abs().max() < 1e-5
     assert all(torch.equal(p.to_local(), c) for p, c in zip(world.policy.trainable_parameters(), current, strict=True))
-    logp = {v: torch.log_softmax(world.logits[v][0], -1) for v in (0, 1, 2)}
-    assert (logp[1] - logp[0]).abs().max() > 0.5 and (logp[2] - logp[1]).abs().max() > 0.5
+    with torch.no_grad():  # the LoRA modules compute with their parameters again
+        assert torch.equal(world.policy.logits(PROBE), world.logits[2])
+    assert (expected[1] - expected[0]).abs().max() > 0.5 and (expected[2] - expected[1]).abs().max() > 0.5
 
 
 def test_correct_groups_pass(world: World) -> None:
