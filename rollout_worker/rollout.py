@@ -79,6 +79,11 @@ log = get_logger("rollout")
 
 READY, GENERATING, IN_ENV, DONE = "ready", "generating", "env", "done"
 
+#: tokens the engine may re-read after an adapter swap before the new version's first token (streaming): about one
+#: decode step's worth, so the step that makes it is short; the other moved samples wait for that token (the engine
+#: core schedules a step or two ahead: submitted at once, they would share that step)
+SWAP_FIRST_STEP_TOKENS = 64
+
 
 @dataclass(slots=True, kw_only=True)
 class Sample:
@@ -145,6 +150,17 @@ class FinishedGroup:
     tensors: list[tuple[str, np.ndarray]]
 
 
+def first_after_swap(ready: Sequence[tuple[GroupRollout, Sample]]) -> int:
+    """How many of the ``ready`` samples (shortest first) go into the engine in the step after a swap: the shortest,
+    and the next ones while their tokens stay within SWAP_FIRST_STEP_TOKENS."""
+    total = 0
+    for count, (group, sample) in enumerate(ready):
+        total += len(group.prompt_ids) + len(sample.completion_ids)
+        if count and total > SWAP_FIRST_STEP_TOKENS:
+            return count
+    return len(ready)
+
+
 class Rollouts:
     """The samples of every leased group, advanced one chunk round at a time (see the module docstring)."""
 
@@ -167,6 +183,7 @@ class Rollouts:
         self.groups: dict[str, GroupRollout] = {}  # by lease id, in lease order
         self._streams: dict[str, tuple[GroupRollout, Sample]] = {}  # request id in the engine -> its sample
         self._num_requests = 0  # request ids handed out (each is used once)
+        self._swap_first: set[str] = set()  # requests submitted first after a swap, none has a token yet
 
     @property
     def current_version(self) -> int:
@@ -303,16 +320,24 @@ class Rollouts:
         """Move samples whose version the partial policy changes, submit every ready sample's turn whole, and
         take one engine step's tokens (see the module docstring)."""
         newest = self.current_version
-        moved = [s for _, s in self._streams.values() if s.request_version != newest
+        moved = [(g, s) for g, s in self._streams.values() if s.request_version != newest
                  and (self.config.partial_policy != "finish" or not self.backend.has_version(s.request_version))]
         if moved:  # aborted at their current tokens; resubmitted below under the version _version_for picks
             self.metrics.inc("requests_moved", len(moved))
-            self._abort(moved)
-        ready = [(g, s) for g in self.groups.values() for s in g.samples if s.status == READY]
-        # shortest first: the engine's scheduler is first come, first served, so after a swap the new version's
-        # first tokens come from the cheapest prefills (fresh samples) while the long prefixes are re-read
-        for group, sample in sorted(ready, key=lambda gs: len(gs[0].prompt_ids) + len(gs[1].completion_ids)):
+            # the tokens the new version re-reads (prefill) before its first token of each moved sample
+            self.metrics.inc("tokens_moved", sum(len(g.prompt_ids) + len(s.completion_ids) for g, s in moved))
+            self._abort([s for _, s in moved])
+        ready = sorted(((g, s) for g in self.groups.values() for s in g.samples if s.status == READY),
+                       key=lambda gs: len(gs[0].prompt_ids) + len(gs[1].completion_ids))
+        if moved:  # after a swap only the shortest prefixes go in, until one of them has its first new token: the
+            ready = ready[:first_after_swap(ready)]  # engine's next steps are short ones (see SWAP_FIRST_STEP_TOKENS)
+            self._swap_first = set()
+        elif self._swap_first & self._streams.keys():
+            ready = []
+        for group, sample in ready:  # shortest first: the engine's scheduler is first come, first served
             self._submit(group, sample)
+            if moved:
+                self._swap_first.add(sample.request_id)
         if not self._streams:
             return
         started = time.monotonic()
@@ -321,6 +346,8 @@ class Rollouts:
         for group in {id(g): g for g, _ in self._streams.values()}.values():
             group.generate_s += elapsed_s
         num_tokens = 0
+        if self._swap_first and any(d.token_ids for d in deltas if d.request_id in self._swap_first):
+            self._swap_first = set()  # the new version's first token is out: the held samples go in next step
         for delta in deltas:
             group, sample = self._streams[delta.request_id]
             if sample.version is None:

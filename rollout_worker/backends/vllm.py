@@ -3,9 +3,17 @@
 Adapters are loaded by path from the PEFT directories :mod:`rollout_worker.adapters` writes. Each version gets
 a fresh ``LoRARequest(name, int id, path)`` with an id never used before in this process: vLLM caches adapters
 by int id, and re-using an id for new weights serves the old ones (FACTS.md, FIELD.md). Versions are added
-with ``llm_engine.add_lora`` as they arrive (so the first token under them does not pay the load) and removed
-with ``llm_engine.remove_lora`` when the worker retains them no more; the engine is sized for
-``vllm.max_loras`` (default ``max_staleness + 2``) resident adapters.
+with the engine core's ``add_lora`` as they arrive (so the first token under them does not pay the load) and
+removed with ``remove_lora`` when the worker retains them no more; the engine is sized for ``vllm.max_loras``
+(default ``max_staleness + 2``) resident adapters. The engine core runs such calls between two of its steps, after
+the steps already in flight (async scheduling keeps one or two), so each blocking call costs a step or two of
+waiting: a load sends ``add_lora`` and ``list_loras`` together and waits once, and a removal is sent without
+waiting (the core runs calls and requests in the order sent; a refused removal is logged at the next call).
+
+On the CPU platform the engine's LoRA matmuls are replaced by one GEMM per adapter in a step
+(:mod:`.vllm_lora_cpu`, through vLLM's ``worker_extension_cls``; ``grouped_lora_ops=False`` keeps vLLM's own
+per-token ops): vLLM's gather the adapter weights for every token, which made a prefill token cost ~5x more with an
+adapter than without, and an adapter swap's re-read of every prefix in flight cost as many seconds.
 
 Evidence (:mod:`.base`): a load records the ``LoRARequest``'s name and int id once the engine lists the id
 (``list_loras``), and the sha256 of the ``adapter_model.safetensors`` it read from ``lora_path``, hashed right
@@ -48,10 +56,14 @@ from rollout_worker.backends.base import Backend, GenDelta, GenOutput, GenReques
 
 log = get_logger("backend.vllm")
 
-#: tokens per engine step on the CPU platform (vLLM's own default elsewhere): there LoRA's torch ops gather the
-#: weights per token, so a prefill token costs about what a decode token does and a large step buys nothing, while
-#: it makes the re-prefill after an adapter swap one step of seconds before the new version's first token
-CPU_STEP_TOKENS = 256
+#: tokens per engine step on the CPU platform (vLLM's own default elsewhere): with the grouped LoRA ops a prefill
+#: token costs ~1/4 of a decode token, so the re-read of every prefix after an adapter swap goes fastest in large
+#: steps (bench/generation.py: 256 -> 1024 took a swap every 64 steps from 0.42 to 0.74-0.79 of one call; 2048 gave
+#: no more); the rollouts keep the step that makes the new version's first token short (SWAP_FIRST_STEP_TOKENS)
+CPU_STEP_TOKENS = 1024
+
+#: vLLM's worker_extension_cls on the CPU platform: LoRA as one GEMM per adapter in a step (vllm_lora_cpu)
+GROUPED_LORA_EXTENSION = "rollout_worker.backends.vllm_lora_cpu.WorkerExtension"
 
 #: LoRA ranks vLLM accepts for max_lora_rank
 VLLM_LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)
@@ -89,7 +101,8 @@ class VllmBackend(TokenizerMixin, Backend):
                  dtype: str = "float32", max_model_len: int = 512, max_num_seqs: int = 64,
                  kv_cache_gib: float = 1.0, gpu_memory_utilization: float = 0.85, enforce_eager: bool = True,
                  seed: int = 0, chat_template_kwargs: Mapping[str, Any] | None = None,
-                 stop_token_ids: Sequence[int] = (), max_num_batched_tokens: int | None = None) -> None:
+                 stop_token_ids: Sequence[int] = (), max_num_batched_tokens: int | None = None,
+                 grouped_lora_ops: bool = True, async_scheduling: bool | None = None) -> None:
         super().__init__(sampling)
         os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", str(max(1, math.ceil(kv_cache_gib))))
         from vllm import LLM, SamplingParams
@@ -102,13 +115,23 @@ class VllmBackend(TokenizerMixin, Backend):
         self.max_lora_rank = lora_rank_cap(max_lora_rank)
         from vllm.platforms import current_platform
 
-        if max_num_batched_tokens is None and current_platform.is_cpu():
-            max_num_batched_tokens = max(CPU_STEP_TOKENS, 2 * max_num_seqs)
+        extra: dict[str, Any] = {}
+        if current_platform.is_cpu():
+            if max_num_batched_tokens is None:
+                max_num_batched_tokens = max(CPU_STEP_TOKENS, 2 * max_num_seqs)
+            if grouped_lora_ops:  # imported by vLLM in its worker process (see vllm_lora_cpu)
+                extra["worker_extension_cls"] = GROUPED_LORA_EXTENSION
+        if max_num_batched_tokens:
+            extra["max_num_batched_tokens"] = max_num_batched_tokens
+        if async_scheduling is not None:  # None: vLLM's choice (on where the executor supports it)
+            extra["async_scheduling"] = async_scheduling
         self.llm = LLM(model=str(model_dir), tokenizer=str(model_dir), dtype=dtype, enable_lora=True,
                        max_lora_rank=self.max_lora_rank, max_loras=max_loras, max_cpu_loras=max_loras + 2,
                        max_model_len=max_model_len, max_num_seqs=max_num_seqs, enforce_eager=enforce_eager,
                        gpu_memory_utilization=gpu_memory_utilization, seed=seed, logprobs_mode=self.logprobs_mode,
-                       **({"max_num_batched_tokens": max_num_batched_tokens} if max_num_batched_tokens else {}))
+                       **extra)
+        self.grouped_lora_ops = "worker_extension_cls" in extra and all(
+            self.llm.collective_rpc("loraflow_grouped_lora_ops"))
         self.tokenizer = self.llm.get_tokenizer()
         self.engine_dtype = str(self.llm.llm_engine.model_config.dtype).removeprefix("torch.")
         config = self.llm.llm_engine.model_config.hf_config
@@ -119,6 +142,7 @@ class VllmBackend(TokenizerMixin, Backend):
         self._requests: dict[int, Any] = {}  # resident version -> LoRARequest
         self._loads: dict[int, ServedAdapter] = {}  # LoRA int id -> what that load put in the engine
         self._params: dict[tuple[int, bool, bool], Any] = {}
+        self._removals: list[Any] = []  # remove_lora calls sent to the engine core, results not seen yet
 
     # -- adapters ----------------------------------------------------------------------------------------------
 
@@ -132,13 +156,13 @@ class VllmBackend(TokenizerMixin, Backend):
         lora_id = self.new_lora_id()  # vLLM caches weights by int id: a fresh one for every load
         request = LoRARequest(lora_name=f"v{adapter.version}-id{lora_id}", lora_int_id=lora_id,
                               lora_path=str(adapter.path))
-        engine = self.llm.llm_engine
-        if not engine.add_lora(request) or lora_id not in engine.list_loras():
+        added, listed = self._engine_calls(("add_lora", request), ("list_loras",))
+        if not added or lora_id not in listed:
             raise ValueError(f"vLLM refused adapter v{adapter.version} from {adapter.path}")
         try:
             sha256 = tensors_sha256(Path(request.lora_path) / WEIGHTS_FILE)
         except ValueError:
-            engine.remove_lora(lora_id)
+            self.llm.llm_engine.remove_lora(lora_id)
             raise
         self._requests[adapter.version] = request
         loaded = ServedAdapter(version=adapter.version, adapter=request.lora_name, lora_id=lora_id, sha256=sha256,
@@ -149,8 +173,42 @@ class VllmBackend(TokenizerMixin, Backend):
 
     def _unload(self, version: int) -> None:
         request = self._requests.pop(version)
-        self.llm.llm_engine.remove_lora(request.lora_int_id)
         self._loads.pop(request.lora_int_id, None)
+        self._removals += self._engine_calls(("remove_lora", request.lora_int_id), wait=False)
+
+    def _engine_calls(self, *calls: tuple[Any, ...], wait: bool = True) -> list[Any]:
+        """Call engine-core utility methods (``(name, *args)``) back to back: the core runs each between two of
+        its steps, so calls sent together wait for the steps in flight once, not once each. ``wait=False``
+        returns the futures (the core runs the calls in order, before any request sent after them)."""
+        self._check_removals()
+        core = self.llm.llm_engine.engine_core
+        send = getattr(core, "_send_input", None)
+        results = getattr(core, "utility_results", None)
+        if send is None or not isinstance(results, dict):  # an in-process core: a plain call is a direct call
+            done = [getattr(self.llm.llm_engine, name)(*args) for name, *args in calls]
+            return done if wait else []
+        import uuid
+        from concurrent.futures import Future
+
+        from vllm.v1.engine import EngineCoreRequestType
+
+        futures: list[Future[Any]] = []
+        for name, *args in calls:  # what SyncMPClient.call_utility does, without waiting in between
+            call_id = uuid.uuid1().int >> 64
+            futures.append(Future())
+            results[call_id] = futures[-1]
+            send(EngineCoreRequestType.UTILITY, (0, call_id, name, tuple(args)))
+        return [f.result() for f in futures] if wait else futures
+
+    def _check_removals(self) -> None:
+        """Log adapter removals the engine refused (they were sent without waiting)."""
+        pending = []
+        for future in self._removals:
+            if not future.done():
+                pending.append(future)
+            elif future.exception() is not None or not future.result():
+                log.warning("vllm_remove_lora_failed", error=str(future.exception() or "returned False"))
+        self._removals = pending
 
     def _engine_report(self, version: int, lora_request: Any) -> ServedAdapter:
         """What a RequestOutput says served a request of ``version``: the load its lora_request names, or none."""

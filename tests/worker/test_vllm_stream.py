@@ -6,6 +6,7 @@
 - an adapter swap under each partial policy: ``continue`` splits each sample once, at the tokens it had, and the
   rest is the new adapter's greedy continuation of them (the reference says so token by token, with log-probs);
   ``finish`` keeps the old version to the end; ``abort`` restarts under the new one;
+- after a swap the shortest prefix is resubmitted first and alone, the others once it has a new-version token;
 - a stop string ends a turn mid-stream and takes the request out of the engine; a returned lease does too.
 
 All tests share the session's one engine (tests/worker/conftest.py): it starts in ~25 s.
@@ -18,10 +19,11 @@ from collections.abc import Iterator
 import pytest
 
 from common.config import WorkerConfig
+from rollout_worker import rollout
 from rollout_worker.adapters import AdapterStore
 from rollout_worker.backends.base import Backend, GenRequest
 from rollout_worker.envs import EnvResolver
-from rollout_worker.rollout import GENERATING, Rollouts
+from rollout_worker.rollout import DONE, GENERATING, READY, Rollouts
 from tests.worker.helpers import Adapter, Reference, lease, receive
 
 pytestmark = pytest.mark.vllm
@@ -169,3 +171,46 @@ def test_a_stop_string_ends_the_turn_mid_stream(vllm: Backend, store: AdapterSto
     (group,) = run(rollouts)
     assert dict(group.tensors)["completion_ids"].tolist() == greedy[:end + 1]
     assert vllm.num_streams == 0 and not vllm.llm.llm_engine.has_unfinished_requests()
+
+
+def test_after_a_swap_the_shortest_prefix_goes_first(vllm: Backend, store: AdapterStore, adapters: list[Adapter],
+                                                     monkeypatch: pytest.MonkeyPatch) -> None:
+    """continue: the moved sample with the shortest prefix is resubmitted alone; the others wait for its first token
+    under the new version (the engine's next step stays short), then all continue, each split once."""
+    monkeypatch.setattr(rollout, "SWAP_FIRST_STEP_TOKENS", 1)  # these prefixes are short: only the shortest first
+    vllm.add_adapter(receive(store, adapters[0]))
+    config = WorkerConfig(max_new_tokens=48, chunk_tokens=4, partial_policy="continue")
+    rollouts = Rollouts(vllm, EnvResolver(), config, worker_id="w", max_seq_len=256, greedy=True)
+    rollouts.add(lease("5:0", prompt=PROMPTS[0], group_size=2))
+    old = rollouts.groups["lease-5:0"].samples
+    for _ in range(MAX_STEPS):
+        if min(len(s.completion_ids) for s in old) >= 8:
+            break
+        rollouts.step()
+    rollouts.add(lease("5:1", prompt=PROMPTS[1], group_size=1))
+    (young,) = rollouts.groups["lease-5:1"].samples
+    for _ in range(MAX_STEPS):
+        if young.completion_ids:
+            break
+        rollouts.step()
+    assert all(s.status == GENERATING for s in [*old, young])
+    prompts = [len(rollouts.groups[f"lease-5:{i}"].prompt_ids) for i in (0, 1)]
+    assert prompts[1] + len(young.completion_ids) < min(prompts[0] + len(s.completion_ids) for s in old)
+    vllm.add_adapter(receive(store, adapters[1]))
+    vllm.retain({2} | rollouts.versions_in_use())
+    rollouts.step()
+    assert young.status == GENERATING and young.request_version == 2 and vllm.num_streams == 1
+    held = [s for s in old if s.status != DONE]
+    assert held and all(s.status != GENERATING for s in held)
+    for _ in range(MAX_STEPS):  # the held samples wait until the young one has a token of v2
+        if 2 in young.versions:
+            break
+        rollouts.step()
+        assert all(s.status != GENERATING for s in held) or 2 in young.versions
+    rollouts.step()
+    assert all(s.status != READY for s in held)  # in the engine (or done) one step after that token
+    run(rollouts)
+    for sample in [*old, young]:
+        k = sample.versions.index(2) if 2 in sample.versions else len(sample.versions)
+        assert sample.versions == [1] * k + [2] * (len(sample.versions) - k) and k >= 1
+    assert rollouts.metrics.total("requests_moved") == 3
