@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import time
 import uuid
+from collections import deque
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -40,6 +41,7 @@ from broker import intake
 from broker.adapters import AdapterCache
 from broker.batching import BatchDesk
 from broker.dispatch import KIND_NAMES, SENDERS, HalfApplied, claimed_role, num_bytes, peek_kind, refusal
+from broker.heartbeats import HeartbeatPath
 from broker.leasing import LeaseDesk
 from broker.ledger import Reason
 from broker.outbox import Outbox, Outgoing
@@ -61,6 +63,9 @@ from common.tasks import Task
 log = get_logger("broker")
 
 PEER_CHECK_FRACTION = 0.5  # check liveness every half heartbeat interval
+#: AdapterNotices handed to the socket per loop pass, after the pass's other replies: a publish to 4,096 workers
+#: is spread over 16 passes (~1 ms each) instead of stalling one by ~20 ms, so leases and acks are not held up
+NOTICES_PER_PASS = 256
 STATS_TICK_S = 1.0
 
 
@@ -112,6 +117,8 @@ class BrokerCore:
         self._handlers: dict[int, Callable[..., None]] = {
             kind: getattr(self, f"_on_{KIND_NAMES[kind]}") for kind in SENDERS if kind != Kind.HELLO}
         self._applying = False  # inside a handler's apply half (broker.dispatch)
+        self._beats = HeartbeatPath(broker.max_message_bytes)  # the common heartbeat's fast path
+        self._notices: deque[Outgoing] = deque()  # AdapterNotices not yet handed out (NOTICES_PER_PASS)
         # a change outside the ledger (a peer, a version) that may let a parked long-poll be answered; the
         # ledger's own transitions count by themselves (GroupLedger.num_changes)
         self._reconsider = False
@@ -153,8 +160,8 @@ class BrokerCore:
 
     def has_work(self) -> bool:
         """Something to send, write or re-evaluate without waiting for a message."""
-        return (self._reconsider or self.ledger.num_changes != self._changes_seen
-                or self.outbox.has_ready(self.keeper.durable_seq))
+        return bool(self._reconsider or self.ledger.num_changes != self._changes_seen or self._notices
+                    or self.outbox.has_ready(self.keeper.durable_seq))
 
     def send_failed(self, out: Outgoing, reason: str) -> None:
         """zmq refused ``out`` (server calls this); undo what the message promised (a ledger transition)."""
@@ -170,6 +177,19 @@ class BrokerCore:
         authentication bound to the sender's key (None without security): a client may act only in that role;
         ``authenticated_key`` names that key (``<role>:<name>``): a client id belongs to the key that registered
         it (:meth:`broker.peers.PeerRegistry.hello`). Raises :class:`HalfApplied` for a bug in an apply half."""
+        peer = self.peers.get(identity)
+        if peer is not None and (beat := self._beats.decode(frames, peer, authenticated_role)) is not None:
+            self._num_changes += 1  # the common heartbeat, accepted as the path below would (broker.heartbeats)
+            self.stats.bytes_in += len(frames[0]) + len(frames[1])
+            self.stats.count("messages_in", "heartbeat")
+            self.peers.heard(identity, now_s)
+            try:
+                self._on_heartbeat(identity, peer, beat, None, frames, now_s)
+            except Exception as exc:
+                raise HalfApplied(f"heartbeat from {display_name(identity)[:64]}: {exc!r}") from exc
+            finally:
+                self._applying = False
+            return
         try:
             envelope = protocol.decode_envelope(frames, self.config.broker.max_message_bytes)
         except ProtocolError as exc:
@@ -236,12 +256,15 @@ class BrokerCore:
 
     def _on_heartbeat(self, identity: bytes, peer: Peer, beat: protocol.Heartbeat, _env: Any, _frames: Any,
                       now_s: float) -> None:
+        """The pong is encoded once per version; parked long-polls are reconsidered only when the beat changes the
+        worker's adapter version (nothing else a beat reports changes what a lease request can be granted)."""
         self._applying = True  # validated: the apply half (broker.dispatch)
-        self.peers.heartbeat(peer, beat, now_s)
+        if self.peers.heartbeat(peer, beat, now_s):
+            self._reconsider = True
         if beat.lease_ids:
             self.stats.count("leases", "renewed", self.ledger.renew(identity, beat.lease_ids, now_s))
-        self._send(identity, protocol.Heartbeat(latest_version=self.latest_version, state="idle"))
-        self._reconsider = True
+        frames, size = self._beats.pong(self.latest_version)
+        self.outbox.send(identity, Kind.HEARTBEAT, frames, num_bytes=size)
 
     def _on_bye(self, identity: bytes, peer: Peer, bye: protocol.Bye, _env: Any, _frames: Any, _now_s: float) -> None:
         self._applying = True  # validated: the apply half (broker.dispatch)
@@ -386,7 +409,19 @@ class BrokerCore:
                 self.batching.serve_waiters()
             if self.leasing.waiters:
                 self.leasing.serve_waiters(now_s)
-        return self.outbox.take()
+        return self._spread_notices(self.outbox.take())
+
+    def _spread_notices(self, out: list[Outgoing]) -> list[Outgoing]:
+        """``out`` with its AdapterNotices queued behind earlier ones, and at most NOTICES_PER_PASS of those
+        appended (each worker still gets its notices in order; a notice carries no promise to undo)."""
+        if not self._notices and not any(o.kind == Kind.ADAPTER_NOTICE for o in out):
+            return out
+        notices = self._notices
+        kept = []
+        for o in out:
+            (notices.append if o.kind == Kind.ADAPTER_NOTICE else kept.append)(o)
+        kept.extend(notices.popleft() for _ in range(min(NOTICES_PER_PASS, len(notices))))
+        return kept
 
     def next_wakeup_s(self, _now_s: float) -> float:
         """When tick() next has something to do."""
@@ -400,4 +435,6 @@ class BrokerCore:
         self.leasing.drain(now_s)
         self.batching.drain()
         self.keeper.close()
-        return self.outbox.drain()
+        pending = list(self._notices)  # older than anything the outbox holds
+        self._notices.clear()
+        return [*pending, *self.outbox.drain()]

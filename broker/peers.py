@@ -18,6 +18,12 @@ restarting a crashed learner must not wait for the old one's heartbeats to time 
 with ``replaced`` from then on (:meth:`PeerRegistry.fence`), so a learner that was only partitioned or hung
 cannot come back and train the same run a second time.
 
+Liveness costs O(1) per message and O(expired) per sweep, whatever the fleet size: the registry keeps its
+identities in the order they were last heard (each message moves its sender to the end), so
+:meth:`PeerRegistry.dead` reads the silent ones off the front and stops at the first live one. Lookups by
+``(role, client_id)`` and the count of each role are indexed too, so a Hello is O(1) (a reconnect storm of n
+workers was O(n^2)). Callers pass a non-decreasing ``now_s``.
+
 Each peer also accumulates the time spent in each reported state (``training``, ``waiting``, ...), from
 which the stats derive busy shares (the learner's idle share is the headline number of async training).
 Pure logic: no sockets; callers pass ``now_s`` (``time.monotonic()``).
@@ -67,6 +73,7 @@ class Peer:
     state: str = "starting"
     num_leases_reported: int = 0
     counters: dict[str, Any] = field(default_factory=dict)
+    counters_raw: Any = None  # the msgpack bytes ``counters`` was decoded from (broker.heartbeats: unchanged -> kept)
     registered_s: float = 0.0
     registered_unix: float = 0.0
     last_seen_s: float = 0.0
@@ -102,7 +109,10 @@ class PeerRegistry:
         self.timeout_s = heartbeat_interval_s * heartbeat_misses
         self.max_workers = max_workers
         self.max_observers = max_observers
-        self._peers: dict[bytes, Peer] = {}
+        self._peers: dict[bytes, Peer] = {}  # in registration order
+        self._by_seen: OrderedDict[bytes, None] = OrderedDict()  # the same identities, least recently heard first
+        self._by_client: dict[tuple[str, str], dict[bytes, None]] = {}  # (role, client_id) -> identities
+        self._num_of_role: dict[str, int] = defaultdict(int)
         self._fenced: OrderedDict[bytes, str] = OrderedDict()  # identity of a replaced learner -> its successor
 
     def __len__(self) -> int:
@@ -115,15 +125,43 @@ class PeerRegistry:
         return list(self._peers.values())
 
     def of_role(self, role: str) -> list[Peer]:
-        return [p for p in self._peers.values() if p.role == role]
+        return [p for p in self._peers.values() if p.role == role] if self._num_of_role[role] else []
 
     def worker(self, client_id: str, session: str) -> Peer | None:
         """The registered worker process with this client id and session, if it is connected."""
-        return next((p for p in self._peers.values()
-                     if p.role == "worker" and (p.client_id, p.session) == (client_id, session)), None)
+        peer = self._by_client_id("worker", client_id)
+        return peer if peer is not None and peer.session == session else None
 
     def num_workers(self) -> int:
-        return sum(1 for p in self._peers.values() if p.role == "worker")
+        return self._num_of_role["worker"]
+
+    def _by_client_id(self, role: str, client_id: str) -> Peer | None:
+        """The earliest registered peer with this role and client id."""
+        identities = self._by_client.get((role, client_id))
+        return self._peers[next(iter(identities))] if identities else None
+
+    def _add(self, peer: Peer) -> None:
+        """Register ``peer`` (in the slot of a previous entry of its identity, which must be unindexed first)."""
+        self._peers[peer.identity] = peer
+        self._by_seen[peer.identity] = None
+        self._by_seen.move_to_end(peer.identity)
+        self._by_client.setdefault((peer.role, peer.client_id), {})[peer.identity] = None
+        self._num_of_role[peer.role] += 1
+
+    def _unindex(self, peer: Peer) -> None:
+        key = (peer.role, peer.client_id)
+        identities = self._by_client[key]
+        del identities[peer.identity]
+        if not identities:
+            del self._by_client[key]
+        self._num_of_role[peer.role] -= 1
+
+    def remove(self, identity: bytes) -> Peer | None:
+        peer = self._peers.pop(identity, None)
+        if peer is not None:
+            del self._by_seen[identity]
+            self._unindex(peer)
+        return peer
 
     def hello(self, identity: bytes, hello: Hello, now_s: float, key: str | None = None) -> tuple[Peer, Peer | None]:
         """Register (or refresh) a client; returns (peer, the replaced entry of a previous session or None).
@@ -132,20 +170,22 @@ class PeerRegistry:
         old = self._peers.get(identity)
         if old is not None and old.session == hello.session and old.role == hello.role:
             old.last_seen_s = now_s
+            self._by_seen.move_to_end(identity)
             old.adapter_version = max(old.adapter_version, hello.adapter_version)
             old.batched_acks = hello.batched_acks
             return old, None
         if old is None:  # a previous process of the same client under another identity (CURVE route tokens)
-            old = next((p for p in self._peers.values() if (p.role, p.client_id) == (hello.role, hello.client_id)),
-                       None)
+            old = self._by_client_id(hello.role, hello.client_id)
             if old is not None and old.key != key and hello.role != "learner":  # (learners: the newest wins)
                 raise ClientIdTaken(f"{hello.role} id {hello.client_id!r} is registered by another key; choose "
                                     "another client id (a restarted client uses its own key)")
             if old is not None:
-                del self._peers[old.identity]
+                self.remove(old.identity)
+        elif old is not None:  # the same identity with another session or role: a new process, in its slot
+            self._unindex(old)
         if old is None and hello.role == "worker" and self.num_workers() >= self.max_workers:
             raise RegistryFull(f"{self.max_workers} workers are registered (broker.max_workers)")
-        if old is None and hello.role == "observer" and len(self.of_role("observer")) >= self.max_observers:
+        if old is None and hello.role == "observer" and self._num_of_role["observer"] >= self.max_observers:
             raise RegistryFull(f"{self.max_observers} observers are registered (broker.max_observers); a "
                                "StatsRequest needs no Hello")
         peer = Peer(identity=identity, role=hello.role, client_id=hello.client_id, session=hello.session, key=key,
@@ -153,28 +193,33 @@ class PeerRegistry:
                     adapter_version=hello.adapter_version, batched_acks=hello.batched_acks,
                     registered_s=now_s, registered_unix=time.time(),
                     last_seen_s=now_s, state_since_s=now_s)
-        self._peers[identity] = peer
+        self._add(peer)
         return peer, old
 
     def heard(self, identity: bytes, now_s: float) -> Peer | None:
         peer = self._peers.get(identity)
         if peer is not None:
             peer.last_seen_s = now_s
+            self._by_seen.move_to_end(identity)
         return peer
 
-    def heartbeat(self, peer: Peer, beat: Heartbeat, now_s: float) -> None:
+    def heartbeat(self, peer: Peer, beat: Heartbeat, now_s: float) -> bool:
+        """What a beat reports; True when it changes the peer's adapter version. ``beat.counters`` None: unchanged
+        (:mod:`broker.heartbeats`, which then keeps ``counters_raw``; a beat decoded the general way clears it)."""
+        changed = beat.adapter_version != peer.adapter_version
         peer.adapter_version = beat.adapter_version
         peer.num_leases_reported = beat.num_leases
-        peer.counters = beat.counters
+        if beat.counters is not None:
+            peer.counters = beat.counters
+            if type(beat) is Heartbeat:
+                peer.counters_raw = None
         if beat.state != peer.state:
             peer.set_state(beat.state, now_s)
-
-    def remove(self, identity: bytes) -> Peer | None:
-        return self._peers.pop(identity, None)
+        return changed
 
     def fence(self, old: Peer, successor: Peer) -> None:
         """Refuse ``old``'s identity from now on: a learner replaced by ``successor`` must never act again."""
-        self._peers.pop(old.identity, None)
+        self.remove(old.identity)
         self._fenced[old.identity] = (f"{successor.name} (session {successor.session}, host {successor.host or '?'}, "
                                       f"pid {successor.pid})")
         while len(self._fenced) > MAX_FENCED:
@@ -185,8 +230,14 @@ class PeerRegistry:
         return self._fenced.get(identity)
 
     def dead(self, now_s: float) -> list[Peer]:
-        """Remove and return the peers silent for longer than the heartbeat timeout."""
-        gone = [p for p in self._peers.values() if now_s - p.last_seen_s > self.timeout_s]
+        """Remove and return the peers silent for longer than the heartbeat timeout, least recently heard first
+        (O(expired): the sweep stops at the first peer heard recently enough)."""
+        gone = []
+        for identity in self._by_seen:
+            peer = self._peers[identity]
+            if now_s - peer.last_seen_s <= self.timeout_s:
+                break
+            gone.append(peer)
         for peer in gone:
-            del self._peers[peer.identity]
+            self.remove(peer.identity)
         return gone

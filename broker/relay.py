@@ -72,9 +72,10 @@ class AdapterRelay:
         peer.adapter_version = update.version
         self._unsaved = (update.version, stored.message)
         self.outbox.send_record(identity, protocol.AdapterAck(version=update.version), after_durable=True)
-        notice = stored.notice()
+        notice = protocol.encode(stored.notice())  # encoded once for every worker (the core spreads the sends)
+        size = sum(len(f) for f in notice)
         for worker in self.peers.of_role("worker"):
-            self.outbox.send_record(worker.identity, notice)
+            self.outbox.send(worker.identity, Kind.ADAPTER_NOTICE, notice, num_bytes=size)
         self.stats.count("adapters", "restored" if restoring else "published")
         log.info("adapter_published", version=update.version, step=update.step, num_bytes=stored.num_bytes,
                  num_tensors=stored.num_tensors, restored=restoring)

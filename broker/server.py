@@ -40,9 +40,12 @@ HANDSHAKE_FAILED_PROTOCOL with ZMTP_CRYPTOGRAPHIC), ``plaintext`` (a client with
 HANDSHAKE_FAILED_NO_DETAIL: libzmq 4.3.5 reports a plaintext client so when the client notices the mismatch
 first, which happens on a busy machine), ``handshake_failed`` (anything else).
 
-Up to ``MAX_DRAIN`` messages are received per wake-up before timers and sends run, which amortises the poll
-and the state-file write over a burst; tensor frames are received with ``copy=False`` and forwarded as the
-same ``zmq.Frame`` objects.
+Up to ``MAX_DRAIN`` messages, for at most ``MAX_DRAIN_S``, are received per wake-up before timers and sends
+run, which amortises the poll and the state-file write over a burst without letting a burst (thousands of
+heartbeats after a stall) hold up the reply to a LeaseRequest queued behind it; tensor frames are received with
+``copy=False`` and forwarded as the same ``zmq.Frame`` objects. The common heartbeat takes a fast path
+(:mod:`broker.heartbeats`), and a publish's AdapterNotices to every worker are handed out a few hundred per
+pass (:data:`broker.core.NOTICES_PER_PASS`), so neither a large idle fleet nor a fan-out stalls the loop.
 """
 
 from __future__ import annotations
@@ -66,6 +69,7 @@ from common.security import role_of
 log = get_logger("broker")
 
 MAX_DRAIN = 512
+MAX_DRAIN_S = 0.005  # a pass stops receiving after this long (then sends, and polls again at once)
 MAX_POLL_MS = 100
 MONITOR_EVENTS = {zmq.EVENT_ACCEPTED: "accepted", zmq.EVENT_DISCONNECTED: "disconnected"}
 #: handshake failures on the monitor, by cause (HANDSHAKE_FAILED_AUTH is counted by the ZAP thread instead)
@@ -149,6 +153,7 @@ class BrokerServer:
 
     def _receive(self) -> None:
         core = self.core
+        until_s = time.monotonic() + MAX_DRAIN_S
         for _ in range(MAX_DRAIN):
             try:
                 frames = sockets.recv_frames(self.sock, zmq.NOBLOCK)
@@ -156,6 +161,7 @@ class BrokerServer:
                 return
             identity = frames[0].bytes
             now_s = time.monotonic()
+            last = now_s >= until_s  # this one is handled; the rest wait for the next pass (after the sends)
             user_id = _user_id(frames[1]) if self.security is not None and len(frames) > 1 else None
             role = role_of(frames[1]) if user_id else None
             try:
@@ -166,6 +172,8 @@ class BrokerServer:
             except Exception:  # a bug in a validation costs one message, not the broker: nothing was changed
                 log.exception("handler_failed", peer=display_name(identity)[:64])
                 core.internal_error(identity, frames[1:])
+            if last:
+                return
 
     def _count_refused_handshakes(self) -> None:
         """CURVE handshakes the ZAP thread refused (unknown keys) since the last pass, into ``auth{refused}``."""

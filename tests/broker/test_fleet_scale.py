@@ -1,0 +1,242 @@
+"""A large fleet's costs: the heartbeat fast path (broker/heartbeats.py), the O(expired) liveness sweep and
+indexed registry (broker/peers.py), and a publish's notices spread over loop passes (broker/core.py).
+
+The fast path must accept exactly what the general path accepts and leave the same state and counters: each case
+below is sent to two cores, one with the fast path and one without, and their replies, peers and stats compared.
+"""
+
+from __future__ import annotations
+
+import math
+
+import msgpack
+import pytest
+
+from broker.core import NOTICES_PER_PASS
+from broker.peers import PeerRegistry
+from common import framing, protocol
+from common.protocol import Heartbeat, Hello, Kind, LeaseRequest, LeaseReturn
+from tests.broker.clients import make_adapter
+from tests.broker.harness import LEARNER, W1, Harness
+
+PREAMBLE = framing.PREAMBLE.pack(framing.MAGIC, protocol.PROTOCOL_VERSION, Kind.HEARTBEAT)
+WORKER_COUNTERS = {"groups_submitted": 12, "tokens_generated": 98765, "reward_failures": 0, "adapters_received": 3,
+                   "unacked": 1}
+
+
+def raw_beat(**fields: object) -> list[bytes]:
+    """A heartbeat as any msgpack client could send it (no loraflow encoder: bad values travel too)."""
+    return [PREAMBLE, msgpack.packb(fields)]
+
+
+CASES = {
+    "empty": [raw_beat()],
+    "worker": [raw_beat(state="generating", adapter_version=0, num_leases=1, counters=WORKER_COUNTERS)],
+    "same_counters_twice": [raw_beat(counters=WORKER_COUNTERS), raw_beat(counters=WORKER_COUNTERS, state="scoring")],
+    "counters_change": [raw_beat(counters={"a": 1}), raw_beat(counters={"a": 2, "b": 0.5})],
+    "too_many_counters": [raw_beat(counters={"a": 1}), raw_beat(counters={f"c{i}": i for i in range(65)})],
+    "counter_name_too_long": [raw_beat(counters={"x" * 65: 1})],
+    "counter_not_a_number": [raw_beat(counters={"a": 1}), raw_beat(counters={"a": "many"})],
+    "counter_nan": [raw_beat(counters={"a": math.nan})],
+    "counter_nested": [raw_beat(counters={"a": {"b": 1}})],
+    "counters_not_a_map": [raw_beat(counters=[1, 2])],
+    "unknown_field": [raw_beat(counters={"a": 1}, future_field=3), raw_beat(counters={"a": 1})],
+    "bad_state": [raw_beat(state="dreaming")],
+    "negative_version": [raw_beat(adapter_version=-1)],
+    "tensors": [raw_beat(tensors=[{"name": "t", "dtype": "uint8", "shape": [1], "frame": 0}])],
+    "empty_tensors": [raw_beat(tensors=[])],
+    "extra_frame": [[*raw_beat(), b"x"]],
+    "not_msgpack": [[PREAMBLE, b"\xc1\xc1"]],
+    "not_a_map": [[PREAMBLE, msgpack.packb([1, 2])]],
+    "lease_ids": [raw_beat(lease_ids=["nope"] * 3)],
+}
+
+
+def observed(harness: Harness, frames_list: list[list[bytes]]) -> list:
+    out = []
+    for frames in frames_list:
+        replies = harness.send_frames(W1, frames)
+        peer = harness.core.peers.get(W1)
+        out.append(([(i, type(r).__name__, r) for i, r, _ in replies],
+                    (peer.state, peer.adapter_version, peer.num_leases_reported, peer.counters) if peer else None))
+    stats = harness.stats()
+    out.append({k: stats[k] for k in ("messages_in", "messages_out", "bytes_in", "bytes_out", "rejected",
+                                      "unknown_fields", "lease_events")})
+    return out
+
+
+@pytest.mark.parametrize("case", sorted(CASES))
+def test_fast_path_accepts_and_refuses_as_the_general_path(case: str) -> None:
+    fast, general = Harness(), Harness()
+    general.core._beats.decode = lambda *_args: None  # every heartbeat through the general path
+    for harness in (fast, general):
+        harness.hello(W1)
+    assert observed(fast, CASES[case]) == observed(general, CASES[case])
+
+
+def test_bad_counters_are_refused_and_counted_after_good_ones() -> None:
+    harness = Harness()
+    harness.hello(W1)
+    harness.send_frames(W1, raw_beat(counters={"a": 1}))
+    replies = harness.send_frames(W1, raw_beat(counters={"a": 1, **{f"c{i}": i for i in range(64)}}))
+    assert [r.code for _, r, _ in replies] == ["malformed"] and "Heartbeat.counters" in replies[0][1].message
+    assert harness.core.peers.get(W1).counters == {"a": 1}  # the refused beat changed nothing
+    assert harness.stats()["rejected"] == {"malformed": 1}
+
+
+def test_counters_kept_by_the_general_path_are_not_mistaken_for_unchanged() -> None:
+    """fast {a: 1}, then a general-path beat {a: 2} (it has an unknown field), then {a: 1} again: the last wins."""
+    harness = Harness()
+    harness.hello(W1)
+    harness.send_frames(W1, raw_beat(counters={"a": 1}))
+    harness.send_frames(W1, raw_beat(counters={"a": 2}, future_field=1))
+    assert harness.core.peers.get(W1).counters == {"a": 2}
+    harness.send_frames(W1, raw_beat(counters={"a": 1}))
+    assert harness.core.peers.get(W1).counters == {"a": 1}
+    assert harness.stats()["unknown_fields"] == {"heartbeat": 1}
+
+
+def test_pong_carries_the_latest_version_after_a_publish() -> None:
+    harness = Harness()
+    harness.hello(W1)
+    harness.hello(b"learner/learner")
+    pongs = [r for i, r, _ in harness.send_frames(W1, raw_beat()) if isinstance(r, Heartbeat)]
+    assert [p.latest_version for p in pongs] == [0]
+    harness.publish(1)
+    pongs = [r for i, r, _ in harness.send_frames(W1, raw_beat()) if isinstance(r, Heartbeat)]
+    assert [p.latest_version for p in pongs] == [1]
+
+
+def test_a_beat_reconsiders_parked_requests_only_when_the_version_changes() -> None:
+    harness = Harness()
+    harness.hello(W1)
+    harness.send_frames(W1, raw_beat(adapter_version=0))
+    harness.core.handle(W1, raw_beat(adapter_version=0), harness.now)
+    assert not harness.core._reconsider
+    harness.core.handle(W1, raw_beat(adapter_version=1), harness.now)
+    assert harness.core._reconsider
+    harness.flush()
+
+
+def test_a_parked_lease_request_is_still_answered_while_beats_arrive() -> None:
+    harness = Harness("broker.capacity_groups=2", "broker.max_leases_per_worker=2")
+    harness.hello(W1)
+    harness.hello(b"worker/w2")
+    held = harness.lease(b"worker/w2", n=2)  # all the credit
+    assert len(held) == 2
+    replies = harness.send(W1, LeaseRequest(max_leases=1, wait_ms=5000))
+    assert not [r for i, r, _ in replies if r.KIND == Kind.LEASE_GRANT]
+    for _ in range(3):
+        replies = harness.send_frames(W1, raw_beat())
+        assert [type(r).__name__ for _, r, _ in replies] == ["Heartbeat"]
+    replies = harness.send(b"worker/w2", LeaseReturn(lease_ids=[held[0].lease_id]))
+    grants = [r for i, r, _ in replies if i == W1 and r.KIND == Kind.LEASE_GRANT]
+    assert len(grants) == 1 and len(grants[0].leases) == 1
+
+
+# -- liveness ------------------------------------------------------------------------------------------------
+
+
+def registry(n: int) -> PeerRegistry:
+    peers = PeerRegistry(heartbeat_interval_s=1.0, heartbeat_misses=3, max_workers=n)
+    for i in range(n):
+        peers.hello(f"worker/w{i}".encode(), Hello(role="worker", client_id=f"w{i}", session="s"), 0.0)
+    return peers
+
+
+def test_the_sweep_finds_exactly_the_silent_peers_in_any_order() -> None:
+    peers = registry(6)
+    for now_s, i in [(1.0, 4), (1.5, 0), (2.0, 2), (2.5, 4)]:
+        peers.heard(f"worker/w{i}".encode(), now_s)
+    assert peers.dead(3.0) == []
+    assert sorted(p.client_id for p in peers.dead(3.01)) == ["w1", "w3", "w5"]  # silent since 0.0
+    assert [p.client_id for p in peers.dead(4.51)] == ["w0"]
+    assert [p.client_id for p in peers.dead(5.01)] == ["w2"]
+    assert [p.client_id for p in peers.all()] == ["w4"] and peers.num_workers() == 1
+
+
+def test_the_sweep_reads_only_the_expired_peers() -> None:
+    peers = registry(1000)
+    for i in range(1, 1000):
+        peers.heard(f"worker/w{i}".encode(), 2.0)
+    read = []
+    original = peers._peers.__class__.__getitem__
+
+    class Counting(dict):
+        def __getitem__(self, key: bytes) -> object:
+            read.append(key)
+            return original(self, key)
+
+    peers._peers = Counting(peers._peers)
+    assert [p.client_id for p in peers.dead(3.5)] == ["w0"]
+    assert len(read) <= 2  # the silent one, then the first live one ends the sweep
+
+
+def test_death_detected_on_time_through_the_core() -> None:
+    harness = Harness("broker.heartbeat_misses=3")
+    harness.hello(W1)
+    harness.hello(b"worker/w2")
+    for _ in range(4):
+        harness.advance(1.0)
+        harness.send_frames(b"worker/w2", raw_beat())
+    assert harness.stats()["num_workers"] == 1  # w1 silent 4 s > 3 s: gone within a sweep (0.5 s)
+    assert harness.stats()["peers_gone"] == {"dead": 1}
+
+
+def test_registry_index_follows_restarts_and_removals() -> None:
+    peers = registry(3)
+    peer, old = peers.hello(b"worker/w1", Hello(role="worker", client_id="w1", session="s2"), 1.0)
+    assert old is not None and old.session == "s" and peers.worker("w1", "s2") is peer
+    assert peers.worker("w1", "s") is None and peers.num_workers() == 3
+    moved, old = peers.hello(b"worker/w1-route", Hello(role="worker", client_id="w1", session="s3"), 2.0)
+    assert old is peer and peers.get(b"worker/w1") is None and peers.worker("w1", "s3") is moved
+    peers.remove(b"worker/w1-route")
+    assert peers.worker("w1", "s3") is None and peers.num_workers() == 2 and len(peers.of_role("worker")) == 2
+
+
+# -- notices spread over passes ------------------------------------------------------------------------------
+
+
+def test_a_publish_to_many_workers_is_spread_over_passes_behind_other_replies() -> None:
+    n = 2 * NOTICES_PER_PASS + 17
+    harness = Harness(f"broker.max_workers={n}")
+    workers = [f"worker/w{i}".encode() for i in range(n)]
+    for identity in workers:
+        harness.hello(identity)
+    harness.hello(LEARNER)
+    core, now = harness.core, harness.now
+    record, tensors = make_adapter(1)
+    core.handle(LEARNER, protocol.encode(record, tensors), now)
+    core.handle(workers[5], protocol.encode(LeaseRequest(max_leases=1, adapter_version=1, wait_ms=0)), now)
+    notices: dict[bytes, int] = {}
+    passes = []
+    while core.has_work() or not passes:
+        core.tick(now)
+        out = core.flush(now)
+        kinds = [o.kind for o in out]
+        passes.append(kinds)
+        assert kinds.count(Kind.ADAPTER_NOTICE) <= NOTICES_PER_PASS
+        for o in out:
+            if o.kind == Kind.ADAPTER_NOTICE:
+                notices[o.identity] = notices.get(o.identity, 0) + 1
+                assert protocol.decode(o.frames)[0].version == 1
+        assert len(passes) < 20
+    assert Kind.LEASE_GRANT in passes[0] and passes[0].index(Kind.LEASE_GRANT) < passes[0].index(Kind.ADAPTER_NOTICE)
+    assert notices == {identity: 1 for identity in workers}  # each worker once
+    assert len([p for p in passes if Kind.ADAPTER_NOTICE in p]) == 3
+    assert harness.stats()["messages_out"]["adapter_notice"] == n
+
+
+def test_notices_not_yet_sent_go_out_when_draining() -> None:
+    n = NOTICES_PER_PASS + 5
+    harness = Harness(f"broker.max_workers={n}")
+    for i in range(n):
+        harness.hello(f"worker/w{i}".encode())
+    harness.hello(LEARNER)
+    record, tensors = make_adapter(1)
+    harness.core.handle(LEARNER, protocol.encode(record, tensors), harness.now)
+    harness.core.tick(harness.now)
+    first = [o for o in harness.core.flush(harness.now) if o.kind == Kind.ADAPTER_NOTICE]
+    rest = [o for o in harness.core.drain(harness.now) if o.kind == Kind.ADAPTER_NOTICE]
+    assert len(first) == NOTICES_PER_PASS and len(first) + len(rest) == n
+    assert {o.identity for o in first} | {o.identity for o in rest} == {f"worker/w{i}".encode() for i in range(n)}
