@@ -119,7 +119,8 @@ def honest_batch(policy: Any, rng: Any, *, versions: list[int], groups: int, gro
                  completion_len: int, sha256: dict[int, str]) -> Any:
     """A step batch whose log-probs are the policy's own under each group's version (random tokens): what an
     honest fp32 engine would send. Group g claims ``versions[g % len(versions)]``: version 0 is the base (the
-    adapter disabled: v0's B is zero), version 1 the parameters as they are."""
+    adapter disabled: v0's B is zero), any other the parameters as they are (call it while they hold it; the
+    evidence's sha256 is ``sha256.get(version, "")``)."""
     import contextlib
 
     import torch
@@ -141,7 +142,7 @@ def honest_batch(policy: Any, rng: Any, *, versions: list[int], groups: int, gro
                                        versions=torch.full((completion_len,), version, dtype=torch.int64)))
             rewards.append(float(k % 2))
     served = [[ServedAdapter(version=versions[g % len(versions)], adapter="a", lora_id=versions[g % len(versions)],
-                             sha256=sha256[versions[g % len(versions)]])] for g in range(groups)]
+                             sha256=sha256.get(versions[g % len(versions)], ""))] for g in range(groups)]
     return data.StepBatch(batch_id="bench", group_ids=[f"g{g}" for g in range(groups)],
                           min_versions=[versions[g % len(versions)] for g in range(groups)], samples=samples,
                           rewards=torch.tensor(rewards), group_index=torch.tensor([s.group for s in samples]),
@@ -151,15 +152,16 @@ def honest_batch(policy: Any, rng: Any, *, versions: list[int], groups: int, gro
 def run_isolated(shape: str, repeats: int) -> dict[str, Any]:
     """The check's cost in one process, without a run around it: the learner's forward/backward of one step
     batch (no optimizer step, so the parameters keep holding the version the check knows) with and without the
-    check, for a batch of the current version only (the free path) and one of the previous version only (one
-    re-scoring forward). Min of ``repeats`` interleaved timings (the box is shared: the min is the least
-    disturbed)."""
+    check, for a batch of the current version only (the free path), one of the previous version only (one
+    re-scoring forward; its forward alone timed too, the rest being bookkeeping) and one whose groups alternate
+    the two versions before the current one (max_staleness 2: still one forward). Min of ``repeats``
+    interleaved timings (the box is shared: the min is the least disturbed)."""
     import numpy as np
     import torch
 
     from common.config import load_config
     from common.tiny_model import resolve_model
-    from learner import integrity, publish
+    from learner import data, integrity, publish
     from learner.loss import LossConfig
     from learner.model import build_policy
     from learner.parallel import init_parallel
@@ -176,15 +178,20 @@ def run_isolated(shape: str, repeats: int) -> dict[str, Any]:
     check.record(0, "")
     loss_config = LossConfig.from_learner(config.learner)
     rng = np.random.default_rng(0)
-    warm = honest_batch(policy, rng, versions=[0], groups=groups, group_size=group_size,
-                        prompt_len=prompt_len, completion_len=completion_len, sha256={0: ""})
-    train_step(policy, optimizer, scheduler, warm, parallel=parallel, config=config, loss_config=loss_config)
-    snap = publish.snapshot(policy, version=1, step=1, is_main=True)
-    check.record(1, snap.sha256)
-    sha = {0: "", 1: snap.sha256}
-    batches = {name: honest_batch(policy, rng, versions=versions, groups=groups, group_size=group_size,
-                                  prompt_len=prompt_len, completion_len=completion_len, sha256=sha)
-               for name, versions in (("current", [1]), ("previous", [0]))}
+    shape_args = {"groups": groups, "group_size": group_size, "prompt_len": prompt_len,
+                  "completion_len": completion_len}
+    sha = {0: ""}
+    batches = {}
+    for version in (1, 2):  # two trained versions; the batches of older ones made while the parameters held them
+        if version == 2:
+            batches["previous"] = honest_batch(policy, rng, versions=[1], sha256=sha, **shape_args)
+            batches["two_older"] = honest_batch(policy, rng, versions=[0, 1], sha256=sha, **shape_args)
+        warm = honest_batch(policy, rng, versions=[version - 1], sha256=sha, **shape_args)
+        train_step(policy, optimizer, scheduler, warm, parallel=parallel, config=config, loss_config=loss_config)
+        snap = publish.snapshot(policy, version=version, step=version, is_main=True)
+        check.record(version, snap.sha256)
+        sha[version] = snap.sha256
+    batches["current"] = honest_batch(policy, rng, versions=[2], sha256=sha, **shape_args)
 
     def plain(step: Any) -> float:
         started = time.perf_counter()
@@ -196,7 +203,7 @@ def run_isolated(shape: str, repeats: int) -> dict[str, Any]:
         started = time.perf_counter()
         verdict = check.run(step, defer_version=check.free_version)
         assert not verdict.mismatches
-        watch = integrity.TrainedCheck(check, step, 1)
+        watch = integrity.TrainedCheck(check, step, 2)
         forward_backward(policy, step, parallel=parallel, config=config, loss_config=loss_config,
                          observe=watch.observe)
         late = watch.finish()
@@ -204,22 +211,38 @@ def run_isolated(shape: str, repeats: int) -> dict[str, Any]:
         optimizer.zero_grad(set_to_none=True)
         return time.perf_counter() - started, verdict.seconds + late.seconds
 
-    times: dict[str, list[float]] = {k: [] for k in ("plain", "current", "current_check", "previous",
-                                                     "previous_check")}
+    previous = batches["previous"]
+    pairs, _ = check._pairs(previous, check.facts(previous, fresh=True))  # the rows the check re-scores
+    rows = data.collate([integrity._restricted(previous.samples[i], v) for i, v in pairs], [0.0] * len(pairs))
+
+    def forward_alone() -> float:
+        """The re-scoring forward of those rows and nothing else (the rest of the check is bookkeeping)."""
+        started = time.perf_counter()
+        with check.history.scoring() as use:
+            use([(0, len(pairs), 1)])
+            policy.trained_logprobs(rows.input_ids, rows.select, rows.targets[rows.select], with_entropy=False)
+        return time.perf_counter() - started
+
+    names = ("current", "previous", "two_older")
+    times: dict[str, list[float]] = {k: [] for k in ("plain", "forward", *names, *(f"{n}_check" for n in names))}
     for _ in range(repeats):
         times["plain"].append(plain(batches["current"]))
-        for name in ("current", "previous"):
+        for name in names:
             total, seconds = checked(batches[name])
             times[name].append(total)
             times[f"{name}_check"].append(seconds)
+        times["forward"].append(forward_alone())
     best = {k: min(v) for k, v in times.items()}
     parallel.close()
     return {"shape": shape, "groups": groups, "group_size": group_size, "tokens": prompt_len + completion_len,
             "plain_ms": 1000 * best["plain"],
             "free_check_ms": 1000 * best["current_check"], "free_total_ms": 1000 * best["current"],
             "previous_check_ms": 1000 * best["previous_check"], "previous_total_ms": 1000 * best["previous"],
+            "forward_ms": 1000 * best["forward"], "rows": len(pairs),
+            "two_older_check_ms": 1000 * best["two_older_check"],
             "free_share": best["current_check"] / best["plain"],
-            "previous_share": best["previous_check"] / best["plain"]}
+            "previous_share": best["previous_check"] / best["plain"],
+            "two_older_share": best["two_older_check"] / best["plain"]}
 
 
 #: groups, samples per group, prompt tokens, completion tokens: the harness's batches and the demo's
@@ -232,11 +255,14 @@ def main_isolated(repeats: int) -> None:
         print(f"{r['shape']:8s} {r['groups']} groups x {r['group_size']}, {r['tokens']} tokens: forward+backward "
               f"{r['plain_ms']:.1f} ms; current version (free path): check {r['free_check_ms']:.2f} ms = "
               f"{r['free_share']:.2%}; previous version (one re-scoring forward): check {r['previous_check_ms']:.2f} ms "
-              f"= {r['previous_share']:.1%} (min of {repeats})")
+              f"= {r['previous_share']:.1%}, of which its forward of {r['rows']} rows alone {r['forward_ms']:.2f} ms; "
+              f"two older versions (v0 and v1 groups): check {r['two_older_check_ms']:.2f} ms = "
+              f"{r['two_older_share']:.1%} (min of {repeats})")
     worst = max(r["free_share"] for r in results)
     report("integrity_isolated", "free_path_share", worst, "share", 0.02,
            **{f"{r['shape']}_{k}": round(r[k], 4) for r in results
-              for k in ("plain_ms", "free_check_ms", "previous_check_ms", "free_share", "previous_share")})
+              for k in ("plain_ms", "free_check_ms", "previous_check_ms", "forward_ms", "two_older_check_ms",
+                        "free_share", "previous_share", "two_older_share")})
 
 
 def main() -> None:
