@@ -13,9 +13,10 @@ RUN_TOKEN = "bench-run-token"
 
 
 def start_broker(workdir: Path, *overrides: str, python_args: tuple[str, ...] = (),
-                 timeout_s: float = 30.0) -> tuple[subprocess.Popen, str]:
+                 timeout_s: float = 30.0, tree: Path = REPO) -> tuple[subprocess.Popen, str]:
     """(process, endpoint) of a broker with its run directory in ``workdir``; ``overrides`` are ``--set``
-    values (``section.key=value``); ``python_args`` go before ``-m broker`` (e.g. cProfile)."""
+    values (``section.key=value``); ``python_args`` go before ``-m broker`` (e.g. cProfile); ``tree``: the
+    source tree whose broker runs (another checkout: a before/after in one run)."""
     endpoint_file = workdir / "broker.endpoint"
     endpoint_file.unlink(missing_ok=True)
     argv = [sys.executable, *python_args, "-m", "broker", "--run-dir", str(workdir / "run"), "--log-level", "warning",
@@ -23,7 +24,7 @@ def start_broker(workdir: Path, *overrides: str, python_args: tuple[str, ...] = 
             "--set", "broker.heartbeat_misses=100", "--set", f'security.run_token="{RUN_TOKEN}"']
     for override in overrides:
         argv += ["--set", override]
-    proc = subprocess.Popen(argv, cwd=REPO)
+    proc = subprocess.Popen(argv, cwd=tree)
     deadline = time.monotonic() + timeout_s
     while not (endpoint_file.is_file() and endpoint_file.read_text().strip()):
         if time.monotonic() > deadline or proc.poll() is not None:

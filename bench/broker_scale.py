@@ -1,19 +1,27 @@
 """The broker at fleet size: 256, 1,024 and 4,096 connected workers heartbeating, 16 of them leasing and submitting.
 
     .venv/bin/python bench/broker_scale.py [--fleets 256,1024,4096] [--seconds 10] [--fanout 64,256] [--mb 50]
+                                           [--fleet-nice 10] [--reference-tree /path/to/an/older/checkout]
 
 A few "fleet" processes each hold many DEALER sockets, one per worker: each says Hello as a worker and then
-heartbeats at the broker's interval (spread over it, as independent workers would) and reads everything the
-broker sends. The fleet grows to each size in turn on one broker process; at each size, in the same run:
+heartbeats at the broker's interval (spread over it, as independent workers would) with what an idle worker's
+heartbeat carries (state, version, its five counters: ~190 bytes), and reads everything the broker sends (in
+turn, each socket about once per interval, without decoding: an idle worker's reads cost its host, not the
+broker). The fleet grows to each size in turn on one broker process; at each size, in the same run:
 
-- idle: the broker's CPU (all threads, /proc) over ``--seconds`` while the fleet only heartbeats, as a share of
-  one core, and its RSS: the growth from the empty broker divided by the workers gives KB per worker;
+- idle: the broker's CPU (all threads, /proc; also its main thread alone) over ``--seconds`` while the fleet
+  only heartbeats, as a share of one core; the heartbeats it received per second in that window (from its
+  stats) and so its CPU per heartbeat; and its RSS: the growth from the empty broker divided by the workers
+  gives KB per worker;
 - active: 16 more workers (one process) each long-poll for one lease, "generate" for ``--generate-ms``, submit a
   16 KB group and ask again (160 leases/s at the default 100 ms: a busy fleet's rate, not a flood), while a
   learner whose steps take 1 s takes batches of 256 groups (no backpressure), acks them and publishes a tiny
   adapter per step (an AdapterNotice to every connected worker): lease-grant latency p50 / p99 (request sent ->
   grant with a lease received), groups/s, and the broker's CPU per group above its idle load, hence the groups/s
   one broker core carries at that fleet size, also as the fleet of H100s that would produce them;
+- core: before the fleet, the broker core alone (``BrokerCore.handle`` + ``tick`` + ``flush`` in-process, no
+  sockets) per idle worker's heartbeat at the largest size, in CPU time: the part of the idle cost the broker's
+  Python decides, and a figure this shared machine's load hardly moves (the socket figures above it do);
 - death: one fleet process is SIGKILLed at the largest size; the time until the broker's stats no longer count
   its workers, next to the configured heartbeat timeout (interval x misses).
 
@@ -21,6 +29,14 @@ Adapter fan-out at fleet size (``--fanout``): N fetchers (in a few processes) ho
 publishes one ``--mb`` MB adapter; each fetcher gets the AdapterNotice, fetches, and records when the whole
 AdapterUpdate arrived. Next to it: the broker's bytes sent (N x the adapter) and the same bytes sent once over a
 direct PUSH -> PULL pair, so the ratio says what the star costs against the wire's floor.
+
+The fleet emulates workers on other hosts, but here it shares the broker's cores: the fleet processes run at
+``--fleet-nice`` (default 10), so the broker, the active workers and the learner (nice 0) get the CPU first, as
+they would if the fleet's thousands of sockets were on their own machines; ``--fleet-nice 0`` is the earlier
+method, where four fleet processes (about a core of heartbeat traffic) compete with the broker on equal terms
+and the lease tail measures this 2-core box's time slices more than the broker. With ``--reference-tree`` the
+same measurement runs first against the broker of another checkout (``git worktree add /tmp/ref <commit>``),
+with the same clients, and both are printed: a before/after on one machine in one run.
 
 Targets (issue 16): idle overhead <= 25 % of one core at 4,096 workers, lease p99 <= 20 ms, RSS per worker small
 and linear. The JSON line: ``idle_core_share``, ``lease_p99_ms`` and ``kb_per_worker`` at the largest size
@@ -30,10 +46,12 @@ and linear. The JSON line: ``idle_core_share``, ``lease_p99_ms`` and ``kb_per_wo
 from __future__ import annotations
 
 import argparse
+import contextlib
 import multiprocessing as mp
 import os
 import signal
 import statistics
+import subprocess
 import sys
 import tempfile
 import time
@@ -47,8 +65,16 @@ import numpy as np  # noqa: E402
 import zmq  # noqa: E402
 
 from bench.adapter_fanout import adapter_tensors, direct_time  # noqa: E402
-from bench.broker_proc import start_broker  # noqa: E402
-from bench.broker_throughput import cpu_seconds, end_step, group_record, group_tensors, hello  # noqa: E402
+from bench.broker_proc import REPO, start_broker  # noqa: E402
+from bench.broker_throughput import (  # noqa: E402
+    cpu_seconds,
+    end_step,
+    group_record,
+    group_tensors,
+    hello,
+    machine_busy_ticks,
+    thread_cpu,
+)
 from bench.report import report  # noqa: E402
 from common import framing, protocol  # noqa: E402
 from common.protocol import (  # noqa: E402
@@ -69,6 +95,10 @@ STEP_S = 1.0  # the learner's step time: one adapter version (and one notice per
 GROUP_BYTES = 16 << 10
 H100_TOKENS_PER_S = 6300  # a 7 B model generating on one H100 (issue 16)
 WIRE_BYTES_PER_TOKEN = 4 + 4 + 4 + 1  # completion id int32, log-prob f32, version int32, loss mask u8
+#: what an idle rollout worker's heartbeat carries (rollout_worker/worker.py's _report)
+IDLE_COUNTERS = {"groups_submitted": 1200, "tokens_generated": 4_800_000, "reward_failures": 0,
+                 "adapters_received": 40, "unacked": 0}
+FLEET_TICK_S = 0.005  # the fleet's send/read granularity
 
 
 def kind_of(frames: list) -> int:
@@ -103,28 +133,34 @@ def connect_workers(ctx: zmq.Context, endpoint: str, names: list[str]) -> list[z
     return socks
 
 
-def fleet(endpoint: str, prefix: str, n: int, interval_s: float, ready: mp.Queue, stop: mp.Event) -> None:
-    """``n`` workers that heartbeat every ``interval_s`` (spread over the interval) and drain what arrives."""
+def fleet(endpoint: str, prefix: str, n: int, interval_s: float, nice: int, ready: mp.Queue, stop: mp.Event
+          ) -> None:
+    """``n`` workers that heartbeat every ``interval_s`` (spread over the interval) and read what arrives (each
+    socket about once per interval, in turn: no poll over a thousand sockets), at ``nice``."""
+    os.nice(nice)
     ctx = zmq.Context()
     ctx.set(zmq.MAX_SOCKETS, n + 64)  # a context option (setsockopt would set a socket default)
     socks = connect_workers(ctx, endpoint, [f"{prefix}-{i}" for i in range(n)])
     ready.put(n)
-    beat = protocol.encode(Heartbeat(state="idle"))
-    poller = zmq.Poller()
-    for sock in socks:
-        poller.register(sock, zmq.POLLIN)
+    beat = protocol.encode(Heartbeat(state="idle", counters=IDLE_COUNTERS))
     start = time.monotonic()
     due = [start + interval_s * i / n for i in range(n)]
     turn = 0  # the next socket to beat, in order
+    reads_per_tick = max(1, -(-n * FLEET_TICK_S // interval_s))
+    read_turn = 0
     while not stop.is_set():
         now = time.monotonic()
         while due[turn] <= now:
             socks[turn].send_multipart(beat)
             due[turn] += interval_s
             turn = (turn + 1) % n
-        for sock, _ in poller.poll(max(0, min(50, int((due[turn] - time.monotonic()) * 1000)))):
-            while sock.poll(0):
-                sock.recv_multipart(copy=False)
+        for _ in range(int(reads_per_tick)):
+            sock = socks[read_turn]
+            read_turn = (read_turn + 1) % n
+            with contextlib.suppress(zmq.Again):
+                while True:
+                    sock.recv_multipart(zmq.NOBLOCK)
+        time.sleep(max(0.0, min(due[turn], now + FLEET_TICK_S) - time.monotonic()))
     for sock in socks:
         sock.close(0)
     ctx.term()
@@ -294,17 +330,79 @@ def broker_cpu(pid: int, seconds: float) -> float:
     return (cpu_seconds(pid) - before) / (time.monotonic() - start)
 
 
-def fleet_sizes(workdir: Path, sizes: list[int], seconds: float, generate_s: float) -> dict[int, dict]:
-    """Grow one broker's fleet to each size; measure idle CPU, RSS, the active path; kill a fleet at the end."""
+def heartbeats_in(endpoint: str) -> int:
+    return int(fetch_stats(endpoint, timeout_s=10)["messages_in"].get("heartbeat", 0))
+
+
+def idle_window(pid: int, endpoint: str, seconds: float) -> dict[str, float]:
+    """The broker's CPU (all threads; the main thread) as shares of one core over ``seconds``, the heartbeats it
+    received per second then, its CPU per heartbeat, and the machine's busy share (of all its cores)."""
+    beats_before, threads_before, busy_before = heartbeats_in(endpoint), thread_cpu(pid), machine_busy_ticks()
+    start = time.monotonic()
+    time.sleep(seconds)
+    threads, busy, elapsed = thread_cpu(pid), machine_busy_ticks(), time.monotonic() - start
+    beats = (heartbeats_in(endpoint) - beats_before) / elapsed
+    total = sum(threads.values()) - sum(threads_before.values())
+    return {"idle_core_share": round(total / elapsed, 4),
+            "main_thread_share": round((threads["main"] - threads_before["main"]) / elapsed, 4),
+            "heartbeats_per_s": round(beats, 1), "us_per_heartbeat": round(total / elapsed / max(beats, 1e-9) * 1e6, 1),
+            "machine_busy": round((busy[0] - busy_before[0]) / max(1, busy[1] - busy_before[1]), 3)}
+
+
+#: run inside a checkout (argv: workers, beats per loop pass): the broker core's CPU per heartbeat, no sockets
+CORE_COST = """
+import sys, time
+sys.path.insert(0, ".")
+from broker.core import BrokerCore
+from common import protocol
+from common.config import load_config
+from common.logging import setup_logging
+from common.protocol import Heartbeat, Hello
+from common.tasks import load_task
+setup_logging("broker", level="warning")
+n, per_pass, counters = int(sys.argv[1]), int(sys.argv[2]), eval(sys.argv[3])
+config = load_config(None, [f"broker.max_workers={n + 8}"])
+core = BrokerCore(config, task=load_task(config.run.task, config.run.seed), now_s=0.0)
+ids = [f"worker/w{i}".encode() for i in range(n)]
+for i, identity in enumerate(ids):
+    core.handle(identity, protocol.encode(Hello(role="worker", client_id=f"w{i}", session="s")), 0.0)
+core.flush(0.0)
+beat = protocol.encode(Heartbeat(state="idle", counters=counters))
+now, best = 0.0, float("inf")
+for _ in range(4):
+    start = time.process_time()
+    for k in range(0, n, per_pass):
+        for identity in ids[k:k + per_pass]:
+            core.handle(identity, beat, now)
+        now += per_pass / n
+        core.tick(now)
+        core.flush(now)
+    best = min(best, (time.process_time() - start) / n)
+print(best * 1e6)
+"""
+
+
+def core_cost(tree: Path, workers: int, per_pass: int = 4) -> float:
+    """The broker core's CPU per heartbeat of an idle worker in ``tree`` (handle + tick + flush every
+    ``per_pass`` beats, in-process, no sockets; the best of 4 rounds over ``workers`` peers)."""
+    out = subprocess.run([sys.executable, "-c", CORE_COST, str(workers), str(per_pass), repr(IDLE_COUNTERS)],
+                         cwd=tree, capture_output=True, text=True, check=True, timeout=600)
+    return float(out.stdout.strip().splitlines()[-1])
+
+
+def fleet_sizes(workdir: Path, sizes: list[int], seconds: float, generate_s: float, *, tree: Path = REPO,
+                nice: int = 10, label: str = "") -> dict[int, dict]:
+    """Grow one broker's fleet (at ``nice``) to each size; measure idle CPU, RSS, the active path; kill a fleet at
+    the end. ``tree``: the checkout whose broker runs; ``label`` prefixes its lines."""
     spawn = mp.get_context("spawn")
     stop, ready, results = spawn.Event(), spawn.Queue(), spawn.Queue()
     interval, misses = 1.0, 5  # the broker's defaults (common/config.py)
-    (workdir / "fleet").mkdir()
-    broker, endpoint = start_broker(workdir / "fleet", f"broker.max_workers={max(sizes) + 2 * ACTIVE_WORKERS + 8}",
+    workdir.mkdir()
+    broker, endpoint = start_broker(workdir, f"broker.max_workers={max(sizes) + 2 * ACTIVE_WORKERS + 8}",
                                     f"broker.heartbeat_interval_s={interval}", f"broker.heartbeat_misses={misses}",
                                     "run.group_size=8", f"run.groups_per_step={GROUPS_PER_STEP}",
                                     "run.max_staleness=1000", f"broker.capacity_groups={4 * GROUPS_PER_STEP}",
-                                    "broker.max_leases_per_worker=4")
+                                    "broker.max_leases_per_worker=4", tree=tree)
     fleets: list = []
     out: dict[int, dict] = {}
     trainer = None
@@ -312,7 +410,7 @@ def fleet_sizes(workdir: Path, sizes: list[int], seconds: float, generate_s: flo
         time.sleep(1.0)
         empty_rss = rss_kb(broker.pid)
         empty_cpu = broker_cpu(broker.pid, seconds / 2)
-        print(f"empty broker: RSS {empty_rss / 1024:.1f} MB, idle CPU {empty_cpu:.1%} of a core", flush=True)
+        print(f"{label}empty broker: RSS {empty_rss / 1024:.1f} MB, idle CPU {empty_cpu:.1%} of a core", flush=True)
         trainer = spawn.Process(target=learner, args=(endpoint, GROUPS_PER_STEP, STEP_S, ready, stop))
         trainer.start()
         ready.get(timeout=30)
@@ -320,14 +418,16 @@ def fleet_sizes(workdir: Path, sizes: list[int], seconds: float, generate_s: flo
         for size in sizes:
             while connected < size:
                 n = min(PER_PROCESS, size - connected)
-                child = spawn.Process(target=fleet, args=(endpoint, f"f{len(fleets)}", n, interval, ready, stop))
+                child = spawn.Process(target=fleet, args=(endpoint, f"f{len(fleets)}", n, interval, nice, ready,
+                                                          stop))
                 child.start()
                 fleets.append((child, n))
                 ready.get(timeout=180)
                 connected += n
             wait_until(lambda size=size: workers_counted(endpoint) >= size, 60, f"{size} workers counted", poll_s=0.5)
             time.sleep(interval * 2)  # every worker has beaten at least once
-            idle = broker_cpu(broker.pid, seconds)
+            window = idle_window(broker.pid, endpoint, seconds)
+            idle = window["idle_core_share"]
             rss = rss_kb(broker.pid)
             worker = spawn.Process(target=active, args=(endpoint, seconds, interval, generate_s, results))
             worker.start()
@@ -339,13 +439,16 @@ def fleet_sizes(workdir: Path, sizes: list[int], seconds: float, generate_s: flo
             us_per_group = (busy - idle) / max(accepted / elapsed, 1e-9) * 1e6 if busy > idle else None
             worker.join(10)
             p50, p99 = np.percentile(latencies, [50, 99]) if latencies else (float("nan"),) * 2
-            out[size] = {"idle_core_share": round(idle, 4), "rss_mb": round(rss / 1024, 1),
+            out[size] = {**window, "rss_mb": round(rss / 1024, 1),
                          "kb_per_worker": round((rss - empty_rss) / size, 2), "lease_p50_ms": round(float(p50), 2),
                          "lease_p99_ms": round(float(p99), 2), "grants": len(latencies), "empty_grants": empty,
                          "groups_per_s": round(accepted / elapsed, 1), "active_core_share": round(busy, 4),
                          "us_per_group": round(us_per_group, 1) if us_per_group else None,
                          "capacity_groups_per_s": round((1 - idle) / us_per_group * 1e6) if us_per_group else None}
-            print(f"{size:>5} workers: idle CPU {idle:6.1%} of a core  RSS {rss / 1024:7.1f} MB "
+            print(f"{label}{size:>5} workers: idle CPU {idle:6.1%} of a core (main thread "
+                  f"{window['main_thread_share']:.1%}; {window['heartbeats_per_s']:.0f} heartbeats/s, "
+                  f"{window['us_per_heartbeat']:.0f} us each; machine {window['machine_busy']:.0%} busy)  "
+                  f"RSS {rss / 1024:7.1f} MB "
                   f"({out[size]['kb_per_worker']:.1f} KB/worker)  lease p50 {p50:6.2f} ms  p99 {p99:6.2f} ms "
                   f"({len(latencies)} grants, empty: {empty or 'none'})  {out[size]['groups_per_s']:.0f} groups/s accepted, broker CPU {busy:.1%} "
                   + (f"({us_per_group:.0f} us per group above idle: one core carries "
@@ -353,15 +456,26 @@ def fleet_sizes(workdir: Path, sizes: list[int], seconds: float, generate_s: flo
                      "(not above idle: too noisy to price a group)"), flush=True)
         victim, victim_n = fleets[-1]
         before = workers_counted(endpoint)
+        # workers dropped before the kill: the active workers of the earlier phases (they leave without a Bye),
+        # and any live worker a lagging broker heard too late (then the victims cannot all still be counted)
+        dead_before = int(fetch_stats(endpoint, timeout_s=10)["peers_gone"].get("dead", 0))
         os.kill(victim.pid, signal.SIGKILL)
         killed = time.monotonic()
-        wait_until(lambda: workers_counted(endpoint) <= before - victim_n, 60, "the killed workers to be dropped",
-                   poll_s=0.05)
-        death_s = time.monotonic() - killed
-        print(f"death: {victim_n} workers SIGKILLed, gone from the broker's stats after {death_s:.2f} s "
-              f"(configured timeout {interval * misses:.1f} s = {interval:g} s x {misses})", flush=True)
-        out[max(sizes)]["death_detect_s"] = round(death_s, 2)
+        death_s = None
+        while time.monotonic() - killed < 60:
+            if workers_counted(endpoint) <= before - victim_n:
+                death_s = time.monotonic() - killed
+                break
+            time.sleep(0.05)
+        expected = ACTIVE_WORKERS * (len(sizes) - 1)
+        print(f"{label}death: {victim_n} workers SIGKILLed, " + (
+              f"gone from the broker's stats after {death_s:.2f} s" if death_s is not None else
+              "NOT all gone from the broker's stats within 60 s") +
+              f" (configured timeout {interval * misses:.1f} s = {interval:g} s x {misses}); workers dropped as dead "
+              f"before the kill: {dead_before} (the active workers of earlier phases: {expected})", flush=True)
+        out[max(sizes)]["death_detect_s"] = round(death_s, 2) if death_s is not None else None
         out[max(sizes)]["heartbeat_timeout_s"] = interval * misses
+        out[max(sizes)]["dead_before_kill"] = dead_before
         return out
     finally:
         stop.set()
@@ -426,11 +540,35 @@ def main(argv: list[str] | None = None) -> int:
                         "its group's submission")
     parser.add_argument("--fanout", default="64,256", help="fetchers for the adapter fan-out ('' for none)")
     parser.add_argument("--mb", type=float, default=50.0, help="adapter size for the fan-out")
+    parser.add_argument("--fleet-nice", type=int, default=10, help="niceness of the fleet processes (0: they "
+                        "compete with the broker for this machine's cores, the earlier method)")
+    parser.add_argument("--reference-tree", type=Path, default=None, help="another checkout whose broker is "
+                        "measured first, with the same clients (the before of a before/after)")
     args = parser.parse_args(argv)
     sizes = sorted(int(s) for s in args.fleets.split(","))
+    print(f"machine load {os.getloadavg()[0]:.2f} {os.getloadavg()[1]:.2f} {os.getloadavg()[2]:.2f}; fleet at nice "
+          f"{args.fleet_nice}", flush=True)
+    before: dict[int, dict] = {}
+    core_us = {"after": core_cost(REPO, max(sizes))}
+    if args.reference_tree is not None:
+        core_us["before"] = core_cost(args.reference_tree.resolve(), max(sizes))
+    print(f"broker core alone (in-process, no sockets, CPU time) per idle worker's heartbeat at {max(sizes)} "
+          f"workers: " + (f"before {core_us['before']:.1f} us -> " if "before" in core_us else "") +
+          f"{core_us['after']:.1f} us", flush=True)
     with tempfile.TemporaryDirectory(prefix="bench-scale-", dir=Path(__file__).resolve().parent.parent) as tmp:
-        scale = fleet_sizes(Path(tmp), sizes, args.seconds, args.generate_ms / 1000)
+        if args.reference_tree is not None:
+            before = fleet_sizes(Path(tmp) / "before", sizes, args.seconds, args.generate_ms / 1000,
+                                 tree=args.reference_tree.resolve(), nice=args.fleet_nice, label="before: ")
+        scale = fleet_sizes(Path(tmp) / "fleet", sizes, args.seconds, args.generate_ms / 1000, nice=args.fleet_nice,
+                            label="after:  " if before else "")
         fan = fanout(Path(tmp), [int(c) for c in args.fanout.split(",") if c], args.mb) if args.fanout else {}
+    for size in sizes if before else ():
+        b, a = before[size], scale[size]
+        print(f"{size:>5} workers, before -> after: idle {b['idle_core_share']:.1%} -> {a['idle_core_share']:.1%} "
+              f"of a core ({b['us_per_heartbeat']:.0f} -> {a['us_per_heartbeat']:.0f} us per heartbeat), lease p50 "
+              f"{b['lease_p50_ms']:.1f} -> {a['lease_p50_ms']:.1f} ms, p99 {b['lease_p99_ms']:.1f} -> "
+              f"{a['lease_p99_ms']:.1f} ms, {b['kb_per_worker']:.0f} -> {a['kb_per_worker']:.0f} KB/worker", flush=True)
+    print(f"machine load at the end {os.getloadavg()[0]:.2f}", flush=True)
     top = scale[max(sizes)]
     group_tokens = GROUP_BYTES / WIRE_BYTES_PER_TOKEN
     capacity = top["capacity_groups_per_s"]
@@ -445,7 +583,8 @@ def main(argv: list[str] | None = None) -> int:
            "cores", 0.25, idle_core_share=top["idle_core_share"], lease_p99_ms=top["lease_p99_ms"],
            kb_per_worker=top["kb_per_worker"], death_detect_s=top.get("death_detect_s"),
            heartbeat_timeout_s=top.get("heartbeat_timeout_s"), h100_equivalent=round(h100s) if h100s else None,
-           by_fleet={str(k): v for k, v in scale.items()}, fanout={str(k): v for k, v in fan.items()})
+           fleet_nice=args.fleet_nice, core_us_per_heartbeat=core_us, by_fleet={str(k): v for k, v in scale.items()},
+           before={str(k): v for k, v in before.items()}, fanout={str(k): v for k, v in fan.items()})
     return 0
 
 
