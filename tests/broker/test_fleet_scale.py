@@ -8,14 +8,20 @@ below is sent to two cores, one with the fast path and one without, and their re
 from __future__ import annotations
 
 import math
+import threading
 
 import msgpack
 import pytest
+import zmq
 
-from broker.core import NOTICES_PER_PASS
+from broker import server as server_module
+from broker.core import NOTICES_PER_PASS, BrokerCore
 from broker.peers import PeerRegistry
-from common import framing, protocol
+from broker.server import BrokerServer
+from common import framing, protocol, sockets
+from common.config import load_config
 from common.protocol import Heartbeat, Hello, Kind, LeaseRequest, LeaseReturn
+from common.tasks import load_task
 from tests.broker.clients import make_adapter
 from tests.broker.harness import LEARNER, W1, Harness
 
@@ -240,3 +246,50 @@ def test_notices_not_yet_sent_go_out_when_draining() -> None:
     rest = [o for o in harness.core.drain(harness.now) if o.kind == Kind.ADAPTER_NOTICE]
     assert len(first) == NOTICES_PER_PASS and len(first) + len(rest) == n
     assert {o.identity for o in first} | {o.identity for o in rest} == {f"worker/w{i}".encode() for i in range(n)}
+
+
+# -- the loop's bounded drain --------------------------------------------------------------------------------
+
+
+def test_a_pass_stops_receiving_at_its_time_bound_and_the_rest_is_served_next(monkeypatch) -> None:
+    """MAX_DRAIN_S = 0: every pass handles one message, then sends and polls again; a burst of heartbeats and
+    the LeaseRequest behind it are all answered."""
+    monkeypatch.setattr(server_module, "MAX_DRAIN_S", 0.0)
+    config = load_config(None, ["broker.bind=tcp://127.0.0.1:0", "run.group_size=2"])
+    core = BrokerCore(config, task=load_task(config.run.task, config.run.seed), vocab_size=200)
+    handled: list[int] = [0]
+    per_pass: list[int] = []
+    handle, flush = core.handle, core.flush
+
+    def counting_handle(*args, **kwargs):
+        handled[0] += 1
+        return handle(*args, **kwargs)
+
+    def counting_flush(now_s):
+        per_pass.append(handled[0])
+        handled[0] = 0
+        return flush(now_s)
+
+    monkeypatch.setattr(core, "handle", counting_handle)
+    monkeypatch.setattr(core, "flush", counting_flush)
+    ctx = zmq.Context()
+    server = BrokerServer(config, core, ctx=ctx)
+    thread = threading.Thread(target=server.serve, daemon=True)
+    thread.start()
+    sock = sockets.dealer_socket(ctx, server.endpoint, identity=W1)
+    try:
+        sock.send_multipart(protocol.encode(Hello(role="worker", client_id="w1", session="s1")))
+        assert sock.poll(20_000) and protocol.decode(sock.recv_multipart())[0].KIND == Kind.WELCOME
+        for _ in range(50):
+            sock.send_multipart(raw_beat())
+        sock.send_multipart(protocol.encode(LeaseRequest(max_leases=1, wait_ms=0)))
+        kinds: list[int] = []
+        while Kind.LEASE_GRANT not in kinds and sock.poll(20_000):
+            kinds.append(protocol.decode(sock.recv_multipart())[0].KIND)
+        assert kinds.count(Kind.HEARTBEAT) == 50 and kinds[-1] == Kind.LEASE_GRANT
+    finally:
+        sock.close(linger=0)
+        server.stop()
+        thread.join(timeout=30)
+        ctx.term()
+    assert not thread.is_alive() and sum(per_pass) >= 52 and max(per_pass) == 1
