@@ -146,11 +146,12 @@ class BrokerCore:
         self.outbox.send_record(identity, record, after_durable=after_persist)
 
     def _reject(self, identity: bytes, code: str, message: str, *, ref_kind: int = 0, ref_id: str = "",
-                reason: str | None = None) -> None:
+                ref_version: int = 0, reason: str | None = None) -> None:
         peer = self.peers.get(identity)
         if peer is not None and ref_kind == Kind.ROLLOUT_GROUP:
             peer.num_groups_rejected += 1
-        self.outbox.reject(identity, code, message, ref_kind=ref_kind, ref_id=ref_id, reason=reason)
+        self.outbox.reject(identity, code, message, ref_kind=ref_kind, ref_id=ref_id, ref_version=ref_version,
+                           reason=reason)
 
     def internal_error(self, identity: bytes, frames: list[Any]) -> None:
         """A handler's validation raised (a bug; nothing was applied): answer ``internal`` so the peer is not left
@@ -353,7 +354,8 @@ class BrokerCore:
                            envelope: framing.Envelope, frames: list[Any], now_s: float) -> None:
         refused = self.relay.refusal(update, frames)
         if refused is not None:
-            self._reject(identity, *refused, ref_kind=Kind.ADAPTER_UPDATE, ref_id=str(update.version))
+            self._reject(identity, *refused, ref_kind=Kind.ADAPTER_UPDATE, ref_id=str(update.version),
+                         ref_version=update.version)
             return
         self._applying = True  # validated: the apply half (broker.dispatch)
         self.relay.publish(identity, peer, update, envelope, frames)
@@ -365,7 +367,8 @@ class BrokerCore:
                           _frames: Any, _now_s: float) -> None:
         missing = self.relay.fetch(identity, fetch)
         if missing is not None:
-            self._reject(identity, "stale_version", missing, ref_kind=Kind.ADAPTER_FETCH, ref_id=str(fetch.version))
+            self._reject(identity, "stale_version", missing, ref_kind=Kind.ADAPTER_FETCH, ref_id=str(fetch.version),
+                         ref_version=fetch.version)
 
     def _on_stats_request(self, identity: bytes, _peer: Peer | None, _request: Any, _env: Any, _frames: Any,
                           now_s: float) -> None:

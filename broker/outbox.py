@@ -71,13 +71,13 @@ class Outbox:
         self.send(identity, int(record.KIND), protocol.encode(record), on_fail=on_fail, after_durable=after_durable)
 
     def reject(self, identity: bytes, code: str, message: str, *, ref_kind: int = 0, ref_id: str = "",
-               reason: str | None = None) -> None:
+               ref_version: int = 0, reason: str | None = None) -> None:
         """An Error reply, counted as ``rejected{reason or code}``; an Error is never answered with one."""
         self._stats.count("rejected", reason or code)
         log.debug("rejected", peer=display_name(identity)[:64], code=code, error=message[:300])
         if ref_kind != Kind.ERROR:
             self.send_record(identity, protocol.Error(code=code, message=message[:4000], ref_kind=ref_kind,
-                                                      ref_id=ref_id[:protocol.MAX_ID_LEN]))
+                                                      ref_id=ref_id[:protocol.MAX_ID_LEN], ref_version=ref_version))
 
     def ack_group(self, identity: bytes, status: str, group_id: str) -> None:
         """Acknowledge a group with the others of this loop pass (one Ack per client and status)."""

@@ -193,6 +193,9 @@ class Error(Message, kw_only=True):
     message: text(4000)
     ref_kind: Count = 0  # kind of the message this answers
     ref_id: Id = ""
+    #: the adapter version an AdapterUpdate or AdapterFetch this answers named (0: none); ref_id carries it as
+    #: text as well, for readers older than this field
+    ref_version: Version = 0
 
 
 class Bye(Message, kw_only=True):

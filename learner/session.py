@@ -196,9 +196,9 @@ class BrokerSession:
                 raise BatchRequestRefused(f"{error.message}; make run.groups_per_step the same for the broker and "
                                           "the learner, or raise broker.capacity_groups")
             self._outstanding = False  # asked again at the next poll
-        elif error.ref_kind == Kind.ADAPTER_UPDATE and error.ref_id.isdigit():
+        elif error.ref_kind == Kind.ADAPTER_UPDATE and error.ref_version:
             # e.g. stale_version: the broker knows a newer version; the next one is numbered after it
-            self._adapter_sent_at.pop(int(error.ref_id), None)
+            self._adapter_sent_at.pop(error.ref_version, None)
         elif error.ref_kind == Kind.BATCH_ACK:
             self._unacked_batches.pop(error.ref_id, None)
 

@@ -404,7 +404,11 @@ def test_publish_notice_fetch_and_late_joiner(h: Harness) -> None:
 @pytest.mark.parametrize("version, code", [(1, "stale_version"), (0, "malformed")])
 def test_publish_must_advance(h: Harness, version: int, code: str) -> None:
     h.publish(1)
-    assert h.publish(version).code == code
+    error = h.publish(version)
+    assert error.code == code
+    # the version it refused travels as an int (ref_version), and as text in ref_id for older readers
+    if code == "stale_version":
+        assert (error.ref_version, error.ref_id) == (1, "1")
 
 
 def test_publish_checks_sha256(h: Harness) -> None:
@@ -422,7 +426,7 @@ def test_only_newest_adapters_are_kept() -> None:
         h.publish(version)
     assert [a["version"] for a in h.stats()["adapters"]] == [2, 3]
     error = h.reply_to(W1, h.send(W1, AdapterFetch(version=1)))
-    assert error.code == "stale_version" and "kept: [2, 3]" in error.message
+    assert error.code == "stale_version" and "kept: [2, 3]" in error.message and error.ref_version == 1
     (_, update, _), = h.send(W1, AdapterFetch(version=2))
     assert update.version == 2
 

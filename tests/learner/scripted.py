@@ -204,7 +204,8 @@ class ScriptedBroker:
         elif isinstance(record, AdapterUpdate):
             if record.version <= self.latest_version:
                 self._send(identity, protocol.encode(Error(code="stale_version", message="not newer",
-                                                           ref_kind=Kind.ADAPTER_UPDATE, ref_id=str(record.version))))
+                                                           ref_kind=Kind.ADAPTER_UPDATE, ref_id=str(record.version),
+                                                           ref_version=record.version)))
                 return
             self.latest_version = record.version
             tensors = {s.name: np.array(framing.as_numpy(s, envelope.frames[s.frame]))

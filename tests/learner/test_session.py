@@ -91,3 +91,21 @@ def test_refused_batch_requests_are_retried_at_the_poll_pace_or_fatal_for_limit(
     finally:
         session.close()
         broker.close()
+
+
+def test_a_refused_adapter_version_is_no_longer_awaited() -> None:
+    """The broker refuses a version it already has (stale_version): the Error names it as an int (ref_version),
+    and the session stops waiting for that version's Ack instead of counting it unacknowledged for ever."""
+    broker = ScriptedBroker()
+    broker.latest_version = 5  # it knows a newer version than the one published below
+    config = load_config(None, [f"broker.endpoint=\"{broker.endpoint}\"", SCRIPTED_TOKEN])
+    session = BrokerSession(config, version=0, metrics=Metrics())
+    try:
+        session.start(5)
+        session.publish(snapshot(3))
+        assert session.num_unacked == 1
+        poll_until(session, lambda _: session.num_unacked == 0)
+        assert session.adapter_acks == []
+    finally:
+        session.close()
+        broker.close()
