@@ -18,7 +18,9 @@ Cost, from the clean run:
   workers' run time (the per-request report reads one attribute).
 
 ``--faults none`` runs the clean run alone (the cost figures; then value = cost_share, reference 0.02, the
-target). Besides the shares it prints where the learner's check spends its time per step: re-scoring forwards of
+target). ``--isolated REPEATS [--reference OTHER/learner/integrity.py]``: the cost in one process, no run; a
+reference (another commit's check, from a git worktree) is timed interleaved with this one, on the same policy
+and batches. Besides the shares it prints where the learner's check spends its time per step: re-scoring forwards of
 older versions, and the free path (tokens of the version the learner holds, checked from the training forward).
 
 Last line: value = detection rate (faults caught / faults injected), reference 1.0; extra keys
@@ -149,7 +151,20 @@ def honest_batch(policy: Any, rng: Any, *, versions: list[int], groups: int, gro
                           worker_ids=["w"] * groups, served=served, worker_sessions=[""] * groups)
 
 
-def run_isolated(shape: str, repeats: int) -> dict[str, Any]:
+def load_reference(path: str) -> Any:
+    """Another learner/integrity.py (e.g. from a ``git worktree`` of an earlier commit) as a module of its own,
+    to time its check beside this one's on the same policy and batches."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("reference_integrity", path)
+    assert spec is not None and spec.loader is not None, path
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module
+    spec.loader.exec_module(module)
+    return module
+
+
+def run_isolated(shape: str, repeats: int, reference: str | None = None) -> dict[str, Any]:
     """The check's cost in one process, without a run around it: the learner's forward/backward of one step
     batch (no optimizer step, so the parameters keep holding the version the check knows) with and without the
     check, for a batch of the current version only (the free path), one of the previous version only (one
@@ -170,12 +185,17 @@ def run_isolated(shape: str, repeats: int) -> dict[str, Any]:
     groups, group_size, prompt_len, completion_len = SHAPES[shape]
     torch.set_num_threads(1)
     parallel = init_parallel("cpu")
-    config = load_config(None, ["learner.lora_rank=16", "learner.warmup_steps=0", "learner.lr=0.01"])
+    config = load_config(None, ["learner.lora_rank=16", "learner.warmup_steps=0", "learner.lr=0.01",
+                                "run.max_staleness=2"])  # as the demo: the history holds v0, v1 and v2
     policy = build_policy(Path(resolve_model("builtin:tiny")), config.learner, parallel, seed=0)
     optimizer, scheduler = make_optimizer(policy, config.learner)
     check = integrity.IntegrityCheck(config, policy, parallel)
     check.watch(optimizer)
-    check.record(0, "")
+    checks = [check]
+    if reference:
+        checks.append(load_reference(reference).IntegrityCheck(config, policy, parallel))
+    for c in checks:
+        c.record(0, "")
     loss_config = LossConfig.from_learner(config.learner)
     rng = np.random.default_rng(0)
     shape_args = {"groups": groups, "group_size": group_size, "prompt_len": prompt_len,
@@ -189,7 +209,8 @@ def run_isolated(shape: str, repeats: int) -> dict[str, Any]:
         warm = honest_batch(policy, rng, versions=[version - 1], sha256=sha, **shape_args)
         train_step(policy, optimizer, scheduler, warm, parallel=parallel, config=config, loss_config=loss_config)
         snap = publish.snapshot(policy, version=version, step=version, is_main=True)
-        check.record(version, snap.sha256)
+        for c in checks:
+            c.record(version, snap.sha256)
         sha[version] = snap.sha256
     batches["current"] = honest_batch(policy, rng, versions=[2], sha256=sha, **shape_args)
 
@@ -202,7 +223,7 @@ def run_isolated(shape: str, repeats: int) -> dict[str, Any]:
     def checked(step: Any) -> tuple[float, float]:
         started = time.perf_counter()
         verdict = check.run(step, defer_version=check.free_version)
-        assert not verdict.mismatches
+        assert not verdict.mismatches and verdict.num_unverifiable_tokens == 0
         watch = integrity.TrainedCheck(check, step, 2)
         forward_backward(policy, step, parallel=parallel, config=config, loss_config=loss_config,
                          observe=watch.observe)
@@ -223,16 +244,26 @@ def run_isolated(shape: str, repeats: int) -> dict[str, Any]:
             policy.trained_logprobs(rows.input_ids, rows.select, rows.targets[rows.select], with_entropy=False)
         return time.perf_counter() - started
 
+    def reference_check(name: str) -> float:
+        started = time.perf_counter()
+        verdict = checks[1].run(batches[name], defer_version=2)
+        assert not verdict.mismatches and verdict.num_unverifiable_tokens == 0
+        return time.perf_counter() - started
+
     names = ("current", "previous", "two_older")
-    times: dict[str, list[float]] = {k: [] for k in ("plain", "forward", *names, *(f"{n}_check" for n in names))}
+    times: dict[str, list[float]] = {k: [] for k in ("plain", "forward", "reference_previous", "reference_two_older",
+                                                     *names, *(f"{n}_check" for n in names))}
     for _ in range(repeats):
+        if reference:
+            for name in ("previous", "two_older"):
+                times[f"reference_{name}"].append(reference_check(name))
         times["plain"].append(plain(batches["current"]))
         for name in names:
             total, seconds = checked(batches[name])
             times[name].append(total)
             times[f"{name}_check"].append(seconds)
         times["forward"].append(forward_alone())
-    best = {k: min(v) for k, v in times.items()}
+    best = {k: min(v) if v else float("nan") for k, v in times.items()}
     parallel.close()
     return {"shape": shape, "groups": groups, "group_size": group_size, "tokens": prompt_len + completion_len,
             "plain_ms": 1000 * best["plain"],
@@ -242,15 +273,17 @@ def run_isolated(shape: str, repeats: int) -> dict[str, Any]:
             "two_older_check_ms": 1000 * best["two_older_check"],
             "free_share": best["current_check"] / best["plain"],
             "previous_share": best["previous_check"] / best["plain"],
-            "two_older_share": best["two_older_check"] / best["plain"]}
+            "two_older_share": best["two_older_check"] / best["plain"],
+            "reference_previous_ms": 1000 * best["reference_previous"],
+            "reference_two_older_ms": 1000 * best["reference_two_older"]}
 
 
 #: groups, samples per group, prompt tokens, completion tokens: the harness's batches and the demo's
 SHAPES = {"harness": (4, 4, 6, 12), "demo": (16, 8, 8, 6)}
 
 
-def main_isolated(repeats: int) -> None:
-    results = [run_isolated(shape, repeats) for shape in SHAPES]
+def main_isolated(repeats: int, reference: str | None) -> None:
+    results = [run_isolated(shape, repeats, reference) for shape in SHAPES]
     for r in results:
         print(f"{r['shape']:8s} {r['groups']} groups x {r['group_size']}, {r['tokens']} tokens: forward+backward "
               f"{r['plain_ms']:.1f} ms; current version (free path): check {r['free_check_ms']:.2f} ms = "
@@ -258,11 +291,17 @@ def main_isolated(repeats: int) -> None:
               f"= {r['previous_share']:.1%}, of which its forward of {r['rows']} rows alone {r['forward_ms']:.2f} ms; "
               f"two older versions (v0 and v1 groups): check {r['two_older_check_ms']:.2f} ms = "
               f"{r['two_older_share']:.1%} (min of {repeats})")
+        if reference:
+            print(f"{'':8s} reference {reference}: previous version {r['reference_previous_ms']:.2f} ms = "
+                  f"{r['reference_previous_ms'] / r['plain_ms']:.1%}, two older versions "
+                  f"{r['reference_two_older_ms']:.2f} ms = {r['reference_two_older_ms'] / r['plain_ms']:.1%} "
+                  f"(this one: {r['previous_check_ms']:.2f} ms, {r['two_older_check_ms']:.2f} ms)")
     worst = max(r["free_share"] for r in results)
     report("integrity_isolated", "free_path_share", worst, "share", 0.02,
            **{f"{r['shape']}_{k}": round(r[k], 4) for r in results
               for k in ("plain_ms", "free_check_ms", "previous_check_ms", "forward_ms", "two_older_check_ms",
-                        "free_share", "previous_share", "two_older_share")})
+                        "free_share", "previous_share", "two_older_share")
+              + (("reference_previous_ms", "reference_two_older_ms") if reference else ())})
 
 
 def main() -> None:
@@ -273,9 +312,12 @@ def main() -> None:
                         "clean run alone, for the cost figures)")
     parser.add_argument("--isolated", type=int, default=0, metavar="REPEATS",
                         help="instead: the check's cost in one process (no run), min of REPEATS timings")
+    parser.add_argument("--reference", metavar="INTEGRITY_PY",
+                        help="with --isolated: also time this learner/integrity.py's check (another commit's, from "
+                        "a git worktree) on the same policy and batches, interleaved")
     args = parser.parse_args()
     if args.isolated:
-        main_isolated(args.isolated)
+        main_isolated(args.isolated, args.reference)
         return
     from common.tiny_model import resolve_model
 

@@ -29,16 +29,21 @@ So the learner checks the very tokens it is about to train:
      ``quarantine_after`` groups). Exact only when the training forward computes what an engine does: with
      dropout in train mode (``learner.lora_dropout > 0``) every version is re-scored as below. Training vs
      re-scoring forward, fp32: 9.5e-7 nats at most (``tests/learner/test_integrity_free.py``);
-   - tokens of older versions: one no-grad forward of the chosen samples per older version present, with its
-     LoRA tensors swapped in, before the step (failures are dropped before anything is trained). With
-     ``max_staleness = 1`` (the demo) there is at most one such version.
+   - tokens of older versions: one no-grad forward of the chosen samples of every older version together,
+     before the step (failures are dropped before anything is trained): each LoRA module adds each row's own
+     version's delta from the history's tensors (:meth:`learner.integrity.AdapterHistory.scoring`), so the
+     parameters are never swapped and ``max_staleness = 2`` (the demo) costs one forward as 1 does.
 
-   Cost: the free path is bookkeeping (1-2 ms a step with the evidence on the tiny model, 1.35 % of the demo
-   batch's forward+backward); what is left is the re-scoring forward of older versions, which on an
-   overhead-bound model costs about the same whatever its rows (15 ms: 9 % of the demo's forward+backward), and
-   an asynchronous run's batches hold mostly the previous version's tokens (the workers generate with v-1
-   while the learner trains v-1 -> v): 6-9 % of step time, not the 2 % target (measured, with where the time
-   goes and what would lower it: ``bench/integrity.py``, BENCHMARKS.md "Policy integrity").
+   Cost: the free path is bookkeeping (~1-2 ms a step on the tiny model, ~1 % of the demo batch's
+   forward+backward); what is left is the one re-scoring forward of older versions. Its rows are
+   ``samples_per_group / group_size`` of the batch's (1/8 in the demo, 1/4 in the test harness), a forward is
+   about half the arithmetic of a forward+backward (the frozen base needs no weight gradients), and on this
+   overhead-bound model a forward of a few rows costs more than its arithmetic (Python per module, FSDP2's
+   per-parameter unshard): 6-8 % of the demo batch's forward+backward, ~20 % of the harness's. An asynchronous
+   run's batches hold mostly the previous version's tokens (the workers generate with v-1 while the learner
+   trains v-1 -> v), so nearly every step pays it. Not the 2 % target: the arithmetic alone is ~6 % (demo) and
+   ~12 % (harness) of the forward+backward (measured, and where the rest goes: ``bench/integrity.py``,
+   BENCHMARKS.md "Policy integrity").
 
 **Tolerances.** An fp32 engine and an fp32 learner agree to ~1e-5 nats per token (FACTS.md: vLLM 5e-6, hf 1e-6);
 bf16 on either side drifts by up to a few tenths on low-probability tokens. :func:`tolerance` gives 0.01 nats
