@@ -1,7 +1,9 @@
 """Generation throughput of the worker's real path against one ``generate`` call over the same prompts, same run.
 
-    .venv/bin/python bench/generation.py [--leases 48] [--tokens 256] [--capacity 16] [--swap-every 64]
+    .venv/bin/python bench/generation.py [--leases 48] [--tokens 256] [--capacity 16] [--swap-every 256]
                                          [--backends vllm] [--chunk 16]
+    .venv/bin/python bench/generation.py --swap-every 256,64,128,512,0 --repeats 3   # the table
+    .venv/bin/python bench/generation.py --backends vllm-stock,vllm --swap-every 256,0   # grouped LoRA ops or not
     .venv/bin/python bench/generation.py --backends hf,hf-nocache --leases 16 --tokens 384   # hf's KV cache
 
 The workload is a long-tailed stream of leases on the tiny model with rank-16 LoRA adapters (received the way a
@@ -18,18 +20,26 @@ worker receives them: AdapterUpdates verified and written to PEFT directories), 
   sequence each round, the path before the cache; per round the bench prints the tokens read before the first
   new token (prefill) and the round's wall and CPU milliseconds);
 - ``one call``: one ``Backend.generate`` call for every sample of every lease at once, one adapter, the same
-  token cap (the engine's raw speed: nothing arrives, nothing swaps).
+  token cap (the engine's raw speed: nothing arrives, nothing swaps), run just before each worker path so that both
+  see the same machine load.
+
+``--swap-every`` may list several intervals (0: no swap), each run in turn on the same engine with its own one-call
+reference, ``--repeats`` times (interleaved; each figure is that of the run with the median ratio); ``vllm-stock`` is the vLLM backend with vLLM's own CPU LoRA ops instead of the grouped ones
+(``rollout_worker/backends/vllm_lora_cpu.py``). Per swap the bench prints the tokens the swap resubmits (prompt and
+tokens so far of every moved request: what the new version re-reads before its first token of each).
 
 Tokens/s counts the tokens actually generated. Swap latency: from the start of loading a new version (already
 received: the transfer is not in it) to the first token generated with it, in decode steps (the median duration
 of one engine step of the worker path; for a chunked backend, of one round divided by ``--chunk``). vLLM's CPU
 backend binds its OpenMP threads to one core; hf runs with one torch thread. The JSON line's value is vLLM's
-worker-path tokens/s, its reference the one-call tokens/s of the same run, ``ratio`` worker path / one call.
+worker-path tokens/s at the first ``--swap-every``, its reference the one-call tokens/s run just before it,
+``ratio`` worker path / one call; the other intervals and backends add ``*_ratio`` and ``*_swap_decode_steps``.
 """
 
 from __future__ import annotations
 
 import argparse
+import os
 import random
 import statistics
 import sys
@@ -57,6 +67,7 @@ class PathResult:
     round_ms: float = 0.0  # median wall time of one round (rollouts.step)
     round_cpu_ms: float = 0.0  # median CPU time of this process in one round
     tokens_read_per_round: float = 0.0  # hf: tokens fed before each chunk's first new token, per round
+    tokens_moved_per_swap: float = 0.0  # streaming: tokens of the requests a swap resubmits (re-read by the new version)
 
 
 def make_leases(prompts: list[str], seed: int) -> list:  # noqa: ANN001 - PromptLease
@@ -129,12 +140,14 @@ def worker_path(backend, leases: list, adapters: list, *, tokens: int, chunk: in
             in_swap = None
     elapsed = time.perf_counter() - started
     decode_step_s = statistics.median(step_s) / tokens_per_step
+    moved = rollouts.metrics.total("tokens_moved")
     return PathResult(tokens_per_s=num_tokens / elapsed, num_tokens=num_tokens, elapsed_s=elapsed,
                       decode_step_ms=decode_step_s * 1e3, swap_steps=[s / decode_step_s for s in swap_steps_s],
                       num_swaps=len(swap_steps_s), load_ms=load_ms[:len(swap_steps_s)],
                       steps_after_load=steps_after_load, num_rounds=len(round_s),
                       round_ms=statistics.median(round_s) * 1e3, round_cpu_ms=statistics.median(round_cpu_s) * 1e3,
-                      tokens_read_per_round=(getattr(backend, "num_tokens_read", 0) - tokens_read) / len(round_s))
+                      tokens_read_per_round=(getattr(backend, "num_tokens_read", 0) - tokens_read) / len(round_s),
+                      tokens_moved_per_swap=moved / len(load_ms) if load_ms else 0.0)
 
 
 def swapped(rollouts, finished: list, version: int) -> bool:  # noqa: ANN001
@@ -145,18 +158,30 @@ def swapped(rollouts, finished: list, version: int) -> bool:  # noqa: ANN001
                for g in rollouts.groups.values() for s in g.samples)
 
 
+def swap_label(every: int) -> str:
+    return f"every {every}" if every else "no swap"
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--leases", type=int, default=48)
     parser.add_argument("--tokens", type=int, default=256, help="max new tokens per sample")
     parser.add_argument("--capacity", type=int, default=16, help="groups in hand (worker.capacity)")
-    parser.add_argument("--swap-every", type=int, default=64, help="decode steps between adapter versions")
+    parser.add_argument("--swap-every", default="256",
+                        help="decode steps between adapter versions; a comma-separated list runs each in turn, the "
+                             "first is the JSON line's figure; 0: no swap")
     parser.add_argument("--chunk", type=int, default=16, help="tokens per round of a backend that does not stream")
-    parser.add_argument("--backends", default="vllm", help="comma-separated: vllm, hf, hf-nocache")
+    parser.add_argument("--backends", default="vllm",
+                        help="comma-separated: vllm, vllm-stock (vLLM's own CPU LoRA ops), hf, hf-nocache")
     parser.add_argument("--max-num-seqs", type=int, default=64)
     parser.add_argument("--max-num-batched-tokens", type=int, default=0, help="vLLM's per-step budget (0: its own)")
+    parser.add_argument("--async-scheduling", choices=("auto", "on", "off"), default="auto",
+                        help="vLLM's async scheduling (auto: vLLM's choice)")
+    parser.add_argument("--repeats", type=int, default=1,
+                        help="runs of each interval (interleaved); the figures are those of the median ratio")
     parser.add_argument("--seed", type=int, default=0)
     args = parser.parse_args()
+    swap_everies = [int(x) for x in args.swap_every.split(",")]
 
     import torch
 
@@ -174,20 +199,24 @@ def main() -> None:
     leases = make_leases([task.item(i).prompt for i in range(args.leases)], args.seed)
     num_samples = sum(lease.group_size for lease in leases)
     print(f"{args.leases} leases, {num_samples} samples (group sizes {GROUP_SIZES}), <= {args.tokens} tokens each, "
-          f"{args.capacity} groups in hand, a new adapter every {args.swap_every} decode steps", flush=True)
-    results = {}
+          f"{args.capacity} groups in hand; a new adapter every {args.swap_every} decode steps (0: none); "
+          f"load average {os.getloadavg()[0]:.1f}", flush=True)
+    runs: dict[tuple[str, int], list[tuple[PathResult, PathResult, float]]] = {}
     for name in args.backends.split(","):
         store = AdapterStore(tempfile.mkdtemp(prefix=f"bench-gen-{name}-"))
         # received ahead (the session's thread does it while the loop generates): v1 for the one call and the
         # start of the worker path, then alternating weights as v2, v3, ...
-        received = [receive(store, published[(v - 1) % 2], version=v) for v in range(1, 2 + 4000 // args.swap_every)]
+        num_versions = 1 + args.repeats * sum(4000 // every for every in swap_everies if every)
+        received = [receive(store, published[(v - 1) % 2], version=v) for v in range(1, 2 + num_versions)]
         started = time.perf_counter()
-        if name == "vllm":
+        if name.startswith("vllm"):
             from rollout_worker.backends.vllm import VllmBackend
 
             backend = VllmBackend(model_dir, sampling=Sampling(), max_loras=3, max_lora_rank=16, max_model_len=512,
                                   max_num_seqs=args.max_num_seqs, seed=args.seed,
-                                  max_num_batched_tokens=args.max_num_batched_tokens or None)
+                                  max_num_batched_tokens=args.max_num_batched_tokens or None,
+                                  grouped_lora_ops=name != "vllm-stock",
+                                  async_scheduling={"auto": None, "on": True, "off": False}[args.async_scheduling])
         else:
             from rollout_worker.backends.hf import HfBackend
 
@@ -196,31 +225,57 @@ def main() -> None:
         start_s = time.perf_counter() - started
         backend.add_adapter(received[0])
         one_call(backend, leases[:2], 8, version=1)  # warm-up
-        reference = one_call(backend, leases, args.tokens, version=1)
-        path = worker_path(backend, leases, received[1:], tokens=args.tokens, chunk=args.chunk,
-                           capacity=args.capacity, swap_every=args.swap_every)
+        next_version = 1
+        for every in [e for _ in range(args.repeats) for e in swap_everies]:  # repeats interleaved
+            backend.add_adapter(received[0])
+            backend.retain({1})
+            reference = one_call(backend, leases, args.tokens, version=1)  # just before its worker path: same load
+            num = 4000 // every if every else 0
+            path = worker_path(backend, leases, received[next_version:next_version + num], tokens=args.tokens,
+                               chunk=args.chunk, capacity=args.capacity, swap_every=every or 10**9)
+            next_version += num
+            swap = statistics.median(path.swap_steps) if path.swap_steps else float("nan")
+            runs.setdefault((name, every), []).append((reference, path, swap))
+            moved = f", {path.tokens_moved_per_swap:.0f} tokens re-read per swap" if path.tokens_moved_per_swap else ""
+            print(f"{name:10s} {swap_label(every):11s} start {start_s:5.1f} s   one call {reference.tokens_per_s:7.0f} "
+                  f"tok/s ({reference.num_tokens} tokens)   worker path {path.tokens_per_s:7.0f} tok/s "
+                  f"({path.num_tokens} tokens, {path.num_swaps} swaps{moved})   ratio "
+                  f"{path.tokens_per_s / reference.tokens_per_s:.3f}   swap -> first token {swap:.2f} decode steps "
+                  f"(one step {path.decode_step_ms:.1f} ms; max {max(path.swap_steps, default=float('nan')):.2f}; "
+                  f"of which the load {statistics.median(path.load_ms or [float('nan')]):.1f} ms, then "
+                  f"{statistics.median(path.steps_after_load or [float('nan')])} engine steps)   load average "
+                  f"{os.getloadavg()[0]:.1f}", flush=True)
+            if not backend.streaming:
+                print(f"{'':10s} {path.num_rounds} rounds of <= {args.chunk} tokens: {path.tokens_read_per_round:.0f} "
+                      f"tokens read per round before its first new token, one round {path.round_ms:.1f} ms wall, "
+                      f"{path.round_cpu_ms:.1f} ms CPU (median)", flush=True)
         backend.close()
-        swap = statistics.median(path.swap_steps) if path.swap_steps else float("nan")
-        results[name] = (reference, path, swap)
-        print(f"{name:10s} start {start_s:5.1f} s   one call {reference.tokens_per_s:7.0f} tok/s "
-              f"({reference.num_tokens} tokens)   worker path {path.tokens_per_s:7.0f} tok/s ({path.num_tokens} tokens, "
-              f"{path.num_swaps} swaps)   ratio {path.tokens_per_s / reference.tokens_per_s:.3f}   swap -> first "
-              f"token {swap:.2f} decode steps (one step {path.decode_step_ms:.1f} ms; max "
-              f"{max(path.swap_steps, default=float('nan')):.2f}; of which the load "
-              f"{statistics.median(path.load_ms or [float('nan')]):.1f} ms, then "
-              f"{statistics.median(path.steps_after_load or [float('nan')])} engine steps)", flush=True)
-        if not backend.streaming:
-            print(f"{'':10s} {path.num_rounds} rounds of <= {args.chunk} tokens: {path.tokens_read_per_round:.0f} "
-                  f"tokens read per round before its first new token, one round {path.round_ms:.1f} ms wall, "
-                  f"{path.round_cpu_ms:.1f} ms CPU (median)", flush=True)
-    main_name = "vllm" if "vllm" in results else next(iter(results))
-    reference, path, swap = results[main_name]
-    extra = {f"{n.replace('-', '_')}_{k}": v for n, (r, p, s) in results.items() if n != main_name
-             for k, v in (("one_call_tokens_per_s", round(r.tokens_per_s, 1)),
-                          ("worker_path_tokens_per_s", round(p.tokens_per_s, 1)), ("swap_decode_steps", round(s, 2)),
-                          ("round_ms", round(p.round_ms, 2)), ("tokens_read_per_round", round(p.tokens_read_per_round)))}
-    if "hf" in results and "hf-nocache" in results:  # the KV cache's gain, same run
-        cached, uncached = results["hf"][1], results["hf-nocache"][1]
+    results = {}  # per backend and interval: the run with the median ratio
+    for key, found in runs.items():
+        found.sort(key=lambda run: run[1].tokens_per_s / run[0].tokens_per_s)
+        results[key] = found[(len(found) - 1) // 2]
+        if len(found) > 1:
+            print(f"{key[0]:10s} {swap_label(key[1]):11s} median of {len(found)}: ratio "
+                  f"{results[key][1].tokens_per_s / results[key][0].tokens_per_s:.3f}, swap -> first token "
+                  f"{results[key][2]:.2f} decode steps (ratios "
+                  f"{', '.join(f'{p.tokens_per_s / r.tokens_per_s:.3f}' for r, p, _ in found)})", flush=True)
+    names = list(dict.fromkeys(n for n, _ in results))
+    main_name = "vllm" if "vllm" in names else names[0]
+    main_every = swap_everies[0]
+    reference, path, swap = results[main_name, main_every]
+    extra: dict[str, float] = {}
+    for (n, every), (r, p, s) in results.items():
+        if (n, every) == (main_name, main_every):
+            continue
+        key = n.replace("-", "_") + ("" if every == main_every else f"_every_{every}" if every else "_no_swap")
+        extra[f"{key}_ratio"] = round(p.tokens_per_s / r.tokens_per_s, 3)
+        if every:
+            extra[f"{key}_swap_decode_steps"] = round(s, 2)
+        if n.startswith("hf"):
+            extra[f"{key}_round_ms"] = round(p.round_ms, 2)
+            extra[f"{key}_tokens_read_per_round"] = round(p.tokens_read_per_round)
+    if ("hf", main_every) in results and ("hf-nocache", main_every) in results:  # the KV cache's gain, same run
+        cached, uncached = results["hf", main_every][1], results["hf-nocache", main_every][1]
         print(f"hf worker path: KV cache {cached.tokens_per_s:.0f} tok/s vs re-reading the prefix "
               f"{uncached.tokens_per_s:.0f} tok/s = {cached.tokens_per_s / uncached.tokens_per_s:.2f}x; tokens read "
               f"per round {cached.tokens_read_per_round:.0f} vs {uncached.tokens_read_per_round:.0f}; one round "
@@ -230,8 +285,9 @@ def main() -> None:
            reference.tokens_per_s, swap_decode_steps=round(swap, 2), decode_step_ms=round(path.decode_step_ms, 2),
            swap_load_ms=round(statistics.median(path.load_ms or [float("nan")]), 1),
            swap_engine_steps=statistics.median(path.steps_after_load or [float("nan")]),
-           num_swaps=path.num_swaps, leases=args.leases, samples=num_samples, tokens=args.tokens,
-           capacity=args.capacity, swap_every=args.swap_every, lora_rank=16, **extra)
+           tokens_moved_per_swap=round(path.tokens_moved_per_swap), num_swaps=path.num_swaps, leases=args.leases,
+           samples=num_samples, tokens=args.tokens, capacity=args.capacity, swap_every=main_every, lora_rank=16,
+           load_average=round(os.getloadavg()[0], 1), **extra)
 
 
 if __name__ == "__main__":

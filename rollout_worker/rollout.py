@@ -25,7 +25,8 @@ backend, which owns it). Every generated token records the version that produced
 the current version when they are appended (never older than the sample's own tokens, so they never make a
 group look staler). When a new version arrives while a sample is under way, ``worker.partial_policy`` decides
 at the sample's next chunk boundary, or, streaming, at the first step after the load (the sample's request is
-aborted at the tokens it has and resubmitted: ``requests_moved``):
+aborted at the tokens it has and resubmitted: ``requests_moved``, their tokens ``tokens_moved``; the shortest
+prefixes first, the others once the new version's first token is out, so the step that makes it is short):
 
 - ``finish``: the sample keeps the version of its first token to the end (that version stays resident:
   :meth:`versions_in_use`);
