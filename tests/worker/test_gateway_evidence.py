@@ -13,6 +13,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
+import torch
 
 from common.protocol import ServedAdapter
 from learner.integrity import AdapterHistory, LoraIds, check_evidence
@@ -45,7 +46,7 @@ def play(backend: Backend, tiny_model_dir: Path, tmp_path: Path, group_id: str,
 
 def history_of(adapters: list[Adapter]) -> AdapterHistory:
     """What the learner published: v0 and the adapters' versions with their checksums."""
-    history = AdapterHistory([], keep=len(adapters) + 1)
+    history = AdapterHistory(torch.nn.Module(), keep=len(adapters) + 1, dtype=torch.float32)  # checksums only
     history.record(0, "")
     for adapter in adapters:
         history.record(adapter.update.version, adapter.update.sha256)
