@@ -257,15 +257,17 @@ class BrokerCore:
 
     def _on_heartbeat(self, identity: bytes, peer: Peer, beat: protocol.Heartbeat, _env: Any, _frames: Any,
                       now_s: float) -> None:
-        """The pong is encoded once per version; parked long-polls are reconsidered only when the beat changes the
+        """The pong is encoded once per version and sent when :meth:`Peer.pong_due` (often enough for the client's
+        silence timeout, not for every beat); parked long-polls are reconsidered only when the beat changes the
         worker's adapter version (nothing else a beat reports changes what a lease request can be granted)."""
         self._applying = True  # validated: the apply half (broker.dispatch)
         if self.peers.heartbeat(peer, beat, now_s):
             self._reconsider = True
         if beat.lease_ids:
             self.stats.count("leases", "renewed", self.ledger.renew(identity, beat.lease_ids, now_s))
-        frames, size = self._beats.pong(self.latest_version)
-        self.outbox.send(identity, Kind.HEARTBEAT, frames, num_bytes=size)
+        if peer.pong_due(now_s):
+            frames, size = self._beats.pong(self.latest_version)
+            self.outbox.send(identity, Kind.HEARTBEAT, frames, num_bytes=size)
 
     def _on_bye(self, identity: bytes, peer: Peer, bye: protocol.Bye, _env: Any, _frames: Any, _now_s: float) -> None:
         self._applying = True  # validated: the apply half (broker.dispatch)

@@ -39,6 +39,7 @@ from typing import Any
 from common.protocol import Heartbeat, Hello
 
 MAX_FENCED = 64  # replaced learners remembered (the oldest are forgotten; each is one learner restart)
+PONGS_PER_TIMEOUT = 3  # a beat is answered once a third of the client's silence timeout passed since the last answer
 
 #: states in which a client is doing useful work (for busy shares)
 BUSY_STATES = frozenset({"generating", "scoring", "training", "publishing"})
@@ -70,6 +71,8 @@ class Peer:
     pid: int = 0
     adapter_version: int = 0
     batched_acks: bool = False  # reads Ack.ref_ids: its groups are acknowledged together, once per loop pass
+    silence_timeout_s: float = 0.0  # Hello.silence_timeout_s: it says hello again after this long unanswered
+    last_pong_s: float = float("-inf")
     state: str = "starting"
     num_leases_reported: int = 0
     counters: dict[str, Any] = field(default_factory=dict)
@@ -86,6 +89,16 @@ class Peer:
     @property
     def name(self) -> str:
         return display_name(self.identity)
+
+    def pong_due(self, now_s: float) -> bool:
+        """Whether this beat is answered: always for a client that did not say how long it waits, else once a
+        third of its silence timeout has passed since the last answer (a fleet beating every second with the
+        default 5-s timeout is answered every second beat: half the broker's sends, and the client still hears
+        from it at least every ~2 s)."""
+        if self.silence_timeout_s <= 0 or now_s - self.last_pong_s >= self.silence_timeout_s / PONGS_PER_TIMEOUT:
+            self.last_pong_s = now_s
+            return True
+        return False
 
     def set_state(self, state: str, now_s: float) -> None:
         self.state_time_s[self.state] += max(0.0, now_s - self.state_since_s)
@@ -191,7 +204,7 @@ class PeerRegistry:
         peer = Peer(identity=identity, role=hello.role, client_id=hello.client_id, session=hello.session, key=key,
                     backend=hello.backend, capacity=hello.capacity, host=hello.host, pid=hello.pid,
                     adapter_version=hello.adapter_version, batched_acks=hello.batched_acks,
-                    registered_s=now_s, registered_unix=time.time(),
+                    silence_timeout_s=hello.silence_timeout_s, registered_s=now_s, registered_unix=time.time(),
                     last_seen_s=now_s, state_since_s=now_s)
         self._add(peer)
         return peer, old

@@ -158,6 +158,10 @@ class Hello(Message, kw_only=True):
     batched_acks: bool = False
     #: the run token a learner presents when security is off (common/run_token.py); other roles send none
     token: text(128) = ""
+    #: the client says hello again when it hears nothing from the broker for this long (its heartbeat timeout);
+    #: the broker answers its heartbeats often enough for that, not necessarily every one (0: unknown, each beat
+    #: is answered)
+    silence_timeout_s: Annotated[float, Meta(ge=0, le=86_400)] = 0.0
 
 
 class Welcome(Message, kw_only=True):

@@ -180,6 +180,7 @@ class BrokerLink:
             hello.session = uuid.uuid4().hex[:12]
         hello.host = hello.host or socket.gethostname()
         hello.pid = hello.pid or os.getpid()
+        hello.silence_timeout_s = hello.silence_timeout_s or heartbeat_timeout_s
         self.endpoint = endpoint
         self.hello = hello
         self.welcome: Welcome | None = None

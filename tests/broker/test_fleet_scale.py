@@ -293,3 +293,42 @@ def test_a_pass_stops_receiving_at_its_time_bound_and_the_rest_is_served_next(mo
         thread.join(timeout=30)
         ctx.term()
     assert not thread.is_alive() and sum(per_pass) >= 52 and max(per_pass) == 1
+
+
+def test_beats_are_answered_often_enough_for_the_clients_silence_timeout() -> None:
+    """A client that says it re-hellos after 3 s of silence is answered once per second of beats (a third of its
+    timeout), however often it beats; one that says nothing is answered at every beat."""
+    harness = Harness()
+    harness.send(W1, Hello(role="worker", client_id="w1", session="s1", silence_timeout_s=3.0))
+    harness.hello(b"worker/w2")
+    answered: dict[bytes, list[float]] = {W1: [], b"worker/w2": []}
+    start = harness.now
+    for _ in range(9):  # a beat every 0.5 s for 4 s
+        for identity in answered:
+            if any(isinstance(r, Heartbeat) and i == identity for i, r, _ in harness.send_frames(identity, raw_beat())):
+                answered[identity].append(harness.now - start)
+        harness.advance(0.5)
+    assert answered[W1] == [0.0, 1.0, 2.0, 3.0, 4.0]
+    assert answered[b"worker/w2"] == [0.5 * i for i in range(9)]
+
+
+def test_a_real_link_with_thinned_pongs_never_rejoins(procs) -> None:
+    """A real broker process and a real client link at the same settings (beats every 0.25 s, 12 misses: a 3-s
+    timeout, roomy on a loaded machine): the broker answers about every fourth beat, the link hears it well inside
+    its timeout and never says hello again."""
+    from common.transport import BrokerLink, fetch_stats
+    from tests.support import start_broker, wait_for
+
+    broker = start_broker(procs, "broker.heartbeat_interval_s=0.25", "broker.heartbeat_misses=12")
+    link = BrokerLink(broker.endpoint, Hello(role="worker", client_id="w1"), heartbeat_interval_s=0.25,
+                      heartbeat_timeout_s=3.0)
+    try:
+        link.start(20)
+        wait_for(lambda: fetch_stats(broker.endpoint)["messages_in"].get("heartbeat", 0) >= 24, 60,
+                 "24 heartbeats at the broker", procs)
+        stats = fetch_stats(broker.endpoint)
+        beats, pongs = stats["messages_in"]["heartbeat"], stats["messages_out"].get("heartbeat", 0)
+        assert 0 < pongs < 0.6 * beats
+        assert link.num_reconnects == 0 and [w["id"] for w in stats["workers"]] == ["w1"]
+    finally:
+        link.close()
