@@ -105,15 +105,20 @@ def kind_of(frames: list) -> int:
     return framing.PREAMBLE.unpack(frames[0].buffer)[2]
 
 
+SILENCE_TIMEOUT_S = 1.0 * 5  # what a worker's BrokerLink says in its Hello: the broker's defaults, interval x misses
+
+
 def connect_workers(ctx: zmq.Context, endpoint: str, names: list[str]) -> list[zmq.Socket]:
-    """One DEALER per name, each welcomed by the broker as a worker."""
+    """One DEALER per name, each welcomed by the broker as a worker (its Hello says what a real worker's says,
+    the silence timeout too: a broker that knows it answers every second beat, an older one every beat)."""
     socks = []
     for name in names:
         sock = ctx.socket(zmq.DEALER)
         sock.setsockopt(zmq.LINGER, 0)
         sock.connect(endpoint)
         sock.send_multipart(protocol.encode(Hello(role="worker", client_id=name, backend="sim",
-                                                  session=uuid.uuid4().hex[:8], batched_acks=True)))
+                                                  session=uuid.uuid4().hex[:8], batched_acks=True,
+                                                  silence_timeout_s=SILENCE_TIMEOUT_S)))
         socks.append(sock)
     poller = zmq.Poller()
     for sock in socks:
