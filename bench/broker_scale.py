@@ -76,6 +76,7 @@ from bench.broker_throughput import (  # noqa: E402
     thread_cpu,
 )
 from bench.report import report  # noqa: E402
+from broker.loop_times import pass_quantile  # noqa: E402
 from common import framing, protocol  # noqa: E402
 from common.protocol import (  # noqa: E402
     AdapterFetch,
@@ -395,6 +396,19 @@ def core_cost(tree: Path, workers: int, per_pass: int = 4) -> float:
     return float(out.stdout.strip().splitlines()[-1])
 
 
+def loop_during(before: dict | None, after: dict | None) -> dict | None:
+    """The broker loop's passes between two Stats ``loop`` snapshots (broker.loop_times): how many, their p99
+    bucket, how many took over 20 ms, and the slowest pass and step of the broker's last stats window; None for a
+    broker without it (an older ``--reference-tree``)."""
+    if not before or not after:
+        return None
+    passes = {k: after["passes"].get(k, 0) - before["passes"].get(k, 0) for k in after["passes"]}
+    return {"passes": sum(passes.values()), "p99_ms": pass_quantile(passes, 0.99),
+            "over_20ms": sum(v for k, v in passes.items() if k == "inf" or int(k) > 20),
+            "slowest_pass_ms": after["slowest_pass_ms"], "slowest_step": after["slowest_step"],
+            "slowest_step_ms": after["slowest_step_ms"]}
+
+
 def fleet_sizes(workdir: Path, sizes: list[int], seconds: float, generate_s: float, *, tree: Path = REPO,
                 nice: int = 10, label: str = "") -> dict[int, dict]:
     """Grow one broker's fleet (at ``nice``) to each size; measure idle CPU, RSS, the active path; kill a fleet at
@@ -434,6 +448,7 @@ def fleet_sizes(workdir: Path, sizes: list[int], seconds: float, generate_s: flo
             window = idle_window(broker.pid, endpoint, seconds)
             idle = window["idle_core_share"]
             rss = rss_kb(broker.pid)
+            loop_before = fetch_stats(endpoint, timeout_s=10).get("loop")
             worker = spawn.Process(target=active, args=(endpoint, seconds, interval, generate_s, results))
             worker.start()
             busy_before, busy_start = cpu_seconds(broker.pid), time.monotonic()
@@ -443,13 +458,15 @@ def fleet_sizes(workdir: Path, sizes: list[int], seconds: float, generate_s: flo
             # (None when the difference drowns in the noise of a busy machine: busy not above idle)
             us_per_group = (busy - idle) / max(accepted / elapsed, 1e-9) * 1e6 if busy > idle else None
             worker.join(10)
+            loop = loop_during(loop_before, fetch_stats(endpoint, timeout_s=10).get("loop"))
             p50, p99 = np.percentile(latencies, [50, 99]) if latencies else (float("nan"),) * 2
             out[size] = {**window, "rss_mb": round(rss / 1024, 1),
                          "kb_per_worker": round((rss - empty_rss) / size, 2), "lease_p50_ms": round(float(p50), 2),
                          "lease_p99_ms": round(float(p99), 2), "grants": len(latencies), "empty_grants": empty,
                          "groups_per_s": round(accepted / elapsed, 1), "active_core_share": round(busy, 4),
                          "us_per_group": round(us_per_group, 1) if us_per_group else None,
-                         "capacity_groups_per_s": round((1 - idle) / us_per_group * 1e6) if us_per_group else None}
+                         "capacity_groups_per_s": round((1 - idle) / us_per_group * 1e6) if us_per_group else None,
+                         "loop": loop}
             print(f"{label}{size:>5} workers: idle CPU {idle:6.1%} of a core (main thread "
                   f"{window['main_thread_share']:.1%}; {window['heartbeats_per_s']:.0f} heartbeats/s, "
                   f"{window['us_per_heartbeat']:.0f} us each; machine {window['machine_busy']:.0%} busy)  "
@@ -459,6 +476,10 @@ def fleet_sizes(workdir: Path, sizes: list[int], seconds: float, generate_s: flo
                   + (f"({us_per_group:.0f} us per group above idle: one core carries "
                      f"{out[size]['capacity_groups_per_s']} groups/s at this fleet size)" if us_per_group else
                      "(not above idle: too noisy to price a group)"), flush=True)
+            if loop:
+                print(f"{label}       broker loop while active: {loop['passes']} passes, p99 <= {loop['p99_ms']:g} ms, "
+                      f"{loop['over_20ms']} over 20 ms; slowest pass {loop['slowest_pass_ms']:.1f} ms, slowest step "
+                      f"{loop['slowest_step']} {loop['slowest_step_ms']:.1f} ms (last stats window)", flush=True)
         victim, victim_n = fleets[-1]
         before = workers_counted(endpoint)
         # workers dropped before the kill: the active workers of the earlier phases (they leave without a Bye),

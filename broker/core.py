@@ -44,6 +44,7 @@ from broker.dispatch import KIND_NAMES, SENDERS, HalfApplied, claimed_role, num_
 from broker.heartbeats import HeartbeatPath
 from broker.leasing import LeaseDesk
 from broker.ledger import Reason
+from broker.loop_times import LoopTimes
 from broker.outbox import Outbox, Outgoing
 from broker.peers import Peer, PeerRegistry, display_name
 from broker.prompts import group_id_of
@@ -85,6 +86,8 @@ class BrokerCore:
         self.started_s, self.started_unix = now_s, time.time()
 
         self.stats = BrokerStats()
+        self.loop_times = LoopTimes(self.stats)
+        self.handled_kind = ""  # the kind of the message handle() last took (LoopTimes names slow steps by it)
         self.peers = PeerRegistry(heartbeat_interval_s=broker.heartbeat_interval_s,
                                   heartbeat_misses=broker.heartbeat_misses, max_workers=broker.max_workers,
                                   max_observers=broker.max_observers)
@@ -181,6 +184,7 @@ class BrokerCore:
         peer = self.peers.get(identity)
         if peer is not None and (beat := self._beats.decode(frames, peer, authenticated_role)) is not None:
             self._num_changes += 1  # the common heartbeat, accepted as the path below would (broker.heartbeats)
+            self.handled_kind = "heartbeat"
             self.stats.bytes_in += len(frames[0]) + len(frames[1])
             self.stats.count("messages_in", "heartbeat")
             self.peers.heard(identity, now_s)
@@ -196,6 +200,7 @@ class BrokerCore:
         except ProtocolError as exc:
             self.stats.bytes_in += num_bytes(frames)
             self.stats.count("messages_in", "undecodable")
+            self.handled_kind = "undecodable"
             self._num_changes += 1
             self._reject(identity, exc.code, str(exc), ref_kind=peek_kind(frames))
             return
@@ -204,6 +209,7 @@ class BrokerCore:
             self._num_changes += 1
         self.stats.bytes_in += envelope.num_bytes
         self.stats.count("messages_in", KIND_NAMES[kind])
+        self.handled_kind = KIND_NAMES[kind]
         if envelope.unknown_fields:  # a newer client's fields: ignored (common.protocol's compatibility rule)
             self.stats.count("unknown_fields", KIND_NAMES[kind])
         if self.peers.fenced_by(identity) is not None:
@@ -401,6 +407,7 @@ class BrokerCore:
         if now_s >= self._next_stats_s:
             self._next_stats_s = now_s + STATS_TICK_S
             self.stats.tick(now_s)
+            self.loop_times.roll(now_s)
             set_gauges(self)
 
     def flush(self, now_s: float) -> list[Outgoing]:

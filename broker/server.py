@@ -45,7 +45,8 @@ run, which amortises the poll and the state-file write over a burst without lett
 heartbeats after a stall) hold up the reply to a LeaseRequest queued behind it; tensor frames are received with
 ``copy=False`` and forwarded as the same ``zmq.Frame`` objects. The common heartbeat takes a fast path
 (:mod:`broker.heartbeats`), and a publish's AdapterNotices to every worker are handed out a few hundred per
-pass (:data:`broker.core.NOTICES_PER_PASS`), so neither a large idle fleet nor a fan-out stalls the loop.
+pass (:data:`broker.core.NOTICES_PER_PASS`), so neither a large idle fleet nor a fan-out stalls the loop. Each pass's
+time and its slowest step are kept by :class:`broker.loop_times.LoopTimes` (Stats ``loop``).
 """
 
 from __future__ import annotations
@@ -129,6 +130,7 @@ class BrokerServer:
         """Run until stop(); then answer parked long-polls, write the state and close."""
         self._running = True
         core = self.core
+        loop_times = core.loop_times
         log.info("broker_serving", endpoint=self.endpoint, broker_id=core.broker_id,
                  latest_version=core.latest_version, capacity_groups=core.capacity_groups)
         try:
@@ -139,6 +141,7 @@ class BrokerServer:
                 else:
                     timeout_ms = min(MAX_POLL_MS, max(0, int((core.next_wakeup_s(now_s) - now_s) * 1000) + 1))
                 events = dict(self.poller.poll(timeout_ms))
+                started = time.perf_counter()
                 if self._wake_r in events:
                     with contextlib.suppress(BlockingIOError):
                         os.read(self._wake_r, 4096)
@@ -147,8 +150,14 @@ class BrokerServer:
                 handled = self._receive() if self.sock in events else 0
                 now_s = time.monotonic()
                 self._count_refused_handshakes()
+                ticked = time.perf_counter()
                 core.tick(now_s)
+                flushed = time.perf_counter()
                 self._send_all(core.flush(now_s))
+                ended = time.perf_counter()
+                loop_times.step("tick", flushed - ticked)
+                loop_times.step("flush", ended - flushed)
+                loop_times.pass_done(ended - started)
                 if handled == 1 and not core.has_work():
                     time.sleep(GATHER_S)
             self._send_all(core.drain(time.monotonic()))
@@ -172,8 +181,10 @@ class BrokerServer:
             last = now_s >= until_s  # this one is handled; the rest wait for the next pass (after the sends)
             user_id = _user_id(frames[1]) if self.security is not None and len(frames) > 1 else None
             role = role_of(frames[1]) if user_id else None
+            started = time.perf_counter()
             try:
                 core.handle(identity, frames[1:], now_s, authenticated_role=role, authenticated_key=user_id)
+                core.loop_times.step(core.handled_kind, time.perf_counter() - started)
             except HalfApplied:  # a bug after the state began to change: end the process (broker.dispatch)
                 log.exception("handler_failed_applying", peer=display_name(identity)[:64])
                 raise

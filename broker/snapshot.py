@@ -131,6 +131,7 @@ def build_snapshot(core: BrokerCore, now_s: float) -> dict[str, Any]:
         "adapters": core.relay.adapters.snapshot(),
         "history": core.history.snapshot(),
         "integrity": _integrity(core, now_s),
+        "loop": core.loop_times.snapshot(),
         **core.stats.snapshot(now_s),
     }
 

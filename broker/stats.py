@@ -30,6 +30,8 @@ Counter families (Prometheus name ``loraflow_broker_<family>_total{label=...}``)
                           adapter_sha256, lora_id_reused, no_evidence (common/integrity.py)
     quarantines{event}    quarantined (a worker process), probation (its restart joined), cleared (a group of a
                           process on probation passed); broker.quarantine
+    loop_passes{le_ms}    the loop's passes by duration, each counted under its bucket's upper bound in ms (1, 2, 5,
+                          ..., 1000, inf: not cumulative); broker.loop_times, which also gives Stats ``loop``
     connections{event}    accepted / disconnected TCP connections (zmq drops a peer that sends a frame over
                           broker.max_message_bytes before anything is read: it shows up here)
     auth{event}           failed handshakes, none of which gets a message through (so they appear nowhere
@@ -69,7 +71,8 @@ class BrokerStats:
                 ("send_failed", "reason"), ("groups", "event"), ("leases", "event"),
                 ("served_staleness", "staleness"), ("adapters", "event"), ("peers_gone", "reason"),
                 ("state_writes", "trigger"), ("connections", "event"), ("auth", "event"),
-                ("policy_mismatches", "reason"), ("quarantines", "event"), ("unknown_fields", "kind"))
+                ("policy_mismatches", "reason"), ("quarantines", "event"), ("unknown_fields", "kind"),
+                ("loop_passes", "le_ms"))
         }
         self.bytes_in = 0
         self.bytes_out = 0

@@ -85,6 +85,16 @@ def integrity_lines(integrity: dict[str, Any]) -> list[str]:
     return lines
 
 
+def loop_line(loop: dict[str, Any]) -> str:
+    """The broker loop's busy share, slowest pass and slowest step (broker.loop_times) and its long passes."""
+    passes = loop.get("passes", {})
+    over_20 = sum(v for k, v in passes.items() if k == "inf" or (k.isdigit() and int(k) > 20))
+    step = loop.get("slowest_step") or "-"
+    return (f"loop      busy {_share(loop.get('busy_share'))} over {loop.get('window_s', 0):.0f}s  slowest pass "
+            f"{loop.get('slowest_pass_ms', 0):.1f} ms  slowest step {step} {loop.get('slowest_step_ms', 0):.1f} ms  "
+            f"passes > 20 ms since start {over_20}")
+
+
 def render(snap: dict[str, Any]) -> str:
     """The snapshot of a Stats reply as a few lines and tables."""
     settings, prompts, buffer = snap.get("settings", {}), snap.get("prompts", {}), snap.get("buffer", {})
@@ -112,6 +122,9 @@ def render(snap: dict[str, Any]) -> str:
         f"batch requests {snap.get('waiting', {}).get('batch_requests', 0)}  "
         f"leases out {snap.get('leases', {}).get('outstanding', 0)}",
     ]
+    loop = snap.get("loop")
+    if loop:
+        lines.append(loop_line(loop))
     learner = snap.get("learner")
     if learner:
         lines.append(f"learner   {learner.get('id')}  {learner.get('state')}  v{learner.get('adapter_version', 0)}  "

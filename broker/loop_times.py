@@ -1,0 +1,96 @@
+"""How long the broker's loop is busy: each pass's time and the slowest piece of work, by what it was.
+
+The loop (:mod:`broker.server`) is one thread: while a pass runs, nothing else is read or sent, so a slow pass
+is latency for every peer at once (a lease grant, a heartbeat's answer). This object owns what the operator
+and the benches need to see it: the passes by duration (``loop_passes{le_ms}``: counters by the bucket's upper
+bound in ms, so a Prometheus rate or two Stats snapshots give a distribution) and, over the last stats window,
+the slowest pass and the slowest single step with its name: a message kind (``lease_request``,
+``heartbeat``, ...), ``tick`` (timers: expiries, dead peers, parked long-polls) or ``flush`` (serving parked
+requests, AdapterNotices, the state write's hand-off, the sends). The Stats reply carries it as ``loop``;
+``loraflow status`` prints it.
+
+A pass's time is the loop's work between two polls (what it received, the tick, the flush and the sends), not
+the poll's wait and not the gather sleep (:data:`broker.server.GATHER_S`). Two clock reads per message and
+four per pass: well under a microsecond each.
+"""
+
+from __future__ import annotations
+
+from bisect import bisect_left
+from typing import Any
+
+from broker.stats import BrokerStats
+
+#: upper bounds of the pass-duration buckets (ms); a pass longer than the last lands in "inf"
+BUCKETS_MS = (1, 2, 5, 10, 20, 50, 100, 200, 500, 1000)
+BUCKET_LABELS = tuple(str(b) for b in BUCKETS_MS) + ("inf",)
+
+
+class LoopTimes:
+    """Pass durations into ``stats``' ``loop_passes`` counters; the slowest pass and step of the current and
+    the last window (:meth:`roll`, once per stats tick)."""
+
+    def __init__(self, stats: BrokerStats, *, window_s: float = 10.0) -> None:
+        self.stats = stats
+        self.window_s = window_s
+        self._window_start_s: float | None = None
+        self._current = _Window()
+        self._last = _Window()
+
+    def step(self, what: str, seconds: float) -> None:
+        """One message handled (``what`` its kind), or the pass's tick or flush, took ``seconds``."""
+        window = self._current
+        if seconds > window.slowest_step_s:
+            window.slowest_step_s, window.slowest_step = seconds, what
+
+    def pass_done(self, seconds: float) -> None:
+        """A pass (receive, tick, flush, sends) took ``seconds`` of the loop."""
+        self.stats.count("loop_passes", BUCKET_LABELS[bisect_left(BUCKETS_MS, seconds * 1e3)])
+        window = self._current
+        window.num_passes += 1
+        window.busy_s += seconds
+        window.slowest_pass_s = max(window.slowest_pass_s, seconds)
+
+    def roll(self, now_s: float) -> None:
+        """Start a new window when the current one is ``window_s`` old."""
+        if self._window_start_s is None:
+            self._window_start_s = now_s
+        elif now_s - self._window_start_s >= self.window_s:
+            self._last, self._current = self._current, _Window()
+            self._last.seconds = now_s - self._window_start_s
+            self._window_start_s = now_s
+
+    def snapshot(self) -> dict[str, Any]:
+        """The Stats reply's ``loop``: the last full window (the current one until a window has passed)."""
+        window = self._last if self._last.seconds else self._current
+        return {"passes": {label: self.stats.get("loop_passes", label) for label in BUCKET_LABELS},
+                "window_s": round(window.seconds, 3), "window_passes": window.num_passes,
+                "busy_share": round(window.busy_s / window.seconds, 4) if window.seconds else None,
+                "slowest_pass_ms": round(window.slowest_pass_s * 1e3, 3),
+                "slowest_step": window.slowest_step, "slowest_step_ms": round(window.slowest_step_s * 1e3, 3)}
+
+
+class _Window:
+    __slots__ = ("seconds", "num_passes", "busy_s", "slowest_pass_s", "slowest_step", "slowest_step_s")
+
+    def __init__(self) -> None:
+        self.seconds = 0.0
+        self.num_passes = 0
+        self.busy_s = 0.0
+        self.slowest_pass_s = 0.0
+        self.slowest_step = ""
+        self.slowest_step_s = 0.0
+
+
+def pass_quantile(passes: dict[str, int], q: float) -> float:
+    """The upper bound (ms) of the bucket holding quantile ``q`` of ``passes`` (a ``loop.passes`` map or the
+    difference of two); inf past the last bucket, 0 for no passes."""
+    total = sum(passes.values())
+    if not total:
+        return 0.0
+    seen = 0
+    for label in BUCKET_LABELS:
+        seen += passes.get(label, 0)
+        if seen >= q * total:
+            return float(label)
+    return float("inf")
