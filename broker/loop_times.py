@@ -4,14 +4,15 @@ The loop (:mod:`broker.server`) is one thread: while a pass runs, nothing else i
 is latency for every peer at once (a lease grant, a heartbeat's answer). This object owns what the operator
 and the benches need to see it: the passes by duration (``loop_passes{le_ms}``: counters by the bucket's upper
 bound in ms, so a Prometheus rate or two Stats snapshots give a distribution) and, over the last stats window,
-the slowest pass and the slowest single step with its name: a message kind (``lease_request``,
-``heartbeat``, ...), ``tick`` (timers: expiries, dead peers, parked long-polls) or ``flush`` (serving parked
-requests, AdapterNotices, the state write's hand-off, the sends). The Stats reply carries it as ``loop``;
-``loraflow status`` prints it.
+the slowest pass (wall time, and how much of it the loop's thread was on the CPU: a pass much longer than
+its CPU time waited for a core or for the GIL, not for its own work) and the slowest single step with its name: a
+message kind (``lease_request``, ``heartbeat``, ...), ``tick`` (timers: expiries, dead peers, parked long-polls)
+or ``flush`` (serving parked requests, AdapterNotices, the state write's hand-off, the sends). The Stats reply
+carries it as ``loop``; ``loraflow status`` prints it.
 
 A pass's time is the loop's work between two polls (what it received, the tick, the flush and the sends), not
 the poll's wait and not the gather sleep (:data:`broker.server.GATHER_S`). Two clock reads per message and
-four per pass: well under a microsecond each.
+six per pass (two of the thread's CPU clock): about a microsecond a pass.
 """
 
 from __future__ import annotations
@@ -43,13 +44,15 @@ class LoopTimes:
         if seconds > window.slowest_step_s:
             window.slowest_step_s, window.slowest_step = seconds, what
 
-    def pass_done(self, seconds: float) -> None:
-        """A pass (receive, tick, flush, sends) took ``seconds`` of the loop."""
+    def pass_done(self, seconds: float, cpu_s: float) -> None:
+        """A pass (receive, tick, flush, sends) took ``seconds`` of the loop, ``cpu_s`` of them on the CPU (the
+        rest: the thread waited for the GIL or for a core)."""
         self.stats.count("loop_passes", BUCKET_LABELS[bisect_left(BUCKETS_MS, seconds * 1e3)])
         window = self._current
         window.num_passes += 1
         window.busy_s += seconds
-        window.slowest_pass_s = max(window.slowest_pass_s, seconds)
+        if seconds > window.slowest_pass_s:
+            window.slowest_pass_s, window.slowest_pass_cpu_s = seconds, cpu_s
 
     def roll(self, now_s: float) -> None:
         """Start a new window when the current one is ``window_s`` old."""
@@ -67,17 +70,20 @@ class LoopTimes:
                 "window_s": round(window.seconds, 3), "window_passes": window.num_passes,
                 "busy_share": round(window.busy_s / window.seconds, 4) if window.seconds else None,
                 "slowest_pass_ms": round(window.slowest_pass_s * 1e3, 3),
+                "slowest_pass_cpu_ms": round(window.slowest_pass_cpu_s * 1e3, 3),
                 "slowest_step": window.slowest_step, "slowest_step_ms": round(window.slowest_step_s * 1e3, 3)}
 
 
 class _Window:
-    __slots__ = ("seconds", "num_passes", "busy_s", "slowest_pass_s", "slowest_step", "slowest_step_s")
+    __slots__ = ("seconds", "num_passes", "busy_s", "slowest_pass_s", "slowest_pass_cpu_s", "slowest_step",
+                 "slowest_step_s")
 
     def __init__(self) -> None:
         self.seconds = 0.0
         self.num_passes = 0
         self.busy_s = 0.0
         self.slowest_pass_s = 0.0
+        self.slowest_pass_cpu_s = 0.0
         self.slowest_step = ""
         self.slowest_step_s = 0.0
 

@@ -141,7 +141,7 @@ class BrokerServer:
                 else:
                     timeout_ms = min(MAX_POLL_MS, max(0, int((core.next_wakeup_s(now_s) - now_s) * 1000) + 1))
                 events = dict(self.poller.poll(timeout_ms))
-                started = time.perf_counter()
+                started, started_cpu = time.perf_counter(), time.thread_time()
                 if self._wake_r in events:
                     with contextlib.suppress(BlockingIOError):
                         os.read(self._wake_r, 4096)
@@ -157,7 +157,7 @@ class BrokerServer:
                 ended = time.perf_counter()
                 loop_times.step("tick", flushed - ticked)
                 loop_times.step("flush", ended - flushed)
-                loop_times.pass_done(ended - started)
+                loop_times.pass_done(ended - started, time.thread_time() - started_cpu)
                 if handled == 1 and not core.has_work():
                     time.sleep(GATHER_S)
             self._send_all(core.drain(time.monotonic()))

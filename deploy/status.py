@@ -91,7 +91,8 @@ def loop_line(loop: dict[str, Any]) -> str:
     over_20 = sum(v for k, v in passes.items() if k == "inf" or (k.isdigit() and int(k) > 20))
     step = loop.get("slowest_step") or "-"
     return (f"loop      busy {_share(loop.get('busy_share'))} over {loop.get('window_s', 0):.0f}s  slowest pass "
-            f"{loop.get('slowest_pass_ms', 0):.1f} ms  slowest step {step} {loop.get('slowest_step_ms', 0):.1f} ms  "
+            f"{loop.get('slowest_pass_ms', 0):.1f} ms (CPU {loop.get('slowest_pass_cpu_ms', 0):.1f})  "
+            f"slowest step {step} {loop.get('slowest_step_ms', 0):.1f} ms  "
             f"passes > 20 ms since start {over_20}")
 
 

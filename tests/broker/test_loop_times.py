@@ -17,7 +17,7 @@ from tests.support import Processes, start_broker
 def test_passes_land_in_the_bucket_of_their_upper_bound() -> None:
     times = LoopTimes(BrokerStats())
     for seconds in (0.0002, 0.001, 0.0011, 0.019, 0.021, 2.0):
-        times.pass_done(seconds)
+        times.pass_done(seconds, seconds / 2)
     passes = times.snapshot()["passes"]
     assert set(passes) == set(BUCKET_LABELS)
     assert (passes["1"], passes["2"], passes["20"], passes["50"], passes["inf"]) == (2, 1, 1, 1, 1)
@@ -32,11 +32,12 @@ def test_the_window_keeps_the_slowest_pass_and_step_by_name() -> None:
     times.step("heartbeat", 0.0001)
     times.step("batch_request", 0.030)
     times.step("flush", 0.002)
-    times.pass_done(0.0325)
-    times.pass_done(0.0005)
+    times.pass_done(0.0325, 0.004)
+    times.pass_done(0.0005, 0.0005)
     current = times.snapshot()  # no full window yet: the current one
     assert (current["slowest_step"], current["slowest_step_ms"]) == ("batch_request", 30.0)
     assert current["slowest_pass_ms"] == 32.5 and current["window_passes"] == 2
+    assert current["slowest_pass_cpu_ms"] == 4.0  # the slowest pass's own CPU, not the largest CPU
     times.roll(105.0)  # not yet 10 s: same window
     times.step("tick", 0.001)
     times.roll(110.0)  # the window closes; the next starts empty
@@ -80,6 +81,6 @@ def test_a_real_broker_reports_its_loop_in_stats_and_status(procs: Processes) ->
         sock.close()
     assert sum(loop["passes"].values()) >= 2  # at least the Hello's and the LeaseRequest's passes
     assert loop["slowest_step"] in {"hello", "lease_request", "stats_request", "tick", "flush"}
-    assert 0 < loop["slowest_pass_ms"] < 1000
+    assert 0 < loop["slowest_pass_ms"] < 1000 and 0 <= loop["slowest_pass_cpu_ms"] <= loop["slowest_pass_ms"] + 1
     line = status.loop_line(loop)
     assert line.startswith("loop      busy ") and "slowest step" in line
