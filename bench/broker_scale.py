@@ -406,7 +406,9 @@ def loop_during(before: dict | None, after: dict | None) -> dict | None:
     return {"passes": sum(passes.values()), "p99_ms": pass_quantile(passes, 0.99),
             "over_20ms": sum(v for k, v in passes.items() if k == "inf" or int(k) > 20),
             "slowest_pass_ms": after["slowest_pass_ms"], "slowest_pass_cpu_ms": after["slowest_pass_cpu_ms"],
-            "slowest_step": after["slowest_step"],
+            "slowest_step": after["slowest_step"], "slowest_gc_ms": after.get("slowest_gc_ms"),
+            "gc_collections": {k: v - before.get("gc_collections", {}).get(k, 0)
+                               for k, v in after.get("gc_collections", {}).items()},
             "slowest_step_ms": after["slowest_step_ms"]}
 
 
@@ -481,7 +483,8 @@ def fleet_sizes(workdir: Path, sizes: list[int], seconds: float, generate_s: flo
                 print(f"{label}       broker loop while active: {loop['passes']} passes, p99 <= {loop['p99_ms']:g} ms, "
                       f"{loop['over_20ms']} over 20 ms; slowest pass {loop['slowest_pass_ms']:.1f} ms (CPU "
                       f"{loop['slowest_pass_cpu_ms']:.1f}), slowest step {loop['slowest_step']} "
-                      f"{loop['slowest_step_ms']:.1f} ms (last stats window)", flush=True)
+                      f"{loop['slowest_step_ms']:.1f} ms, slowest gc {loop['slowest_gc_ms']} ms (last stats window); "
+                      f"collections by generation {loop['gc_collections']}", flush=True)
         victim, victim_n = fleets[-1]
         before = workers_counted(endpoint)
         # workers dropped before the kill: the active workers of the earlier phases (they leave without a Bye),

@@ -8,7 +8,8 @@ the slowest pass (wall time, and how much of it the loop's thread was on the CPU
 its CPU time waited for a core or for the GIL, not for its own work) and the slowest single step with its name: a
 message kind (``lease_request``, ``heartbeat``, ...), ``tick`` (timers: expiries, dead peers, parked long-polls)
 or ``flush`` (serving parked requests, AdapterNotices, the state write's hand-off, the sends). The Stats reply
-carries it as ``loop``; ``loraflow status`` prints it.
+carries it as ``loop``; ``loraflow status`` prints it. Python's garbage collections are timed too
+(:meth:`LoopTimes.on_gc`): a full one stops the loop for as long as it walks the heap.
 
 A pass's time is the loop's work between two polls (what it received, the tick, the flush and the sends), not
 the poll's wait and not the gather sleep (:data:`broker.server.GATHER_S`). Two clock reads per message and
@@ -17,6 +18,7 @@ six per pass (two of the thread's CPU clock): about a microsecond a pass.
 
 from __future__ import annotations
 
+import time
 from bisect import bisect_left
 from typing import Any
 
@@ -37,6 +39,7 @@ class LoopTimes:
         self._window_start_s: float | None = None
         self._current = _Window()
         self._last = _Window()
+        self._gc_started_s = 0.0
 
     def step(self, what: str, seconds: float) -> None:
         """One message handled (``what`` its kind), or the pass's tick or flush, took ``seconds``."""
@@ -53,6 +56,21 @@ class LoopTimes:
         window.busy_s += seconds
         if seconds > window.slowest_pass_s:
             window.slowest_pass_s, window.slowest_pass_cpu_s = seconds, cpu_s
+
+    def on_gc(self, phase: str, info: dict[str, Any]) -> None:
+        """A ``gc.callbacks`` entry (the server installs it while it serves): each collection counted by
+        generation (``gc_collections{generation}``), the slowest of the window kept with its generation. A
+        full collection walks every tracked object, so with thousands of peers it is a pass's likeliest stall."""
+        if phase == "start":
+            self._gc_started_s = time.perf_counter()
+            return
+        seconds = time.perf_counter() - self._gc_started_s
+        generation = info.get("generation", -1)
+        self.stats.count("gc_collections", generation)
+        window = self._current
+        window.gc_s += seconds
+        if seconds > window.slowest_gc_s:
+            window.slowest_gc_s, window.slowest_gc_generation = seconds, generation
 
     def roll(self, now_s: float) -> None:
         """Start a new window when the current one is ``window_s`` old."""
@@ -71,12 +89,15 @@ class LoopTimes:
                 "busy_share": round(window.busy_s / window.seconds, 4) if window.seconds else None,
                 "slowest_pass_ms": round(window.slowest_pass_s * 1e3, 3),
                 "slowest_pass_cpu_ms": round(window.slowest_pass_cpu_s * 1e3, 3),
-                "slowest_step": window.slowest_step, "slowest_step_ms": round(window.slowest_step_s * 1e3, 3)}
+                "slowest_step": window.slowest_step, "slowest_step_ms": round(window.slowest_step_s * 1e3, 3),
+                "gc_collections": self.stats.family("gc_collections"), "window_gc_ms": round(window.gc_s * 1e3, 3),
+                "slowest_gc_ms": round(window.slowest_gc_s * 1e3, 3),
+                "slowest_gc_generation": window.slowest_gc_generation}
 
 
 class _Window:
     __slots__ = ("seconds", "num_passes", "busy_s", "slowest_pass_s", "slowest_pass_cpu_s", "slowest_step",
-                 "slowest_step_s")
+                 "slowest_step_s", "gc_s", "slowest_gc_s", "slowest_gc_generation")
 
     def __init__(self) -> None:
         self.seconds = 0.0
@@ -86,6 +107,9 @@ class _Window:
         self.slowest_pass_cpu_s = 0.0
         self.slowest_step = ""
         self.slowest_step_s = 0.0
+        self.gc_s = 0.0
+        self.slowest_gc_s = 0.0
+        self.slowest_gc_generation = -1
 
 
 def pass_quantile(passes: dict[str, int], q: float) -> float:

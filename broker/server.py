@@ -52,6 +52,7 @@ time and its slowest step are kept by :class:`broker.loop_times.LoopTimes` (Stat
 from __future__ import annotations
 
 import contextlib
+import gc
 import os
 import time
 from typing import Any
@@ -131,6 +132,7 @@ class BrokerServer:
         self._running = True
         core = self.core
         loop_times = core.loop_times
+        gc.callbacks.append(loop_times.on_gc)
         log.info("broker_serving", endpoint=self.endpoint, broker_id=core.broker_id,
                  latest_version=core.latest_version, capacity_groups=core.capacity_groups)
         try:
@@ -163,6 +165,7 @@ class BrokerServer:
             self._send_all(core.drain(time.monotonic()))
             log.info("broker_stopped", latest_version=core.latest_version, cursor=list(core.ledger.source.cursor))
         finally:
+            gc.callbacks.remove(loop_times.on_gc)
             self.close()
 
     def _receive(self) -> int:

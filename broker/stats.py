@@ -32,6 +32,7 @@ Counter families (Prometheus name ``loraflow_broker_<family>_total{label=...}``)
                           process on probation passed); broker.quarantine
     loop_passes{le_ms}    the loop's passes by duration, each counted under its bucket's upper bound in ms (1, 2, 5,
                           ..., 1000, inf: not cumulative); broker.loop_times, which also gives Stats ``loop``
+    gc_collections{generation}  Python's garbage collections in the broker's process while it serves (0, 1, 2)
     connections{event}    accepted / disconnected TCP connections (zmq drops a peer that sends a frame over
                           broker.max_message_bytes before anything is read: it shows up here)
     auth{event}           failed handshakes, none of which gets a message through (so they appear nowhere
@@ -72,7 +73,7 @@ class BrokerStats:
                 ("served_staleness", "staleness"), ("adapters", "event"), ("peers_gone", "reason"),
                 ("state_writes", "trigger"), ("connections", "event"), ("auth", "event"),
                 ("policy_mismatches", "reason"), ("quarantines", "event"), ("unknown_fields", "kind"),
-                ("loop_passes", "le_ms"))
+                ("loop_passes", "le_ms"), ("gc_collections", "generation"))
         }
         self.bytes_in = 0
         self.bytes_out = 0

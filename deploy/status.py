@@ -92,7 +92,8 @@ def loop_line(loop: dict[str, Any]) -> str:
     step = loop.get("slowest_step") or "-"
     return (f"loop      busy {_share(loop.get('busy_share'))} over {loop.get('window_s', 0):.0f}s  slowest pass "
             f"{loop.get('slowest_pass_ms', 0):.1f} ms (CPU {loop.get('slowest_pass_cpu_ms', 0):.1f})  "
-            f"slowest step {step} {loop.get('slowest_step_ms', 0):.1f} ms  "
+            f"slowest step {step} {loop.get('slowest_step_ms', 0):.1f} ms  slowest gc "
+            f"{loop.get('slowest_gc_ms', 0):.1f} ms  "
             f"passes > 20 ms since start {over_20}")
 
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import gc
 import time
 
 import zmq
@@ -49,6 +50,23 @@ def test_the_window_keeps_the_slowest_pass_and_step_by_name() -> None:
     assert times.snapshot()["slowest_step"] == "lease_request"  # the window before is forgotten
 
 
+def test_garbage_collections_are_counted_and_timed() -> None:
+    times = LoopTimes(BrokerStats())
+    gc.callbacks.append(times.on_gc)
+    try:
+        garbage = [[] for _ in range(20_000)]
+        for a, b in zip(garbage, garbage[1:], strict=False):
+            a.append(b), b.append(a)  # cycles: only the collector frees them
+        del garbage, a, b
+        gc.collect(2)
+    finally:
+        gc.callbacks.remove(times.on_gc)
+    snap = times.snapshot()
+    assert snap["gc_collections"].get("2", 0) >= 1
+    assert snap["slowest_gc_generation"] == 2 and snap["slowest_gc_ms"] > 0
+    assert snap["window_gc_ms"] >= snap["slowest_gc_ms"]
+
+
 def test_pass_quantile_reads_the_bucket_bounds() -> None:
     assert pass_quantile({}, 0.99) == 0.0
     passes = {"1": 980, "5": 15, "50": 5}
@@ -82,5 +100,6 @@ def test_a_real_broker_reports_its_loop_in_stats_and_status(procs: Processes) ->
     assert sum(loop["passes"].values()) >= 2  # at least the Hello's and the LeaseRequest's passes
     assert loop["slowest_step"] in {"hello", "lease_request", "stats_request", "tick", "flush"}
     assert 0 < loop["slowest_pass_ms"] < 1000 and 0 <= loop["slowest_pass_cpu_ms"] <= loop["slowest_pass_ms"] + 1
+    assert {"gc_collections", "slowest_gc_ms", "slowest_gc_generation"} <= set(loop)
     line = status.loop_line(loop)
     assert line.startswith("loop      busy ") and "slowest step" in line
