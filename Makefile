@@ -11,6 +11,8 @@ PIP    := $(PY) -m pip --disable-pip-version-check -q
 TORCH  ?= torch==2.13.0
 ARGS   ?=
 PYTEST_ARGS ?=
+# the suite runs in this many processes (pytest-xdist; tests/conftest.py says which tests stay together)
+TEST_WORKERS ?= 2
 
 .PHONY: run test lint bench clean venv venv-test
 
@@ -35,7 +37,7 @@ run: $(VENV)/.core
 
 test: $(VENV)/.test
 	$(PY) -m ruff check .
-	$(PY) -m pytest $(PYTEST_ARGS)
+	$(PY) -m pytest -n $(TEST_WORKERS) --dist loadscope $(PYTEST_ARGS)
 
 lint: $(VENV)/.test
 	$(PY) -m ruff check .

@@ -182,36 +182,44 @@ def test_bf16_mixed_precision_computes_in_bf16_with_fp32_master_weights_and_publ
     assert {t.dtype for _, t in publish.gather_adapter(forced, is_main=True)} == {torch.float32}
 
 
+ADAPTER_DTYPES = ("float32", "bfloat16")
+
+
 @pytest.mark.vllm
 @pytest.mark.slow
-@pytest.mark.parametrize("adapter_dtype", ["float32", "bfloat16"])
-def test_adapter_dir_loads_unchanged_in_vllm(tiny_model_dir: Path, parallel, tmp_path: Path, adapter_dtype: str) -> None:
+def test_adapter_dir_loads_unchanged_in_vllm(tiny_model_dir: Path, parallel, tmp_path: Path) -> None:
     """vLLM's LoRARequest serves the learner's PEFT directory as peft does: same greedy tokens and log-probs,
-    in fp32 and as the bf16 adapter a GPU learner publishes (learner.adapter_dtype)."""
-    config = make_config(lr=0.05, adapter_dtype=adapter_dtype)  # a few large steps: the adapter changes the output
-    trainer = make_trainer(tiny_model_dir, parallel, config)
-    for index in range(3):
-        step_on(trainer, parallel, config, index)
-    path = publish.write_adapter_dir(tmp_path / "adapters", publish.snapshot(trainer[0], version=3, step=3,
-                                                                             is_main=True))
-    assert {str(t.dtype) for t in load_file(str(path / publish.ADAPTER_WEIGHTS)).values()} == {f"torch.{adapter_dtype}"}
+    in fp32 and as the bf16 adapter a GPU learner publishes (learner.adapter_dtype). One engine serves both
+    directories, each under its own LoRA id, as a worker serves successive versions."""
+    paths = []
+    for adapter_dtype in ADAPTER_DTYPES:
+        config = make_config(lr=0.05, adapter_dtype=adapter_dtype)  # a few large steps: the adapter changes the output
+        trainer = make_trainer(tiny_model_dir, parallel, config)
+        for index in range(3):
+            step_on(trainer, parallel, config, index)
+        path = publish.write_adapter_dir(tmp_path / adapter_dtype, publish.snapshot(trainer[0], version=3, step=3,
+                                                                                    is_main=True))
+        dtypes = {str(t.dtype) for t in load_file(str(path / publish.ADAPTER_WEIGHTS)).values()}
+        assert dtypes == {f"torch.{adapter_dtype}"}
+        paths.append(path)
     prompts = [[1, 20, 30, 40], [1, 50, 60]]
     script = Path(__file__).with_name("vllm_generate.py")
-    done = subprocess.run([sys.executable, str(script), str(tiny_model_dir), str(path), json.dumps(prompts)],
+    done = subprocess.run([sys.executable, str(script), str(tiny_model_dir), json.dumps(prompts), *map(str, paths)],
                           capture_output=True, text=True, timeout=300, env=child_env())
     lines = [line for line in done.stdout.splitlines() if line.startswith("RESULT ")]
-    assert done.returncode == 0 and lines, done.stderr[-4000:]
-    served = json.loads(lines[-1].removeprefix("RESULT "))
-    reference = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(str(tiny_model_dir)), str(path))
+    assert done.returncode == 0 and len(lines) == len(paths), done.stderr[-4000:]
     base = AutoModelForCausalLM.from_pretrained(str(tiny_model_dir))
-    changed = False
-    for prompt, out in zip(prompts, served, strict=True):
-        ids = torch.tensor([prompt + out["tokens"]])
-        with torch.no_grad():
-            logits = reference(input_ids=ids).logits[0, len(prompt) - 1:-1]
-            base_greedy = base(input_ids=ids).logits[0, len(prompt) - 1:-1].argmax(-1).tolist()
-        assert logits.argmax(-1).tolist() == out["tokens"]  # vLLM's greedy choice is peft's at every step
-        expected = token_logprobs(logits, torch.tensor(out["tokens"])).tolist()
-        assert out["logprobs"] == pytest.approx(expected, abs=1e-4)
-        changed |= base_greedy != out["tokens"]
-    assert changed  # the adapter was applied, not ignored
+    for path, line in zip(paths, lines, strict=True):
+        served = json.loads(line.removeprefix("RESULT "))
+        reference = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(str(tiny_model_dir)), str(path))
+        changed = False
+        for prompt, out in zip(prompts, served, strict=True):
+            ids = torch.tensor([prompt + out["tokens"]])
+            with torch.no_grad():
+                logits = reference(input_ids=ids).logits[0, len(prompt) - 1:-1]
+                base_greedy = base(input_ids=ids).logits[0, len(prompt) - 1:-1].argmax(-1).tolist()
+            assert logits.argmax(-1).tolist() == out["tokens"], path  # vLLM's greedy choice is peft's at every step
+            expected = token_logprobs(logits, torch.tensor(out["tokens"])).tolist()
+            assert out["logprobs"] == pytest.approx(expected, abs=1e-4), path
+            changed |= base_greedy != out["tokens"]
+        assert changed, path  # the adapter was applied, not ignored

@@ -69,8 +69,8 @@ def test_hf_worker_joins_generates_and_follows_a_published_adapter(procs: Proces
     row = wait_for(lambda: (r := worker_row(broker, "hf1")) and r["counters"].get("groups_submitted", 0) >= 4 and r,
                    5, "the worker's counters in its heartbeats")
     assert row["backend"] == "hf" and row["groups_accepted"] >= 4 and row["counters"]["tokens_generated"] > 0
-    learner = Learner(broker.endpoint, token=broker.run_token)
-    adapter = make_adapter(tiny_model_dir, version=1, seed=1)
+    adapter = make_adapter(tiny_model_dir, version=1, seed=1)  # before the learner's session: building it holds
+    learner = Learner(broker.endpoint, token=broker.run_token)  # the GIL longer than the 0.6 s heartbeat timeout
     learner.link.send(adapter.update, list(adapter.state.items()))
     reply = learner.expect(Kind.ACK, Kind.ERROR).record
     assert isinstance(reply, Ack) and reply.ref_id == "1"
