@@ -71,14 +71,16 @@ def router_socket(ctx: zmq.Context, bind: str, *, max_message_bytes: int, hwm: i
 
 
 def dealer_socket(ctx: zmq.Context, endpoint: str, *, identity: bytes, hwm: int = DEFAULT_HWM,
-                  security: Any = None) -> zmq.Socket:
-    """A client's DEALER, connected to the broker under a stable identity."""
+                  security: Any = None, connect: bool = True) -> zmq.Socket:
+    """A client's DEALER, connected to the broker under a stable identity (``connect=False``: configured for
+    ``endpoint`` but not yet connected, for a caller that attaches a monitor first)."""
     sock = ctx.socket(zmq.DEALER)
     _common_options(sock, hwm)
     sock.setsockopt(zmq.IDENTITY, identity)
     if security is not None:
         security.apply_client(sock)
-    sock.connect(endpoint)
+    if connect:
+        sock.connect(endpoint)
     return sock
 
 

@@ -146,6 +146,17 @@ class HandshakeWatch:
         self.monitor.close(linger=0)
 
 
+def watched_dealer(ctx: zmq.Context, endpoint: str, *, identity: bytes, security: Any,
+                   role: str) -> tuple[zmq.Socket, HandshakeWatch]:
+    """A DEALER to the broker and its :class:`HandshakeWatch`, the monitor attached before the socket connects:
+    zmq does not retry a mechanism mismatch, so on a busy machine a handshake that fails before a monitor is
+    attached leaves no event at all, and the client would wait out its whole connect timeout undiagnosed."""
+    sock = sockets.dealer_socket(ctx, endpoint, identity=identity, security=security, connect=False)
+    watch = HandshakeWatch(sock, curve=security is not None, role=role)
+    sock.connect(endpoint)
+    return sock, watch
+
+
 class MessageTooLarge(ValueError):
     """A message is larger than the broker accepts (``broker.max_message_bytes``, told in its Welcome)."""
 
@@ -306,8 +317,8 @@ class BrokerLink:
     # -- I/O thread ------------------------------------------------------------------------------------------
 
     def _run(self) -> None:
-        dealer = sockets.dealer_socket(self._ctx, self.endpoint, identity=self._identity(), security=self._security)
-        watch = HandshakeWatch(dealer, curve=self._security is not None, role=self.hello.role)
+        dealer, watch = watched_dealer(self._ctx, self.endpoint, identity=self._identity(), security=self._security,
+                                       role=self.hello.role)
         poller = zmq.Poller()
         poller.register(dealer, zmq.POLLIN)
         poller.register(self._pipe_io, zmq.POLLIN)
@@ -419,9 +430,8 @@ def fetch_stats(endpoint: str, *, timeout_s: float = 5.0, ctx: zmq.Context | Non
     """One StatsRequest to the broker without registering; returns the snapshot or raises BrokerUnavailable
     (HandshakeFailed when the keys or security settings do not match the broker's)."""
     ctx = ctx or zmq.Context.instance()
-    sock = sockets.dealer_socket(ctx, endpoint, identity=f"observer/{uuid.uuid4().hex[:8]}".encode(),
-                                 security=security)
-    watch = HandshakeWatch(sock, curve=security is not None, role="observer")
+    sock, watch = watched_dealer(ctx, endpoint, identity=f"observer/{uuid.uuid4().hex[:8]}".encode(),
+                                 security=security, role="observer")
     try:
         sock.send_multipart(protocol.encode(protocol.StatsRequest()))
         poller = zmq.Poller()

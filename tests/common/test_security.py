@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import time
 from pathlib import Path
 
 import pytest
@@ -9,6 +10,7 @@ import zmq
 
 from common import protocol, sockets
 from common.security import ClientSecurity, SecurityError, ServerSecurity, generate_keys, role_of
+from common.transport import watched_dealer
 from tests.support import wait_for
 
 
@@ -51,6 +53,26 @@ def test_authorised_clients_carry_their_role_and_strangers_are_refused(keys: Pat
         assert role_of(frames[0]) == "worker"
         for sock in (worker, stranger, late):
             sock.close(0)
+    finally:
+        router.close(0)
+        server.stop()
+        ctx.destroy(linger=0)
+
+
+def test_a_handshake_failure_is_diagnosed_however_late_the_client_looks(keys: Path) -> None:
+    """zmq does not retry a mechanism mismatch: a monitor attached after the connect (a busy machine between
+    the two calls) saw nothing and the client waited out its connect timeout. The watch is attached first, so
+    the failure is there to read a second later."""
+    ctx, server, router, endpoint = serve(keys)
+    try:
+        plain, watch = watched_dealer(ctx, endpoint, identity=b"worker/plain", security=None, role="worker")
+        time.sleep(1.0)  # the handshake has failed long before the client reads its monitor
+        deadline, problem = time.monotonic() + 10, None
+        while problem is None and time.monotonic() < deadline:
+            problem = watch.read() if watch.monitor.poll(200) else None
+        assert problem is not None and "requires CURVE" in problem, problem
+        watch.close()
+        plain.close(0)
     finally:
         router.close(0)
         server.stop()
