@@ -46,6 +46,7 @@ and linear. The JSON line: ``idle_core_share``, ``lease_p99_ms`` and ``kb_per_wo
 from __future__ import annotations
 
 import argparse
+import bisect
 import contextlib
 import multiprocessing as mp
 import os
@@ -100,6 +101,8 @@ WIRE_BYTES_PER_TOKEN = 4 + 4 + 4 + 1  # completion id int32, log-prob f32, versi
 IDLE_COUNTERS = {"groups_submitted": 1200, "tokens_generated": 4_800_000, "reward_failures": 0,
                  "adapters_received": 40, "unacked": 0}
 FLEET_TICK_S = 0.005  # the fleet's send/read granularity
+SLOW_GRANT_MS = 20.0  # the lease p99 target: grants slower than this are the tail the bench attributes
+NEAR_PUBLISH_S = 0.1  # a grant asked for this long before a publish, or while it went out, overlaps its burst
 
 
 def kind_of(frames: list) -> int:
@@ -174,8 +177,9 @@ def fleet(endpoint: str, prefix: str, n: int, interval_s: float, nice: int, read
 
 def active(endpoint: str, seconds: float, interval_s: float, generate_s: float, results: mp.Queue) -> None:
     """ACTIVE_WORKERS workers each leasing one prompt at a time, "generating" for ``generate_s`` and then
-    submitting a 16 KB group and asking again; puts (latencies in ms from a request to the grant carrying its
-    lease, groups accepted, grants without a lease by reason, seconds)."""
+    submitting a 16 KB group and asking again; puts (per grant carrying a lease: when it was asked for
+    (perf_counter), ms until it arrived, and this process's run-queue wait in that time; groups accepted, grants
+    without a lease by reason, seconds)."""
     ctx = zmq.Context()
     names = [f"active-{os.getpid()}-{i}" for i in range(ACTIVE_WORKERS)]
     socks = connect_workers(ctx, endpoint, names)
@@ -187,13 +191,15 @@ def active(endpoint: str, seconds: float, interval_s: float, generate_s: float, 
     beat = protocol.encode(Heartbeat(state="generating"))
     poller = zmq.Poller()
     asked_at: dict[int, float] = {}  # worker -> when its outstanding request was sent
+    queued_at: dict[int, float] = {}  # worker -> this thread's run-queue wait (ms) when its request was sent
     generating: list[tuple[float, int, dict]] = []  # (done at, worker, lease)
     for i, sock in enumerate(socks):
         poller.register(sock, zmq.POLLIN)
         sock.send_multipart(ask)
-        asked_at[i] = time.perf_counter()
+        asked_at[i], queued_at[i] = time.perf_counter(), runqueue_ms()
     index = {sock: i for i, sock in enumerate(socks)}
     latencies: list[float] = []
+    grants: list[tuple[float, float, float]] = []  # (asked at, latency ms, this thread's run-queue wait ms meanwhile)
     accepted = 0
     empty: dict[str, int] = {}  # reason -> grants without a lease
     start = time.perf_counter()
@@ -208,7 +214,7 @@ def active(endpoint: str, seconds: float, interval_s: float, generate_s: float, 
             header["group_id"], header["lease_id"], header["worker_id"] = lease["group_id"], lease["lease_id"], names[i]
             socks[i].send_multipart([template[0], packer.pack(header), *template[2:]], copy=False)
             socks[i].send_multipart(ask)
-            asked_at[i] = time.perf_counter()
+            asked_at[i], queued_at[i] = time.perf_counter(), runqueue_ms()
         wait_ms = 50 if not generating else max(0, min(50, int((generating[0][0] - now) * 1000)))
         for sock, _ in poller.poll(wait_ms):
             frames = sock.recv_multipart(copy=False)
@@ -218,21 +224,24 @@ def active(endpoint: str, seconds: float, interval_s: float, generate_s: float, 
                 if not grant["leases"]:
                     empty[grant["reason"]] = empty.get(grant["reason"], 0) + 1
                     sock.send_multipart(ask)
-                    asked_at[i] = time.perf_counter()
+                    asked_at[i], queued_at[i] = time.perf_counter(), runqueue_ms()
                     continue
                 latencies.append((time.perf_counter() - asked_at[i]) * 1000)
+                grants.append((asked_at[i], latencies[-1], runqueue_ms() - queued_at[i]))
                 generating.append((time.perf_counter() + generate_s, i, grant["leases"][0]))
             elif kind == Kind.ACK:
                 accepted += len(msgpack.unpackb(frames[1].buffer).get("ref_ids") or [None])
-    results.put((latencies, accepted, empty, now - start))
+    results.put((grants, accepted, empty, now - start))
     for sock in socks:
         sock.close(0)
     ctx.term()
 
 
-def learner(endpoint: str, groups_per_step: int, step_s: float, ready: mp.Queue, stop: mp.Event) -> None:
+def learner(endpoint: str, groups_per_step: int, step_s: float, ready: mp.Queue, stop: mp.Event,
+            publishes: Path) -> None:
     """A learner whose step takes ``step_s``: it takes a batch, waits, acknowledges it and publishes a tiny
-    adapter version, so every connected worker gets one AdapterNotice per step, as in a run."""
+    adapter version, so every connected worker gets one AdapterNotice per step, as in a run; appends each
+    publish's perf_counter time (CLOCK_MONOTONIC: comparable across processes) to ``publishes``."""
     ctx = zmq.Context()
     sock = ctx.socket(zmq.DEALER)
     sock.setsockopt(zmq.LINGER, 0)
@@ -252,6 +261,8 @@ def learner(endpoint: str, groups_per_step: int, step_s: float, ready: mp.Queue,
             time.sleep(step_s)
             version += 1
             end_step(sock, batch, version, version, checkpoint_version=version)
+            with publishes.open("a") as out:
+                out.write(f"{time.perf_counter()}\n")
         sock.send_multipart(protocol.encode(BatchRequest(num_groups=groups_per_step, wait_ms=1000,
                                                          learner_version=version)))
     sock.close(0)
@@ -412,6 +423,35 @@ def loop_during(before: dict | None, after: dict | None) -> dict | None:
             "slowest_step_ms": after["slowest_step_ms"]}
 
 
+def runqueue_ms(pid: int | None = None) -> float:
+    """Milliseconds the process's main thread has spent runnable but waiting for a core (/proc schedstat)."""
+    with open(f"/proc/{pid or 'self'}/schedstat") as stat:
+        return int(stat.read().split()[1]) / 1e6
+
+
+def tail_causes(grants: list[tuple[float, float, float]], publishes: Path, broker_queued_ms: float,
+                elapsed_s: float) -> dict:
+    """Where the slow grants (> SLOW_GRANT_MS) wait: the share of them asked for shortly before or during a
+    publish (the learner's once-a-second batch, ack and notice fan-out) against that share among all grants,
+    and the leasing process's run-queue wait during a slow grant against any grant's."""
+    times = sorted(float(line) for line in publishes.read_text().split()) if publishes.exists() else []
+
+    def near_publish(asked: float, latency_ms: float) -> bool:
+        got = asked + latency_ms / 1000
+        i = bisect.bisect_left(times, asked - NEAR_PUBLISH_S)
+        return i < len(times) and times[i] <= got
+
+    slow = [g for g in grants if g[1] > SLOW_GRANT_MS]
+
+    def share(rows: list) -> float:
+        return sum(near_publish(asked, latency) for asked, latency, _ in rows) / len(rows) if rows else 0.0
+    return {"slow": len(slow), "slow_near_publish": round(share(slow), 3),
+            "all_near_publish": round(share(grants), 3),
+            "slow_client_queued_ms": round(statistics.median(q for *_, q in slow), 2) if slow else 0.0,
+            "all_client_queued_ms": round(statistics.median(q for *_, q in grants), 3) if grants else 0.0,
+            "broker_queued_share": round(broker_queued_ms / 1000 / elapsed_s, 4)}
+
+
 def fleet_sizes(workdir: Path, sizes: list[int], seconds: float, generate_s: float, *, tree: Path = REPO,
                 nice: int = 10, label: str = "") -> dict[int, dict]:
     """Grow one broker's fleet (at ``nice``) to each size; measure idle CPU, RSS, the active path; kill a fleet at
@@ -433,7 +473,8 @@ def fleet_sizes(workdir: Path, sizes: list[int], seconds: float, generate_s: flo
         empty_rss = rss_kb(broker.pid)
         empty_cpu = broker_cpu(broker.pid, seconds / 2)
         print(f"{label}empty broker: RSS {empty_rss / 1024:.1f} MB, idle CPU {empty_cpu:.1%} of a core", flush=True)
-        trainer = spawn.Process(target=learner, args=(endpoint, GROUPS_PER_STEP, STEP_S, ready, stop))
+        publishes = workdir / "publishes.txt"
+        trainer = spawn.Process(target=learner, args=(endpoint, GROUPS_PER_STEP, STEP_S, ready, stop, publishes))
         trainer.start()
         ready.get(timeout=30)
         connected = 0
@@ -455,7 +496,10 @@ def fleet_sizes(workdir: Path, sizes: list[int], seconds: float, generate_s: flo
             worker = spawn.Process(target=active, args=(endpoint, seconds, interval, generate_s, results))
             worker.start()
             busy_before, busy_start = cpu_seconds(broker.pid), time.monotonic()
-            latencies, accepted, empty, elapsed = results.get(timeout=seconds + 120)
+            broker_queued = runqueue_ms(broker.pid)
+            grants, accepted, empty, elapsed = results.get(timeout=seconds + 120)
+            broker_queued = runqueue_ms(broker.pid) - broker_queued
+            latencies = [latency for _, latency, _ in grants]
             busy = (cpu_seconds(broker.pid) - busy_before) / (time.monotonic() - busy_start)
             # the broker's CPU per group above its idle load: what one core of it can carry at this fleet size
             # (None when the difference drowns in the noise of a busy machine: busy not above idle)
@@ -469,7 +513,7 @@ def fleet_sizes(workdir: Path, sizes: list[int], seconds: float, generate_s: flo
                          "groups_per_s": round(accepted / elapsed, 1), "active_core_share": round(busy, 4),
                          "us_per_group": round(us_per_group, 1) if us_per_group else None,
                          "capacity_groups_per_s": round((1 - idle) / us_per_group * 1e6) if us_per_group else None,
-                         "loop": loop}
+                         "loop": loop, "tail": tail_causes(grants, publishes, broker_queued, elapsed)}
             print(f"{label}{size:>5} workers: idle CPU {idle:6.1%} of a core (main thread "
                   f"{window['main_thread_share']:.1%}; {window['heartbeats_per_s']:.0f} heartbeats/s, "
                   f"{window['us_per_heartbeat']:.0f} us each; machine {window['machine_busy']:.0%} busy)  "
@@ -479,6 +523,13 @@ def fleet_sizes(workdir: Path, sizes: list[int], seconds: float, generate_s: flo
                   + (f"({us_per_group:.0f} us per group above idle: one core carries "
                      f"{out[size]['capacity_groups_per_s']} groups/s at this fleet size)" if us_per_group else
                      "(not above idle: too noisy to price a group)"), flush=True)
+            tail = out[size]["tail"]
+            print(f"{label}       lease tail: {tail['slow']} grants over {SLOW_GRANT_MS} ms; "
+                  f"{tail['slow_near_publish']:.0%} of them asked for within {NEAR_PUBLISH_S * 1000:.0f} ms before "
+                  f"a publish or while it was sent (all grants: {tail['all_near_publish']:.0%}); the leasing "
+                  f"process waited for a core {tail['slow_client_queued_ms']:.1f} ms (median) during a slow grant, "
+                  f"{tail['all_client_queued_ms']:.2f} ms during any; the broker's main thread waited for a core "
+                  f"{tail['broker_queued_share']:.1%} of the phase", flush=True)
             if loop:
                 print(f"{label}       broker loop while active: {loop['passes']} passes, p99 <= {loop['p99_ms']:g} ms, "
                       f"{loop['over_20ms']} over 20 ms; slowest pass {loop['slowest_pass_ms']:.1f} ms (CPU "

@@ -116,7 +116,7 @@ def run(rule: StalenessRule, args: argparse.Namespace, adapter_dir: Path) -> Out
             core.tick(now)
             for out in core.flush(now):
                 inbox.append((out.identity, *protocol.decode(out.frames)))
-            if not core.outbox.num_awaiting and not core.has_work():
+            if not core.outbox.num_awaiting and not core.has_work(now):
                 break
         for group_id in list(accepted):  # a buffered group the broker dropped: its prompt is pending again
             if core.ledger.state(parse_group_id(group_id)) in (State.QUEUED, State.LEASED):

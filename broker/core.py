@@ -64,9 +64,14 @@ from common.tasks import Task
 log = get_logger("broker")
 
 PEER_CHECK_FRACTION = 0.5  # check liveness every half heartbeat interval
-#: AdapterNotices handed to the socket per loop pass, after the pass's other replies: a publish to 4,096 workers
-#: is spread over 16 passes (~1 ms each) instead of stalling one by ~20 ms, so leases and acks are not held up
-NOTICES_PER_PASS = 256
+#: AdapterNotices handed to the socket at a time, after that pass's other replies, and at most one such batch
+#: per NOTICE_SPACING_S: the zmq I/O thread writes queued messages in order, so a publish to 4,096 workers handed
+#: out at once (16 fast passes) made any lease grant or ack sent meanwhile wait ~50-80 ms behind the notices
+#: (bench/broker_scale.py: 77 % of the grants over 20 ms overlapped a publish). Paced, the fan-out takes
+#: 4,096 / 128 x 5 ms = 160 ms and a reply waits behind at most one batch; only a full batch makes the next wait,
+#: so up to 128 workers (and a late joiner's single notice) get theirs at once.
+NOTICES_PER_PASS = 128
+NOTICE_SPACING_S = 0.005
 STATS_TICK_S = 1.0
 
 
@@ -122,6 +127,7 @@ class BrokerCore:
         self._applying = False  # inside a handler's apply half (broker.dispatch)
         self._beats = HeartbeatPath(broker.max_message_bytes)  # the common heartbeat's fast path
         self._notices: deque[Outgoing] = deque()  # AdapterNotices not yet handed out (NOTICES_PER_PASS)
+        self._next_notices_s = 0.0  # when the next batch of them may go (NOTICE_SPACING_S)
         # a change outside the ledger (a peer, a version) that may let a parked long-poll be answered; the
         # ledger's own transitions count by themselves (GroupLedger.num_changes)
         self._reconsider = False
@@ -162,10 +168,17 @@ class BrokerCore:
         self._reject(identity, "internal", "the broker failed to handle this message (see its log)",
                      ref_kind=peek_kind(frames))
 
-    def has_work(self) -> bool:
-        """Something to send, write or re-evaluate without waiting for a message."""
-        return bool(self._reconsider or self.ledger.num_changes != self._changes_seen or self._notices
+    def has_work(self, now_s: float) -> bool:
+        """Something to send, write or re-evaluate at ``now_s`` without waiting for a message (notices whose
+        batch is not due yet are :meth:`next_wakeup_s`'s)."""
+        return bool(self._reconsider or self.ledger.num_changes != self._changes_seen
+                    or (self._notices and now_s >= self._next_notices_s)
                     or self.outbox.has_ready(self.keeper.durable_seq))
+
+    @property
+    def num_notices_pending(self) -> int:
+        """AdapterNotices queued for a later batch."""
+        return len(self._notices)
 
     def send_failed(self, out: Outgoing, reason: str) -> None:
         """zmq refused ``out`` (server calls this); undo what the message promised (a ledger transition)."""
@@ -421,24 +434,29 @@ class BrokerCore:
                 self.batching.serve_waiters()
             if self.leasing.waiters:
                 self.leasing.serve_waiters(now_s)
-        return self._spread_notices(self.outbox.take())
+        return self._spread_notices(self.outbox.take(), now_s)
 
-    def _spread_notices(self, out: list[Outgoing]) -> list[Outgoing]:
-        """``out`` with its AdapterNotices queued behind earlier ones, and at most NOTICES_PER_PASS of those
-        appended (each worker still gets its notices in order; a notice carries no promise to undo)."""
+    def _spread_notices(self, out: list[Outgoing], now_s: float) -> list[Outgoing]:
+        """``out`` with its AdapterNotices queued behind earlier ones, and, when a batch is due, at most
+        NOTICES_PER_PASS of those appended (each worker still gets its notices in order; a notice carries no
+        promise to undo)."""
         if not self._notices and not any(o.kind == Kind.ADAPTER_NOTICE for o in out):
             return out
         notices = self._notices
         kept = []
         for o in out:
             (notices.append if o.kind == Kind.ADAPTER_NOTICE else kept.append)(o)
-        kept.extend(notices.popleft() for _ in range(min(NOTICES_PER_PASS, len(notices))))
+        if now_s >= self._next_notices_s:
+            batch = min(NOTICES_PER_PASS, len(notices))
+            kept.extend(notices.popleft() for _ in range(batch))
+            # a full batch may have more behind it: the next waits; after a partial one the queue is short
+            self._next_notices_s = now_s + NOTICE_SPACING_S if batch == NOTICES_PER_PASS else now_s
         return kept
 
     def next_wakeup_s(self, _now_s: float) -> float:
         """When tick() next has something to do."""
         deadlines = (self.ledger.leases.next_deadline_s(), self.leasing.waiters.next_deadline_s(),
-                     self.batching.waiters.next_deadline_s())
+                     self.batching.waiters.next_deadline_s(), self._next_notices_s if self._notices else None)
         return min(self._next_stats_s, self._next_peer_check_s, *(d for d in deadlines if d is not None))
 
     def drain(self, now_s: float) -> list[Outgoing]:

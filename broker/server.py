@@ -44,8 +44,9 @@ Up to ``MAX_DRAIN`` messages, for at most ``MAX_DRAIN_S``, are received per wake
 run, which amortises the poll and the state-file write over a burst without letting a burst (thousands of
 heartbeats after a stall) hold up the reply to a LeaseRequest queued behind it; tensor frames are received with
 ``copy=False`` and forwarded as the same ``zmq.Frame`` objects. The common heartbeat takes a fast path
-(:mod:`broker.heartbeats`), and a publish's AdapterNotices to every worker are handed out a few hundred per
-pass (:data:`broker.core.NOTICES_PER_PASS`), so neither a large idle fleet nor a fan-out stalls the loop. Each pass's
+(:mod:`broker.heartbeats`), and a publish's AdapterNotices to every worker are handed out in paced batches
+(:data:`broker.core.NOTICES_PER_PASS` every :data:`broker.core.NOTICE_SPACING_S`), so neither a large idle fleet
+nor a fan-out stalls the loop or the replies queued behind it in zmq's I/O thread. Each pass's
 time and its slowest step are kept by :class:`broker.loop_times.LoopTimes` (Stats ``loop``).
 """
 
@@ -138,7 +139,7 @@ class BrokerServer:
         try:
             while self._running:
                 now_s = time.monotonic()
-                if core.has_work():
+                if core.has_work(now_s):
                     timeout_ms = 0
                 else:
                     timeout_ms = min(MAX_POLL_MS, max(0, int((core.next_wakeup_s(now_s) - now_s) * 1000) + 1))
@@ -160,7 +161,7 @@ class BrokerServer:
                 loop_times.step("tick", flushed - ticked)
                 loop_times.step("flush", ended - flushed)
                 loop_times.pass_done(ended - started, time.thread_time() - started_cpu)
-                if handled == 1 and not core.has_work():
+                if handled == 1 and not core.has_work(now_s):
                     time.sleep(GATHER_S)
             self._send_all(core.drain(time.monotonic()))
             log.info("broker_stopped", latest_version=core.latest_version, cursor=list(core.ledger.source.cursor))

@@ -53,7 +53,7 @@ class Harness:
                     continue
                 record, envelope = protocol.decode(out.frames)
                 replies.append((out.identity, record, envelope))
-            if not self.core.outbox.num_awaiting and not self.core.has_work():
+            if not self.core.outbox.num_awaiting and not self.core.has_work(self.now):
                 return replies
             assert time.monotonic() < deadline, "the state writer did not finish"
             time.sleep(0.001)

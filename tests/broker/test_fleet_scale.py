@@ -15,7 +15,7 @@ import pytest
 import zmq
 
 from broker import server as server_module
-from broker.core import NOTICES_PER_PASS, BrokerCore
+from broker.core import NOTICE_SPACING_S, NOTICES_PER_PASS, BrokerCore
 from broker.peers import PeerRegistry
 from broker.server import BrokerServer
 from common import framing, protocol, sockets
@@ -203,8 +203,8 @@ def test_registry_index_follows_restarts_and_removals() -> None:
 # -- notices spread over passes ------------------------------------------------------------------------------
 
 
-def test_a_publish_to_many_workers_is_spread_over_passes_behind_other_replies() -> None:
-    n = 2 * NOTICES_PER_PASS + 17
+def test_a_publish_to_many_workers_is_paced_in_batches_behind_other_replies() -> None:
+    n = 4 * NOTICES_PER_PASS + 17
     harness = Harness(f"broker.max_workers={n}")
     workers = [f"worker/w{i}".encode() for i in range(n)]
     for identity in workers:
@@ -216,7 +216,11 @@ def test_a_publish_to_many_workers_is_spread_over_passes_behind_other_replies() 
     core.handle(workers[5], protocol.encode(LeaseRequest(max_leases=1, adapter_version=1, wait_ms=0)), now)
     notices: dict[bytes, int] = {}
     passes = []
-    while core.has_work() or not passes:
+    while core.has_work(now) or core.num_notices_pending or not passes:
+        if not core.has_work(now):  # only notices left: the next batch is due NOTICE_SPACING_S after the last
+            assert core.next_wakeup_s(now) == pytest.approx(now + NOTICE_SPACING_S)
+            assert not [o for o in core.flush(now) if o.kind == Kind.ADAPTER_NOTICE]  # not before then
+            now += NOTICE_SPACING_S
         core.tick(now)
         out = core.flush(now)
         kinds = [o.kind for o in out]
@@ -229,7 +233,7 @@ def test_a_publish_to_many_workers_is_spread_over_passes_behind_other_replies() 
         assert len(passes) < 20
     assert Kind.LEASE_GRANT in passes[0] and passes[0].index(Kind.LEASE_GRANT) < passes[0].index(Kind.ADAPTER_NOTICE)
     assert notices == {identity: 1 for identity in workers}  # each worker once
-    assert len([p for p in passes if Kind.ADAPTER_NOTICE in p]) == 3
+    assert len([p for p in passes if Kind.ADAPTER_NOTICE in p]) == 5  # 4 x 128 + 17 in batches of 128
     assert harness.stats()["messages_out"]["adapter_notice"] == n
 
 
