@@ -66,6 +66,13 @@ class Outbox:
         self._stats.count("messages_out", KIND_NAMES[kind])
         self._stats.bytes_out += sum(len(f) for f in frames) if num_bytes is None else num_bytes
 
+    def send_to_all(self, identities: list[bytes], kind: int, frames: list[Any]) -> None:
+        """The same frames to every identity (a publish's notices), counted once: at 4,096 workers a send()
+        each cost ~3 ms of the loop pass."""
+        self._ready.extend([Outgoing(identity, frames, kind) for identity in identities])
+        self._stats.count("messages_out", KIND_NAMES[kind], len(identities))
+        self._stats.bytes_out += sum(len(f) for f in frames) * len(identities)
+
     def send_record(self, identity: bytes, record: Any, *, on_fail: Callable[[], None] | None = None,
                     after_durable: bool = False) -> None:
         self.send(identity, int(record.KIND), protocol.encode(record), on_fail=on_fail, after_durable=after_durable)

@@ -72,10 +72,9 @@ class AdapterRelay:
         peer.adapter_version = update.version
         self._unsaved = (update.version, stored.message)
         self.outbox.send_record(identity, protocol.AdapterAck(version=update.version), after_durable=True)
-        notice = protocol.encode(stored.notice())  # encoded once for every worker (the core spreads the sends)
-        size = sum(len(f) for f in notice)
-        for worker in self.peers.of_role("worker"):
-            self.outbox.send(worker.identity, Kind.ADAPTER_NOTICE, notice, num_bytes=size)
+        notice = protocol.encode(stored.notice())  # encoded once for every worker (the core paces the sends)
+        self.outbox.send_to_all([worker.identity for worker in self.peers.of_role("worker")], Kind.ADAPTER_NOTICE,
+                                notice)
         self.stats.count("adapters", "restored" if restoring else "published")
         log.info("adapter_published", version=update.version, step=update.step, num_bytes=stored.num_bytes,
                  num_tensors=stored.num_tensors, restored=restoring)
