@@ -18,7 +18,10 @@ broker). The fleet grows to each size in turn on one broker process; at each siz
   learner whose steps take 1 s takes batches of 256 groups (no backpressure), acks them and publishes a tiny
   adapter per step (an AdapterNotice to every connected worker): lease-grant latency p50 / p99 (request sent ->
   grant with a lease received), groups/s, and the broker's CPU per group above its idle load, hence the groups/s
-  one broker core carries at that fleet size, also as the fleet of H100s that would produce them;
+  one broker core carries at that fleet size, also as the fleet of H100s that would produce them; and where the
+  grants over 20 ms waited: the share of them that overlapped one of the learner's publishes (asked for within
+  100 ms before it or while it went out) against that share of all grants, and the run-queue waits of the
+  leasing process during them and of the broker's main thread over the phase (/proc schedstat);
 - core: before the fleet, the broker core alone (``BrokerCore.handle`` + ``tick`` + ``flush`` in-process, no
   sockets) per idle worker's heartbeat at the largest size, in CPU time: the part of the idle cost the broker's
   Python decides, and a figure this shared machine's load hardly moves (the socket figures above it do);
