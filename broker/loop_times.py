@@ -18,6 +18,7 @@ six per pass (two of the thread's CPU clock): about a microsecond a pass.
 
 from __future__ import annotations
 
+import gc
 import time
 from bisect import bisect_left
 from typing import Any
@@ -92,7 +93,7 @@ class LoopTimes:
                 "slowest_step": window.slowest_step, "slowest_step_ms": round(window.slowest_step_s * 1e3, 3),
                 "gc_collections": self.stats.family("gc_collections"), "window_gc_ms": round(window.gc_s * 1e3, 3),
                 "slowest_gc_ms": round(window.slowest_gc_s * 1e3, 3),
-                "slowest_gc_generation": window.slowest_gc_generation}
+                "slowest_gc_generation": window.slowest_gc_generation, "gc_frozen": gc.get_freeze_count()}
 
 
 class _Window:

@@ -16,6 +16,7 @@ one line naming the setting, exit code 2 (:func:`common.cli.run_main`), which su
 
 from __future__ import annotations
 
+import gc
 import os
 import signal
 import sys
@@ -111,6 +112,11 @@ def run(config: Config, task: Task) -> int:
     log.info("broker_started", endpoint=server.endpoint, task=config.run.task, vocab_size=vocab_size,
              state_path=str(state_path), capacity_groups=core.capacity_groups,
              max_buffer_bytes=config.broker.max_buffer_bytes)
+    # What startup made (imports, config, the restored state: ~40k objects) lives as long as the process, yet a
+    # full collection walks it every time: 11-15 ms of each gen-2 pass inside whatever message it interrupts.
+    # Frozen, the collector walks only what serving creates (a cycle made before this line is never freed).
+    gc.collect()
+    gc.freeze()
     server.serve()
     return 0
 
