@@ -117,7 +117,7 @@ class BrokerServer:
         self.poller.register(self.sock, zmq.POLLIN)
         self.poller.register(self.monitor, zmq.POLLIN)
         self.poller.register(self._wake_r, zmq.POLLIN)
-        self._running = False
+        self._stop_requested = False  # set by stop(), also before serve() began (a SIGTERM during startup)
         self._refused_counted = 0
 
     def _wake(self) -> None:
@@ -125,19 +125,18 @@ class BrokerServer:
             os.write(self._wake_w, b"w")
 
     def stop(self) -> None:
-        """Ask the loop to finish (safe from a signal handler)."""
-        self._running = False
+        """Ask the loop to finish (safe from a signal handler; before serve() too: it then returns at once)."""
+        self._stop_requested = True
 
     def serve(self) -> None:
         """Run until stop(); then answer parked long-polls, write the state and close."""
-        self._running = True
         core = self.core
         loop_times = core.loop_times
         gc.callbacks.append(loop_times.on_gc)
         log.info("broker_serving", endpoint=self.endpoint, broker_id=core.broker_id,
                  latest_version=core.latest_version, capacity_groups=core.capacity_groups)
         try:
-            while self._running:
+            while not self._stop_requested:
                 now_s = time.monotonic()
                 if core.has_work(now_s):
                     timeout_ms = 0

@@ -336,3 +336,20 @@ def test_a_real_link_with_thinned_pongs_never_rejoins(procs) -> None:
         assert link.num_reconnects == 0 and [w["id"] for w in stats["workers"]] == ["w1"]
     finally:
         link.close()
+
+
+def test_a_stop_before_the_loop_starts_is_kept() -> None:
+    """A SIGTERM between the handler's install and serve() (broker.main collects garbage there) stops the
+    broker: serve() returns at once instead of running until it is killed."""
+    config = load_config(None, ["broker.bind=tcp://127.0.0.1:0", "run.group_size=2"])
+    core = BrokerCore(config, task=load_task(config.run.task, config.run.seed), vocab_size=200)
+    ctx = zmq.Context()
+    server = BrokerServer(config, core, ctx=ctx)
+    server.stop()
+    thread = threading.Thread(target=server.serve, daemon=True)
+    thread.start()
+    thread.join(timeout=10)
+    try:
+        assert not thread.is_alive()
+    finally:
+        ctx.term()
