@@ -70,7 +70,7 @@ PEER_CHECK_FRACTION = 0.5  # check liveness every half heartbeat interval
 #: (bench/broker_scale.py: 77 % of the grants over 20 ms overlapped a publish). Paced, the fan-out takes
 #: 4,096 / 128 x 5 ms = 160 ms and a reply waits behind at most one batch; only a full batch makes the next wait,
 #: so up to 128 workers (and a late joiner's single notice) get theirs at once.
-NOTICES_PER_PASS = 128
+NOTICE_BATCH = 128
 NOTICE_SPACING_S = 0.005
 STATS_TICK_S = 1.0
 
@@ -126,7 +126,7 @@ class BrokerCore:
             kind: getattr(self, f"_on_{KIND_NAMES[kind]}") for kind in SENDERS if kind != Kind.HELLO}
         self._applying = False  # inside a handler's apply half (broker.dispatch)
         self._beats = HeartbeatPath(broker.max_message_bytes)  # the common heartbeat's fast path
-        self._notices: deque[Outgoing] = deque()  # AdapterNotices not yet handed out (NOTICES_PER_PASS)
+        self._notices: deque[Outgoing] = deque()  # AdapterNotices not yet handed out (NOTICE_BATCH at a time)
         self._next_notices_s = 0.0  # when the next batch of them may go (NOTICE_SPACING_S)
         # a change outside the ledger (a peer, a version) that may let a parked long-poll be answered; the
         # ledger's own transitions count by themselves (GroupLedger.num_changes)
@@ -438,7 +438,7 @@ class BrokerCore:
 
     def _spread_notices(self, out: list[Outgoing], now_s: float) -> list[Outgoing]:
         """``out`` with its AdapterNotices queued behind earlier ones, and, when a batch is due, at most
-        NOTICES_PER_PASS of those appended (each worker still gets its notices in order; a notice carries no
+        NOTICE_BATCH of those appended (each worker still gets its notices in order; a notice carries no
         promise to undo)."""
         if not self._notices and not any(o.kind == Kind.ADAPTER_NOTICE for o in out):
             return out
@@ -447,10 +447,10 @@ class BrokerCore:
         for o in out:
             (notices.append if o.kind == Kind.ADAPTER_NOTICE else kept.append)(o)
         if now_s >= self._next_notices_s:
-            batch = min(NOTICES_PER_PASS, len(notices))
+            batch = min(NOTICE_BATCH, len(notices))
             kept.extend(notices.popleft() for _ in range(batch))
             # a full batch may have more behind it: the next waits; after a partial one the queue is short
-            self._next_notices_s = now_s + NOTICE_SPACING_S if batch == NOTICES_PER_PASS else now_s
+            self._next_notices_s = now_s + NOTICE_SPACING_S if batch == NOTICE_BATCH else now_s
         return kept
 
     def next_wakeup_s(self, _now_s: float) -> float:

@@ -15,7 +15,7 @@ import pytest
 import zmq
 
 from broker import server as server_module
-from broker.core import NOTICE_SPACING_S, NOTICES_PER_PASS, BrokerCore
+from broker.core import NOTICE_BATCH, NOTICE_SPACING_S, BrokerCore
 from broker.peers import PeerRegistry
 from broker.server import BrokerServer
 from common import framing, protocol, sockets
@@ -204,7 +204,7 @@ def test_registry_index_follows_restarts_and_removals() -> None:
 
 
 def test_a_publish_to_many_workers_is_paced_in_batches_behind_other_replies() -> None:
-    n = 4 * NOTICES_PER_PASS + 17
+    n = 4 * NOTICE_BATCH + 17
     harness = Harness(f"broker.max_workers={n}")
     workers = [f"worker/w{i}".encode() for i in range(n)]
     for identity in workers:
@@ -225,7 +225,7 @@ def test_a_publish_to_many_workers_is_paced_in_batches_behind_other_replies() ->
         out = core.flush(now)
         kinds = [o.kind for o in out]
         passes.append(kinds)
-        assert kinds.count(Kind.ADAPTER_NOTICE) <= NOTICES_PER_PASS
+        assert kinds.count(Kind.ADAPTER_NOTICE) <= NOTICE_BATCH
         for o in out:
             if o.kind == Kind.ADAPTER_NOTICE:
                 notices[o.identity] = notices.get(o.identity, 0) + 1
@@ -238,7 +238,7 @@ def test_a_publish_to_many_workers_is_paced_in_batches_behind_other_replies() ->
 
 
 def test_notices_not_yet_sent_go_out_when_draining() -> None:
-    n = NOTICES_PER_PASS + 5
+    n = NOTICE_BATCH + 5
     harness = Harness(f"broker.max_workers={n}")
     for i in range(n):
         harness.hello(f"worker/w{i}".encode())
@@ -248,7 +248,7 @@ def test_notices_not_yet_sent_go_out_when_draining() -> None:
     harness.core.tick(harness.now)
     first = [o for o in harness.core.flush(harness.now) if o.kind == Kind.ADAPTER_NOTICE]
     rest = [o for o in harness.core.drain(harness.now) if o.kind == Kind.ADAPTER_NOTICE]
-    assert len(first) == NOTICES_PER_PASS and len(first) + len(rest) == n
+    assert len(first) == NOTICE_BATCH and len(first) + len(rest) == n
     assert {o.identity for o in first} | {o.identity for o in rest} == {f"worker/w{i}".encode() for i in range(n)}
 
 
