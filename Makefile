@@ -14,7 +14,7 @@ PYTEST_ARGS ?=
 # the suite runs in this many processes (pytest-xdist; tests/conftest.py says which tests stay together)
 TEST_WORKERS ?= 2
 
-.PHONY: run test lint bench clean venv venv-test
+.PHONY: run test test-durations lint bench clean venv venv-test
 
 $(VENV)/.core: pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -38,6 +38,10 @@ run: $(VENV)/.core
 test: $(VENV)/.test
 	$(PY) -m ruff check .
 	$(PY) -m pytest -n $(TEST_WORKERS) --dist loadscope $(PYTEST_ARGS)
+
+# the same suite, recording each work unit's seconds in tests/unit_seconds.json (the order units are handed out)
+test-durations: $(VENV)/.test
+	LORAFLOW_RECORD_UNIT_SECONDS=1 $(PY) -m pytest -n $(TEST_WORKERS) --dist loadscope $(PYTEST_ARGS)
 
 lint: $(VENV)/.test
 	$(PY) -m ruff check .

@@ -484,10 +484,13 @@ def fleet_sizes(workdir: Path, sizes: list[int], seconds: float, generate_s: flo
         for size in sizes:
             while connected < size:
                 n = min(PER_PROCESS, size - connected)
+                # each fleet its own stop: SIGKILLed inside is_set(), the victim would leave a shared Event's
+                # lock held and the stop.set() below blocked for good
+                own_stop = spawn.Event()
                 child = spawn.Process(target=fleet, args=(endpoint, f"f{len(fleets)}", n, interval, nice, ready,
-                                                          stop))
+                                                          own_stop))
                 child.start()
-                fleets.append((child, n))
+                fleets.append((child, n, own_stop))
                 ready.get(timeout=180)
                 connected += n
             wait_until(lambda size=size: workers_counted(endpoint) >= size, 60, f"{size} workers counted", poll_s=0.5)
@@ -539,7 +542,7 @@ def fleet_sizes(workdir: Path, sizes: list[int], seconds: float, generate_s: flo
                       f"{loop['slowest_pass_cpu_ms']:.1f}), slowest step {loop['slowest_step']} "
                       f"{loop['slowest_step_ms']:.1f} ms, slowest gc {loop['slowest_gc_ms']} ms (last stats window); "
                       f"collections by generation {loop['gc_collections']}", flush=True)
-        victim, victim_n = fleets[-1]
+        victim, victim_n, _ = fleets[-1]
         before = workers_counted(endpoint)
         # workers dropped before the kill: the active workers of the earlier phases (they leave without a Bye),
         # and any live worker a lagging broker heard too late (then the victims cannot all still be counted)
@@ -566,7 +569,9 @@ def fleet_sizes(workdir: Path, sizes: list[int], seconds: float, generate_s: flo
         stop.set()
         if trainer is not None:
             trainer.join(timeout=10)
-        for child, _ in fleets:
+        for child, _, own_stop in fleets:
+            if child.is_alive():  # (never the killed one's Event: see above)
+                own_stop.set()
             child.join(timeout=10)
             if child.is_alive():
                 child.kill()
