@@ -5,7 +5,8 @@ Each fault is a bug class seen in the field that leaves every report green (see 
 is patched into the worker's own classes before :func:`rollout_worker.main.main` runs, so everything else (the
 broker session, leases, evidence, submission) is the production code path; nothing in the project itself has a
 switch for it. ``LORAFLOW_FAULT_AFTER_VERSION`` (default 0) keeps the worker healthy until the backend holds a
-newer version than that, so a test can let it contribute good groups first.
+newer version than that, so a test can let it contribute good groups first; ``LORAFLOW_FAULT_GATE``
+(:mod:`tests.integrity.gate`) holds it after its imports until the test lets it join.
 
 - ``base_model`` (hf): the engine serves the base model whatever version a request names (an adapter that was
   never applied), while the tokens still claim that version;
@@ -112,8 +113,11 @@ def main(argv: list[str]) -> int:
         print(f"usage: python -m tests.integrity.faulty_worker {{{','.join(FAULTS)}}} [worker args]", file=sys.stderr)
         return 2
     INJECT[argv[0]]()
+    import rollout_worker.worker  # noqa: F401  (the imports a start costs, done before the gate)
     from rollout_worker.main import main as worker_main
+    from tests.integrity import gate
 
+    gate.wait()
     return worker_main(argv[1:])
 
 

@@ -21,6 +21,7 @@ from common.transport import BrokerUnavailable, fetch_stats
 from learner.ledger import read as read_ledger
 from tests.fault.ledger import committed_chain, read_json_lines
 from tests.fault.system import System, write_config
+from tests.integrity.gate import ENV as GATE_ENV
 from tests.support import REPO, Proc, Processes, child_env
 
 BAD = "bad"
@@ -55,13 +56,17 @@ class IntegrityRun(System):
                                                 "--endpoint", self.endpoint, "--worker-id", GOOD,
                                                 "--backend", backend)
 
-    def start_bad(self, fault: str, model_dir: Path, *, backend: str = "hf", after_version: int = 0) -> None:
+    def start_bad(self, fault: str, model_dir: Path, *, backend: str = "hf", after_version: int = 0,
+                  gate: Path | None = None) -> None:
+        """Start the faulty client; with ``gate`` it imports what it needs, then waits until that file exists
+        (:mod:`tests.integrity.gate`)."""
+        gated = {GATE_ENV: str(gate)} if gate is not None else {}
         if fault == "fabricated":
             report = self.run_dir / "raw_client.json"
             self.bad = self.procs.python(self._name(BAD), "tests.integrity.raw_client", self.endpoint,
-                                         str(model_dir), str(self.keys), BAD, str(report))
+                                         str(model_dir), str(self.keys), BAD, str(report), env=child_env(**gated))
             return
-        env = child_env(LORAFLOW_FAULT_AFTER_VERSION=str(after_version))
+        env = child_env(LORAFLOW_FAULT_AFTER_VERSION=str(after_version), **gated)
         self.bad = self.procs.python(self._name(BAD), "tests.integrity.faulty_worker", fault, str(self.config),
                                      "--endpoint", self.endpoint, "--worker-id", BAD, "--backend", backend, env=env)
 

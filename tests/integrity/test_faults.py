@@ -21,8 +21,10 @@ STEPS_AFTER = 3  # learner steps the run must make with the healthy worker after
 
 def run_with_fault(procs: Processes, tmp_path: Path, model_dir: Path, fault: str, *, backend: str = "hf"):
     run = start_run(procs, tmp_path, model_dir, num_prompts=NUM_PROMPTS)
+    gate = tmp_path / "bad-may-join"
+    run.start_bad(fault, model_dir, backend=backend, gate=gate)  # its imports overlap the run's start
     wait_for(lambda: run.ledger_steps() >= 2, 120, "two learner steps before the faulty client joins", procs)
-    run.start_bad(fault, model_dir, backend=backend)
+    gate.touch()
     record = wait_for(lambda: quarantined(run.stats()).get(BAD), 240, f"the {fault} client to be quarantined", procs)
     target = run.ledger_steps() + STEPS_AFTER
     wait_for(lambda: run.ledger_steps() >= target, 120, "the run to go on with the healthy worker", procs)
