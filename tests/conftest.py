@@ -9,8 +9,9 @@ pytest 9 no longer reads, so the unit is chosen here, from the node id.)
 
 Units are handed out longest first (:data:`UNIT_SECONDS_FILE`: each unit's seconds in a recorded run), so the run
 does not end with one worker alone on a long vLLM or end-to-end module that happened to be collected last; units
-the file does not name go after the known ones (in xdist's order: most tests first). ``make test-durations`` records the file
-again (``LORAFLOW_RECORD_UNIT_SECONDS=1``); any run prints each worker's finishing time and the longest units.
+the file does not name go after the known ones (in xdist's order: most tests first). ``make test-durations``
+records the file again (``LORAFLOW_RECORD_UNIT_SECONDS=1``); any run prints each worker's finishing time and the
+longest units.
 """
 
 from __future__ import annotations
