@@ -248,14 +248,16 @@ class BrokerSession:
             self.wake.set()
         elif isinstance(record, protocol.GroupAck):
             for group_id in record.ids:  # one GroupAck may cover several groups (Hello.batched_acks)
-                with self._lock:
-                    pending = self._unacked.pop(group_id, None)
-                if pending is not None:
+                with self._lock:  # logged before the count drops: the worker's "stopped" line comes after it
+                    pending = self._unacked.get(group_id)
+                    if pending is None:
+                        continue
                     self.metrics.inc("groups_acked", status=record.status)
                     log.info("group_acked", group_id=group_id, status=record.status,
                              rtt_ms=round((time.monotonic() - pending.first_sent) * 1000, 1),
                              sends=pending.num_sends)
-                    self.wake.set()
+                    del self._unacked[group_id]
+                self.wake.set()
         elif isinstance(record, AdapterNotice):
             self._published(record.version)
         elif isinstance(record, AdapterUpdate):

@@ -69,7 +69,9 @@ def test_a_crashing_child_is_restarted_with_backoff(tmp_path: Path) -> None:
                             events_path=tmp_path / "processes.jsonl")
     worker = supervisor.add(child(tmp_path, "worker-1", "1,-9"))  # exit 1, then exit -9... then runs
     began = time.monotonic()
-    run_until(supervisor, lambda: starts(tmp_path, "worker-1") == 3 and worker.alive())
+    # the third start counted (the file is written before the log line) and its log line written
+    run_until(supervisor, lambda: starts(tmp_path, "worker-1") == 3 and worker.alive()
+              and "start 2" in worker.log_path.read_text())
     assert time.monotonic() - began >= 0.2 + 0.3  # backoff 0.2 s, then doubled and capped at 0.3 s
     assert worker.num_restarts == 2 and worker.exit_codes == [1, 247]
     assert len(events) == 2 and "restarting in" in events[0]
@@ -77,7 +79,7 @@ def test_a_crashing_child_is_restarted_with_backoff(tmp_path: Path) -> None:
     assert not worker.alive() and worker.exit_codes[-1] == -signal.SIGTERM
     recorded = [(e["process"], e["event"]) for e in rundir.read_jsonl(tmp_path / "processes.jsonl")]
     assert recorded == [("worker-1", "start"), ("worker-1", "exit")] * 3
-    assert "start 2" in worker.log_path.read_text()  # the log is appended across restarts
+    assert worker.log_path.read_text().count("start ") == 3  # the log is appended across restarts
 
 
 def test_exit_zero_is_finished_not_restarted(tmp_path: Path) -> None:
