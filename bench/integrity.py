@@ -63,7 +63,7 @@ def run_fault(root: Path, model_dir: Path, fault: str, backend: str) -> dict[str
         seconds = time.monotonic() - started
         target = run.ledger_steps() + STEPS_AFTER
         wait_for(lambda: run.ledger_steps() >= target, 180, "the run to go on", procs)
-        run.bad.stop()
+        run.bad[BAD].stop()
         run.stop()
         found = audit(run.run_dir, run.learner.log_path)
     finally:

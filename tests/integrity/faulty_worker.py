@@ -4,8 +4,9 @@
 Each fault is a bug class seen in the field that leaves every report green (see common/integrity.py). The fault
 is patched into the worker's own classes before :func:`rollout_worker.main.main` runs, so everything else (the
 broker session, leases, evidence, submission) is the production code path; nothing in the project itself has a
-switch for it. ``LORAFLOW_FAULT_AFTER_VERSION`` (default 0) keeps the worker healthy until the backend holds a
-newer version than that, so a test can let it contribute good groups first; ``LORAFLOW_FAULT_GATE``
+switch for it. ``LORAFLOW_FAULT_AFTER_VERSION`` N (default 0) keeps the worker healthy until the backend holds a
+newer version than N (``stale_lora_id``: for its first N adapter loads), so a test can let it contribute good
+groups first; ``LORAFLOW_FAULT_GATE``
 (:mod:`tests.integrity.gate`) holds it after its imports until the test lets it join.
 
 - ``base_model`` (hf): the engine serves the base model whatever version a request names (an adapter that was

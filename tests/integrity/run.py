@@ -1,11 +1,12 @@
 """A real run with one healthy worker and one faulty client, and the audit of what the policy check did.
 
-The run: a broker and a learner (CURVE on, keys from ``loraflow keys``), healthy hf worker ``good``, and
-``bad``: a real worker with an engine fault (:mod:`tests.integrity.faulty_worker`) or the raw cheating client
-(:mod:`tests.integrity.raw_client`). The audit (:func:`audit`) reads the learner's ledger (which worker each
-trained group came from), its ``policy_mismatch`` lines and the broker's stats, and answers what issue 14 asks:
-was the fault detected, within how many learner steps of the first affected group reaching the learner, how
-many affected groups were trained (must be 0), is ``bad`` quarantined, did the run go on with ``good``.
+The run: a broker and a learner (CURVE on, keys from ``loraflow keys``), healthy hf worker ``good``, and one
+or more faulty clients (``bad`` unless named otherwise): a real worker with an engine fault
+(:mod:`tests.integrity.faulty_worker`) or the raw cheating client (:mod:`tests.integrity.raw_client`). The audit
+(:func:`audit`) reads the learner's ledger (which worker each trained group came from), its ``policy_mismatch``
+lines and the broker's stats, and answers what issue 14 asks: was each fault detected, within how many learner
+steps of the first affected group reaching the learner, how many affected groups were trained (must be 0), is
+each faulty client quarantined, did the run go on with ``good``.
 """
 
 from __future__ import annotations
@@ -37,10 +38,10 @@ def make_keys(directory: Path) -> Path:
 
 @dataclass
 class IntegrityRun(System):
-    """:class:`tests.fault.system.System` with CURVE on, workers ``good`` and ``bad``."""
+    """:class:`tests.fault.system.System` with CURVE on, worker ``good`` and the faulty clients in :attr:`bad`."""
 
     keys: Path = Path()
-    bad: Proc | None = None
+    bad: dict[str, Proc] = field(default_factory=dict)  # worker id -> its process
     observer: Any = None
 
     def stats(self) -> dict[str, Any] | None:
@@ -56,19 +57,22 @@ class IntegrityRun(System):
                                                 "--endpoint", self.endpoint, "--worker-id", GOOD,
                                                 "--backend", backend)
 
-    def start_bad(self, fault: str, model_dir: Path, *, backend: str = "hf", after_version: int = 0,
-                  gate: Path | None = None) -> None:
-        """Start the faulty client; with ``gate`` it imports what it needs, then waits until that file exists
+    def start_bad(self, fault: str, model_dir: Path, *, worker_id: str = BAD, backend: str = "hf",
+                  after_version: int = 0, gate: Path | None = None) -> Proc:
+        """Start a faulty client; with ``gate`` it does its imports, then waits until that file exists
         (:mod:`tests.integrity.gate`)."""
         gated = {GATE_ENV: str(gate)} if gate is not None else {}
         if fault == "fabricated":
-            report = self.run_dir / "raw_client.json"
-            self.bad = self.procs.python(self._name(BAD), "tests.integrity.raw_client", self.endpoint,
-                                         str(model_dir), str(self.keys), BAD, str(report), env=child_env(**gated))
-            return
-        env = child_env(LORAFLOW_FAULT_AFTER_VERSION=str(after_version), **gated)
-        self.bad = self.procs.python(self._name(BAD), "tests.integrity.faulty_worker", fault, str(self.config),
-                                     "--endpoint", self.endpoint, "--worker-id", BAD, "--backend", backend, env=env)
+            report = self.run_dir / f"raw_client-{worker_id}.json"
+            proc = self.procs.python(self._name(worker_id), "tests.integrity.raw_client", self.endpoint,
+                                     str(model_dir), str(self.keys), worker_id, str(report), env=child_env(**gated))
+        else:
+            env = child_env(LORAFLOW_FAULT_AFTER_VERSION=str(after_version), **gated)
+            proc = self.procs.python(self._name(worker_id), "tests.integrity.faulty_worker", fault, str(self.config),
+                                     "--endpoint", self.endpoint, "--worker-id", worker_id, "--backend", backend,
+                                     env=env)
+        self.bad[worker_id] = proc
+        return proc
 
 
 def start_run(procs: Processes, tmp_path: Path, model_dir: Path, *, num_prompts: int, backend: str = "hf",
@@ -97,7 +101,7 @@ class Audit:
     trained_from: dict[str, int] = field(default_factory=dict)  # worker id -> groups trained (the ledger's)
     mismatches: list[dict[str, Any]] = field(default_factory=list)  # the learner's policy_mismatch lines
     first_mismatch_step: int | None = None
-    first_bad_step: int | None = None  # the first step whose batch held a group of the bad client
+    first_bad_step: int | None = None  # the first step whose batch held a group of a faulty client
     steps: int = 0
     checked_tokens: int = 0
     integrity_s: float = 0.0  # the check, summed over steps
@@ -124,8 +128,8 @@ class Audit:
                 f"check {self.integrity_s:.3f} s, compute {self.compute_s:.3f} s, {self.wall_s:.1f} s of steps")
 
 
-def audit(run_dir: Path, learner_log: Path) -> Audit:
-    """What the learner did about the bad client, from its ledger, metrics and log (JSON lines)."""
+def audit(run_dir: Path, learner_log: Path, bad_ids: frozenset[str] = frozenset({BAD})) -> Audit:
+    """What the learner did about the faulty clients ``bad_ids``, from its ledger, metrics and log (JSON lines)."""
     out = Audit()
     ledger = run_dir / "learner" / "ledger.jsonl"
     chain, _ = committed_chain(read_ledger(ledger)) if ledger.is_file() else ([], 0)
@@ -133,7 +137,7 @@ def audit(run_dir: Path, learner_log: Path) -> Audit:
     for step in chain:
         for worker in step.get("workers", {}).values():
             out.trained_from[worker] = out.trained_from.get(worker, 0) + 1
-            if worker == BAD and out.first_bad_step is None:
+            if worker in bad_ids and out.first_bad_step is None:
                 out.first_bad_step = step["step"]
     metrics = run_dir / "learner" / "metrics.jsonl"
     lines = read_json_lines(metrics) if metrics.is_file() else []
