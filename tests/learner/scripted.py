@@ -318,16 +318,20 @@ class Scorer:
         return token_logprobs(logits, torch.as_tensor(completion, dtype=torch.int64), temperature).numpy()
 
     def sample(self, rng: np.random.Generator, prompt: Any, length: int, temperature: float) -> np.ndarray:
-        """``length`` tokens sampled after ``prompt`` from softmax(logits / temperature)."""
+        """``length`` tokens sampled after ``prompt`` from softmax(logits / temperature), one token per forward
+        after the prompt's (the KV cache holds the rest)."""
         import torch
 
-        tokens = list(int(t) for t in prompt)
-        for _ in range(length):
-            with torch.no_grad():
-                logits = self.model(input_ids=torch.tensor([tokens])).logits[0, -1].double() / temperature
-            probs = torch.softmax(logits, -1).numpy()
-            tokens.append(int(rng.choice(len(probs), p=probs / probs.sum())))
-        return np.array(tokens[len(prompt):], dtype=np.int32)
+        completion: list[int] = []
+        with torch.no_grad():
+            out = self.model(input_ids=torch.as_tensor(prompt, dtype=torch.int64)[None], use_cache=True)
+            while True:
+                probs = torch.softmax(out.logits[0, -1].double() / temperature, -1).numpy()
+                completion.append(int(rng.choice(len(probs), p=probs / probs.sum())))
+                if len(completion) == length:
+                    return np.array(completion, dtype=np.int32)
+                out = self.model(input_ids=torch.tensor([[completion[-1]]]), past_key_values=out.past_key_values,
+                                 use_cache=True)
 
 
 @dataclass
