@@ -153,7 +153,7 @@ class Launch:
 
             seed = self.config.run.seed
             if not (demo_base_dir(seed, model.cache_dir or None) / "loraflow_model.json").is_file():
-                self.display.event(f"building the demo base model for seed {seed} (once, cached; about 2 min on "
+                self.display.event(f"building the demo base model for seed {seed} (once, cached; about 3-4 min on "
                                    "2 cores) ...")
                 built = time.monotonic()
                 path = ensure_demo_base(seed, model.cache_dir or None)
