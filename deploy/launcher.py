@@ -386,7 +386,7 @@ class Launch:
             shutil.copytree(path, final)
             summary.final_adapter, summary.final_version = str(final), version
         summary.wall_s = round(time.monotonic() - self.started_s, 1)
-        (self.run_dir / "summary.json").write_text(json.dumps(dataclasses.asdict(summary), indent=1) + "\n")
+        rundir.summary_path(self.run_dir).write_text(json.dumps(dataclasses.asdict(summary), indent=1) + "\n")
         try:
             from deploy.plots import plot_run
 

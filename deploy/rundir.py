@@ -64,6 +64,10 @@ def metrics_path(run_dir: str | os.PathLike) -> Path:
     return Path(run_dir) / "learner" / "metrics.jsonl"
 
 
+def summary_path(run_dir: str | os.PathLike) -> Path:
+    return Path(run_dir) / "summary.json"
+
+
 def evals_path(run_dir: str | os.PathLike) -> Path:
     return Path(run_dir) / "evals.jsonl"
 

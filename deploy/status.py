@@ -7,6 +7,10 @@ bound to port 0), else ``broker.endpoint``. One StatsRequest is sent without reg
 anyone; with ``security.enabled`` the ``security.client_key`` pair is used). :func:`render` turns the
 snapshot (see broker/snapshot.py for its keys) into text; it reads the snapshot defensively so a status
 command of one release can show a broker of another.
+
+No broker answering is exit 1; where the config's run directory holds the summary ``loraflow run`` writes at
+its end (:func:`ended_run`), the message says how that run ended, so ``loraflow status runs/<name>/config.toml``
+after a run tells the operator its outcome rather than only that nothing listens.
 """
 
 from __future__ import annotations
@@ -20,6 +24,7 @@ from typing import Any
 from common.cli import config_from_args, config_parser
 from common.config import Config
 from common.transport import BrokerUnavailable, fetch_stats
+from deploy import rundir
 
 
 def _bytes(n: float) -> str:
@@ -162,6 +167,33 @@ def render(snap: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
+def ended_run(run_dir: Path) -> str | None:
+    """How the last ``loraflow run`` in ``run_dir`` ended, from its summary.json; None without one (or an unreadable
+    one: a run being written is not an error of the status command)."""
+    path = rundir.summary_path(run_dir)
+    try:
+        summary = json.loads(path.read_text())
+        written = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(path.stat().st_mtime))
+    except (OSError, ValueError):
+        return None
+    if not isinstance(summary, dict):
+        return None
+
+    def accuracy(key: str) -> str:
+        value = summary.get(key)
+        return f"{100 * value:.1f}%" if isinstance(value, int | float) else "-"
+
+    lines = [f"the run in {run_dir} has ended ({path}, written {written}): {summary.get('stop_reason') or '?'}",
+             f"  steps {summary.get('steps', '-')}  final version v{summary.get('final_version', '-')}  "
+             f"base accuracy {accuracy('base_accuracy')}  final accuracy {accuracy('final_accuracy')}  "
+             f"wall {_duration(summary.get('wall_s') or 0)}  restarts {_pairs(summary.get('restarts') or {})}"]
+    if summary.get("final_adapter"):
+        lines.append(f"  final adapter {summary['final_adapter']}")
+    if summary.get("error"):
+        lines.append(f"  error {summary['error']}")
+    return "\n".join(lines)
+
+
 def resolve_endpoint(config: Config, flag_endpoint: str | None) -> str:
     if flag_endpoint:
         return flag_endpoint
@@ -195,6 +227,9 @@ def main(argv: list[str] | None = None) -> int:
                 ok = True
             except BrokerUnavailable as exc:
                 text, ok = f"loraflow status: {exc}", False
+                ended = ended_run(config.run_dir)
+                if ended:
+                    text += "\n" + ended
             if args.watch is None:
                 print(text, file=sys.stdout if ok else sys.stderr)
                 return 0 if ok else 1

@@ -3,11 +3,12 @@
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import pytest
 
 from common.protocol import BatchRequest, Heartbeat
-from deploy import status
+from deploy import rundir, status
 from tests.broker.harness import LEARNER, W1, W2, Harness
 from tests.support import Processes, start_broker
 
@@ -59,3 +60,27 @@ def test_status_command_once_and_json(procs: Processes, capsys: pytest.CaptureFi
     broker.proc.stop()
     assert status.main(["--endpoint", broker.endpoint, "--timeout", "0.3"]) == 1
     assert "no stats from the broker" in capsys.readouterr().err
+
+
+def test_with_no_broker_the_status_of_an_ended_run_says_how_it_ended(tmp_path: Path,
+                                                                   capsys: pytest.CaptureFixture) -> None:
+    """`loraflow status runs/<name>/config.toml` after the run: exit 1 (nothing listens), and the summary."""
+    run_dir = tmp_path / "run"
+    run_dir.mkdir()
+    endpoint = "tcp://127.0.0.1:9"  # nothing listens there
+    argv = ["--endpoint", endpoint, "--timeout", "0.2", "--set", f'run.run_dir="{run_dir}"']
+    assert status.main(argv) == 1
+    assert capsys.readouterr().err.strip().splitlines()[-1].startswith("loraflow status: no stats")  # no summary yet
+    rundir.summary_path(run_dir).write_text(json.dumps({
+        "stop_reason": "eval.target_accuracy (90%) reached: 94.0% at v30", "error": "", "base_accuracy": 0.29,
+        "final_accuracy": 0.885, "final_version": 35, "final_adapter": str(run_dir / "final_adapter"), "steps": 35,
+        "wall_s": 281.5, "restarts": {"worker-1": 1}}))
+    assert status.main(argv) == 1
+    err = capsys.readouterr().err
+    assert "no stats from the broker" in err
+    assert f"the run in {run_dir} has ended" in err and "eval.target_accuracy (90%) reached: 94.0% at v30" in err
+    assert "steps 35  final version v35  base accuracy 29.0%  final accuracy 88.5%  wall 4m41s" in err
+    assert "restarts worker-1 1" in err and f"final adapter {run_dir / 'final_adapter'}" in err
+    rundir.summary_path(run_dir).write_text("{ half written")  # a run writing it: the plain message, no traceback
+    assert status.main(argv) == 1
+    assert "has ended" not in capsys.readouterr().err
