@@ -179,14 +179,20 @@ def ended_run(run_dir: Path) -> str | None:
     if not isinstance(summary, dict):
         return None
 
-    def accuracy(key: str) -> str:
+    def number(key: str) -> float | None:  # a field of another release's summary may be missing or of a new type
         value = summary.get(key)
-        return f"{100 * value:.1f}%" if isinstance(value, int | float) else "-"
+        return value if isinstance(value, int | float) and not isinstance(value, bool) else None
 
+    def accuracy(key: str) -> str:
+        value = number(key)
+        return "-" if value is None else f"{100 * value:.1f}%"
+
+    restarts = summary.get("restarts")
     lines = [f"the run in {run_dir} has ended ({path}, written {written}): {summary.get('stop_reason') or '?'}",
              f"  steps {summary.get('steps', '-')}  final version v{summary.get('final_version', '-')}  "
              f"base accuracy {accuracy('base_accuracy')}  final accuracy {accuracy('final_accuracy')}  "
-             f"wall {_duration(summary.get('wall_s') or 0)}  restarts {_pairs(summary.get('restarts') or {})}"]
+             f"wall {_duration(number('wall_s') or 0)}  "
+             f"restarts {_pairs(restarts if isinstance(restarts, dict) else {})}"]
     if summary.get("final_adapter"):
         lines.append(f"  final adapter {summary['final_adapter']}")
     if summary.get("error"):

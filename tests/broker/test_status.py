@@ -81,6 +81,11 @@ def test_with_no_broker_the_status_of_an_ended_run_says_how_it_ended(tmp_path: P
     assert f"the run in {run_dir} has ended" in err and "eval.target_accuracy (90%) reached: 94.0% at v30" in err
     assert "steps 35  final version v35  base accuracy 29.0%  final accuracy 88.5%  wall 4m41s" in err
     assert "restarts worker-1 1" in err and f"final adapter {run_dir / 'final_adapter'}" in err
+    rundir.summary_path(run_dir).write_text(json.dumps({"stop_reason": "done", "wall_s": "long", "restarts": [1],
+                                                        "final_accuracy": True}))  # fields of unexpected types
+    assert status.main(argv) == 1
+    err = capsys.readouterr().err
+    assert "has ended" in err and "final accuracy -  wall 0s  restarts none" in err
     rundir.summary_path(run_dir).write_text("{ half written")  # a run writing it: the plain message, no traceback
     assert status.main(argv) == 1
     assert "has ended" not in capsys.readouterr().err

@@ -325,13 +325,13 @@ class Scorer:
         completion: list[int] = []
         with torch.no_grad():
             out = self.model(input_ids=torch.as_tensor(prompt, dtype=torch.int64)[None], use_cache=True)
-            while True:
+            for _ in range(length):
+                if completion:  # the previous token's forward, reading the cache
+                    out = self.model(input_ids=torch.tensor([[completion[-1]]]), past_key_values=out.past_key_values,
+                                     use_cache=True)
                 probs = torch.softmax(out.logits[0, -1].double() / temperature, -1).numpy()
                 completion.append(int(rng.choice(len(probs), p=probs / probs.sum())))
-                if len(completion) == length:
-                    return np.array(completion, dtype=np.int32)
-                out = self.model(input_ids=torch.tensor([[completion[-1]]]), past_key_values=out.past_key_values,
-                                 use_cache=True)
+        return np.array(completion, dtype=np.int32)
 
 
 @dataclass
