@@ -115,6 +115,8 @@ class WireDecoder:
             if "[...]`" in text:  # a map value is wrong: msgspec does not say under which key
                 text = text.replace("[...]`", f"{_failing_key(self.record_type, data, text)}`", 1)
             raise WireError(explain(self.name, text), framing="- at `$.tensors" in text) from None
+        except msgspec.DecodeError as exc:  # cut short after the unknown field the strict decode stopped at
+            raise WireError(f"header is not valid msgpack: {exc}", framing=True) from None
         except RecursionError:
             raise WireError(self._too_deep(data)) from None
         try:  # the known fields again, every check of the record applied (only unknown fields were wrong)
