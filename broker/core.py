@@ -164,7 +164,9 @@ class BrokerCore:
 
     def internal_error(self, identity: bytes, frames: list[Any]) -> None:
         """A handler's validation raised (a bug; nothing was applied): answer ``internal`` so the peer is not left
-        waiting."""
+        waiting; counted in ``messages_in`` if it failed before it was (every message is)."""
+        if not self.handled_kind:
+            self.stats.count("messages_in", KIND_NAMES.get(peek_kind(frames), "undecodable"))
         self._reject(identity, "internal", "the broker failed to handle this message (see its log)",
                      ref_kind=peek_kind(frames))
 
@@ -194,6 +196,7 @@ class BrokerCore:
         authentication bound to the sender's key (None without security): a client may act only in that role;
         ``authenticated_key`` names that key (``<role>:<name>``): a client id belongs to the key that registered
         it (:meth:`broker.peers.PeerRegistry.hello`). Raises :class:`HalfApplied` for a bug in an apply half."""
+        self.handled_kind = ""  # set where the message is counted in messages_in (internal_error reads it)
         peer = self.peers.get(identity)
         if peer is not None and (beat := self._beats.decode(frames, peer, authenticated_role)) is not None:
             self._num_changes += 1  # the common heartbeat, accepted as the path below would (broker.heartbeats)

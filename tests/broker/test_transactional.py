@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import threading
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 import zmq
@@ -85,8 +86,19 @@ def test_the_loop_answers_internal_for_a_validation_bug_and_ends_on_an_apply_bug
         error = _reply(sock, Kind.ERROR)
         assert isinstance(error, Error) and error.code == "internal"
         sock.send_multipart(protocol.encode(StatsRequest()))
-        assert _reply(sock, Kind.STATS).snapshot["prompts"]["leased"] == 1  # served on, nothing changed
+        stats = _reply(sock, Kind.STATS).snapshot
+        assert stats["prompts"]["leased"] == 1  # served on, nothing changed
         monkeypatch.undo()
+
+        # a bug before the message is counted (the broker's own protocol module; the test's decode stays real)
+        monkeypatch.setattr(core_module, "protocol", SimpleNamespace(**{**vars(protocol), "decode_envelope": _boom}))
+        sock.send_multipart(protocol.encode(LeaseRequest(max_leases=1, adapter_version=0)))
+        assert _reply(sock, Kind.ERROR).code == "internal"
+        monkeypatch.undo()
+        sock.send_multipart(protocol.encode(StatsRequest()))
+        after = _reply(sock, Kind.STATS).snapshot
+        assert after["messages_in"]["lease_request"] == stats["messages_in"]["lease_request"] + 1  # still counted
+        assert after["rejected"]["internal"] == stats["rejected"]["internal"] + 1
 
         monkeypatch.setattr(core.ledger, "accept", _boom)
         sock.send_multipart(protocol.encode(record, tensors))
