@@ -3,7 +3,8 @@ suite's parallel run (pytest-xdist, ``make test``) splits it.
 
 Under ``--dist loadscope`` each work unit runs in one xdist worker, its tests in order: a module (its module
 fixtures are built once), or a whole directory whose tests hold something of the machine (:data:`MACHINE_WIDE_DIRS`):
-the one-node Slurm cluster (fixed ports, one per machine) and the network namespaces of the multi-host bed.
+the one-node Slurm cluster (fixed ports, one per machine) and the network namespaces of the multi-host bed; the
+modules sharing the session's vLLM engine form one unit too (:data:`SESSION_ENGINE_MODULES`).
 (xdist's ``loadgroup`` marks would say the same per test, but xdist 3.8 writes the group into a node id field
 pytest 9 no longer reads, so the unit is chosen here, from the node id.)
 
@@ -29,13 +30,22 @@ from tests.support import Processes
 
 #: test directories (under tests/) whose tests share a machine-wide resource: one work unit each
 MACHINE_WIDE_DIRS = ("slurm", "net")
+#: the modules that use tests/worker/conftest.py's session vLLM engine (``vllm_session_backend``, also through the
+#: ``backend`` fixture): one work unit, so the engine (~30 s to start on 2 cores) starts once, not in each worker
+SESSION_ENGINE_UNIT = "tests/worker (session vLLM engine)"
+SESSION_ENGINE_MODULES = frozenset(f"tests/worker/{name}.py" for name in (
+    "test_backends", "test_served_evidence", "test_vllm_stream", "test_gateway_stream", "test_gateway",
+    "test_vllm_lora_cpu"))
 #: {work unit: seconds (setup + call + teardown of its tests)} from a recorded run; the scheduling order
 UNIT_SECONDS_FILE = Path(__file__).parent / "unit_seconds.json"
 
 
 def work_unit(nodeid: str) -> str:
-    """The unit a test runs in under xdist: its machine-wide directory, else its module."""
+    """The unit a test runs in under xdist: its machine-wide directory, the session engine's unit, else its
+    module."""
     module = nodeid.split("::", 1)[0]
+    if module in SESSION_ENGINE_MODULES:
+        return SESSION_ENGINE_UNIT
     parts = module.split("/")
     if len(parts) > 2 and parts[0] == "tests" and parts[1] in MACHINE_WIDE_DIRS:
         return "/".join(parts[:2])

@@ -5,6 +5,8 @@
 2. Synchronous mode, one epoch, a worker and then the learner killed (SIGKILL) mid-run: the launcher restarts
    both (the learner resumes from its checkpoint), the run completes by itself, every trained group was
    on-policy (staleness 0), and no leased prompt was lost or trained twice.
+3. Ctrl-C of a run with CURVE on (its progress line fed by the broker over CURVE): every process exits cleanly
+   and the newest adapter is kept.
 """
 
 from __future__ import annotations
@@ -74,11 +76,18 @@ def test_short_demo(procs: Processes, tmp_path: Path, quick_base_dir: Path) -> N
     assert lora_b and any(torch.count_nonzero(p) for p in lora_b)  # trained, not the zero initialisation
 
 
-def test_ctrl_c_stops_every_process_cleanly_and_keeps_the_newest_adapter(procs: Processes, tmp_path: Path,
-                                                                         quick_base_dir: Path) -> None:
+def test_a_secured_run_stops_every_process_cleanly_on_ctrl_c_and_keeps_the_newest_adapter(
+        procs: Processes, tmp_path: Path, quick_base_dir: Path) -> None:
+    """With security.enabled every child connects with its role's CURVE key (made by `loraflow keys`); SIGINT to
+    the launcher mid-run stops every process with SIGTERM (clean exits) and the newest adapter is kept."""
+    keys = tmp_path / "keys"
+    subprocess.run([sys.executable, "-m", "deploy.cli", "keys", str(keys)], check=True, capture_output=True,
+                   env=child_env())
     run_dir = tmp_path / "run"
-    launcher = start_run(procs, run_dir, quick_base_dir, "--num-steps", "0")
+    launcher = start_run(procs, run_dir, quick_base_dir, "--num-steps", "0",
+                         "--set", "security.enabled=true", "--set", f"security.keys_dir=\"{keys}\"")
     wait_for(lambda: len(rundir.read_jsonl(rundir.metrics_path(run_dir))) >= 3, RUN_TIMEOUT_S, "three steps", procs)
+    wait_for(lambda: "workers 2" in launcher.log(), 30, "the progress line", procs)  # broker stats over CURVE
     launcher.signal(signal.SIGINT)
     wait_for(lambda: not launcher.alive(), 120, "the launcher to stop", procs)
     assert launcher.popen.returncode == 130, launcher.log()
@@ -86,26 +95,14 @@ def test_ctrl_c_stops_every_process_cleanly_and_keeps_the_newest_adapter(procs: 
     assert "SIGINT: stopping every process cleanly" in out and "final accuracy: " in out
     exits = {e["process"]: e["code"] for e in rundir.read_jsonl(rundir.processes_path(run_dir)) if e["event"] == "exit"}
     assert exits == {"broker": 0, "learner": 0, "worker-1": 0, "worker-2": 0}  # SIGTERM, clean exits, no kills
+    steps = [s["step"] for s in rundir.read_jsonl(rundir.metrics_path(run_dir))]
+    assert steps == list(range(1, len(steps) + 1)), steps
     summary = json.loads((run_dir / "summary.json").read_text())
     assert summary["stop_reason"] == "interrupted"
     newest_version, _ = rundir.newest_adapter(run_dir)
     published = max(s["version"] for s in rundir.read_jsonl(rundir.metrics_path(run_dir)))
     assert summary["final_version"] == newest_version >= published  # the learner wrote its newest version
     assert (run_dir / "final_adapter" / "adapter_model.safetensors").is_file()
-
-
-def test_a_secured_run(procs: Processes, tmp_path: Path, quick_base_dir: Path) -> None:
-    """With security.enabled every child connects with its role's CURVE key (made by `loraflow keys`)."""
-    keys = tmp_path / "keys"
-    subprocess.run([sys.executable, "-m", "deploy.cli", "keys", str(keys)], check=True, capture_output=True,
-                   env=child_env())
-    run_dir = tmp_path / "run"
-    launcher = start_run(procs, run_dir, quick_base_dir, "--num-steps", "3", "--workers", "1",
-                         "--set", "security.enabled=true", "--set", f"security.keys_dir=\"{keys}\"")
-    out = finish(procs, launcher)
-    assert "run.num_steps (3) reached" in out and "final accuracy: " in out
-    assert "workers 1" in out  # the progress display got the broker's stats over CURVE too
-    assert [s["step"] for s in rundir.read_jsonl(rundir.metrics_path(run_dir))] == [1, 2, 3]
 
 
 @pytest.mark.slow
