@@ -78,6 +78,10 @@ def check_depth(value: Any, max_depth: int = MAX_DEPTH) -> str | None:
     return None
 
 
+def _not_msgpack(exc: msgspec.DecodeError) -> WireError:
+    return WireError(f"header is not valid msgpack: {exc}", framing=True)
+
+
 class WireDecoder:
     """Decodes one message kind's header: ``decode(data) -> (record, had_unknown_fields)``; raises WireError."""
 
@@ -94,7 +98,7 @@ class WireDecoder:
         except msgspec.ValidationError:
             record, unknown = self._decode_lenient(data), True
         except msgspec.DecodeError as exc:
-            raise WireError(f"header is not valid msgpack: {exc}", framing=True) from None
+            raise _not_msgpack(exc) from None
         except RecursionError:
             raise WireError(self._too_deep(data)) from None
         if self._free_form is not None:
@@ -116,7 +120,7 @@ class WireDecoder:
                 text = text.replace("[...]`", f"{_failing_key(self.record_type, data, text)}`", 1)
             raise WireError(explain(self.name, text), framing="- at `$.tensors" in text) from None
         except msgspec.DecodeError as exc:  # cut short after the unknown field the strict decode stopped at
-            raise WireError(f"header is not valid msgpack: {exc}", framing=True) from None
+            raise _not_msgpack(exc) from None
         except RecursionError:
             raise WireError(self._too_deep(data)) from None
         try:  # the known fields again, every check of the record applied (only unknown fields were wrong)
