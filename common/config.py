@@ -124,6 +124,11 @@ class WorkerConfig:
                                doc="what a new adapter does to a generation in progress")
     max_aborts: int = rule(2, ge=0, doc="abort policy: restarts of one sample at most, then it continues under "
                            "the newest adapter (so it finishes even when adapters arrive faster than it takes)")
+    finish_within_tokens: int = rule(0, ge=0, le=1 << 20, unit="tokens",
+                                     doc="continue and abort policies: a turn with at most this many tokens left "
+                                     "of its budget when a new adapter arrives finishes under its version instead "
+                                     "of re-reading its prefix under the new one (those tokens one version "
+                                     "staler); 0 = never")
     env: str = rule("", doc="environment: empty = the run's task, or package.module:Name")
     reward: str = rule("", doc="reward function replacing the environment's score: package.module:function, "
                        "TRL-style (batched) or loraflow's per-sample signature (see rollout_worker.rewards)")

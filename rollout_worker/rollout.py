@@ -37,6 +37,13 @@ prefixes first, the others once the new version's first token is out, so the ste
   continues at later swaps instead (counter ``abort_limit_reached``): when adapters arrive faster than a sample completes,
   aborting forever would never finish it.
 
+Under ``continue`` and ``abort``, a turn with at most ``worker.finish_within_tokens`` tokens left of its budget
+(:meth:`_budget`) when the new version arrives finishes under the version of its last token instead, while the
+backend still holds it (counter ``kept_near_turn_end``: streamed requests per swap, chunks otherwise): re-reading a long prefix to make a few more tokens is
+the most expensive part of a swap (every token of the prefix for those few), and those few tokens are one version
+staler, which the staleness rule and the learner's per-token mask already account for. The next turn of a
+multi-turn sample starts under the newest version.
+
 A group's ``min_version`` is the oldest version of any of its tokens, ``max_version`` the newest: the staleness
 rule keeps a group while its newest token is within ``max_staleness`` and the learner masks the older tokens
 (:mod:`common.versions`), so a long ``continue`` sample is not dropped for having started early.
@@ -185,6 +192,7 @@ class Rollouts:
         self._streams: dict[str, tuple[GroupRollout, Sample]] = {}  # request id in the engine -> its sample
         self._num_requests = 0  # request ids handed out (each is used once)
         self._swap_first: set[str] = set()  # requests submitted first after a swap, none has a token yet
+        self._kept_for = 0  # the newest version whose swap kept_near_turn_end has counted
 
     @property
     def current_version(self) -> int:
@@ -232,8 +240,9 @@ class Rollouts:
         """Versions the backend must keep: those of requests in the engine, and those pinned by samples under way
         (``finish`` policy)."""
         streaming = {s.request_version for _, s in self._streams.values()}
-        if self.config.partial_policy != "finish":
-            return streaming
+        if self.config.partial_policy != "finish":  # and a turn near its end between two chunks
+            return streaming | {s.versions[-1] for g in self.groups.values() for s in g.samples
+                                if s.status == READY and self._near_turn_end(g, s)}
         return streaming | {s.version for g in self.groups.values() for s in g.samples
                             if s.status != DONE and s.version is not None}
 
@@ -291,6 +300,10 @@ class Rollouts:
                 self._end_turn(group, sample, end)
         self.metrics.inc("tokens_generated", num_tokens)
 
+    def _near_turn_end(self, group: GroupRollout, sample: Sample) -> bool:
+        """A turn under way with at most worker.finish_within_tokens tokens left (it keeps its version)."""
+        return sample.turn_tokens > 0 and 0 < self._budget(group, sample) <= self.config.finish_within_tokens
+
     def _budget(self, group: GroupRollout, sample: Sample) -> int:
         """Tokens the sample's turn may still generate (worker.max_new_tokens, the context)."""
         room = self.max_seq_len - len(group.prompt_ids) - len(sample.completion_ids)
@@ -321,8 +334,21 @@ class Rollouts:
         """Move samples whose version the partial policy changes, submit every ready sample's turn whole, and
         take one engine step's tokens (see the module docstring)."""
         newest = self.current_version
-        moved = [(g, s) for g, s in self._streams.values() if s.request_version != newest
-                 and (self.config.partial_policy != "finish" or not self.backend.has_version(s.request_version))]
+        moved, kept = [], 0
+        for g, s in self._streams.values():
+            if s.request_version == newest:
+                continue
+            if not self.backend.has_version(s.request_version):
+                moved.append((g, s))
+            elif self.config.partial_policy == "finish":
+                continue
+            elif self._near_turn_end(g, s):
+                kept += 1
+            else:
+                moved.append((g, s))
+        if kept and self._kept_for != newest:  # counted once per sample and swap, not at every step after it
+            self._kept_for = newest
+            self.metrics.inc("kept_near_turn_end", kept)
         if moved:  # aborted at their current tokens; resubmitted below under the version _version_for picks
             self.metrics.inc("requests_moved", len(moved))
             # the tokens the new version re-reads (prefill) before its first token of each moved sample
@@ -400,6 +426,10 @@ class Rollouts:
         if sample.version is None or sample.version == newest:
             return newest
         policy = self.config.partial_policy
+        if policy != "finish" and self._near_turn_end(group, sample) and self.backend.has_version(sample.versions[-1]):
+            if sample.versions[-1] != newest:
+                self.metrics.inc("kept_near_turn_end")
+            return sample.versions[-1]
         if policy == "finish":
             if self.backend.has_version(sample.version):
                 return sample.version

@@ -244,6 +244,29 @@ def test_finish_keeps_the_old_version_to_the_end() -> None:
     assert rollouts.versions_in_use() == set()
 
 
+@pytest.mark.parametrize(("policy", "finish_within", "versions"), [
+    ("continue", 8, [0] * 11),            # 8 tokens left of 12 after the first chunk: the turn ends under v0
+    ("continue", 7, [0] * 4 + [1] * 7),   # 8 left > 7: the prefix is re-read under v1
+    ("abort", 8, [0] * 11),               # kept, not restarted
+])
+def test_a_turn_near_its_end_finishes_under_its_version(policy: str, finish_within: int,
+                                                        versions: list[int]) -> None:
+    backend = ScriptedBackend(lambda i, t: ("a" * 10, True))
+    rollouts = make_rollouts(backend, partial_policy=policy, max_new_tokens=12, finish_within_tokens=finish_within)
+    rollouts.add(lease("0:0", group_size=2))
+    assert rollouts.step() == []
+    serve_version(backend, 1)
+    rollouts.add(lease("0:1", group_size=1))
+    kept = versions[-1] == 0
+    assert rollouts.versions_in_use() == ({0} if kept else set())  # the backend must keep v0 for them
+    first, second = sorted(run_to_end(rollouts), key=lambda f: f.group.group_id)
+    assert [s["versions"] for s in samples(first)] == [versions] * 2
+    assert samples(first)[0]["completion_ids"] == list(b"a" * 10) + [EOS]
+    assert samples(second)[0]["versions"] == [1] * 11  # a new turn starts under the newest version
+    assert rollouts.metrics.counter("kept_near_turn_end") == (4 if kept else 0)  # 2 samples x 2 chunks
+    assert rollouts.metrics.counter("samples_aborted") == 0 and rollouts.versions_in_use() == set()
+
+
 def test_abort_gives_up_after_max_aborts_so_a_sample_always_finishes() -> None:
     backend = ScriptedBackend(lambda i, t: ("a" * 10, True))
     rollouts = make_rollouts(backend, partial_policy="abort", max_aborts=2)
