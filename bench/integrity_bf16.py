@@ -2,6 +2,7 @@
 fp32 learner's re-scoring of the same tokens, next to the tolerance :func:`common.integrity.tolerance` applies.
 
     .venv/bin/python bench/integrity_bf16.py [--model builtin:demo] [--prompts 256] [--samples 4] [--no-vllm]
+                                             [--device cuda]
 
 Each engine generates ``--samples`` completions of each of ``--prompts`` arith prompts (the demo's task and
 settings: ``worker.temperature``, ``worker.top_p``, ``worker.max_new_tokens``) under two policies, the base (v0)
@@ -139,7 +140,7 @@ def run_engine(engine: str, dtype: str, model_dir: Path, adapter_dir: Path, prom
     if engine == "hf":
         from rollout_worker.backends.hf import HfBackend
 
-        backend = HfBackend(model_dir, sampling=sampling, device="cpu", dtype=dtype, seed=args.seed)
+        backend = HfBackend(model_dir, sampling=sampling, device=args.device, dtype=dtype, seed=args.seed)
     else:
         from rollout_worker.backends.vllm import VllmBackend
 
@@ -164,6 +165,8 @@ def main() -> None:
     parser.add_argument("--max-new-tokens", type=int, default=0, help="0: worker.max_new_tokens")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--no-vllm", action="store_true")
+    parser.add_argument("--device", default="cpu", help="where the hf engines run (cuda: GPU kernels' bf16 rounding; "
+                        "the fp32 reference stays on the CPU)")
     args = parser.parse_args()
 
     import torch
@@ -196,7 +199,7 @@ def main() -> None:
             engines.append(("vllm", "bfloat16", low))
         except ImportError:
             print("vllm is not installed: the vLLM engine is skipped")
-    print(f"model {model_dir}  task {config.run.task}  {args.prompts} prompts x {args.samples} samples x 2 "
+    print(f"model {model_dir}  hf engines on {args.device}  task {config.run.task}  {args.prompts} prompts x {args.samples} samples x 2 "
           f"policies  temperature {worker.temperature}  top_p {worker.top_p}  max_new_tokens {args.max_new_tokens}")
     print(f"tolerance (common.integrity.tolerance): fp32 engine {fp32} nats, bf16 engine {low} nats; "
           f"max_off_fraction {integrity.max_off_fraction}")
@@ -225,7 +228,7 @@ def main() -> None:
            mean=headline["mean"], p99=headline["p99"], token_off_share=headline["token_off_share"],
            sample_fail_share=headline["sample_fail_share"],
            base_posing_caught_share=headline["base_posing_caught_share"], max_off_fraction=integrity.max_off_fraction,
-           engines=results, prompts=args.prompts, samples=args.samples, load=os.getloadavg()[0])
+           engines=results, hf_device=args.device, prompts=args.prompts, samples=args.samples, load=os.getloadavg()[0])
 
 
 if __name__ == "__main__":

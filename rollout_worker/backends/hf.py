@@ -64,6 +64,23 @@ def resolve_device(device: str) -> torch.device:
     return torch.device(device)
 
 
+def moved(tensors: Sequence[torch.Tensor], device: torch.device) -> list[torch.Tensor]:
+    """``tensors`` on ``device`` through one flat copy per dtype (the same tensors where they are there already).
+    Every copy between the host and a GPU waits for that GPU; one per tensor made a 1.5B model's adapter load
+    (392 tensors) take 1.4-5 s on an H200 shared with two more workers and the learner."""
+    if all(t.device == device for t in tensors):
+        return list(tensors)
+    out: list[torch.Tensor] = list(tensors)
+    by_dtype: dict[torch.dtype, list[int]] = {}
+    for i, t in enumerate(tensors):
+        by_dtype.setdefault(t.dtype, []).append(i)
+    for indices in by_dtype.values():
+        flat = torch.cat([tensors[i].reshape(-1) for i in indices]).to(device)
+        for i, piece in zip(indices, flat.split([tensors[i].numel() for i in indices]), strict=True):
+            out[i] = piece.view(tensors[i].shape)
+    return out
+
+
 class HfBackend(TokenizerMixin, Backend):
     name = "hf"
 
@@ -128,18 +145,19 @@ class HfBackend(TokenizerMixin, Backend):
             raise ValueError(f"adapter v{adapter.version} does not fit the model: unexpected tensors "
                              f"{unexpected[:3]}, missing {missing[:3]} (PEFT names of the same base model?), "
                              "or other shapes")
+        names = list(state)
         with torch.no_grad():
-            for name, tensor in state.items():
+            for name, tensor in zip(names, moved([state[n] for n in names], self.device), strict=True):
                 params[name].copy_(tensor)  # into the slot's existing LoRA parameters
+            held = dict(zip(names, moved([params[n] for n in names], torch.device("cpu")), strict=True))
         self._slot_of[adapter.version] = slot
         order = tensor_order(adapter.path / WEIGHTS_FILE)
         # what the slot holds, in the file's dtype; a slot narrower than the file (a bf16 engine, an fp32 adapter)
         # rounds on the copy, and then holding the file's weights means holding them as the engine's dtype rounds
-        held_as_loaded = all(torch.equal(params[name], state[name].to(params[name].device, params[name].dtype))
-                             for name in state)
-        source = state if held_as_loaded else params
-        held = frames_sha256([_tensor_bytes(source[t.name], t.dtype) for t in order])
-        loaded = ServedAdapter(version=adapter.version, adapter=slot, lora_id=self.new_lora_id(), sha256=held,
+        held_as_loaded = all(torch.equal(held[n], state[n].to(held[n].dtype)) for n in names)
+        source = state if held_as_loaded else held
+        loaded = ServedAdapter(version=adapter.version, adapter=slot, lora_id=self.new_lora_id(),
+                               sha256=frames_sha256([_tensor_bytes(source[t.name], t.dtype) for t in order]),
                                dtype=self.engine_dtype)
         self._slot_loads[slot] = loaded
         log.debug("adapter_loaded", version=adapter.version, slot=slot, lora_id=loaded.lora_id)

@@ -193,3 +193,19 @@ def test_a_bf16_hf_engine_holding_an_fp32_adapter_reports_the_published_checksum
     engine.add_adapter(receive(store, adapters[0]))
     served = engine.served(1)
     assert served.sha256 == adapters[0].update.sha256 and served.dtype == "bfloat16", served
+
+
+def test_hf_moves_an_adapters_tensors_in_one_copy_per_dtype() -> None:
+    """(hf) ``moved``: tensors already on the device come back as they are; others are cut from one flat copy per
+    dtype, each with its own shape and dtype (the meta device stands in for a GPU here; the values are checked on a
+    GPU by bench/gpu_smoke.sh, whose groups are trained only if each load's checksum equals the published one)."""
+    import torch
+
+    from rollout_worker.backends.hf import moved
+
+    tensors = [torch.ones(4, 2), torch.zeros(3, dtype=torch.bfloat16), torch.full((2, 2, 2), 3.0),
+               torch.ones(0, 5), torch.ones(1, dtype=torch.bfloat16)]
+    same = moved(tensors, torch.device("cpu"))
+    assert all(a is b for a, b in zip(same, tensors, strict=True))
+    out = moved(tensors, torch.device("meta"))
+    assert [(t.device.type, t.shape, t.dtype) for t in out] == [("meta", t.shape, t.dtype) for t in tensors]
