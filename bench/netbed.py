@@ -158,6 +158,27 @@ class Network:
         for ns, dev in ((self.ns(host), "eth0"), (self.switch, self.port(host))):
             _sh("ip", "netns", "exec", ns, "tc", "qdisc", "del", "dev", dev, "root", check=False)
 
+    def transfer_s(self, src: str, dst: str, num_bytes: int, port: int = 6999, timeout_s: float = 30.0) -> float:
+        """Seconds to move ``num_bytes`` over TCP from ``src`` to ``dst`` (a listener on ``dst``, a sender on
+        ``src``, each in its host's namespace): what the link itself carries now, apart from any loraflow
+        message. The sender times connect -> the listener's one-byte answer after it read every byte."""
+        listener = ("import socket,sys\ns=socket.create_server((sys.argv[1],int(sys.argv[2])))\nprint('up',flush=True)\n"
+                    "c,_=s.accept()\nn=0\nwhile n<int(sys.argv[3]):\n b=c.recv(1<<16)\n if not b: break\n n+=len(b)\n"
+                    "c.sendall(b'k')\n")
+        sender = ("import socket,sys,time\nt=time.monotonic()\nc=socket.create_connection((sys.argv[1],int(sys.argv[2])))\n"
+                  "c.sendall(bytes(int(sys.argv[3])))\nc.recv(1)\nprint(time.monotonic()-t)\n")
+        args = [self.address(dst), str(port), str(num_bytes)]
+        server = subprocess.Popen(["ip", "netns", "exec", self.ns(dst), sys.executable, "-c", listener, *args],
+                                  stdout=subprocess.PIPE, text=True)
+        try:
+            assert server.stdout is not None and server.stdout.readline().strip() == "up", "the listener did not start"
+            done = subprocess.run(["ip", "netns", "exec", self.ns(src), sys.executable, "-c", sender, *args],
+                                  capture_output=True, text=True, timeout=timeout_s, check=True)
+            return float(done.stdout)
+        finally:
+            server.kill()
+            server.wait()
+
     def destroy(self) -> None:
         """Every process in the namespaces killed, then namespaces (with their veths and bridge) and hosts files."""
         for ns in self.made:
@@ -614,9 +635,14 @@ def learner_node_killed(c: Cluster, node: str = "learner-1", restart_after_s: fl
             "regenerated": c.regenerated(t_kill, step)}
 
 
+PROBE_BYTES = 96 * 1024  # bandwidth_limited's link probe: ~0.7 s at 1 mbit, a few ms unlimited
+
+
 def bandwidth_limited(c: Cluster, w: str = "w3", rate: str = "1mbit", hold_s: float = 10.0) -> dict[str, Any]:
     """A token bucket of ``rate`` on one worker's link (both ways) for ``hold_s``: it keeps submitting, slower;
-    the run goes on."""
+    the run goes on. ``link_probe_s`` times a TCP transfer of ``PROBE_BYTES`` from the worker's host to the
+    broker's with the limit on and off: whether the link was limited, told apart from the groups' own figures
+    (a sim group is smaller than the bucket's burst, so its ack time alone need not grow)."""
     _settle(c, "bandwidth limit")
     before = {r: c.roles[r].pid for r in c.roles}
     t0 = time.time()
@@ -625,9 +651,11 @@ def bandwidth_limited(c: Cluster, w: str = "w3", rate: str = "1mbit", hold_s: fl
     c.net.limit(w, rate)
     try:
         time.sleep(hold_s)
+        t_free = time.time()  # the windows end here: the probes below do not share the link with them
+        probe_s = {"limited": c.net.transfer_s(w, "broker", PROBE_BYTES)}
     finally:
         c.net.unlimit(w)
-    t_free = time.time()
+    probe_s["normal"] = c.net.transfer_s(w, "broker", PROBE_BYTES)
     normal, limited = _accepted(c, w, t0, t_limit), _accepted(c, w, t_limit, t_free)
     assert limited, f"no group of {w} accepted in {hold_s} s at {rate}"
     _same_processes(c, list(before), before, "bandwidth limit")
@@ -636,6 +664,7 @@ def bandwidth_limited(c: Cluster, w: str = "w3", rate: str = "1mbit", hold_s: fl
             "groups_per_s": {"normal": round(len(normal) / (t_limit - t0), 2),
                              "limited": round(len(limited) / (t_free - t_limit), 2)},
             "median_ack_rtt_ms": {"normal": _median_rtt(normal), "limited": _median_rtt(limited)},
+            "link_probe_s": {k: round(v, 3) for k, v in probe_s.items()}, "probe_bytes": PROBE_BYTES,
             "run_groups_per_s": {"normal": round(c.rate(t0, t_limit), 2), "limited": round(c.rate(t_limit, t_free), 2)},
             "regenerated": c.regenerated(t_limit, t_free)}
 
