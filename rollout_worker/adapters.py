@@ -10,8 +10,8 @@ bytes): no torch import and no tensor conversion, so bf16 stays bit-exact and a 
 What an engine loaded is checked against the same checksum: :func:`tensors_sha256` reads a safetensors file's
 tensor bytes in data-offset order (the order :func:`write_safetensors` writes the published tensors in), so the
 sha256 of the file a backend loads equals ``AdapterUpdate.sha256`` exactly when the file still holds the
-published tensors (the evidence of :mod:`common.integrity`); :func:`tensor_order` gives that order to a backend
-that hashes the weights it holds instead.
+published tensors (the evidence of :mod:`common.integrity`); :func:`read_tensors` gives a backend that order, each
+tensor's shape and the data section as one buffer, so it can move an adapter in one copy and hash what it holds.
 
 Each directory is written under a temporary name and renamed into place, so a reader never sees half an adapter.
 The directory belongs to one worker process: what an earlier process left there is removed when the store
@@ -87,29 +87,18 @@ def write_safetensors(path: Path, specs: Sequence[TensorSpec], frames: Sequence[
 
 @dataclass(frozen=True, slots=True, kw_only=True)
 class StoredTensor:
-    """One tensor of a safetensors file: its name, wire dtype and byte range in the data section."""
+    """One tensor of a safetensors file: its name, wire dtype, shape and byte range in the data section."""
 
     name: str
     dtype: str
+    shape: tuple[int, ...]
     start: int
     end: int
 
 
-def tensor_order(path: Path) -> list[StoredTensor]:
-    """The tensors of a safetensors file in data-offset order (= the published order); raises ValueError for a
-    file that is not one."""
-    return _read_index(path, read_data=False)[0]
-
-
-def tensors_sha256(path: Path) -> str:
-    """sha256 of a safetensors file's tensor bytes in data-offset order, computed as ``AdapterUpdate.sha256``
-    (:func:`common.framing.frames_sha256`); raises ValueError for a truncated or malformed file."""
-    tensors, data = _read_index(path, read_data=True)
-    view = memoryview(data)
-    return frames_sha256([view[t.start:t.end] for t in tensors])
-
-
-def _read_index(path: Path, *, read_data: bool) -> tuple[list[StoredTensor], bytes]:
+def read_tensors(path: Path) -> tuple[list[StoredTensor], bytearray]:
+    """The tensors of a safetensors file in data-offset order (= the published order) and its data section (a
+    writable buffer, so ``torch.frombuffer`` can alias it); raises ValueError for a truncated or malformed file."""
     wire = {tag: name for name, tag in SAFETENSORS_DTYPES.items()}
     with open(path, "rb") as f:
         prefix = f.read(8)
@@ -119,18 +108,28 @@ def _read_index(path: Path, *, read_data: bool) -> tuple[list[StoredTensor], byt
         raw = f.read(header_len) if header_len <= 100_000_000 else b""
         if len(raw) != header_len:
             raise ValueError(f"{path}: the safetensors header is cut short")
-        data = f.read() if read_data else b""
+        data = bytearray(max(0, os.fstat(f.fileno()).st_size - 8 - header_len))
+        del data[f.readinto(data):]  # in place: a file cut short while read
     try:
         header = json.loads(raw)
         tensors = sorted((StoredTensor(name=name, dtype=wire.get(entry["dtype"], entry["dtype"]),
+                                       shape=tuple(int(n) for n in entry["shape"]),
                                        start=int(entry["data_offsets"][0]), end=int(entry["data_offsets"][1]))
                           for name, entry in header.items() if name != "__metadata__"), key=lambda t: t.start)
     except (ValueError, KeyError, TypeError, IndexError) as exc:
         raise ValueError(f"{path}: malformed safetensors header ({exc})") from exc
-    if read_data and tensors and tensors[-1].end > len(data):
+    if tensors and tensors[-1].end > len(data):
         raise ValueError(f"{path}: truncated: the header names {tensors[-1].end} tensor bytes, the file holds "
                          f"{len(data)}")
     return tensors, data
+
+
+def tensors_sha256(path: Path) -> str:
+    """sha256 of a safetensors file's tensor bytes in data-offset order, computed as ``AdapterUpdate.sha256``
+    (:func:`common.framing.frames_sha256`); raises ValueError for a truncated or malformed file."""
+    tensors, data = read_tensors(path)
+    view = memoryview(data)
+    return frames_sha256([view[t.start:t.end] for t in tensors])
 
 
 class AdapterStore:

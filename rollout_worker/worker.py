@@ -213,7 +213,7 @@ class Worker:
             return
         served = self.backend.served(adapter.version)
         log.info("adapter_loaded", version=adapter.version, load_ms=round((time.monotonic() - started) * 1000, 1),
-                 num_bytes=adapter.num_bytes, lora_id=served.lora_id)
+                 num_bytes=adapter.num_bytes, lora_id=served.lora_id, phases_ms=self.backend.load_phases_ms or None)
         if served.sha256 != adapter.sha256:  # the learner refuses its groups (adapter_sha256): say why here too
             self.metrics.inc("adapters_served_mismatch")
             log.warning("adapter_served_mismatch", version=adapter.version, published=adapter.sha256[:12],

@@ -112,6 +112,7 @@ class Backend(abc.ABC):
         self._loaded: dict[int, ServedAdapter] = {}  # resident version -> what the engine loaded for it
         self._disputed: dict[int, ServedAdapter] = {}  # version -> the first engine report that disagreed
         self._lora_ids = itertools.count(1)
+        self.load_phases_ms: dict[str, float] = {}  # where the last load's time went, by phase (empty: not said)
         self._streams: dict[str, tuple[GenRequest, bool]] = {}  # request id -> (request, greedy) while streaming
 
     # -- tokens ------------------------------------------------------------------------------------------------

@@ -5,7 +5,9 @@ existing modules); every version then lives in a named peft adapter *slot*. A ne
 into the LoRA parameters of a free slot, or a new slot is added when none is free or the LoRA shape changed;
 the base weights are never reloaded. A slot is free once :meth:`retain` drops the version it held, so
 a resident version is never overwritten: a generation pinned to an old version (``partial_policy = "finish"``)
-keeps its weights, and a new version never serves the previous one's.
+keeps its weights, and a new version never serves the previous one's. A slot's LoRA parameters are views of one
+buffer laid out in the adapter file's tensor order (:class:`_SlotLayout`), so a load moves the file's data
+section in one copy and reads the slot back in one, however many tensors the adapter has.
 
 v0 is the base model with the adapter disabled (``PeftModel.disable_adapter``), identical to a zero adapter.
 
@@ -29,13 +31,15 @@ from __future__ import annotations
 
 import contextlib
 import json
+import math
+import time
 from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import torch
 from msgspec.structs import replace
-from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM, AutoTokenizer, GenerationConfig
 
 from common.framing import frames_sha256
@@ -43,7 +47,13 @@ from common.hf_generation import generation_config, neutralise
 from common.logging import get_logger
 from common.logprobs import token_logprobs
 from common.protocol import ServedAdapter
-from rollout_worker.adapters import WEIGHTS_FILE, ReceivedAdapter, tensor_order
+from rollout_worker.adapters import (
+    SAFETENSORS_DTYPES,
+    WEIGHTS_FILE,
+    ReceivedAdapter,
+    StoredTensor,
+    read_tensors,
+)
 from rollout_worker.backends.base import Backend, GenOutput, GenRequest, Sampling, TokenizerMixin, cut_at_eos
 from rollout_worker.backends.hf_decode import DecodeSettings, Prefix, Row, decode
 
@@ -53,32 +63,62 @@ log = get_logger("backend.hf")
 _CONFIG_NOISE = {"base_model_name_or_path", "revision", "inference_mode", "task_type", "peft_version"}
 
 
-def _tensor_bytes(tensor: torch.Tensor, dtype: str) -> Any:
-    """The bytes of ``tensor`` in wire dtype ``dtype`` (as a safetensors file holds them), on the CPU."""
-    return tensor.detach().to("cpu", getattr(torch, dtype)).contiguous().reshape(-1).view(torch.uint8).numpy()
+class _PhaseClock:
+    """Milliseconds between successive laps, by name (an adapter load's phases: ``Backend.load_phases_ms``)."""
+
+    def __init__(self) -> None:
+        self.laps_ms: dict[str, float] = {}
+        self._last = time.perf_counter()
+
+    def lap(self, name: str) -> None:
+        now = time.perf_counter()
+        self.laps_ms[name] = round((now - self._last) * 1000, 2)
+        self._last = now
+
+
+@dataclass(slots=True, kw_only=True)
+class _SlotLayout:
+    """A slot's LoRA parameters made views of one flat buffer, in the order of an adapter file's tensors: a load
+    is one copy into the buffer and one read back, a handful of torch calls whatever the number of tensors. (One
+    copy per tensor made a 1.5B model's load, 392 tensors, take 1.4-7 s on an H200 beside two more workers and the
+    learner, against 0.15 s alone: each torch call gives up the GIL, and a busy thread of the worker then holds
+    it for up to the 5-ms switch interval; bench/adapter_load.py.)"""
+
+    names: list[str]  # PEFT names in buffer order
+    shapes: list[tuple[int, ...]]
+    flat: torch.Tensor
+
+    @classmethod
+    def of(cls, params: Mapping[str, torch.nn.Parameter], names: Sequence[str]) -> _SlotLayout:
+        """Lay ``params`` out in ``names``' order: each parameter's data becomes its view of a new buffer."""
+        first = params[names[0]]
+        assert all(params[n].dtype == first.dtype for n in names), "peft made a slot of several dtypes"
+        flat = torch.empty(sum(params[n].numel() for n in names), dtype=first.dtype, device=first.device)
+        offset = 0
+        with torch.no_grad():
+            for name in names:
+                param = params[name]
+                view = flat[offset:offset + param.numel()].view(param.shape)
+                view.copy_(param)
+                param.data = view
+                offset += param.numel()
+        return cls(names=list(names), shapes=[tuple(params[n].shape) for n in names], flat=flat)
+
+
+def _packed(stored: Sequence[StoredTensor], num_bytes: int) -> bool:
+    """The file's tensors fill its data section back to back, in one dtype, each its shape's bytes."""
+    if not stored or {t.dtype for t in stored} - set(SAFETENSORS_DTYPES) or len({t.dtype for t in stored}) != 1 \
+            or stored[-1].end != num_bytes:
+        return False
+    itemsize = getattr(torch, stored[0].dtype).itemsize
+    return all(t.start == (stored[i - 1].end if i else 0) and t.end - t.start == math.prod(t.shape) * itemsize
+               for i, t in enumerate(stored))
 
 
 def resolve_device(device: str) -> torch.device:
     if device == "auto":
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
     return torch.device(device)
-
-
-def moved(tensors: Sequence[torch.Tensor], device: torch.device) -> list[torch.Tensor]:
-    """``tensors`` on ``device`` through one flat copy per dtype (the same tensors where they are there already).
-    Every copy between the host and a GPU waits for that GPU; one per tensor made a 1.5B model's adapter load
-    (392 tensors) take 1.4-5 s on an H200 shared with two more workers and the learner."""
-    if all(t.device == device for t in tensors):
-        return list(tensors)
-    out: list[torch.Tensor] = list(tensors)
-    by_dtype: dict[torch.dtype, list[int]] = {}
-    for i, t in enumerate(tensors):
-        by_dtype.setdefault(t.dtype, []).append(i)
-    for indices in by_dtype.values():
-        flat = torch.cat([tensors[i].reshape(-1) for i in indices]).to(device)
-        for i, piece in zip(indices, flat.split([tensors[i].numel() for i in indices]), strict=True):
-            out[i] = piece.view(tensors[i].shape)
-    return out
 
 
 class HfBackend(TokenizerMixin, Backend):
@@ -104,7 +144,7 @@ class HfBackend(TokenizerMixin, Backend):
                           stop_token_ids=stop_token_ids, vocab_size=self.vocab_size)
         self._slot_of: dict[int, str] = {}  # resident version -> slot
         self._slot_keys: dict[str, str] = {}  # slot -> LoRA shape key
-        self._slot_params: dict[str, dict[str, torch.Tensor]] = {}  # slot -> PEFT name -> parameter
+        self._layouts: dict[str, _SlotLayout] = {}  # slot -> its LoRA parameters as views of one buffer
         self._slot_loads: dict[str, ServedAdapter] = {}  # slot -> what its last load put in it
         self._lora_layer: Any = None  # one LoRA layer of the model: which slot it serves
         self._free_slots: list[str] = []
@@ -120,6 +160,7 @@ class HfBackend(TokenizerMixin, Backend):
         from peft import LoraConfig, get_peft_model
         from peft.tuners.tuners_utils import BaseTunerLayer
 
+        clock = _PhaseClock()
         config = LoraConfig.from_pretrained(str(adapter.path))
         config.inference_mode = True
         key = json.dumps({k: v for k, v in sorted(config.to_dict().items()) if k not in _CONFIG_NOISE}, default=str)
@@ -135,46 +176,68 @@ class HfBackend(TokenizerMixin, Backend):
                 self.model.add_adapter(slot, config)
             self._num_slots += 1
             self._slot_keys[slot] = key
-            self._slot_params[slot] = self._parameters_of(slot)
             self._drop_unusable_slots(key)
-        params = self._slot_params[slot]
-        state = load_file(str(adapter.path / WEIGHTS_FILE))
-        if set(state) != set(params) or any(state[k].shape != params[k].shape for k in params):
-            self._free_slots.append(slot)
-            unexpected, missing = sorted(set(state) - set(params)), sorted(set(params) - set(state))
-            raise ValueError(f"adapter v{adapter.version} does not fit the model: unexpected tensors "
-                             f"{unexpected[:3]}, missing {missing[:3]} (PEFT names of the same base model?), "
-                             "or other shapes")
-        names = list(state)
+        clock.lap("slot")
+        stored, data = read_tensors(adapter.path / WEIGHTS_FILE)
+        clock.lap("read")
+        layout = self._layout(slot, stored, len(data), adapter.version)
+        file_dtype = getattr(torch, stored[0].dtype)
         with torch.no_grad():
-            for name, tensor in zip(names, moved([state[n] for n in names], self.device), strict=True):
-                params[name].copy_(tensor)  # into the slot's existing LoRA parameters
-            held = dict(zip(names, moved([params[n] for n in names], torch.device("cpu")), strict=True))
+            published = torch.frombuffer(data, dtype=torch.uint8)
+            values = published.to(self.device).view(file_dtype)  # one copy to the engine's device
+            layout.flat.copy_(values)  # every LoRA parameter of the slot at once, in the slot's dtype
+            clock.lap("copy")
+            held = layout.flat.to(file_dtype).view(torch.uint8).cpu()  # what the slot holds, as the file's bytes
+            clock.lap("read_back")
+            # a slot narrower than the file (a bf16 engine, an fp32 adapter) rounds on the copy, and then holding
+            # the file's weights means holding them as the engine's dtype rounds: the file's bytes are hashed
+            as_loaded = torch.equal(held, published) or torch.equal(layout.flat, values.to(layout.flat.dtype))
         self._slot_of[adapter.version] = slot
-        order = tensor_order(adapter.path / WEIGHTS_FILE)
-        # what the slot holds, in the file's dtype; a slot narrower than the file (a bf16 engine, an fp32 adapter)
-        # rounds on the copy, and then holding the file's weights means holding them as the engine's dtype rounds
-        held_as_loaded = all(torch.equal(held[n], state[n].to(held[n].dtype)) for n in names)
-        source = state if held_as_loaded else held
         loaded = ServedAdapter(version=adapter.version, adapter=slot, lora_id=self.new_lora_id(),
-                               sha256=frames_sha256([_tensor_bytes(source[t.name], t.dtype) for t in order]),
+                               sha256=frames_sha256([(published if as_loaded else held).numpy()]),
                                dtype=self.engine_dtype)
+        clock.lap("checksum")
+        self.load_phases_ms = clock.laps_ms
         self._slot_loads[slot] = loaded
         log.debug("adapter_loaded", version=adapter.version, slot=slot, lora_id=loaded.lora_id)
         return loaded
 
-    def _parameters_of(self, slot: str) -> dict[str, torch.Tensor]:
-        """PEFT name (as published) -> the slot's LoRA parameter tensor, sharing its storage."""
+    def _layout(self, slot: str, stored: list[StoredTensor], num_bytes: int, version: int) -> _SlotLayout:
+        """The slot's flat layout for an adapter file whose tensors are ``stored`` (``num_bytes`` of data): laid
+        out again when the file orders its tensors otherwise than the slot's last. Raises ValueError (the slot
+        freed again) when the file does not fit the model: other names or shapes, several dtypes, or a data
+        section that is not exactly its tensors back to back."""
+        layout = self._layouts.get(slot)
+        names = [t.name for t in stored]
+        if layout is None or layout.names != names:
+            params = self._parameters_of(slot)
+            fits = set(names) == set(params) and all(tuple(params[t.name].shape) == t.shape for t in stored)
+            layout = _SlotLayout.of(params, names) if fits else None
+        if layout is None or layout.shapes != [t.shape for t in stored] or not _packed(stored, num_bytes):
+            self._free_slots.append(slot)
+            raise ValueError(f"adapter v{version} does not fit the model: tensors {names[:3]}... are not the LoRA "
+                             "tensors of this base model's slot (PEFT names of the same base model and "
+                             "learner.lora_rank?), or not packed back to back in one dtype")
+        self._layouts[slot] = layout
+        return layout
+
+    def _parameters_of(self, slot: str) -> dict[str, torch.nn.Parameter]:
+        """PEFT name (as published: the slot's name left out) -> the slot's LoRA parameter."""
         from peft import get_peft_model_state_dict
 
-        return get_peft_model_state_dict(self.model, adapter_name=slot)
+        inner, last = f".{slot}.", f".{slot}"
+        params = {(name.replace(inner, ".") if inner in name else name.removesuffix(last)): p
+                  for name, p in self.model.named_parameters() if inner in name or name.endswith(last)}
+        assert set(params) == set(get_peft_model_state_dict(self.model, adapter_name=slot)), "peft renamed its weights"
+        return params
 
     def _drop_unusable_slots(self, key: str) -> None:
         """Free slots shaped for another LoRA config will not be reused: delete them."""
         for slot in [s for s in self._free_slots if self._slot_keys[s] != key]:
             self._free_slots.remove(slot)
             self.model.delete_adapter(slot)
-            del self._slot_keys[slot], self._slot_params[slot]
+            del self._slot_keys[slot]
+            self._layouts.pop(slot, None)
             self._slot_loads.pop(slot, None)
 
     def _engine_report(self, version: int) -> ServedAdapter:

@@ -65,7 +65,7 @@ def test_an_empty_grant_backs_off_only_when_asking_again_cannot_help(reason, lat
 def test_loading_the_newest_adapter_ends_a_back_off():
     """A worker backing off after stale_adapter asks again as soon as its backend serves the new adapter."""
     adapter = SimpleNamespace(version=5, sha256="ab" * 32, num_bytes=1024)
-    backend = SimpleNamespace(name="fake", newest_version=4, retain=lambda keep: None)
+    backend = SimpleNamespace(name="fake", newest_version=4, retain=lambda keep: None, load_phases_ms={})
 
     def add_adapter(new):
         backend.newest_version = new.version

@@ -195,17 +195,62 @@ def test_a_bf16_hf_engine_holding_an_fp32_adapter_reports_the_published_checksum
     assert served.sha256 == adapters[0].update.sha256 and served.dtype == "bfloat16", served
 
 
-def test_hf_moves_an_adapters_tensors_in_one_copy_per_dtype() -> None:
-    """(hf) ``moved``: tensors already on the device come back as they are; others are cut from one flat copy per
-    dtype, each with its own shape and dtype (the meta device stands in for a GPU here; the values are checked on a
-    GPU by bench/gpu_smoke.sh, whose groups are trained only if each load's checksum equals the published one)."""
+def _reordered(adapter: Adapter, order: list[str], state: dict[str, Any] | None = None) -> Adapter:
+    """The same adapter published with its tensors in ``order`` (and, given ``state``, other values)."""
+    from dataclasses import replace as replace_field
+
+    from msgspec.structs import replace as replace_record
+
+    from common.framing import frames_sha256
+
+    state = state if state is not None else adapter.state
+    tensors = [(name, state[name]) for name in order]
+    sha = frames_sha256(protocol.encode(adapter.update, tensors)[2:])
+    update = replace_record(adapter.update, sha256=sha)
+    _, envelope = protocol.decode([bytes(f) for f in protocol.encode(update, tensors)])
+    return replace_field(adapter, update=update, envelope=envelope, state=dict(tensors))
+
+
+@pytest.mark.parametrize("backend", ["hf"], indirect=True)
+def test_hf_slots_are_one_buffer_laid_out_in_the_files_order(backend: Backend, store: AdapterStore,
+                                                             adapters: list[Adapter], reference: Any) -> None:
+    """(hf) A slot's LoRA parameters are views of one buffer (a load is one copy in and one read back); a file
+    ordering its tensors otherwise is laid out again, and serves exactly its weights."""
     import torch
 
-    from rollout_worker.backends.hf import moved
+    first = adapters[0]
+    backend.add_adapter(receive(store, first))
+    slot = backend._slot_of[1]  # type: ignore[attr-defined]
+    layout = backend._layouts[slot]  # type: ignore[attr-defined]
+    params = backend._parameters_of(slot)  # type: ignore[attr-defined]
+    start, end = layout.flat.data_ptr(), layout.flat.data_ptr() + layout.flat.numel() * layout.flat.element_size()
+    assert all(start <= p.data_ptr() < end for p in params.values()) and len(params) == len(first.state)
+    backend.retain(set())  # every slot is free again, each laid out in the published order
+    reversed_order = _reordered(adapters[1], list(reversed(adapters[1].state)))
+    backend.add_adapter(receive(store, reversed_order, version=2))
+    again = backend._slot_of[2]  # type: ignore[attr-defined]  # a free slot, laid out in the published order
+    assert backend._layouts[again].names == list(reversed(first.state))  # type: ignore[attr-defined]
+    assert backend.served(2).sha256 == reversed_order.update.sha256
+    prompt = backend.encode(PROMPT)
+    (output,) = backend.generate([GenRequest(token_ids=prompt, max_tokens=6, version=2)], greedy=True)
+    eos = backend.eos_token_ids[0]
+    assert output.token_ids == reference.greedy(adapters[1], prompt, 6, eos)[:len(output.token_ids)]
+    torch.testing.assert_close(torch.tensor(output.logprobs),
+                               torch.tensor(reference.logprobs(adapters[1], prompt, output.token_ids)))
 
-    tensors = [torch.ones(4, 2), torch.zeros(3, dtype=torch.bfloat16), torch.full((2, 2, 2), 3.0),
-               torch.ones(0, 5), torch.ones(1, dtype=torch.bfloat16)]
-    same = moved(tensors, torch.device("cpu"))
-    assert all(a is b for a, b in zip(same, tensors, strict=True))
-    out = moved(tensors, torch.device("meta"))
-    assert [(t.device.type, t.shape, t.dtype) for t in out] == [("meta", t.shape, t.dtype) for t in tensors]
+
+@pytest.mark.parametrize("backend", ["hf"], indirect=True)
+def test_hf_refuses_an_adapter_file_not_packed_in_one_dtype_and_frees_the_slot(
+        backend: Backend, store: AdapterStore, adapters: list[Adapter]) -> None:
+    """(hf) A file whose tensors are of two dtypes does not fit a slot: refused with the reason, and the slot it
+    was offered is free for the next version."""
+    import torch
+
+    first = adapters[0]
+    names = list(first.state)
+    mixed = {n: (t.to(torch.bfloat16) if i == 0 else t) for i, (n, t) in enumerate(first.state.items())}
+    with pytest.raises(ValueError, match="does not fit the model"):
+        backend.add_adapter(receive(store, _reordered(first, names, mixed), version=1))
+    assert not backend.has_version(1)
+    backend.add_adapter(receive(store, adapters[1], version=2))
+    assert backend.served(2).sha256 == adapters[1].update.sha256

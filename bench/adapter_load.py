@@ -1,0 +1,150 @@
+"""An hf worker's adapter load with a busy thread in the process, against the same load with none.
+
+    .venv/bin/python bench/adapter_load.py [--layers 28] [--dtype float32] [--swaps 6] [--reference-tree DIR]
+
+A worker process is never one thread: its broker session receives, verifies and writes the next adapter while
+the main loop loads the last one. Every torch call releases the GIL, and a busy Python thread then keeps it for
+up to the interpreter's switch interval (5 ms), so a load's cost grows with the number of torch calls it makes,
+not with its bytes (seen on an H200: 392 tensors of a 1.5B model, 1.4-7 s per load with two more workers and
+the learner on the machine, 0.15 s alone). The model here has the tensor count of that case on a tiny shape
+(``--layers`` decoder layers of hidden 128, rank-16 LoRA on all seven projections: 14 tensors a layer), so the
+figure is about calls, not bandwidth.
+
+Each version is loaded into :class:`rollout_worker.backends.hf.HfBackend` as the worker does (``add_adapter``
+from the PEFT directory, then ``retain`` of the new version only, so slots are reused), first with no other
+thread, then with one Python thread spinning. Loads that create a slot (the first two) are left out; the figure
+is the median of the rest, with the backend's own split (``load_phases_ms``) of the last load.
+``--reference-tree DIR`` runs the same measurement with another checkout's code (e.g. a ``git worktree`` of the
+commit before a change) in a child process, for a before/after in one run.
+
+Last line: value = median load (ms) with the busy thread, reference = without, ratio = value / reference.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+REPO = Path(__file__).resolve().parent.parent
+
+
+def build(work: Path, layers: int, versions: int) -> tuple[Path, list[Path]]:
+    import torch
+    from peft import LoraConfig, get_peft_model
+    from transformers import AutoModelForCausalLM
+
+    from common.tiny_model import TinyShape, build_tiny_model
+
+    model = build_tiny_model(work / "model", shape=TinyShape(num_hidden_layers=layers))
+    dirs = []
+    for version in range(1, versions + 1):
+        base = AutoModelForCausalLM.from_pretrained(str(model))
+        torch.manual_seed(version)
+        lora = LoraConfig(r=16, lora_alpha=32, target_modules="all-linear", init_lora_weights=False)
+        get_peft_model(base, lora).save_pretrained(str(work / f"v{version}"))
+        dirs.append(work / f"v{version}")
+    return model, dirs
+
+
+def measure(model: Path, dirs: list[Path], dtype: str) -> dict[str, Any]:
+    """Load every version without, then with, a spinning thread; medians after the slot-creating loads."""
+    import torch
+
+    from rollout_worker.adapters import WEIGHTS_FILE, ReceivedAdapter, tensors_sha256
+    from rollout_worker.backends.base import Sampling
+    from rollout_worker.backends.hf import HfBackend
+
+    torch.set_num_threads(1)
+    backend = HfBackend(model, sampling=Sampling(), device="cpu", dtype=dtype)
+    out: dict[str, Any] = {}
+    for busy in (False, True):
+        stop = threading.Event()
+        spinner = threading.Thread(target=_spin, args=(stop,), daemon=True)
+        if busy:
+            spinner.start()
+        times = []
+        for version, path in enumerate(dirs, 1):
+            weights = path / WEIGHTS_FILE
+            adapter = ReceivedAdapter(version=version, sha256=tensors_sha256(weights), path=path,
+                                      config=json.loads((path / "adapter_config.json").read_text()),
+                                      num_bytes=weights.stat().st_size, received_unix=time.time())
+            started = time.perf_counter()
+            backend.add_adapter(adapter)
+            times.append((time.perf_counter() - started) * 1000)
+            backend.retain({version})
+            if backend.served(version).sha256 != adapter.sha256:
+                raise SystemExit(f"v{version}: the backend holds other weights than the file's")
+        stop.set()
+        if busy:
+            spinner.join()
+        backend.retain(set())
+        later = times[2:]
+        out["busy" if busy else "idle"] = {"median_ms": round(statistics.median(later), 2),
+                                           "max_ms": round(max(later), 2),
+                                           "phases_ms": getattr(backend, "load_phases_ms", {})}
+    out["num_tensors"] = len(set(json.loads(_header(dirs[0] / WEIGHTS_FILE))) - {"__metadata__"})
+    return out
+
+
+def _spin(stop: threading.Event) -> None:
+    """A thread with Python work to do, as a worker's session thread has while an adapter arrives."""
+    while not stop.is_set():
+        pass
+
+
+def _header(path: Path) -> bytes:
+    with open(path, "rb") as f:
+        return f.read(int.from_bytes(f.read(8), "little"))
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--layers", type=int, default=28, help="decoder layers (14 LoRA tensors each)")
+    parser.add_argument("--dtype", default="float32", choices=("float32", "bfloat16"), help="the engine's dtype")
+    parser.add_argument("--swaps", type=int, default=6, help="versions loaded per phase (the first 2 create slots)")
+    parser.add_argument("--reference-tree", default="", help="another checkout to measure in the same run")
+    parser.add_argument("--child", nargs=2, metavar=("MODEL", "WORK"), help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.child:  # one measurement with the code on sys.path (the reference tree's), as JSON
+        model, work = Path(args.child[0]), Path(args.child[1])
+        print(json.dumps(measure(model, sorted(work.glob("v*"), key=lambda p: int(p.name[1:])), args.dtype)))
+        return
+    sys.path.insert(0, str(REPO))
+    from bench.report import report
+
+    with tempfile.TemporaryDirectory() as tmp:
+        model, dirs = build(Path(tmp), args.layers, max(args.swaps, 3))
+        trees = {"this tree": REPO}
+        if args.reference_tree:
+            trees["reference tree"] = Path(args.reference_tree).resolve()
+        results = {}
+        for name, tree in trees.items():
+            env = {**os.environ, "PYTHONPATH": str(tree)}
+            done = subprocess.run([sys.executable, str(Path(__file__).resolve()), "--dtype", args.dtype,
+                                   "--child", str(model), tmp], cwd=tree, env=env, capture_output=True, text=True,
+                                  check=True)
+            results[name] = json.loads(done.stdout.strip().splitlines()[-1])
+    for name, r in results.items():
+        print(f"{name}: {r['num_tensors']} tensors ({args.dtype} engine): load {r['idle']['median_ms']} ms alone "
+              f"(max {r['idle']['max_ms']}), {r['busy']['median_ms']} ms beside a busy thread "
+              f"(max {r['busy']['max_ms']})")
+        for phase in ("idle", "busy"):
+            if r[phase]["phases_ms"]:
+                print(f"    {phase} phases of the last load (ms): {r[phase]['phases_ms']}")
+    mine = results["this tree"]
+    extra = {"reference_tree": results["reference tree"]} if "reference tree" in results else {}
+    report("adapter_load", "hf load with a busy thread", mine["busy"]["median_ms"], "ms", mine["idle"]["median_ms"],
+           num_tensors=mine["num_tensors"], dtype=args.dtype, phases_ms=mine["busy"]["phases_ms"], **extra)
+
+
+if __name__ == "__main__":
+    main()
