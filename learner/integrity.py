@@ -474,7 +474,7 @@ class IntegrityCheck:
         for (sample, version), row in zip(pairs, results.tolist(), strict=True):
             g = step.samples[sample].group
             num_checked, num_off, max_diff, mean_diff = int(row[0]), int(row[1]), row[2], row[3]
-            if num_off <= self.config.max_off_fraction * num_checked:
+            if integrity.sample_passes(num_off, num_checked, self.config.max_off_fraction):
                 max_passing_diff = max(max_passing_diff, max_diff if num_checked else 0.0)
                 continue
             if g in failures:

@@ -19,7 +19,10 @@ RULE = {"token_tolerance": 0.01, "max_off_fraction": 0.1}
     ([-1.0] * 20, [-1.0] * 17 + [-3.0] * 3, False, 3),                  # 15 % off: sustained
     ([-0.05] * 10, [-2.3] * 10, False, 10),                             # made-up confident log-probs
     ([-1.0] * 10, [-1.0] * 9 + [math.nan], True, 1),                    # a NaN counts as off
-    ([-1.0] * 4, [-1.0] * 3 + [-1.5], False, 1),                        # 1 of 4 is over the 10 % share
+    ([-1.0] * 4, [-1.0] * 3 + [-1.5], True, 1),                         # 1 of 4: one noisy token of a short sample
+    ([-1.0] * 4, [-1.0] * 2 + [-1.5] * 2, False, 2),                    # 2 of 4: over the share, and not one alone
+    ([-1.0] * 40, [-1.0] * 36 + [-3.0] * 4, True, 4),                   # 10 % of 40: 4 off pass,
+    ([-1.0] * 40, [-1.0] * 35 + [-3.0] * 5, False, 5),                  # 5 fail
 ])
 def test_compare(behaviour, recomputed, passed, num_off):
     result = compare(behaviour, recomputed, **RULE)
