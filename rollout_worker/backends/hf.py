@@ -206,18 +206,23 @@ class HfBackend(TokenizerMixin, Backend):
         """The slot's flat layout for an adapter file whose tensors are ``stored`` (``num_bytes`` of data): laid
         out again when the file orders its tensors otherwise than the slot's last. Raises ValueError (the slot
         freed again) when the file does not fit the model: other names or shapes, several dtypes, or a data
-        section that is not exactly its tensors back to back."""
+        section that is not exactly its tensors back to back (the learner always publishes one dtype)."""
         layout = self._layouts.get(slot)
         names = [t.name for t in stored]
         if layout is None or layout.names != names:
             params = self._parameters_of(slot)
-            fits = set(names) == set(params) and all(tuple(params[t.name].shape) == t.shape for t in stored)
-            layout = _SlotLayout.of(params, names) if fits else None
-        if layout is None or layout.shapes != [t.shape for t in stored] or not _packed(stored, num_bytes):
+            unexpected, missing = sorted(set(names) - set(params)), sorted(set(params) - set(names))
+            other_shapes = [t.name for t in stored if t.name in params and tuple(params[t.name].shape) != t.shape]
+            if unexpected or missing or other_shapes:
+                self._free_slots.append(slot)
+                raise ValueError(f"adapter v{version} does not fit the model: unexpected tensors {unexpected[:3]}, "
+                                 f"missing {missing[:3]} (PEFT names of the same base model?), other shapes "
+                                 f"{other_shapes[:3]} (learner.lora_rank?)")
+            layout = _SlotLayout.of(params, names)
+        if layout.shapes != [t.shape for t in stored] or not _packed(stored, num_bytes):
             self._free_slots.append(slot)
-            raise ValueError(f"adapter v{version} does not fit the model: tensors {names[:3]}... are not the LoRA "
-                             "tensors of this base model's slot (PEFT names of the same base model and "
-                             "learner.lora_rank?), or not packed back to back in one dtype")
+            raise ValueError(f"adapter v{version} does not fit the model: its file is not the model's LoRA tensors "
+                             "back to back in one dtype")
         self._layouts[slot] = layout
         return layout
 
