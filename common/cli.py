@@ -34,6 +34,8 @@ from common.config import Config, ConfigError, load_config
 EXIT_CONFIG_ERROR = 2  # a usage or config error (argparse exits 2 too)
 EXIT_OUT_OF_MEMORY = 3  # torch.OutOfMemoryError: a GPU ran out of memory (restarted like a crash)
 EXIT_REPLACED = 4  # a learner fenced by the broker: another learner process took over the run
+EXIT_USER_CODE_STUCK = 5  # a worker's reward/environment/agent code still computing past its timeout (restarted
+#                           like a crash: a new process is the one way to be rid of the thread)
 EXIT_BROKEN_PIPE = 141  # what a shell reports for a command killed by SIGPIPE (128 + 13), like `cat` in `| head`
 
 #: command -> what to change when its GPU runs out of memory

@@ -63,7 +63,7 @@ import time
 from pathlib import Path
 from typing import Any, NoReturn
 
-from common.cli import EXIT_CONFIG_ERROR, out_of_memory
+from common.cli import EXIT_CONFIG_ERROR, EXIT_USER_CODE_STUCK, out_of_memory
 from common.config import Config
 from common.logging import bind, get_logger
 from common.metrics import Metrics, serve_prometheus
@@ -76,6 +76,7 @@ from rollout_worker.backends import Backend, make_backend
 from rollout_worker.client import LEASE_WAIT_MS, BrokerSession
 from rollout_worker.envs import EnvResolver
 from rollout_worker.rewards import load_rewards
+from rollout_worker.rewards.guard import stuck_calls
 from rollout_worker.rollout import FinishedGroup, Rollouts
 
 log = get_logger("worker")
@@ -119,7 +120,7 @@ class Worker:
         self._next_request_at = 0.0
         self._state = ""
         self._num_failed_groups = 0  # groups in a row whose every sample's reward failed
-        self._fatal: tuple[str, dict[str, Any]] | None = None  # why it stops with EXIT_CONFIG_ERROR: event, fields
+        self._fatal: tuple[int, str, dict[str, Any]] | None = None  # why it stops: exit code, event, fields
 
     # -- the loop ----------------------------------------------------------------------------------------------
 
@@ -153,13 +154,14 @@ class Worker:
                          generate_s=round(group.group.generate_s, 3))
                 self.session.submit(group)
             self._report()
+            self._check_user_code()
         if signals:
             log.info("signal", signal=signals[0])
         self._shutdown()
-        if self._fatal is not None:  # the last line of the log: what `loraflow run` shows of a child that exited 2
-            event, fields = self._fatal
+        if self._fatal is not None:  # the last line of the log: what `loraflow run` shows of a child that exited
+            code, event, fields = self._fatal
             log.error(event, **fields)
-            return EXIT_CONFIG_ERROR
+            return code
         return 0
 
     def _reward_failing(self, finished: FinishedGroup) -> bool:
@@ -177,11 +179,30 @@ class Worker:
             f"environment {type(self.rollouts.envs.for_task(group.task)).__qualname__} of task {group.task!r}"
         error = (f"every sample of {self._num_failed_groups} groups in a row failed its reward "
                  f"(worker.max_failed_reward_groups = {limit}): {code}; last error {self.rollouts.last_failure}")
-        self._fatal = ("reward_failing", {"error": error, "fix": "fix the reward function or environment "
+        self._fatal = (EXIT_CONFIG_ERROR, "reward_failing", {"error": error, "fix": "fix the reward function or environment "
                                           "(worker.reward / worker.env), or raise worker.max_failed_reward_groups "
                                           "(0 = never stop)"})
         self.stop.set()  # the loop ends, the leases go back, then run() logs why and returns EXIT_CONFIG_ERROR
         return True
+
+    def _check_user_code(self) -> None:
+        """Stop for a restart when user code abandoned at its timeout keeps a core busy (rewards.guard): its
+        thread holds the GIL the engine needs, and only a new process is rid of it."""
+        stuck = stuck_calls()
+        if not stuck:
+            return
+        worker = self.config.worker
+        code = f"reward function(s) {worker.rewards or worker.reward}" if worker.rewards or worker.reward else \
+            f"agent {worker.agent}" if worker.agent else "the environment of the task"
+        self.metrics.inc("user_code_stuck", len(stuck))
+        self._fatal = (EXIT_USER_CODE_STUCK, "user_code_stuck", {
+            "calls": [f"{c.name}: {c.cpu_share:.0%} of a core {c.past_deadline_s:g} s past its deadline"
+                      for c in stuck],
+            "error": f"{code} ran past worker.reward_timeout_s and kept computing; Python cannot stop a thread, and "
+                     "while it runs it holds the interpreter lock the engine needs (generation slows ~100x), so "
+                     "this worker restarts",
+            "fix": "bound the function's work (e.g. a timeout inside it for a solver or regex that can run away)"})
+        self.stop.set()
 
     def _wait_s(self) -> float:
         """How long to wait for the wake event: until the next step deadline or lease request, at most idle."""
@@ -204,7 +225,7 @@ class Worker:
             if out_of_memory(exc):
                 raise  # not the adapter's fault: run_main's out-of-memory line naming the settings, exit code 3
             self.metrics.inc("adapters_rejected", reason="load")
-            self._fatal = ("adapter_refused", {
+            self._fatal = (EXIT_CONFIG_ERROR, "adapter_refused", {
                 "version": adapter.version, "error": f"the {self.backend.name} backend refused adapter "
                 f"v{adapter.version}: {exc}", "fix": "run the learner and every worker with the same model.path "
                 "and learner.lora_rank"})

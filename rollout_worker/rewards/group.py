@@ -86,10 +86,11 @@ def as_rewards(value: Any, num_samples: int) -> list[float | None]:
                                              else v) for v in values]
 
 
-def _checked(fn: Callable[..., Any], num_samples: int) -> Callable[..., list[float | None]]:
+def _checked(function: RewardFunction, num_samples: int) -> Callable[..., list[float | None]]:
     def call(**kwargs: Any) -> list[float | None]:
-        return as_rewards(fn(**kwargs), num_samples)
+        return as_rewards(function.fn(**kwargs), num_samples)
 
+    call.__name__ = function.name  # what a stuck call is reported as (guard.stuck_calls)
     return call
 
 
@@ -101,7 +102,7 @@ class GroupScoring:
         self.functions = list(functions)
         self.num_samples = len(inputs.completions)
         kwargs = inputs.kwargs()
-        self.calls = [GuardedCall(_checked(f.fn, self.num_samples), timeout_s=timeout_s, on_done=on_done, **kwargs)
+        self.calls = [GuardedCall(_checked(f, self.num_samples), timeout_s=timeout_s, on_done=on_done, **kwargs)
                       for f in self.functions]
 
     @property

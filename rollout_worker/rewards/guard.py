@@ -11,6 +11,14 @@ reason:
 
 The caller turns any failure into reward 0, the counters ``reward_failures{reason}`` (samples) and
 ``reward_failures_by_function{function, reason}``, and a log line.
+
+An abandoned thread that keeps computing is not harmless: it holds the GIL the worker's engine needs between
+torch calls (each call gives the GIL up, and a busy thread keeps it for up to the 5-ms switch interval), so hf
+generation beside one spinning thread ran 3,100 -> 14 tokens/s here, for the rest of the process's life.
+:func:`stuck_calls` names the abandoned calls whose threads still used at least ``STUCK_CPU_SHARE`` of a core
+since their deadline (the thread's CPU time from Linux's /proc; elsewhere none is found); the worker then restarts
+(``EXIT_USER_CODE_STUCK``), the one way to be rid of a thread. A call that hangs waiting (``sleep``, I/O) costs
+nothing and is left alone.
 Code that runs several user functions in one guarded call (an environment step, then a per-sample reward)
 raises :class:`Attributed` to say which of them failed; the outcome's ``function`` then names it.
 """
@@ -19,13 +27,20 @@ from __future__ import annotations
 
 import math
 import numbers
+import os
 import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 FAILURE_REASONS = ("exception", "timeout", "nan", "type")
+#: an abandoned call whose thread used at least this share of a core since its deadline is stuck
+STUCK_CPU_SHARE = 0.5
+#: ... measured over at least this long after the deadline
+STUCK_AFTER_S = 1.0
+_CLOCK_TICKS_PER_S = os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 100
 
 
 class InvalidReward(ValueError):
@@ -81,8 +96,10 @@ class GuardedCall:
         self._lock = threading.Lock()
         self._on_done = on_done
         self._finished = threading.Event()
+        self.name = getattr(fn, "__name__", "call")  # the user function, for a stuck call's report
+        self._cpu_at_deadline = 0.0  # the thread's CPU seconds when the call was abandoned
         self._thread = threading.Thread(target=self._run, args=(fn, args, kwargs), daemon=True,
-                                        name=f"guarded-{getattr(fn, '__name__', 'call')}")
+                                        name=f"guarded-{self.name}")
         self._thread.start()
 
     def _run(self, fn: Callable[..., Any], args: tuple, kwargs: dict) -> None:
@@ -112,7 +129,19 @@ class GuardedCall:
             self.abandoned = True
             self._outcome = Outcome(failure="timeout", error=f"no result within {self.timeout_s:g} s "
                                     "(worker.reward_timeout_s)", duration_s=self.timeout_s)
-            return self._outcome
+        self._cpu_at_deadline = self._thread_cpu_s()
+        with _abandoned_lock:
+            _abandoned.append(self)
+        return self._outcome
+
+    def _thread_cpu_s(self) -> float:
+        """CPU seconds the call's thread has used, from Linux's /proc (0 once it ended, or off Linux)."""
+        try:
+            stat = Path(f"/proc/self/task/{self._thread.native_id}/stat").read_text()
+            user_ticks, system_ticks = stat[stat.rindex(")") + 2:].split()[11:13]  # fields 14, 15 of proc(5)
+            return (int(user_ticks) + int(system_ticks)) / _CLOCK_TICKS_PER_S
+        except (OSError, ValueError, IndexError):
+            return 0.0
 
     def wait(self) -> Outcome:
         """Block until the call returns or times out."""
@@ -120,6 +149,37 @@ class GuardedCall:
         outcome = self.poll(max(time.monotonic(), self.deadline))
         assert outcome is not None
         return outcome
+
+
+@dataclass(frozen=True, slots=True)
+class StuckCall:
+    """An abandoned call still computing: the user function's name, its CPU share since its deadline."""
+
+    name: str
+    cpu_share: float
+    past_deadline_s: float
+
+
+_abandoned: list[GuardedCall] = []  # this process's calls abandoned at their deadline whose threads may still run
+_abandoned_lock = threading.Lock()
+
+
+def stuck_calls(now: float | None = None) -> list[StuckCall]:
+    """The abandoned calls whose threads used at least ``STUCK_CPU_SHARE`` of a core over at least
+    ``STUCK_AFTER_S`` since their deadline; calls whose threads ended are forgotten."""
+    now = time.monotonic() if now is None else now
+    with _abandoned_lock:
+        _abandoned[:] = [c for c in _abandoned if c._thread.is_alive()]
+        calls = list(_abandoned)
+    stuck = []
+    for call in calls:
+        past_s = now - call.deadline
+        if past_s < STUCK_AFTER_S:
+            continue
+        share = (call._thread_cpu_s() - call._cpu_at_deadline) / past_s
+        if share >= STUCK_CPU_SHARE:
+            stuck.append(StuckCall(name=call.name, cpu_share=round(share, 2), past_deadline_s=round(past_s, 1)))
+    return stuck
 
 
 def _failed(exc: BaseException) -> Outcome:

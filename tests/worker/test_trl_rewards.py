@@ -183,6 +183,30 @@ def test_a_per_sample_reward_failure_is_counted_under_its_name() -> None:
     assert rollouts.metrics.counter("reward_failures_by_function", function="grader", reason="exception") == 2
 
 
+def test_an_abandoned_call_that_keeps_computing_is_named_stuck_and_one_that_sleeps_is_not() -> None:
+    """A call past its deadline whose thread still uses a core is stuck (it holds the GIL the engine needs); one
+    that hangs asleep costs nothing and is not."""
+    import time
+
+    from rollout_worker.rewards import guard
+
+    spinning = guard.GuardedCall(examples.spins, [], [], timeout_s=0.1)
+    sleeping = guard.GuardedCall(examples.hangs, [], [], timeout_s=0.1)
+    try:
+        time.sleep(0.2)
+        assert spinning.poll().failure == "timeout" and sleeping.poll().failure == "timeout"
+        assert guard.stuck_calls() == []  # not yet STUCK_AFTER_S past the deadline
+        deadline = time.monotonic() + 10
+        stuck: list = []
+        while not stuck and time.monotonic() < deadline:
+            time.sleep(0.2)
+            stuck = guard.stuck_calls()
+        assert [c.name for c in stuck] == ["spins"] and stuck[0].cpu_share >= guard.STUCK_CPU_SHARE, stuck
+    finally:
+        examples.SPIN_STOP.set()  # never leave a spinning thread in the test process
+    wait_for(lambda: guard.stuck_calls() == [], 10, "the spinning call's thread to end once told")
+
+
 # -- through a real worker and broker -----------------------------------------------------------------------------
 
 
@@ -230,6 +254,30 @@ def test_extra_columns_reach_a_trl_reward_in_a_real_worker(procs: Processes, tin
     assert worker.stop() == 0
     assert not os.environ.get("REWARD_LOG")
     assert Kind.BATCH  # the learner's view above went through the real protocol
+
+
+@pytest.mark.slow
+def test_a_reward_that_keeps_computing_past_its_timeout_restarts_the_worker(procs: Processes, tiny_model_dir: Path,
+                                                                           tmp_path: Path) -> None:
+    """A TRL reward that runs away in pure Python: the group scores 0 at worker.reward_timeout_s, and since the
+    abandoned thread keeps a core busy the worker stops with EXIT_USER_CODE_STUCK (restarted like a crash), naming
+    the function, after submitting what it scored and returning the leases it held."""
+    from common.cli import EXIT_USER_CODE_STUCK
+
+    broker = start_broker(procs, f'model.path="{tiny_model_dir}"', "run.group_size=2", *FAST)
+    args = [str(Path(sys.executable).parent / "loraflow"), "worker", "--endpoint", broker.endpoint, "--run-dir",
+            str(broker.run_dir), "--worker-id", "w1", "--backend", "hf", "--log-format", "json"]
+    for override in (*FAST, f'model.path="{tiny_model_dir}"', "worker.max_new_tokens=4", "worker.num_threads=1",
+                     'worker.reward="tests.worker.trl_rewards_example:spins"', "worker.reward_timeout_s=0.5"):
+        args += ["--set", override]
+    worker = procs.spawn("w1", args, cwd=REPO)
+    wait_for(lambda: not worker.alive(), 90, "the worker to stop for its stuck reward", procs)
+    assert worker.popen.returncode == EXIT_USER_CODE_STUCK, worker.log()[-3000:]
+    (stuck,) = events(worker, "user_code_stuck")
+    assert stuck["calls"][0].startswith("spins: ") and "worker.reward_timeout_s" in stuck["error"], stuck
+    submitted = events(worker, "group_submitted")
+    assert submitted and all(e["reward"] == 0.0 for e in submitted), submitted  # the timed-out reward scores 0
+    assert events(worker, "stopped"), worker.log()[-3000:]  # a clean stop: what it held went back to the broker
 
 
 @pytest.mark.slow

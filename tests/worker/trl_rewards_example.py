@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import threading
 import time
 from typing import Any
 
@@ -43,6 +44,16 @@ def too_few(prompts: list[Any], completions: list[Any], **kwargs: Any) -> list[f
 def hangs(prompts: list[Any], completions: list[Any], **kwargs: Any) -> list[float]:
     time.sleep(60)
     return [1.0] * len(completions)
+
+
+def spins(prompts: list[Any], completions: list[Any], **kwargs: Any) -> list[float]:
+    """Runs away in pure Python (a solver or a regex that never ends), until SPIN_STOP is set."""
+    while not SPIN_STOP.is_set():
+        pass
+    return [1.0] * len(completions)
+
+
+SPIN_STOP = threading.Event()  # a test process sets it; a worker process never does
 
 
 def length(prompts: list[Any], completions: list[Any], completion_ids: list[list[int]], **kwargs: Any) -> list[float]:
