@@ -1,4 +1,4 @@
-"""An hf worker's adapter load with a busy thread in the process, against the same load with none.
+"""An hf worker's adapter load and generation with a busy thread in the process, against the same with none.
 
     .venv/bin/python bench/adapter_load.py [--layers 28] [--dtype float32] [--swaps 6] [--reference-tree DIR]
 
@@ -17,7 +17,12 @@ is the median of the rest, with the backend's own split (``load_phases_ms``) of 
 ``--reference-tree DIR`` runs the same measurement with another checkout's code (e.g. a ``git worktree`` of the
 commit before a change) in a child process, for a before/after in one run.
 
-Last line: value = median load (ms) with the busy thread, reference = without, ratio = value / reference.
+The same backend then generates 16 samples of ``--generate-tokens`` tokens alone and beside the busy thread: what
+a reward or agent that runs away past its timeout costs an hf worker (why the worker restarts then:
+``rollout_worker.rewards.guard.RunawayWatch``).
+
+Last line: value = median load (ms) with the busy thread, reference = without, ratio = value / reference;
+``generate_tok_s_idle`` / ``generate_tok_s_busy`` beside them.
 """
 
 from __future__ import annotations
@@ -55,12 +60,13 @@ def build(work: Path, layers: int, versions: int) -> tuple[Path, list[Path]]:
     return model, dirs
 
 
-def measure(model: Path, dirs: list[Path], dtype: str) -> dict[str, Any]:
-    """Load every version without, then with, a spinning thread; medians after the slot-creating loads."""
+def measure(model: Path, dirs: list[Path], dtype: str, generate_tokens: int) -> dict[str, Any]:
+    """Load every version without, then with, a spinning thread (medians after the slot-creating loads); then
+    generate 16 samples of ``generate_tokens`` tokens without, then with, one."""
     import torch
 
     from rollout_worker.adapters import WEIGHTS_FILE, ReceivedAdapter, tensors_sha256
-    from rollout_worker.backends.base import Sampling
+    from rollout_worker.backends.base import GenRequest, Sampling
     from rollout_worker.backends.hf import HfBackend
 
     torch.set_num_threads(1)
@@ -92,6 +98,19 @@ def measure(model: Path, dirs: list[Path], dtype: str) -> dict[str, Any]:
                                            "max_ms": round(max(later), 2),
                                            "phases_ms": getattr(backend, "load_phases_ms", {})}
     out["num_tensors"] = len(set(json.loads(_header(dirs[0] / WEIGHTS_FILE))) - {"__metadata__"})
+    requests = [GenRequest(token_ids=backend.encode("12+34="), max_tokens=generate_tokens, version=0, key=f"s{i}")
+                for i in range(16)]
+    for busy in (False, True):
+        stop = threading.Event()
+        spinner = threading.Thread(target=_spin, args=(stop,), daemon=True)
+        if busy:
+            spinner.start()
+        started = time.perf_counter()
+        tokens = sum(len(o.token_ids) for o in backend.generate(requests))
+        out[f"generate_tok_s_{'busy' if busy else 'idle'}"] = round(tokens / (time.perf_counter() - started), 1)
+        stop.set()
+        if busy:
+            spinner.join()
     return out
 
 
@@ -112,11 +131,13 @@ def main() -> None:
     parser.add_argument("--dtype", default="float32", choices=("float32", "bfloat16"), help="the engine's dtype")
     parser.add_argument("--swaps", type=int, default=6, help="versions loaded per phase (the first 2 create slots)")
     parser.add_argument("--reference-tree", default="", help="another checkout to measure in the same run")
+    parser.add_argument("--generate-tokens", type=int, default=16, help="tokens per sample of the generation part")
     parser.add_argument("--child", nargs=2, metavar=("MODEL", "WORK"), help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.child:  # one measurement with the code on sys.path (the reference tree's), as JSON
         model, work = Path(args.child[0]), Path(args.child[1])
-        print(json.dumps(measure(model, sorted(work.glob("v*"), key=lambda p: int(p.name[1:])), args.dtype)))
+        print(json.dumps(measure(model, sorted(work.glob("v*"), key=lambda p: int(p.name[1:])), args.dtype,
+                                 args.generate_tokens)))
         return
     sys.path.insert(0, str(REPO))
     from bench.report import report
@@ -130,7 +151,7 @@ def main() -> None:
         for name, tree in trees.items():
             env = {**os.environ, "PYTHONPATH": str(tree)}
             done = subprocess.run([sys.executable, str(Path(__file__).resolve()), "--dtype", args.dtype,
-                                   "--child", str(model), tmp], cwd=tree, env=env, capture_output=True, text=True,
+                                   "--generate-tokens", str(args.generate_tokens), "--child", str(model), tmp], cwd=tree, env=env, capture_output=True, text=True,
                                   check=True)
             results[name] = json.loads(done.stdout.strip().splitlines()[-1])
     for name, r in results.items():
@@ -140,10 +161,13 @@ def main() -> None:
         for phase in ("idle", "busy"):
             if r[phase]["phases_ms"]:
                 print(f"    {phase} phases of the last load (ms): {r[phase]['phases_ms']}")
+        print(f"    generation, 16 samples x {args.generate_tokens} tokens: {r['generate_tok_s_idle']} tokens/s alone, "
+              f"{r['generate_tok_s_busy']} beside the busy thread")
     mine = results["this tree"]
     extra = {"reference_tree": results["reference tree"]} if "reference tree" in results else {}
     report("adapter_load", "hf load with a busy thread", mine["busy"]["median_ms"], "ms", mine["idle"]["median_ms"],
-           num_tensors=mine["num_tensors"], dtype=args.dtype, phases_ms=mine["busy"]["phases_ms"], **extra)
+           num_tensors=mine["num_tensors"], dtype=args.dtype, phases_ms=mine["busy"]["phases_ms"],
+           generate_tok_s_idle=mine["generate_tok_s_idle"], generate_tok_s_busy=mine["generate_tok_s_busy"], **extra)
 
 
 if __name__ == "__main__":

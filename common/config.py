@@ -249,8 +249,8 @@ class IntegrityConfig:
                                   "of a matching token; 0 = by the engine's and the learner's dtypes (float32 "
                                   "both: 0.01, else 0.25; common/integrity.py)")
     max_off_fraction: float = rule(0.1, ge=0, le=1, doc="a checked sample fails when more than this share of "
-                                   "its tokens, and more than one, is off by more than the tolerance (one noisy "
-                                   "token fails nothing)")
+                                   "its tokens is off by more than the tolerance (and, with bf16 on either side, "
+                                   "more than one: one noisy token fails nothing)")
     quarantine_after: int = rule(2, ge=1, le=1000, unit="groups", doc="failed groups of one worker process, among "
                                  "its last quarantine_window checked ones, that quarantine it")
     quarantine_window: int = rule(8, ge=1, le=10_000, unit="groups")

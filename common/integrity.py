@@ -49,11 +49,13 @@ So the learner checks the very tokens it is about to train:
 bf16 on either side drifts by up to a few tenths on low-probability tokens. :func:`tolerance` gives 0.01 nats
 when both are fp32 and 0.25 otherwise (``integrity.token_tolerance`` overrides), measured by
 ``bench/integrity.py`` on both backends. A sample fails when more than ``integrity.max_off_fraction`` of its
-tokens, and more than one, are off by more than the tolerance (:func:`sample_passes`): one noisy token fails
-nothing, also in a sample of a few tokens. (A bf16 engine on a GPU against the fp32 learner, 2,048 demo samples
-of ~3 tokens, ``bench/integrity_bf16.py --device cuda``: 7 tokens over 0.25 nats, each alone in its sample; by
-the share alone those 7 samples, 0.34 %, failed, and at 2 failed groups in 8 a long run would sooner or later
-quarantine a healthy worker.)
+tokens are off by more than the tolerance and, where either side computes in low precision, more than one
+(:func:`sample_passes`, :func:`noisy_tokens`): one noisy bf16 token fails nothing, also in a sample of a few
+tokens. (A bf16 engine on a GPU against the fp32 learner, 2,048 demo samples of ~3 tokens,
+``bench/integrity_bf16.py --device cuda``: 7 tokens over 0.25 nats, each alone in its sample; by the share alone
+those 7 samples, 0.34 %, failed, and at 2 failed groups in 8 a long run would sooner or later quarantine a healthy
+worker.) Both sides in fp32 agree to ~1e-5, so there a token off by 0.01 is the policy, not noise: an old
+adapter served as the next version moves only a token or two of a short sample that far, and must fail it.
 
 **From a failed group to a quarantine.** A failed group is never trained (the learner drops it, reason
 ``policy_mismatch``, and leaves it out of its BatchAck, so the broker re-queues the prompt) and is reported in
@@ -93,22 +95,29 @@ class Comparison:
 
 
 def compare(behaviour: Sequence[float] | np.ndarray, recomputed: Sequence[float] | np.ndarray, *,
-            token_tolerance: float, max_off_fraction: float) -> Comparison:
+            token_tolerance: float, max_off_fraction: float, noisy_tokens: int = 0) -> Comparison:
     """Compare the log-probs token by token; fails as :func:`sample_passes` says for the tokens off by more than
-    ``token_tolerance`` (a non-finite value on either side counts as off). No tokens: passes."""
+    ``token_tolerance`` (a non-finite value on either side counts as off), ``noisy_tokens`` of them allowed
+    whatever the sample's length. No tokens: passes."""
     b = np.asarray(behaviour, dtype=np.float64)
     r = np.asarray(recomputed, dtype=np.float64)
     if b.shape != r.shape:
         raise ValueError(f"compare: {b.shape} behaviour vs {r.shape} recomputed log-probs")
     num_checked, num_off, max_diff, mean_diff = compare_rows(b.ravel(), r.ravel(), [b.size], [token_tolerance])[0]
     return Comparison(num_checked=int(num_checked), num_off=int(num_off), max_abs_diff=float(max_diff),
-                      mean_abs_diff=float(mean_diff), passed=sample_passes(num_off, b.size, max_off_fraction))
+                      mean_abs_diff=float(mean_diff), passed=sample_passes(num_off, b.size, max_off_fraction, noisy_tokens))
 
 
-def sample_passes(num_off: int, num_checked: int, max_off_fraction: float) -> bool:
+def noisy_tokens(engine_dtype: str, learner_dtype: str) -> int:
+    """Off tokens a sample may have whatever its length: one where either side computes in low precision, none
+    when both are float32 (see the module docstring)."""
+    return 0 if engine_dtype == "float32" and learner_dtype == "float32" else 1
+
+
+def sample_passes(num_off: int, num_checked: int, max_off_fraction: float, noisy_tokens: int = 0) -> bool:
     """A sample with ``num_off`` of ``num_checked`` tokens off passes unless more than ``max_off_fraction`` of
-    them, and more than one, are off."""
-    return num_off <= max(1.0, max_off_fraction * num_checked)
+    them, and more than ``noisy_tokens``, are off."""
+    return num_off <= max(noisy_tokens, max_off_fraction * num_checked)
 
 
 def compare_rows(behaviour: np.ndarray, recomputed: np.ndarray, counts: Sequence[int],

@@ -474,7 +474,8 @@ class IntegrityCheck:
         for (sample, version), row in zip(pairs, results.tolist(), strict=True):
             g = step.samples[sample].group
             num_checked, num_off, max_diff, mean_diff = int(row[0]), int(row[1]), row[2], row[3]
-            if integrity.sample_passes(num_off, num_checked, self.config.max_off_fraction):
+            noisy = integrity.noisy_tokens(self._engine_dtype(step, g, version), self.learner_dtype)
+            if integrity.sample_passes(num_off, num_checked, self.config.max_off_fraction, noisy):
                 max_passing_diff = max(max_passing_diff, max_diff if num_checked else 0.0)
                 continue
             if g in failures:
@@ -511,10 +512,13 @@ class IntegrityCheck:
     def _served(self, step: data.StepBatch, group: int, version: int) -> ServedAdapter | None:
         return next((s for s in step.served[group] if s.version == version), None)
 
-    def _tolerance(self, step: data.StepBatch, group: int, version: int) -> float:
+    def _engine_dtype(self, step: data.StepBatch, group: int, version: int) -> str:
         served = self._served(step, group, version)
-        engine_dtype = served.dtype if served is not None else "float32"
-        return integrity.tolerance(engine_dtype, self.learner_dtype, self.config.token_tolerance)
+        return served.dtype if served is not None else "float32"
+
+    def _tolerance(self, step: data.StepBatch, group: int, version: int) -> float:
+        return integrity.tolerance(self._engine_dtype(step, group, version), self.learner_dtype,
+                                   self.config.token_tolerance)
 
     def facts(self, step: data.StepBatch, *, fresh: bool = False) -> StepFacts:
         """:func:`step_facts` of ``step``, kept for the free path's look at the same batch object."""

@@ -76,7 +76,7 @@ from rollout_worker.backends import Backend, make_backend
 from rollout_worker.client import LEASE_WAIT_MS, BrokerSession
 from rollout_worker.envs import EnvResolver
 from rollout_worker.rewards import load_rewards
-from rollout_worker.rewards.guard import stuck_calls
+from rollout_worker.rewards.guard import RunawayWatch
 from rollout_worker.rollout import FinishedGroup, Rollouts
 
 log = get_logger("worker")
@@ -121,6 +121,7 @@ class Worker:
         self._state = ""
         self._num_failed_groups = 0  # groups in a row whose every sample's reward failed
         self._fatal: tuple[int, str, dict[str, Any]] | None = None  # why it stops: exit code, event, fields
+        self._runaway = RunawayWatch()  # user code abandoned at its timeout that keeps computing
 
     # -- the loop ----------------------------------------------------------------------------------------------
 
@@ -188,7 +189,7 @@ class Worker:
     def _check_user_code(self) -> None:
         """Stop for a restart when user code abandoned at its timeout keeps a core busy (rewards.guard): its
         thread holds the GIL the engine needs, and only a new process is rid of it."""
-        stuck = stuck_calls()
+        stuck = self._runaway.check()
         if not stuck:
             return
         worker = self.config.worker
@@ -196,8 +197,8 @@ class Worker:
             f"agent {worker.agent}" if worker.agent else "the environment of the task"
         self.metrics.inc("user_code_stuck", len(stuck))
         self._fatal = (EXIT_USER_CODE_STUCK, "user_code_stuck", {
-            "calls": [f"{c.name}: {c.cpu_share:.0%} of a core {c.past_deadline_s:g} s past its deadline"
-                      for c in stuck],
+            "calls": [f"{c.name}: {c.cpu_share:.0%} of this process's CPU, {c.past_deadline_s:g} s past its "
+                      "deadline" for c in stuck],
             "error": f"{code} ran past worker.reward_timeout_s and kept computing; Python cannot stop a thread, and "
                      "while it runs it holds the interpreter lock the engine needs (generation slows ~100x), so "
                      "this worker restarts",

@@ -90,7 +90,7 @@ def _checked(function: RewardFunction, num_samples: int) -> Callable[..., list[f
     def call(**kwargs: Any) -> list[float | None]:
         return as_rewards(function.fn(**kwargs), num_samples)
 
-    call.__name__ = function.name  # what a stuck call is reported as (guard.stuck_calls)
+    call.__name__ = function.name  # what a stuck call is reported as (guard.RunawayWatch)
     return call
 
 

@@ -15,10 +15,10 @@ The caller turns any failure into reward 0, the counters ``reward_failures{reaso
 An abandoned thread that keeps computing is not harmless: it holds the GIL the worker's engine needs between
 torch calls (each call gives the GIL up, and a busy thread keeps it for up to the 5-ms switch interval), so hf
 generation beside one spinning thread ran 3,100 -> 14 tokens/s here, for the rest of the process's life.
-:func:`stuck_calls` names the abandoned calls whose threads still used at least ``STUCK_CPU_SHARE`` of a core
-since their deadline (the thread's CPU time from Linux's /proc; elsewhere none is found); the worker then restarts
-(``EXIT_USER_CODE_STUCK``), the one way to be rid of a thread. A call that hangs waiting (``sleep``, I/O) costs
-nothing and is left alone.
+:class:`RunawayWatch` names the abandoned calls whose threads together used at least ``STUCK_CPU_SHARE`` of the
+process's CPU time over the last second or more (each thread's CPU time from Linux's /proc; elsewhere none is
+found); the worker then restarts (``EXIT_USER_CODE_STUCK``), the one way to be rid of a thread. A call that
+hangs waiting (``sleep``, I/O) costs nothing and is left alone.
 Code that runs several user functions in one guarded call (an environment step, then a per-sample reward)
 raises :class:`Attributed` to say which of them failed; the outcome's ``function`` then names it.
 """
@@ -36,9 +36,9 @@ from pathlib import Path
 from typing import Any
 
 FAILURE_REASONS = ("exception", "timeout", "nan", "type")
-#: an abandoned call whose thread used at least this share of a core since its deadline is stuck
+#: abandoned calls whose threads used at least this share of the process's CPU time are stuck ...
 STUCK_CPU_SHARE = 0.5
-#: ... measured over at least this long after the deadline
+#: ... measured over at least this long
 STUCK_AFTER_S = 1.0
 _CLOCK_TICKS_PER_S = os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 100
 
@@ -153,7 +153,8 @@ class GuardedCall:
 
 @dataclass(frozen=True, slots=True)
 class StuckCall:
-    """An abandoned call still computing: the user function's name, its CPU share since its deadline."""
+    """An abandoned call still computing: the user function's name, the share of the process's CPU time its
+    thread used over the last look, and how long ago its deadline passed."""
 
     name: str
     cpu_share: float
@@ -164,22 +165,37 @@ _abandoned: list[GuardedCall] = []  # this process's calls abandoned at their de
 _abandoned_lock = threading.Lock()
 
 
-def stuck_calls(now: float | None = None) -> list[StuckCall]:
-    """The abandoned calls whose threads used at least ``STUCK_CPU_SHARE`` of a core over at least
-    ``STUCK_AFTER_S`` since their deadline; calls whose threads ended are forgotten."""
-    now = time.monotonic() if now is None else now
-    with _abandoned_lock:
-        _abandoned[:] = [c for c in _abandoned if c._thread.is_alive()]
-        calls = list(_abandoned)
-    stuck = []
-    for call in calls:
-        past_s = now - call.deadline
-        if past_s < STUCK_AFTER_S:
-            continue
-        share = (call._thread_cpu_s() - call._cpu_at_deadline) / past_s
-        if share >= STUCK_CPU_SHARE:
-            stuck.append(StuckCall(name=call.name, cpu_share=round(share, 2), past_deadline_s=round(past_s, 1)))
-    return stuck
+class RunawayWatch:
+    """Whether abandoned calls keep this process busy: between two looks at least ``interval_s`` apart, the share
+    of the process's CPU time (all its threads) that the threads of abandoned calls used. Against the process's
+    own CPU time, not the wall clock, so a loaded machine, or several runaway threads taking turns at the GIL,
+    read the same as one on an idle machine; a call that hangs asleep uses none."""
+
+    def __init__(self, interval_s: float = STUCK_AFTER_S, min_share: float = STUCK_CPU_SHARE) -> None:
+        self.interval_s = interval_s
+        self.min_share = min_share
+        self._at = time.monotonic()
+        self._process_cpu_s = time.process_time()
+        self._thread_cpu_s: dict[int, float] = {}  # id of a tracked call -> its thread's CPU seconds at the last look
+
+    def check(self) -> list[StuckCall]:
+        """The abandoned calls that used CPU since the last look, when together they used at least ``min_share``
+        of the process's CPU time (else, or sooner than ``interval_s`` after the last look, none)."""
+        now = time.monotonic()
+        if now - self._at < self.interval_s:
+            return []
+        process_cpu_s = time.process_time()
+        with _abandoned_lock:
+            _abandoned[:] = [c for c in _abandoned if c._thread.is_alive()]
+            calls = list(_abandoned)
+        cpu_s = {id(c): c._thread_cpu_s() for c in calls}
+        used_s = [(c, cpu_s[id(c)] - self._thread_cpu_s.get(id(c), c._cpu_at_deadline)) for c in calls]
+        spent_s = process_cpu_s - self._process_cpu_s
+        self._at, self._process_cpu_s, self._thread_cpu_s = now, process_cpu_s, cpu_s
+        if spent_s <= 0 or sum(u for _, u in used_s) < self.min_share * spent_s:
+            return []
+        return [StuckCall(name=c.name, cpu_share=round(u / spent_s, 2), past_deadline_s=round(now - c.deadline, 1))
+                for c, u in used_s if u > 0]
 
 
 def _failed(exc: BaseException) -> Outcome:
