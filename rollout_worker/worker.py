@@ -200,7 +200,7 @@ class Worker:
             "calls": [f"{c.name}: {c.cpu_share:.0%} of this process's CPU, {c.past_deadline_s:g} s past its "
                       "deadline" for c in stuck],
             "error": f"{code} ran past worker.reward_timeout_s and kept computing; Python cannot stop a thread, and "
-                     "while it runs it holds the interpreter lock the engine needs (generation slows ~100x), so "
+                     "while it runs it holds the interpreter lock the engine needs (hf generation ran ~200x slower), so "
                      "this worker restarts",
             "fix": "bound the function's work (e.g. a timeout inside it for a solver or regex that can run away)"})
         self.stop.set()

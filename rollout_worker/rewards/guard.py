@@ -14,7 +14,8 @@ The caller turns any failure into reward 0, the counters ``reward_failures{reaso
 
 An abandoned thread that keeps computing is not harmless: it holds the GIL the worker's engine needs between
 torch calls (each call gives the GIL up, and a busy thread keeps it for up to the 5-ms switch interval), so hf
-generation beside one spinning thread ran 3,100 -> 14 tokens/s here, for the rest of the process's life.
+generation beside one spinning thread ran 530 -> 2.4 tokens/s here (bench/adapter_load.py), for the rest of the
+process's life.
 :class:`RunawayWatch` names the abandoned calls whose threads together used at least ``STUCK_CPU_SHARE`` of the
 process's CPU time over the last second or more (each thread's CPU time from Linux's /proc; elsewhere none is
 found); the worker then restarts (``EXIT_USER_CODE_STUCK``), the one way to be rid of a thread. A call that
