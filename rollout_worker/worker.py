@@ -127,8 +127,8 @@ class Worker:
 
     def run(self, signals: list[str] | None = None) -> int:
         """Generate until ``stop`` is set; ``signals`` are the names of the signals that set it (for the log).
-        Returns the exit code: 0, or EXIT_CONFIG_ERROR when the reward fails on everything or the backend
-        refuses an adapter."""
+        Returns the exit code: 0, EXIT_CONFIG_ERROR when the reward fails on everything or the backend refuses an
+        adapter, or EXIT_USER_CODE_STUCK when user code keeps computing past its timeout."""
         while not self.stop.is_set():
             self.wake.clear()
             self._load_adapter()
@@ -180,14 +180,14 @@ class Worker:
             f"environment {type(self.rollouts.envs.for_task(group.task)).__qualname__} of task {group.task!r}"
         error = (f"every sample of {self._num_failed_groups} groups in a row failed its reward "
                  f"(worker.max_failed_reward_groups = {limit}): {code}; last error {self.rollouts.last_failure}")
-        self._fatal = (EXIT_CONFIG_ERROR, "reward_failing", {"error": error, "fix": "fix the reward function or environment "
-                                          "(worker.reward / worker.env), or raise worker.max_failed_reward_groups "
-                                          "(0 = never stop)"})
+        self._fatal = (EXIT_CONFIG_ERROR, "reward_failing", {
+            "error": error, "fix": "fix the reward function or environment (worker.reward / worker.env), or raise "
+                                   "worker.max_failed_reward_groups (0 = never stop)"})
         self.stop.set()  # the loop ends, the leases go back, then run() logs why and returns EXIT_CONFIG_ERROR
         return True
 
     def _check_user_code(self) -> None:
-        """Stop for a restart when user code abandoned at its timeout keeps a core busy (rewards.guard): its
+        """Stop for a restart when user code abandoned at its timeout keeps this process busy (rewards.guard): its
         thread holds the GIL the engine needs, and only a new process is rid of it."""
         stuck = self._runaway.check()
         if not stuck:
