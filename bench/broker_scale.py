@@ -26,7 +26,13 @@ broker). The fleet grows to each size in turn on one broker process; at each siz
   sockets) per idle worker's heartbeat at the largest size, in CPU time: the part of the idle cost the broker's
   Python decides, and a figure this shared machine's load hardly moves (the socket figures above it do);
 - death: one fleet process is SIGKILLed at the largest size; the time until the broker's stats no longer count
-  its workers, next to the configured heartbeat timeout (interval x misses).
+  its workers, next to the heartbeat timeout (the interval asked of that fleet x misses).
+
+The heartbeat budget (``broker.max_heartbeats_per_second``, default 2,000): a fleet larger than that many workers
+per configured interval is asked to beat more slowly (Nomad's servers stretch their clients' heartbeat TTL the
+same way); every fleet socket says in its Hello that it follows, as a BrokerLink does, and takes the interval
+from the pongs it reads. ``--unlimited-reference`` measures the same broker with no budget first (every worker at
+1 s), then with the configured one: the idle cost, the lease tail and the death time side by side.
 
 Adapter fan-out at fleet size (``--fanout``): N fetchers (in a few processes) hold Hello sessions; a learner
 publishes one ``--mb`` MB adapter; each fetcher gets the AdapterNotice, fetches, and records when the whole
@@ -112,12 +118,14 @@ def kind_of(frames: list) -> int:
     return framing.PREAMBLE.unpack(frames[0].buffer)[2]
 
 
-SILENCE_TIMEOUT_S = 1.0 * 5  # what a worker's BrokerLink says in its Hello: the broker's defaults, interval x misses
+INTERVAL_S = 1.0  # the broker's default heartbeat interval (common/config.py), each worker's own
+SILENCE_TIMEOUT_S = INTERVAL_S * 5  # what a worker's BrokerLink says in its Hello: interval x misses
 
 
 def connect_workers(ctx: zmq.Context, endpoint: str, names: list[str]) -> list[zmq.Socket]:
-    """One DEALER per name, each welcomed by the broker as a worker (its Hello says what a real worker's says,
-    the silence timeout too: a broker that knows it answers every second beat, an older one every beat)."""
+    """One DEALER per name, each welcomed by the broker as a worker (its Hello says what a real worker's says:
+    the silence timeout, so a broker that knows it answers every second beat, an older one every beat; its own
+    interval, so it follows a longer one the broker asks for, as a BrokerLink does)."""
     socks = []
     for name in names:
         sock = ctx.socket(zmq.DEALER)
@@ -125,7 +133,8 @@ def connect_workers(ctx: zmq.Context, endpoint: str, names: list[str]) -> list[z
         sock.connect(endpoint)
         sock.send_multipart(protocol.encode(Hello(role="worker", client_id=name, backend="sim",
                                                   session=uuid.uuid4().hex[:8], batched_acks=True,
-                                                  silence_timeout_s=SILENCE_TIMEOUT_S)))
+                                                  silence_timeout_s=SILENCE_TIMEOUT_S,
+                                                  heartbeat_interval_s=INTERVAL_S)))
         socks.append(sock)
     poller = zmq.Poller()
     for sock in socks:
@@ -145,10 +154,20 @@ def connect_workers(ctx: zmq.Context, endpoint: str, names: list[str]) -> list[z
     return socks
 
 
+def asked_interval(frames: list, interval_s: float) -> float:
+    """The interval a worker beats at after reading ``frames``: a pong's ``interval_s`` when longer than its own
+    (common.transport.BrokerLink._follow), else ``interval_s`` unchanged."""
+    if kind_of(frames) != Kind.HEARTBEAT:
+        return interval_s
+    return max(INTERVAL_S, msgpack.unpackb(frames[1].buffer).get("interval_s", 0.0))
+
+
 def fleet(endpoint: str, prefix: str, n: int, interval_s: float, nice: int, ready: mp.Queue, stop: mp.Event
           ) -> None:
-    """``n`` workers that heartbeat every ``interval_s`` (spread over the interval) and read what arrives (each
-    socket about once per interval, in turn: no poll over a thousand sockets), at ``nice``."""
+    """``n`` workers that heartbeat every ``interval_s`` (spread over the interval), or the longer one the
+    broker's pongs ask for, and read what arrives (each socket about once per interval, in turn: no poll over a
+    thousand sockets), at ``nice``. The asked interval is taken for every socket at the first pong that says it
+    (a real worker takes it at its own next pong, within about one interval)."""
     os.nice(nice)
     ctx = zmq.Context()
     ctx.set(zmq.MAX_SOCKETS, n + 64)  # a context option (setsockopt would set a socket default)
@@ -158,7 +177,6 @@ def fleet(endpoint: str, prefix: str, n: int, interval_s: float, nice: int, read
     start = time.monotonic()
     due = [start + interval_s * i / n for i in range(n)]
     turn = 0  # the next socket to beat, in order
-    reads_per_tick = max(1, -(-n * FLEET_TICK_S // interval_s))
     read_turn = 0
     while not stop.is_set():
         now = time.monotonic()
@@ -166,12 +184,12 @@ def fleet(endpoint: str, prefix: str, n: int, interval_s: float, nice: int, read
             socks[turn].send_multipart(beat)
             due[turn] += interval_s
             turn = (turn + 1) % n
-        for _ in range(int(reads_per_tick)):
+        for _ in range(int(max(1, -(-n * FLEET_TICK_S // interval_s)))):
             sock = socks[read_turn]
             read_turn = (read_turn + 1) % n
             with contextlib.suppress(zmq.Again):
                 while True:
-                    sock.recv_multipart(zmq.NOBLOCK)
+                    interval_s = asked_interval(sock.recv_multipart(zmq.NOBLOCK, copy=False), interval_s)
         time.sleep(max(0.0, min(due[turn], now + FLEET_TICK_S) - time.monotonic()))
     for sock in socks:
         sock.close(0)
@@ -234,6 +252,8 @@ def active(endpoint: str, seconds: float, interval_s: float, generate_s: float, 
                 generating.append((time.perf_counter() + generate_s, i, grant["leases"][0]))
             elif kind == Kind.ACK:
                 accepted += len(msgpack.unpackb(frames[1].buffer).get("ref_ids") or [None])
+            else:
+                interval_s = asked_interval(frames, interval_s)
     results.put((grants, accepted, empty, now - start))
     for sock in socks:
         sock.close(0)
@@ -456,14 +476,15 @@ def tail_causes(grants: list[tuple[float, float, float]], publishes: Path, broke
 
 
 def fleet_sizes(workdir: Path, sizes: list[int], seconds: float, generate_s: float, *, tree: Path = REPO,
-                nice: int = 10, label: str = "") -> dict[int, dict]:
+                nice: int = 10, label: str = "", overrides: tuple[str, ...] = ()) -> dict[int, dict]:
     """Grow one broker's fleet (at ``nice``) to each size; measure idle CPU, RSS, the active path; kill a fleet at
-    the end. ``tree``: the checkout whose broker runs; ``label`` prefixes its lines."""
+    the end. ``tree``: the checkout whose broker runs, with these config ``overrides``; ``label`` prefixes its
+    lines."""
     spawn = mp.get_context("spawn")
     stop, ready, results = spawn.Event(), spawn.Queue(), spawn.Queue()
-    interval, misses = 1.0, 5  # the broker's defaults (common/config.py)
+    interval, misses = INTERVAL_S, 5  # the broker's defaults (common/config.py)
     workdir.mkdir()
-    broker, endpoint = start_broker(workdir, f"broker.max_workers={max(sizes) + 2 * ACTIVE_WORKERS + 8}",
+    broker, endpoint = start_broker(workdir, *overrides, f"broker.max_workers={max(sizes) + 2 * ACTIVE_WORKERS + 8}",
                                     f"broker.heartbeat_interval_s={interval}", f"broker.heartbeat_misses={misses}",
                                     "run.group_size=8", f"run.groups_per_step={GROUPS_PER_STEP}",
                                     "run.max_staleness=1000", f"broker.capacity_groups={4 * GROUPS_PER_STEP}",
@@ -494,8 +515,9 @@ def fleet_sizes(workdir: Path, sizes: list[int], seconds: float, generate_s: flo
                 ready.get(timeout=180)
                 connected += n
             wait_until(lambda size=size: workers_counted(endpoint) >= size, 60, f"{size} workers counted", poll_s=0.5)
-            time.sleep(interval * 2)  # every worker has beaten at least once
-            window = idle_window(broker.pid, endpoint, seconds)
+            asked = fetch_stats(endpoint, timeout_s=10)["settings"].get("heartbeat_interval_asked_s", interval)
+            time.sleep(asked * 2)  # every worker has beaten at least once (at the interval it is asked for)
+            window = {**idle_window(broker.pid, endpoint, seconds), "interval_asked_s": asked}
             idle = window["idle_core_share"]
             rss = rss_kb(broker.pid)
             loop_before = fetch_stats(endpoint, timeout_s=10).get("loop")
@@ -520,7 +542,8 @@ def fleet_sizes(workdir: Path, sizes: list[int], seconds: float, generate_s: flo
                          "us_per_group": round(us_per_group, 1) if us_per_group else None,
                          "capacity_groups_per_s": round((1 - idle) / us_per_group * 1e6) if us_per_group else None,
                          "loop": loop, "tail": tail_causes(grants, publishes, broker_queued, elapsed)}
-            print(f"{label}{size:>5} workers: idle CPU {idle:6.1%} of a core (main thread "
+            print(f"{label}{size:>5} workers (asked to beat every {asked:g} s): idle CPU {idle:6.1%} of a core "
+                  f"(main thread "
                   f"{window['main_thread_share']:.1%}; {window['heartbeats_per_s']:.0f} heartbeats/s, "
                   f"{window['us_per_heartbeat']:.0f} us each; machine {window['machine_busy']:.0%} busy)  "
                   f"RSS {rss / 1024:7.1f} MB "
@@ -543,6 +566,9 @@ def fleet_sizes(workdir: Path, sizes: list[int], seconds: float, generate_s: flo
                       f"{loop['slowest_step_ms']:.1f} ms, slowest gc {loop['slowest_gc_ms']} ms (last stats window); "
                       f"collections by generation {loop['gc_collections']}", flush=True)
         victim, victim_n, _ = fleets[-1]
+        settings = fetch_stats(endpoint, timeout_s=10)["settings"]
+        asked = settings.get("heartbeat_interval_asked_s", interval)
+        timeout_s = settings.get("heartbeat_timeout_s", interval * misses)
         before = workers_counted(endpoint)
         # workers dropped before the kill: the active workers of the earlier phases (they leave without a Bye),
         # and any live worker a lagging broker heard too late (then the victims cannot all still be counted)
@@ -559,10 +585,11 @@ def fleet_sizes(workdir: Path, sizes: list[int], seconds: float, generate_s: flo
         print(f"{label}death: {victim_n} workers SIGKILLed, " + (
               f"gone from the broker's stats after {death_s:.2f} s" if death_s is not None else
               "NOT all gone from the broker's stats within 60 s") +
-              f" (configured timeout {interval * misses:.1f} s = {interval:g} s x {misses}); workers dropped as dead "
+              f" (timeout {timeout_s:.1f} s = the interval asked of {before} workers, {asked:g} s, x {misses}; "
+              f"configured {interval:g} s); workers dropped as dead "
               f"before the kill: {dead_before} (the active workers of earlier phases: {expected})", flush=True)
         out[max(sizes)]["death_detect_s"] = round(death_s, 2) if death_s is not None else None
-        out[max(sizes)]["heartbeat_timeout_s"] = interval * misses
+        out[max(sizes)]["heartbeat_timeout_s"] = timeout_s
         out[max(sizes)]["dead_before_kill"] = dead_before
         return out
     finally:
@@ -634,7 +661,13 @@ def main(argv: list[str] | None = None) -> int:
                         "compete with the broker for this machine's cores, the earlier method)")
     parser.add_argument("--reference-tree", type=Path, default=None, help="another checkout whose broker is "
                         "measured first, with the same clients (the before of a before/after)")
+    parser.add_argument("--unlimited-reference", action="store_true", help="measure this broker first with no "
+                        "heartbeat budget (broker.max_heartbeats_per_second=0: every worker beats every second), "
+                        "then with the configured one")
+    parser.add_argument("--budget", type=float, default=None, help="broker.max_heartbeats_per_second of the "
+                        "measured broker (default: the config's)")
     args = parser.parse_args(argv)
+    budget = () if args.budget is None else (f"broker.max_heartbeats_per_second={args.budget}",)
     sizes = sorted(int(s) for s in args.fleets.split(","))
     print(f"machine load {os.getloadavg()[0]:.2f} {os.getloadavg()[1]:.2f} {os.getloadavg()[2]:.2f}; fleet at nice "
           f"{args.fleet_nice}", flush=True)
@@ -649,15 +682,20 @@ def main(argv: list[str] | None = None) -> int:
         if args.reference_tree is not None:
             before = fleet_sizes(Path(tmp) / "before", sizes, args.seconds, args.generate_ms / 1000,
                                  tree=args.reference_tree.resolve(), nice=args.fleet_nice, label="before: ")
+        elif args.unlimited_reference:
+            before = fleet_sizes(Path(tmp) / "before", sizes, args.seconds, args.generate_ms / 1000,
+                                 nice=args.fleet_nice, label="no budget: ",
+                                 overrides=("broker.max_heartbeats_per_second=0",))
         scale = fleet_sizes(Path(tmp) / "fleet", sizes, args.seconds, args.generate_ms / 1000, nice=args.fleet_nice,
-                            label="after:  " if before else "")
+                            label="after:  " if before else "", overrides=budget)
         fan = fanout(Path(tmp), [int(c) for c in args.fanout.split(",") if c], args.mb) if args.fanout else {}
     for size in sizes if before else ():
         b, a = before[size], scale[size]
         print(f"{size:>5} workers, before -> after: idle {b['idle_core_share']:.1%} -> {a['idle_core_share']:.1%} "
               f"of a core ({b['us_per_heartbeat']:.0f} -> {a['us_per_heartbeat']:.0f} us per heartbeat), lease p50 "
               f"{b['lease_p50_ms']:.1f} -> {a['lease_p50_ms']:.1f} ms, p99 {b['lease_p99_ms']:.1f} -> "
-              f"{a['lease_p99_ms']:.1f} ms, {b['kb_per_worker']:.0f} -> {a['kb_per_worker']:.0f} KB/worker", flush=True)
+              f"{a['lease_p99_ms']:.1f} ms, {b['kb_per_worker']:.0f} -> {a['kb_per_worker']:.0f} KB/worker, "
+              f"interval asked {b.get('interval_asked_s', 1.0):g} -> {a['interval_asked_s']:g} s", flush=True)
     print(f"machine load at the end {os.getloadavg()[0]:.2f}", flush=True)
     top = scale[max(sizes)]
     group_tokens = GROUP_BYTES / WIRE_BYTES_PER_TOKEN

@@ -95,7 +95,8 @@ class BrokerCore:
         self.handled_kind = ""  # the kind of the message handle() last took (LoopTimes names slow steps by it)
         self.peers = PeerRegistry(heartbeat_interval_s=broker.heartbeat_interval_s,
                                   heartbeat_misses=broker.heartbeat_misses, max_workers=broker.max_workers,
-                                  max_observers=broker.max_observers)
+                                  max_observers=broker.max_observers,
+                                  max_heartbeats_per_second=broker.max_heartbeats_per_second)
         adapters = AdapterCache(broker.num_adapters_kept)
         self.quarantine = Quarantine(after=config.integrity.quarantine_after, window=config.integrity.quarantine_window)
         self.writer = (StateWriter(self.state_path, min_interval_s=broker.state_write_interval_ms / 1000)
@@ -287,8 +288,8 @@ class BrokerCore:
             self._reconsider = True
         if beat.lease_ids:
             self.stats.count("leases", "renewed", self.ledger.renew(identity, beat.lease_ids, now_s))
-        if peer.pong_due(now_s):
-            frames, size = self._beats.pong(self.latest_version)
+        if peer.pong_due(now_s, self.peers.interval_s):
+            frames, size = self._beats.pong(self.latest_version, self.peers.interval_s)
             self.outbox.send(identity, Kind.HEARTBEAT, frames, num_bytes=size)
 
     def _on_bye(self, identity: bytes, peer: Peer, bye: protocol.Bye, _env: Any, _frames: Any, _now_s: float) -> None:

@@ -59,7 +59,7 @@ class HeartbeatPath:
         self._decoder = msgspec.msgpack.Decoder(_raw_counters_type())
         self._counters = msgspec.msgpack.Decoder(Numbers)
         self._roles = SENDERS[Kind.HEARTBEAT]
-        self._pong: tuple[int, list[bytes], int] | None = None  # (latest version, frames, bytes)
+        self._pong: tuple[tuple[int, float], list[bytes], int] | None = None  # ((version, interval), frames, bytes)
 
     def decode(self, frames: list[Any], peer: Peer | None, authenticated_role: str | None) -> Any:
         """The beat (``counters`` decoded into ``counters_dict``, or None when unchanged), or None when the message
@@ -90,9 +90,10 @@ class HeartbeatPath:
         peer.counters_raw = raw.copy()  # (not a view of the received frame: that is let go)
         return beat
 
-    def pong(self, latest_version: int) -> tuple[list[bytes], int]:
-        """The broker's Heartbeat reply at ``latest_version``, encoded once per version: (frames, bytes)."""
-        if self._pong is None or self._pong[0] != latest_version:
-            frames = protocol.encode(Heartbeat(latest_version=latest_version, state="idle"))
-            self._pong = (latest_version, frames, sum(len(f) for f in frames))
+    def pong(self, latest_version: int, interval_s: float) -> tuple[list[bytes], int]:
+        """The broker's Heartbeat reply at ``latest_version``, asking for beats every ``interval_s``, encoded once
+        per (version, interval): (frames, bytes)."""
+        if self._pong is None or self._pong[0] != (latest_version, interval_s):
+            frames = protocol.encode(Heartbeat(latest_version=latest_version, state="idle", interval_s=interval_s))
+            self._pong = ((latest_version, interval_s), frames, sum(len(f) for f in frames))
         return self._pong[1], self._pong[2]

@@ -24,6 +24,16 @@ identities in the order they were last heard (each message moves its sender to t
 ``(role, client_id)`` and the count of each role are indexed too, so a Hello is O(1) (a reconnect storm of n
 workers was O(n^2)). Callers pass a non-decreasing ``now_s``.
 
+The heartbeat budget. A fleet beating every ``heartbeat_interval_s`` costs the broker one message per worker and
+interval whatever it does; past ``broker.max_heartbeats_per_second`` the registry asks for a longer interval
+(:attr:`PeerRegistry.interval_s`: the configured one x the fleet's excess, rounded up to a quarter of it), as
+Nomad's servers stretch their clients' heartbeat TTL with the cluster's size. Clients hear it in their Welcome
+and in pongs (``Heartbeat.interval_s``); one that says it follows (``Hello.heartbeat_interval_s`` > 0) beats at
+it and stretches its silence timeout by the same factor, so its pongs are thinned by that factor too
+(:meth:`Peer.pong_due`). Death comes after ``heartbeat_misses`` of the asked intervals: the timeout grows at once
+when the interval does, and when it shrinks the longer timeout is kept for one more of its own length, until
+every follower has heard the shorter interval. Older clients keep their own interval, which is never longer.
+
 Each peer also accumulates the time spent in each reported state (``training``, ``waiting``, ...), from
 which the stats derive busy shares (the learner's idle share is the headline number of async training).
 Pure logic: no sockets; callers pass ``now_s`` (``time.monotonic()``).
@@ -31,6 +41,7 @@ Pure logic: no sockets; callers pass ``now_s`` (``time.monotonic()``).
 
 from __future__ import annotations
 
+import math
 import time
 from collections import OrderedDict, defaultdict
 from dataclasses import dataclass, field
@@ -39,6 +50,8 @@ from typing import Any
 from common.protocol import Heartbeat, Hello
 
 MAX_FENCED = 64  # replaced learners remembered (the oldest are forgotten; each is one learner restart)
+INTERVAL_STEPS = 4  # a stretched heartbeat interval is rounded up to a quarter of the configured one
+SHRINK_MARGIN = 1.1  # ... and made shorter again only once the fleet is a tenth below the shorter one's limit
 PONGS_PER_TIMEOUT = 3  # a beat is answered once a third of the client's silence timeout passed since the last answer
 
 #: states in which a client is doing useful work (for busy shares)
@@ -72,6 +85,7 @@ class Peer:
     adapter_version: int = 0
     batched_acks: bool = False  # reads Ack.ref_ids: its groups are acknowledged together, once per loop pass
     silence_timeout_s: float = 0.0  # Hello.silence_timeout_s: it says hello again after this long unanswered
+    own_interval_s: float = 0.0  # Hello.heartbeat_interval_s: > 0 when it follows the interval the broker asks for
     last_pong_s: float = float("-inf")
     state: str = "starting"
     num_leases_reported: int = 0
@@ -90,12 +104,16 @@ class Peer:
     def name(self) -> str:
         return display_name(self.identity)
 
-    def pong_due(self, now_s: float) -> bool:
+    def pong_due(self, now_s: float, asked_interval_s: float) -> bool:
         """Whether this beat is answered: always for a client that did not say how long it waits, else once a
         third of its silence timeout has passed since the last answer (a fleet beating every second with the
         default 5-s timeout is answered every second beat: half the broker's sends, and the client still hears
-        from it at least every ~2 s)."""
-        if self.silence_timeout_s <= 0 or now_s - self.last_pong_s >= self.silence_timeout_s / PONGS_PER_TIMEOUT:
+        from it at least every ~2 s). A client that follows the broker's ``asked_interval_s`` has stretched its
+        timeout by the factor that interval exceeds its own."""
+        silence_s = self.silence_timeout_s
+        if self.own_interval_s > 0 and asked_interval_s > self.own_interval_s:
+            silence_s *= asked_interval_s / self.own_interval_s
+        if silence_s <= 0 or now_s - self.last_pong_s >= silence_s / PONGS_PER_TIMEOUT:
             self.last_pong_s = now_s
             return True
         return False
@@ -118,8 +136,13 @@ class PeerRegistry:
     """Registered clients by identity, with liveness from the last time each was heard."""
 
     def __init__(self, *, heartbeat_interval_s: float, heartbeat_misses: int, max_workers: int,
-                 max_observers: int = 64) -> None:
+                 max_observers: int = 64, max_heartbeats_per_second: float = 0.0) -> None:
+        self.base_interval_s = heartbeat_interval_s
+        self.misses = heartbeat_misses
+        self.max_heartbeats_per_second = max_heartbeats_per_second
+        self.interval_s = heartbeat_interval_s  # asked of the clients now (see "The heartbeat budget")
         self.timeout_s = heartbeat_interval_s * heartbeat_misses
+        self._longer_timeout: tuple[float, float] | None = None  # (timeout, kept until) after the interval shrank
         self.max_workers = max_workers
         self.max_observers = max_observers
         self._peers: dict[bytes, Peer] = {}  # in registration order
@@ -204,7 +227,8 @@ class PeerRegistry:
         peer = Peer(identity=identity, role=hello.role, client_id=hello.client_id, session=hello.session, key=key,
                     backend=hello.backend, capacity=hello.capacity, host=hello.host, pid=hello.pid,
                     adapter_version=hello.adapter_version, batched_acks=hello.batched_acks,
-                    silence_timeout_s=hello.silence_timeout_s, registered_s=now_s, registered_unix=time.time(),
+                    silence_timeout_s=hello.silence_timeout_s, own_interval_s=hello.heartbeat_interval_s,
+                    registered_s=now_s, registered_unix=time.time(),
                     last_seen_s=now_s, state_since_s=now_s)
         self._add(peer)
         return peer, old
@@ -241,6 +265,27 @@ class PeerRegistry:
     def fenced_by(self, identity: bytes) -> str | None:
         """Who replaced the learner with this identity, or None when it is not fenced."""
         return self._fenced.get(identity)
+
+    def wanted_interval_s(self, margin: float = 1.0) -> float:
+        """The interval the heartbeat budget asks for at today's fleet size (times ``margin``)."""
+        excess = margin * len(self._peers) / self.max_heartbeats_per_second / self.base_interval_s \
+            if self.max_heartbeats_per_second > 0 else 0.0
+        return self.base_interval_s * max(1.0, math.ceil(excess * INTERVAL_STEPS) / INTERVAL_STEPS)
+
+    def pace(self, now_s: float) -> bool:
+        """Set :attr:`interval_s` and :attr:`timeout_s` for the fleet registered now; True when the interval
+        changed."""
+        if self._longer_timeout is not None and now_s >= self._longer_timeout[1]:
+            self._longer_timeout = None
+        wanted = self.wanted_interval_s()
+        if wanted < self.interval_s:  # shorter only with room to spare: a fleet at a step's edge does not flap
+            wanted = min(self.interval_s, self.wanted_interval_s(SHRINK_MARGIN))
+        changed = wanted != self.interval_s
+        if wanted < self.interval_s:
+            self._longer_timeout = (self.timeout_s, now_s + self.timeout_s)
+        self.interval_s = wanted
+        self.timeout_s = max(wanted * self.misses, self._longer_timeout[0] if self._longer_timeout else 0.0)
+        return changed
 
     def dead(self, now_s: float) -> list[Peer]:
         """Remove and return the peers silent for longer than the heartbeat timeout, least recently heard first

@@ -91,8 +91,7 @@ class Registrar:
         self.outbox.send_record(identity, protocol.Welcome(
             broker_id=self.broker_id, latest_version=self.progress.latest_version, group_size=run.group_size,
             groups_per_step=run.groups_per_step, max_staleness=run.max_staleness,
-            heartbeat_interval_s=broker.heartbeat_interval_s,
-            heartbeat_timeout_s=broker.heartbeat_interval_s * broker.heartbeat_misses,
+            heartbeat_interval_s=self.peers.interval_s, heartbeat_timeout_s=self.peers.timeout_s,
             lease_timeout_s=broker.lease_timeout_s, max_message_bytes=broker.max_message_bytes,
             vocab_size=self.vocab_size), after_durable=restarted)
         if peer.role == "worker":
@@ -135,7 +134,11 @@ class Registrar:
         self.gone(peer, "bye")
 
     def dead(self, now_s: float) -> int:
-        """Clients silent for heartbeat_misses intervals are gone; how many."""
+        """Clients silent for heartbeat_misses intervals are gone; how many. (The heartbeat interval asked of the
+        fleet is set for its size first: broker.peers, "The heartbeat budget".)"""
+        if self.peers.pace(now_s):
+            log.info("heartbeat_interval_set", interval_s=self.peers.interval_s, timeout_s=self.peers.timeout_s,
+                     clients=len(self.peers), max_heartbeats_per_second=self.peers.max_heartbeats_per_second)
         dead = self.peers.dead(now_s)
         for peer in dead:
             log.warning("peer_dead", peer=peer.name, silent_s=round(now_s - peer.last_seen_s, 2))

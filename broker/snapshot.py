@@ -107,7 +107,8 @@ def build_snapshot(core: BrokerCore, now_s: float) -> dict[str, Any]:
             "groups_per_step": core.config.run.groups_per_step, "max_staleness": core.config.run.max_staleness,
             "capacity_groups": core.capacity_groups, "max_buffer_bytes": broker.max_buffer_bytes,
             "lease_timeout_s": broker.lease_timeout_s, "heartbeat_interval_s": broker.heartbeat_interval_s,
-            "heartbeat_misses": broker.heartbeat_misses,
+            "heartbeat_misses": broker.heartbeat_misses, "max_heartbeats_per_second": broker.max_heartbeats_per_second,
+            "heartbeat_interval_asked_s": core.peers.interval_s, "heartbeat_timeout_s": core.peers.timeout_s,
         },
         "prompts": {**ledger.snapshot(), "trained_total": core.progress.num_trained_total,
                     "exhausted": ledger.source.exhausted()},
@@ -143,7 +144,7 @@ def set_gauges(core: BrokerCore) -> None:
     for name, value in (("latest_version", core.latest_version), ("buffer_groups", buffer.num_buffered),
                         ("buffer_bytes", buffer.buffered_bytes), ("training_groups", buffer.num_training),
                         ("training_bytes", buffer.training_bytes), ("leases_outstanding", ledger.num_leased),
-                        ("workers", core.peers.num_workers()), ("prompts_queued", ledger.num_queued),
+                        ("workers", core.peers.num_workers()), ("heartbeat_interval_s", core.peers.interval_s), ("prompts_queued", ledger.num_queued),
                         ("lease_waiters", len(core.leasing.waiters)), ("batch_waiters", len(core.batching.waiters)),
                         ("quarantined_workers", core.quarantine.count(Status.QUARANTINED)),
                         ("probation_workers", core.quarantine.count(Status.PROBATION))):

@@ -76,6 +76,9 @@ class BrokerConfig:
     lease_timeout_s: float = rule(300.0, gt=0, unit="s", doc="a lease neither returned nor renewed by its worker's heartbeats (which name the leases it is still working on) for this long goes back to the queue")
     heartbeat_interval_s: float = rule(1.0, gt=0, le=60, unit="s")
     heartbeat_misses: int = rule(5, ge=2, le=100, doc="missed heartbeats before a client is declared dead")
+    max_heartbeats_per_second: float = rule(2000.0, ge=0, le=1e6, unit="beats/s", doc="heartbeats the broker asks for "
+                                       "at most: a fleet larger than this x heartbeat_interval_s is asked to beat "
+                                       "more slowly (its death timeout stretches with it); 0 = no limit")
     max_message_bytes: int = rule(256 << 20, ge=1 << 16, unit="bytes", doc="larger messages are refused")
     max_workers: int = rule(4096, ge=1)
     max_observers: int = rule(64, ge=0, doc="observers registered at once (a StatsRequest needs no Hello, so "

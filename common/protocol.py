@@ -162,6 +162,10 @@ class Hello(Message, kw_only=True):
     #: the broker answers its heartbeats often enough for that, not necessarily every one (0: unknown, each beat
     #: is answered)
     silence_timeout_s: Annotated[float, Meta(ge=0, le=86_400)] = 0.0
+    #: the interval the client beats at on its own; a client that says it follows the interval the broker asks
+    #: for (``Welcome.heartbeat_interval_s``, ``Heartbeat.interval_s`` in pongs) whenever that is longer, and
+    #: stretches its silence timeout by the same factor (0: an older client, which keeps its own interval)
+    heartbeat_interval_s: Annotated[float, Meta(ge=0, le=3_600)] = 0.0
 
 
 class Welcome(Message, kw_only=True):
@@ -171,8 +175,8 @@ class Welcome(Message, kw_only=True):
     group_size: Annotated[int, Meta(ge=1, le=MAX_GROUP_SIZE)]
     groups_per_step: Annotated[int, Meta(ge=1, le=MAX_BATCH_GROUPS)]
     max_staleness: Count
-    heartbeat_interval_s: Positive
-    heartbeat_timeout_s: Positive
+    heartbeat_interval_s: Positive  # the interval the broker asks for now (broker.max_heartbeats_per_second)
+    heartbeat_timeout_s: Positive  # after this long silent (interval x misses) a client is declared dead
     lease_timeout_s: Positive
     max_message_bytes: Annotated[int, Meta(ge=1)]
     vocab_size: Count = 0  # token ids must be below this; 0 = not checked
@@ -189,6 +193,9 @@ class Heartbeat(Message, kw_only=True):
     #: leases the worker is still working on: the broker renews those it holds for broker.lease_timeout_s from
     #: now (a long generation is never generated twice)
     lease_ids: bounded_list(Id, MAX_RENEWED_LEASES) = field(default_factory=list)
+    #: set by the broker in its pong: the interval it asks its clients to beat at now, longer than
+    #: broker.heartbeat_interval_s when the fleet would send more than broker.max_heartbeats_per_second (0: not set)
+    interval_s: Annotated[float, Meta(ge=0, le=3_600)] = 0.0
 
 
 class Error(Message, kw_only=True):

@@ -33,7 +33,9 @@ any answer at all, :meth:`BrokerLink.start` waits ``run.connect_timeout_s``: the
 clients (zmq keeps reconnecting and the Hello waits in the socket's queue).
 
 Heartbeats run independently of the caller, so a long generation or training step never looks like a dead
-client. Heartbeat pongs are consumed here and only update :attr:`BrokerLink.latest_version`.
+client. Heartbeat pongs are consumed here and only update :attr:`BrokerLink.latest_version` and the interval: a
+broker whose fleet is larger than its heartbeat budget asks for a longer one (broker.peers), which the link
+follows, stretching its silence timeout by the same factor (:meth:`BrokerLink._follow`).
 """
 
 from __future__ import annotations
@@ -192,6 +194,7 @@ class BrokerLink:
         hello.host = hello.host or socket.gethostname()
         hello.pid = hello.pid or os.getpid()
         hello.silence_timeout_s = hello.silence_timeout_s or heartbeat_timeout_s
+        hello.heartbeat_interval_s = heartbeat_interval_s  # it follows a longer interval the broker asks for
         self.endpoint = endpoint
         self.hello = hello
         self.welcome: Welcome | None = None
@@ -202,8 +205,9 @@ class BrokerLink:
         self._ctx = ctx or zmq.Context.instance()
         self._security = security
         self._route_token = secrets.token_hex(16) if security is not None or hello.role == "learner" else ""
-        self._interval_s = heartbeat_interval_s
-        self._timeout_s = heartbeat_timeout_s
+        self._own_interval_s, self._own_timeout_s = heartbeat_interval_s, heartbeat_timeout_s
+        self._interval_s = heartbeat_interval_s  # the own one, or the longer one the broker asks for (_follow)
+        self._timeout_s = heartbeat_timeout_s  # stretched by the same factor
         self._max_bytes = max_message_bytes
         self._inbox: queue.Queue[Incoming | Reconnected] = queue.Queue()
         self._held: collections.deque[Incoming | Reconnected] = collections.deque()
@@ -383,6 +387,20 @@ class BrokerLink:
             self._handshake_problem = problem
             log.warning("broker_handshake_failed", endpoint=self.endpoint, why=problem)
 
+    @property
+    def heartbeat_interval_s(self) -> float:
+        """The interval this link beats at now."""
+        return self._interval_s
+
+    def _follow(self, asked_s: float) -> None:
+        """Beat at the interval the broker asks for when it is longer than our own (its heartbeat budget for a large
+        fleet, broker.peers), and wait for its answers longer by the same factor: it thins its pongs by it."""
+        interval_s = max(self._own_interval_s, asked_s)
+        if interval_s != self._interval_s:
+            log.info("heartbeat_interval_followed", interval_s=interval_s, own_interval_s=self._own_interval_s)
+            self._interval_s = interval_s
+            self._timeout_s = self._own_timeout_s * interval_s / self._own_interval_s
+
     def _identity(self) -> bytes:
         """``<role>/<client_id>``; with CURVE, plus a random route token: an identity another authorised client
         cannot guess, so it cannot take over this client's route (zmq hands an identity to its newest holder).
@@ -413,11 +431,13 @@ class BrokerLink:
                 log.info("broker_restarted" if previous.broker_id != record.broker_id else "broker_rejoined",
                          broker_id=record.broker_id)
                 self._inbox.put(Reconnected(record))
+            self._follow(record.heartbeat_interval_s)
             self._welcomed.set()
             self._answered.set()
             return False
         if isinstance(record, Heartbeat):
             self.latest_version = max(self.latest_version, record.latest_version)
+            self._follow(record.interval_s)
             return False
         if isinstance(record, Error) and record.code == "not_registered":
             return True

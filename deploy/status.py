@@ -129,6 +129,11 @@ def render(snap: dict[str, Any]) -> str:
         f"batch requests {snap.get('waiting', {}).get('batch_requests', 0)}  "
         f"leases out {snap.get('leases', {}).get('outstanding', 0)}",
     ]
+    asked, configured = settings.get("heartbeat_interval_asked_s", 0), settings.get("heartbeat_interval_s", 0)
+    if asked > configured:
+        lines.append(f"heartbeats every {asked:g} s, not {configured:g}: the fleet is over the broker's budget of "
+                     f"{settings.get('max_heartbeats_per_second', 0):g} a second; death after "
+                     f"{settings.get('heartbeat_timeout_s', 0):g} s silent")
     loop = snap.get("loop")
     if loop:
         lines.append(loop_line(loop))

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import math
 import threading
+import time
 
 import msgpack
 import pytest
@@ -336,6 +337,94 @@ def test_a_real_link_with_thinned_pongs_never_rejoins(procs) -> None:
         assert link.num_reconnects == 0 and [w["id"] for w in stats["workers"]] == ["w1"]
     finally:
         link.close()
+
+
+# -- the heartbeat budget (broker.max_heartbeats_per_second) ---------------------------------------------------
+
+
+def test_the_asked_interval_stretches_with_the_fleet_and_death_waits_for_it() -> None:
+    peers = PeerRegistry(heartbeat_interval_s=1.0, heartbeat_misses=3, max_workers=100, max_heartbeats_per_second=10)
+
+    def join(first: int, last: int) -> None:
+        for i in range(first, last):
+            peers.hello(f"worker/w{i}".encode(), Hello(role="worker", client_id=f"w{i}", session="s"), 0.0)
+
+    join(0, 10)
+    assert not peers.pace(0.0) and (peers.interval_s, peers.timeout_s) == (1.0, 3.0)  # 10 beats/s: in budget
+    join(10, 25)
+    assert peers.pace(0.0) and (peers.interval_s, peers.timeout_s) == (2.5, 7.5)  # 25 / 10 per s
+    join(25, 26)
+    assert peers.pace(0.0) and peers.interval_s == 2.75  # rounded up to a quarter of the configured interval
+    peers.remove(b"worker/w25")
+    assert not peers.pace(0.0) and peers.interval_s == 2.75  # a fleet at a step's edge does not flap
+    for i in range(5, 25):
+        peers.remove(f"worker/w{i}".encode())
+    for i in range(5):
+        peers.heard(f"worker/w{i}".encode(), 10.0)
+    assert peers.pace(10.0) and peers.interval_s == 1.0
+    assert peers.timeout_s == 8.25  # kept until every follower has heard the shorter interval
+    assert peers.dead(18.0) == []  # silent 8 s: beating at the old 2.75 s, three of them missed at most
+    peers.pace(18.3)
+    assert peers.timeout_s == 3.0 and len(peers.dead(18.3)) == 5
+
+
+def test_the_welcome_and_the_pongs_ask_for_the_interval_and_followers_are_answered_less_often() -> None:
+    """A budget of two beats a second: three clients are asked for 1.5 s (in their Welcome), four for 2 s. A
+    follower (it said its own interval) that waits 3 s for an answer waits 6 s now, so it is answered every 2 s
+    of beats; an older client (no interval in its Hello) keeps its own interval and timeout and is answered as
+    before."""
+    harness = Harness("broker.max_heartbeats_per_second=2", "broker.heartbeat_misses=5")
+    harness.send(W1, Hello(role="worker", client_id="w1", session="s1", silence_timeout_s=3.0,
+                           heartbeat_interval_s=1.0))
+    harness.send(b"worker/w2", Hello(role="worker", client_id="w2", session="s1", silence_timeout_s=3.0))
+    harness.hello(b"worker/w3")
+    harness.advance(1.0)  # a liveness sweep sets the interval for the fleet
+    welcome = next(r for i, r, _ in harness.hello(b"worker/w4") if isinstance(r, protocol.Welcome))
+    assert (welcome.heartbeat_interval_s, welcome.heartbeat_timeout_s) == (1.5, 7.5)
+    harness.advance(1.0)
+    settings = harness.stats()["settings"]
+    assert (settings["heartbeat_interval_asked_s"], settings["heartbeat_timeout_s"]) == (2.0, 10.0)
+    answered: dict[bytes, list[float]] = {W1: [], b"worker/w2": []}
+    start = harness.now
+    for _ in range(9):  # a beat every second for 8 s (the follower would beat every 2 s; faster is allowed)
+        for identity in answered:
+            pongs = [r for i, r, _ in harness.send_frames(identity, raw_beat()) if isinstance(r, Heartbeat)
+                     and i == identity]
+            if pongs:
+                assert pongs[0].interval_s == harness.stats()["settings"]["heartbeat_interval_asked_s"]
+                answered[identity].append(harness.now - start)
+        harness.advance(1.0)
+    assert answered[W1] == [0.0, 2.0, 4.0, 6.0, 8.0]  # a third of 3 s x (2 s / 1 s)
+    assert answered[b"worker/w2"] == [0.0, 1.0, 2.0, 3.0, 4.0, 5.0, 6.0, 7.0, 8.0]  # a third of its own 3 s
+
+
+def test_real_links_follow_the_interval_the_broker_asks_for(procs) -> None:
+    """A real broker process whose budget is 2 beats a second and three real links configured to beat every 0.25 s
+    (8 misses: 2 s): the broker asks for 1.5 s; the links beat at it (far fewer beats than 12 a second), never
+    rejoin, and are never declared dead although they are silent 6x their own timeout's interval."""
+    from common.transport import BrokerLink, fetch_stats
+    from tests.support import start_broker, wait_for
+
+    broker = start_broker(procs, "broker.heartbeat_interval_s=0.25", "broker.heartbeat_misses=8",
+                          "broker.max_heartbeats_per_second=2")
+    links = [BrokerLink(broker.endpoint, Hello(role="worker", client_id=f"w{i}"), heartbeat_interval_s=0.25,
+                        heartbeat_timeout_s=2.0) for i in range(3)]
+    try:
+        for link in links:
+            link.start(20)
+        wait_for(lambda: all(link.heartbeat_interval_s == 1.5 for link in links), 30, "the links follow 1.5 s",
+                 procs)
+        first = fetch_stats(broker.endpoint)
+        assert first["settings"]["heartbeat_interval_asked_s"] == 1.5 and first["settings"]["heartbeat_timeout_s"] == 12
+        time.sleep(6.0)
+        last = fetch_stats(broker.endpoint)
+        beats = last["messages_in"]["heartbeat"] - first["messages_in"]["heartbeat"]
+        assert 6 <= beats <= 18  # 3 links x 6 s / 1.5 s = 12 (at their own 0.25 s: 72)
+        assert all(link.num_reconnects == 0 for link in links)
+        assert sorted(w["id"] for w in last["workers"]) == ["w0", "w1", "w2"] and not last["peers_gone"]
+    finally:
+        for link in links:
+            link.close()
 
 
 def test_a_stop_before_the_loop_starts_is_kept() -> None:

@@ -45,6 +45,17 @@ def test_render_shows_the_live_picture() -> None:
     assert "adapters  v1 (4.0 KB)" in text
 
 
+def test_render_says_when_the_fleet_is_asked_to_beat_more_slowly() -> None:
+    h = Harness("broker.max_heartbeats_per_second=1")
+    assert "heartbeats every" not in status.render(h.stats())
+    h.hello(W1)
+    h.hello(W2)
+    h.hello(LEARNER)
+    h.advance(1.0)  # the liveness sweep sets the interval: 3 clients at 1 a second
+    assert ("heartbeats every 3 s, not 1: the fleet is over the broker's budget of 1 a second; death after 15 s "
+            "silent") in status.render(h.stats())
+
+
 def test_render_tolerates_a_sparse_snapshot() -> None:
     text = status.render({})
     assert "learner   none connected" in text and "workers   0" in text
