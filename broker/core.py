@@ -32,7 +32,6 @@ from __future__ import annotations
 
 import time
 import uuid
-from collections import deque
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -45,6 +44,7 @@ from broker.heartbeats import HeartbeatPath
 from broker.leasing import LeaseDesk
 from broker.ledger import Reason
 from broker.loop_times import LoopTimes
+from broker.notices import NoticePacer
 from broker.outbox import Outbox, Outgoing
 from broker.peers import Peer, PeerRegistry, display_name
 from broker.prompts import group_id_of
@@ -64,14 +64,6 @@ from common.tasks import Task
 log = get_logger("broker")
 
 PEER_CHECK_FRACTION = 0.5  # check liveness every half heartbeat interval
-#: AdapterNotices handed to the socket at a time, after that pass's other replies, and at most one such batch
-#: per NOTICE_SPACING_S: the zmq I/O thread writes queued messages in order, so a publish to 4,096 workers handed
-#: out at once (16 fast passes) made any lease grant or ack sent meanwhile wait ~50-80 ms behind the notices
-#: (bench/broker_scale.py: 77 % of the grants over 20 ms overlapped a publish). Paced, the fan-out takes
-#: 4,096 / 128 x 5 ms = 160 ms and a reply waits behind at most one batch; only a full batch makes the next wait,
-#: so up to 128 workers (and a late joiner's single notice) get theirs at once.
-NOTICE_BATCH = 128
-NOTICE_SPACING_S = 0.005
 STATS_TICK_S = 1.0
 
 
@@ -127,8 +119,7 @@ class BrokerCore:
             kind: getattr(self, f"_on_{KIND_NAMES[kind]}") for kind in SENDERS if kind != Kind.HELLO}
         self._applying = False  # inside a handler's apply half (broker.dispatch)
         self._beats = HeartbeatPath(broker.max_message_bytes)  # the common heartbeat's fast path
-        self._notices: deque[Outgoing] = deque()  # AdapterNotices not yet handed out (NOTICE_BATCH at a time)
-        self._next_notices_s = 0.0  # when the next batch of them may go (NOTICE_SPACING_S)
+        self.notices = NoticePacer()  # AdapterNotices not yet handed out (broker.notices)
         # a change outside the ledger (a peer, a version) that may let a parked long-poll be answered; the
         # ledger's own transitions count by themselves (GroupLedger.num_changes)
         self._reconsider = False
@@ -175,13 +166,8 @@ class BrokerCore:
         """Something to send, write or re-evaluate at ``now_s`` without waiting for a message (notices whose
         batch is not due yet are :meth:`next_wakeup_s`'s)."""
         return bool(self._reconsider or self.ledger.num_changes != self._changes_seen
-                    or (self._notices and now_s >= self._next_notices_s)
+                    or self.notices.due(now_s)
                     or self.outbox.has_ready(self.keeper.durable_seq))
-
-    @property
-    def num_notices_pending(self) -> int:
-        """AdapterNotices queued for a later batch."""
-        return len(self._notices)
 
     def send_failed(self, out: Outgoing, reason: str) -> None:
         """zmq refused ``out`` (server calls this); undo what the message promised (a ledger transition)."""
@@ -438,29 +424,12 @@ class BrokerCore:
                 self.batching.serve_waiters()
             if self.leasing.waiters:
                 self.leasing.serve_waiters(now_s)
-        return self._spread_notices(self.outbox.take(), now_s)
-
-    def _spread_notices(self, out: list[Outgoing], now_s: float) -> list[Outgoing]:
-        """``out`` with its AdapterNotices queued behind earlier ones, and, when a batch is due, at most
-        NOTICE_BATCH of those appended (each worker still gets its notices in order; a notice carries no
-        promise to undo)."""
-        if not self._notices and not any(o.kind == Kind.ADAPTER_NOTICE for o in out):
-            return out
-        notices = self._notices
-        kept = []
-        for o in out:
-            (notices.append if o.kind == Kind.ADAPTER_NOTICE else kept.append)(o)
-        if now_s >= self._next_notices_s:
-            batch = min(NOTICE_BATCH, len(notices))
-            kept.extend(notices.popleft() for _ in range(batch))
-            # a full batch may have more behind it: the next waits; after a partial one the queue is short
-            self._next_notices_s = now_s + NOTICE_SPACING_S if batch == NOTICE_BATCH else now_s
-        return kept
+        return self.notices.spread(self.outbox.take(), now_s)
 
     def next_wakeup_s(self, _now_s: float) -> float:
         """When tick() next has something to do."""
         deadlines = (self.ledger.leases.next_deadline_s(), self.leasing.waiters.next_deadline_s(),
-                     self.batching.waiters.next_deadline_s(), self._next_notices_s if self._notices else None)
+                     self.batching.waiters.next_deadline_s(), self.notices.next_due_s())
         return min(self._next_stats_s, self._next_peer_check_s, *(d for d in deadlines if d is not None))
 
     def drain(self, now_s: float) -> list[Outgoing]:
@@ -469,6 +438,4 @@ class BrokerCore:
         self.leasing.drain(now_s)
         self.batching.drain()
         self.keeper.close()
-        pending = list(self._notices)  # older than anything the outbox holds
-        self._notices.clear()
-        return [*pending, *self.outbox.drain()]
+        return [*self.notices.take_all(), *self.outbox.drain()]

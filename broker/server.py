@@ -45,7 +45,7 @@ run, which amortises the poll and the state-file write over a burst without lett
 heartbeats after a stall) hold up the reply to a LeaseRequest queued behind it; tensor frames are received with
 ``copy=False`` and forwarded as the same ``zmq.Frame`` objects. The common heartbeat takes a fast path
 (:mod:`broker.heartbeats`), and a publish's AdapterNotices to every worker are handed out in paced batches
-(:data:`broker.core.NOTICE_BATCH` every :data:`broker.core.NOTICE_SPACING_S`), so neither a large idle fleet
+(:data:`broker.notices.NOTICE_BATCH` every :data:`broker.notices.NOTICE_SPACING_S`), so neither a large idle fleet
 nor a fan-out stalls the loop or the replies queued behind it in zmq's I/O thread. Each pass's
 time and its slowest step are kept by :class:`broker.loop_times.LoopTimes` (Stats ``loop``).
 """

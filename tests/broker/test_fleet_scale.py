@@ -16,7 +16,8 @@ import pytest
 import zmq
 
 from broker import server as server_module
-from broker.core import NOTICE_BATCH, NOTICE_SPACING_S, BrokerCore
+from broker.core import BrokerCore
+from broker.notices import NOTICE_BATCH, NOTICE_SPACING_S
 from broker.peers import PeerRegistry
 from broker.server import BrokerServer
 from common import framing, protocol, sockets
@@ -217,7 +218,7 @@ def test_a_publish_to_many_workers_is_paced_in_batches_behind_other_replies() ->
     core.handle(workers[5], protocol.encode(LeaseRequest(max_leases=1, adapter_version=1, wait_ms=0)), now)
     notices: dict[bytes, int] = {}
     passes = []
-    while core.has_work(now) or core.num_notices_pending or not passes:
+    while core.has_work(now) or len(core.notices) or not passes:
         if not core.has_work(now):  # only notices left: the next batch is due NOTICE_SPACING_S after the last
             assert core.next_wakeup_s(now) == pytest.approx(now + NOTICE_SPACING_S)
             assert not [o for o in core.flush(now) if o.kind == Kind.ADAPTER_NOTICE]  # not before then
