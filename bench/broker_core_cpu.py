@@ -24,7 +24,9 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 REPO = Path(__file__).resolve().parent.parent
 BATCH = 8
@@ -96,6 +98,64 @@ def child(num_groups: int, group_bytes: int) -> float:
         return spent / done * 1e6
 
 
+#: (label, module, attribute) timed by --breakdown; indented labels are parts of the one above them
+BREAKDOWN = (
+    ("RolloutGroup handler", "broker.core", "BrokerCore._on_rollout_group"),
+    ("  judge (broker.intake)", "broker.intake", "judge"),
+    ("    tensor value checks", "common.protocol", "check_group_values"),
+    ("    lease MAC check", "broker.leases", "LeaseTable.issued_to"),
+    ("  ledger accept", "broker.ledger", "GroupLedger.accept"),
+    ("  stored group", "broker.intake", "stored"),
+    ("envelope decode (all kinds)", "common.protocol", "decode_envelope"),
+    ("record decode (all kinds)", "common.protocol", "decode_record"),
+    ("LeaseRequest handler", "broker.core", "BrokerCore._on_lease_request"),
+    ("  prompt items (task)", "broker.prompts", "PromptSource.item"),
+    ("  lease grants + MAC", "broker.leases", "LeaseTable.grant"),
+    ("BatchRequest handler", "broker.core", "BrokerCore._on_batch_request"),
+    ("BatchAck handler", "broker.core", "BrokerCore._on_batch_ack"),
+    ("flush (replies, state hand-off)", "broker.core", "BrokerCore.flush"),
+    ("  state snapshot", "broker.restore", "state_of"),
+    ("tick", "broker.core", "BrokerCore.tick"),
+)
+
+
+def breakdown(num_groups: int, group_bytes: int) -> dict[str, float]:
+    """Where the core's CPU per group goes: each function of BREAKDOWN wrapped with a thread-CPU timer (in
+    this process only) while :func:`child` runs; label -> microseconds per group (the wrappers' own cost, about
+    a microsecond a call, is inside the figures)."""
+    import functools
+    import importlib
+
+    spent: dict[str, float] = {}
+
+    def timed(label: str, fn: Callable) -> Callable:
+        @functools.wraps(fn)
+        def wrapper(*args: Any, **kwargs: Any) -> Any:
+            started = time.thread_time()
+            try:
+                return fn(*args, **kwargs)
+            finally:
+                spent[label] = spent.get(label, 0.0) + time.thread_time() - started
+        return wrapper
+
+    for label, module_name, attribute in BREAKDOWN:
+        owner = importlib.import_module(module_name)
+        *path, name = attribute.split(".")
+        for part in path:
+            owner = getattr(owner, part)
+        original = getattr(owner, name)
+        wrapped = timed(label, original)
+        setattr(owner, name, wrapped)
+        if not path:  # a module-level function: modules that imported it by name hold their own reference
+            for module in list(sys.modules.values()):
+                if (module.__name__.startswith(("broker.", "common.")) and module is not owner
+                        and getattr(module, name, None) is original):
+                    setattr(module, name, wrapped)
+    total = child(num_groups, group_bytes)
+    return {"total": round(total, 1), **{label: round(spent.get(label, 0.0) / num_groups * 1e6, 1)
+                                         for label, _, _ in BREAKDOWN}}
+
+
 def run_child(tree: Path, num_groups: int, group_bytes: int) -> float:
     env = {**os.environ, "PYTHONPATH": f"{tree}{os.pathsep}{REPO}"}
     out = subprocess.run([sys.executable, __file__, "--child", "--groups", str(num_groups), "--sizes",
@@ -111,15 +171,25 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--groups", type=int, default=4000, help="groups per run")
     parser.add_argument("--repeats", type=int, default=5, help="interleaved runs per tree and size (median kept)")
     parser.add_argument("--sizes", default="16384,262144", help="group sizes in bytes, comma-separated")
+    parser.add_argument("--breakdown", action="store_true", help="this tree only: where its CPU per group goes, "
+                        "by handler and step (each timed in-process)")
     parser.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     sizes = [int(s) for s in args.sizes.split(",")]
-    if args.child:
+    if args.child or args.breakdown:
         os.environ.setdefault("LORAFLOW_LOG_LEVEL", "warning")
         import logging
 
         logging.disable(logging.INFO)
-        print(json.dumps({"us_per_group": child(args.groups, sizes[0])}))
+        if args.child:
+            print(json.dumps({"us_per_group": child(args.groups, sizes[0])}))
+            return 0
+        sys.path.insert(0, str(REPO))
+        for size in sizes:
+            parts = breakdown(args.groups, size)
+            print(f"group {size // 1024} KB: {parts.pop('total')} us of core CPU per group (timers included)")
+            for label, us in parts.items():
+                print(f"  {label:<34} {us:7.1f} us")
         return 0
     sys.path.insert(0, str(REPO))  # as every bench script: runnable without an install
     from bench.report import report

@@ -109,6 +109,10 @@ def test_version_mismatch_and_unknown_kind_and_size_limit() -> None:
 def test_unsupported_tensor_types_are_refused() -> None:
     with pytest.raises(FramingError, match="cannot travel"):
         framing.pack(1, 1, {}, [("c", np.zeros(2, np.complex64))])
+    # the wire is little-endian (the receivers' numpy views are native): a big-endian array's bytes would be
+    # read as other numbers, so it is refused rather than sent under its dtype's name
+    with pytest.raises(FramingError, match=r"dtype >i4 cannot travel .*native byte order"):
+        framing.pack(1, 1, {}, [("be", np.arange(3, dtype=">i4"))])
     with pytest.raises(FramingError, match="cannot send list"):
         framing.pack(1, 1, {}, [("l", [1, 2])])
     with pytest.raises(FramingError, match="no numpy dtype"):
