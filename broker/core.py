@@ -7,6 +7,7 @@ held by its parts, each the one owner of its piece::
     ledger    every prompt's and group's state, its lease and its frames      broker.ledger
     outbox    every reply until zmq takes it (now, after durable, batched)   broker.outbox
     leasing   admission, grants, parked LeaseRequests                        broker.leasing
+    groups    verdicts on RolloutGroups and what they do                     broker.groups
     batching  Batches, BatchAcks, parked BatchRequests, quarantine hooks     broker.batching
     progress  latest version and trained counts                             broker.progress
     peers / adapters / history / quarantine / stats                         their modules
@@ -20,7 +21,7 @@ Semantics (the contract between roles, see the team plan), each told where it is
   answered when state changes (a ledger transition, or a change of peers or versions: ``_reconsider``) or
   with an empty reply at its deadline (:mod:`broker.leasing`, :mod:`broker.batching`).
 - RolloutGroup: only for a lease granted to the sender for that prompt; dedup by group id; refused groups'
-  prompts re-queued at once (:mod:`broker.intake`). BatchAck: the listed groups trained, the rest re-queued;
+  prompts re-queued at once (:mod:`broker.groups`). BatchAck: the listed groups trained, the rest re-queued;
   its Ack only after the state write (:mod:`broker.batching`, :mod:`broker.outbox`).
 - AdapterUpdate: the version advances (or restores) the latest; Ack after the state write, then notices to
   every worker (:mod:`broker.relay`).
@@ -40,19 +41,19 @@ from broker import intake
 from broker.adapters import AdapterCache
 from broker.batching import BatchDesk
 from broker.dispatch import KIND_NAMES, SENDERS, HalfApplied, claimed_role, num_bytes, peek_kind, refusal
+from broker.groups import GroupDesk
 from broker.heartbeats import HeartbeatPath
 from broker.leasing import LeaseDesk
-from broker.ledger import Reason
 from broker.loop_times import LoopTimes
 from broker.notices import NoticePacer
 from broker.outbox import Outbox, Outgoing
 from broker.peers import Peer, PeerRegistry, display_name
 from broker.prompts import group_id_of
-from broker.quarantine import Quarantine, Status
+from broker.quarantine import Quarantine
 from broker.registration import Registrar
 from broker.relay import AdapterRelay
 from broker.restore import StateKeeper, restore, state_of
-from broker.snapshot import build_snapshot, set_gauges
+from broker.snapshot import StatsReply, set_gauges
 from broker.state import StateWriter
 from broker.stats import BrokerStats
 from common import framing, protocol
@@ -85,9 +86,8 @@ class BrokerCore:
         self.stats = BrokerStats()
         self.loop_times = LoopTimes(self.stats)
         self.handled_kind = ""  # the kind of the message handle() last took (LoopTimes names slow steps by it)
-        self.peers = PeerRegistry(heartbeat_interval_s=broker.heartbeat_interval_s,
-                                  heartbeat_misses=broker.heartbeat_misses, max_workers=broker.max_workers,
-                                  max_observers=broker.max_observers,
+        self.peers = PeerRegistry(heartbeat_interval_s=broker.heartbeat_interval_s, max_workers=broker.max_workers,
+                                  heartbeat_misses=broker.heartbeat_misses, max_observers=broker.max_observers,
                                   max_heartbeats_per_second=broker.max_heartbeats_per_second)
         adapters = AdapterCache(broker.num_adapters_kept)
         self.quarantine = Quarantine(after=config.integrity.quarantine_after, window=config.integrity.quarantine_window)
@@ -107,6 +107,7 @@ class BrokerCore:
         parts = dict(ledger=self.ledger, peers=self.peers, quarantine=self.quarantine, history=self.history,
                      progress=self.progress, outbox=self.outbox)
         self.leasing = LeaseDesk(config, task_label=self.task_label, **parts)
+        self.groups = GroupDesk(config, stats=self.stats, vocab_size=vocab_size, **parts)
         self.batching = BatchDesk(broker_id=self.broker_id, max_staleness=run.max_staleness, stats=self.stats,
                                   to_unix=to_unix, **parts)
         self.relay = AdapterRelay(adapters, history=self.history, progress=self.progress, peers=self.peers,
@@ -125,7 +126,7 @@ class BrokerCore:
         self._reconsider = False
         self._changes_seen = 0
         self._num_changes = 0  # messages (other than StatsRequest) and ticks handled: what a Stats reply is of
-        self._stats_reply: tuple[int, list[Any]] | None = None  # (_num_changes, encoded Stats) of the last one
+        self._stats_reply = StatsReply()  # encoded once per _num_changes (broker.snapshot)
         self._next_peer_check_s = now_s
         self._next_stats_s = now_s
         self.keeper = StateKeeper(self.writer, stats=self.stats, adapter=self.relay.take_unsaved,
@@ -143,13 +144,9 @@ class BrokerCore:
 
     # -- replies ---------------------------------------------------------------------------------------------
 
-    def _send(self, identity: bytes, record: Any, after_persist: bool = False) -> None:
-        self.outbox.send_record(identity, record, after_durable=after_persist)
-
     def _reject(self, identity: bytes, code: str, message: str, *, ref_kind: int = 0, ref_id: str = "",
                 ref_version: int = 0, reason: str | None = None) -> None:
-        peer = self.peers.get(identity)
-        if peer is not None and ref_kind == Kind.ROLLOUT_GROUP:
+        if ref_kind == Kind.ROLLOUT_GROUP and (peer := self.peers.get(identity)) is not None:
             peer.num_groups_rejected += 1
         self.outbox.reject(identity, code, message, ref_kind=ref_kind, ref_id=ref_id, ref_version=ref_version,
                            reason=reason)
@@ -244,11 +241,10 @@ class BrokerCore:
     def _on_malformed(self, identity: bytes, kind: int, header: dict[str, Any], exc: ProtocolError) -> None:
         """A record that failed its decode: Error; a RolloutGroup's lease, if the sender holds it, goes back at once
         (the worker drops a refused group: waiting for lease_timeout_s would only idle the prompt)."""
-        lease_id, ref_id = header.get("lease_id"), header.get("group_id", "")
-        lease = self.ledger.leases.get(lease_id) if kind == Kind.ROLLOUT_GROUP and isinstance(lease_id, str) else None
+        ref_id = header.get("group_id", "")
         self._applying = True  # validated: the apply half (broker.dispatch)
-        if lease is not None and lease.worker == identity:
-            self.ledger.end_lease(lease, Reason.REFUSED)
+        if kind == Kind.ROLLOUT_GROUP:
+            self.groups.malformed(identity, header)
         self._reject(identity, exc.code, str(exc), ref_kind=kind, ref_id=ref_id if isinstance(ref_id, str) else "")
 
     # -- registration and liveness ---------------------------------------------------------------------------
@@ -300,43 +296,12 @@ class BrokerCore:
 
     def _on_rollout_group(self, identity: bytes, peer: Peer, group: protocol.RolloutGroup,
                           envelope: framing.Envelope, _frames: Any, now_s: float) -> None:
-        verdict = intake.judge(group, envelope, identity, ledger=self.ledger, group_size=self.config.run.group_size,
-                               quarantined=self.quarantine.status((peer.client_id, peer.session))
-                               is Status.QUARANTINED, vocab_size=self.vocab_size, latest_version=self.latest_version,
-                               max_staleness=self.config.run.max_staleness, withdrawn=self.history.withdrawn)
-        gid = group.group_id
+        verdict = self.groups.judge(identity, peer, group, envelope)
         if verdict.outcome == intake.UNKNOWN:
-            self._reject(identity, verdict.code, verdict.message, ref_kind=Kind.ROLLOUT_GROUP, ref_id=gid,
-                         reason=verdict.reason)
+            self.groups.reject(identity, peer, verdict, group.group_id)
             return
         self._applying = True  # validated: the apply half (broker.dispatch)
-        if verdict.outcome == intake.REFUSE:
-            lease = self.ledger.leases.get(group.lease_id)
-            if lease is not None and lease.key == verdict.key and lease.worker == identity:
-                self.ledger.end_lease(lease, Reason.REFUSED)
-            # otherwise the prompt is queued already, or leased again to another worker (theirs to deliver)
-            if verdict.dropped:
-                self.stats.count("dropped", verdict.dropped)
-            log.info("group_refused", group_id=gid, worker=group.worker_id, code=verdict.code,
-                     reason=verdict.reason or verdict.code, error=verdict.message[:200])
-            self._reject(identity, verdict.code, verdict.message, ref_kind=Kind.ROLLOUT_GROUP, ref_id=gid,
-                         reason=verdict.reason)
-            return
-        if verdict.outcome == intake.ACCEPT:
-            stored = intake.stored(group, envelope, verdict.key, worker=peer.client_id, session=peer.session,
-                                   now_s=now_s)
-            self.ledger.accept(stored, group.lease_id, old=verdict.state)
-            self.progress.group_accepted(envelope.num_bytes)
-            peer.num_groups_accepted += 1
-            self.stats.tokens_accepted += stored.num_tokens
-            status = "accepted"
-        else:
-            self.stats.count("groups", "duplicate")
-            status = "duplicate"
-        if peer.batched_acks:  # one Ack per status for its groups of this loop pass
-            self.outbox.ack_group(identity, status, gid)
-        else:
-            self._send(identity, protocol.GroupAck(ref_id=gid, status=status))
+        self.groups.apply(identity, peer, group, envelope, verdict, now_s)
 
     def _on_batch_request(self, identity: bytes, _peer: Peer, request: protocol.BatchRequest, _env: Any, _frames: Any,
                           now_s: float) -> None:
@@ -356,7 +321,7 @@ class BrokerCore:
             return
         self._applying = True  # validated: the apply half (broker.dispatch)
         self.batching.settle(ack, now_s)
-        self._send(identity, protocol.BatchSettled(ref_id=ack.batch_id), after_persist=True)
+        self.outbox.send_record(identity, protocol.BatchSettled(ref_id=ack.batch_id), after_durable=True)
         self._reconsider = True  # a quarantine may have begun
 
     # -- adapters and stats --------------------------------------------------------------------------------
@@ -383,13 +348,7 @@ class BrokerCore:
 
     def _on_stats_request(self, identity: bytes, _peer: Peer | None, _request: Any, _env: Any, _frames: Any,
                           now_s: float) -> None:
-        """The snapshot, built and encoded once per state change: StatsRequests in between (a burst of them, from
-        anyone: no Hello needed) share one encoded reply, so neither their CPU nor their unread replies grow with
-        their number."""
-        if self._stats_reply is None or self._stats_reply[0] != self._num_changes:
-            frames = protocol.encode(protocol.Stats(snapshot=build_snapshot(self, now_s)))
-            self._stats_reply = (self._num_changes, frames)
-        self.outbox.send(identity, Kind.STATS, self._stats_reply[1])
+        self.outbox.send(identity, Kind.STATS, self._stats_reply.frames(self, self._num_changes, now_s))
 
     # -- timers and flushing ---------------------------------------------------------------------------------
 

@@ -37,6 +37,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any
 
 from broker.quarantine import Status
+from common import protocol
 
 if TYPE_CHECKING:
     from broker.core import BrokerCore
@@ -135,6 +136,19 @@ def build_snapshot(core: BrokerCore, now_s: float) -> dict[str, Any]:
         "loop": core.loop_times.snapshot(),
         **core.stats.snapshot(now_s),
     }
+
+
+class StatsReply:
+    """The encoded Stats reply, built once per state change: StatsRequests in between (a burst of them, from
+    anyone: no Hello needed) share it, so neither their CPU nor their unread replies grow with their number."""
+
+    def __init__(self) -> None:
+        self._cached: tuple[int, list[Any]] | None = None  # (the core's change count, frames)
+
+    def frames(self, core: BrokerCore, num_changes: int, now_s: float) -> list[Any]:
+        if self._cached is None or self._cached[0] != num_changes:
+            self._cached = (num_changes, protocol.encode(protocol.Stats(snapshot=build_snapshot(core, now_s))))
+        return self._cached[1]
 
 
 def set_gauges(core: BrokerCore) -> None:
