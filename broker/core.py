@@ -107,7 +107,8 @@ class BrokerCore:
         parts = dict(ledger=self.ledger, peers=self.peers, quarantine=self.quarantine, history=self.history,
                      progress=self.progress, outbox=self.outbox)
         self.leasing = LeaseDesk(config, task_label=self.task_label, **parts)
-        self.groups = GroupDesk(config, stats=self.stats, vocab_size=vocab_size, **parts)
+        self.groups = GroupDesk(config, ledger=self.ledger, quarantine=self.quarantine, history=self.history,
+                                progress=self.progress, outbox=self.outbox, stats=self.stats, vocab_size=vocab_size)
         self.batching = BatchDesk(broker_id=self.broker_id, max_staleness=run.max_staleness, stats=self.stats,
                                   to_unix=to_unix, **parts)
         self.relay = AdapterRelay(adapters, history=self.history, progress=self.progress, peers=self.peers,
@@ -121,9 +122,7 @@ class BrokerCore:
         self._applying = False  # inside a handler's apply half (broker.dispatch)
         self._beats = HeartbeatPath(broker.max_message_bytes)  # the common heartbeat's fast path
         self.notices = NoticePacer()  # AdapterNotices not yet handed out (broker.notices)
-        # a change outside the ledger (a peer, a version) that may let a parked long-poll be answered; the
-        # ledger's own transitions count by themselves (GroupLedger.num_changes)
-        self._reconsider = False
+        self._reconsider = False  # a peer or version changed: a parked long-poll may be answerable (ledger: its own)
         self._changes_seen = 0
         self._num_changes = 0  # messages (other than StatsRequest) and ticks handled: what a Stats reply is of
         self._stats_reply = StatsReply()  # encoded once per _num_changes (broker.snapshot)

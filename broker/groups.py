@@ -18,7 +18,7 @@ from broker import intake
 from broker.history import TrainingHistory
 from broker.ledger import GroupLedger, Reason
 from broker.outbox import Outbox
-from broker.peers import Peer, PeerRegistry
+from broker.peers import Peer
 from broker.progress import RunProgress
 from broker.quarantine import Quarantine, Status
 from broker.stats import BrokerStats
@@ -33,13 +33,11 @@ log = get_logger("broker")
 class GroupDesk:
     """Verdicts on RolloutGroups and their application to the ledger."""
 
-    def __init__(self, config: Config, *, ledger: GroupLedger, peers: PeerRegistry, quarantine: Quarantine,
-                 history: TrainingHistory, progress: RunProgress, outbox: Outbox, stats: BrokerStats,
-                 vocab_size: int) -> None:
+    def __init__(self, config: Config, *, ledger: GroupLedger, quarantine: Quarantine, history: TrainingHistory,
+                 progress: RunProgress, outbox: Outbox, stats: BrokerStats, vocab_size: int) -> None:
         self.group_size, self.max_staleness = config.run.group_size, config.run.max_staleness
         self.vocab_size = vocab_size
-        self.ledger, self.peers, self.quarantine, self.history = ledger, peers, quarantine, history
-        self.progress = progress
+        self.ledger, self.quarantine, self.history, self.progress = ledger, quarantine, history, progress
         self.outbox, self.stats = outbox, stats
 
     def judge(self, identity: bytes, peer: Peer, group: protocol.RolloutGroup,
