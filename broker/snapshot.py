@@ -158,7 +158,8 @@ def set_gauges(core: BrokerCore) -> None:
     for name, value in (("latest_version", core.latest_version), ("buffer_groups", buffer.num_buffered),
                         ("buffer_bytes", buffer.buffered_bytes), ("training_groups", buffer.num_training),
                         ("training_bytes", buffer.training_bytes), ("leases_outstanding", ledger.num_leased),
-                        ("workers", core.peers.num_workers()), ("heartbeat_interval_s", core.peers.interval_s), ("prompts_queued", ledger.num_queued),
+                        ("workers", core.peers.num_workers()), ("prompts_queued", ledger.num_queued),
+                        ("heartbeat_interval_s", core.peers.interval_s),
                         ("lease_waiters", len(core.leasing.waiters)), ("batch_waiters", len(core.batching.waiters)),
                         ("quarantined_workers", core.quarantine.count(Status.QUARANTINED)),
                         ("probation_workers", core.quarantine.count(Status.PROBATION))):

@@ -394,7 +394,10 @@ class BrokerLink:
 
     def _follow(self, asked_s: float) -> None:
         """Beat at the interval the broker asks for when it is longer than our own (its heartbeat budget for a large
-        fleet, broker.peers), and wait for its answers longer by the same factor: it thins its pongs by it."""
+        fleet, broker.peers), and wait for its answers longer by the same factor: it thins its pongs by it. 0 (an
+        older broker's pong) asks for nothing."""
+        if asked_s <= 0:
+            return
         interval_s = max(self._own_interval_s, asked_s)
         if interval_s != self._interval_s:
             log.info("heartbeat_interval_followed", interval_s=interval_s, own_interval_s=self._own_interval_s)
