@@ -397,8 +397,8 @@ class Verdict:
     seconds: float = 0.0
     num_checked_tokens: int = 0
     num_unverifiable_tokens: int = 0  # tokens of chosen samples whose version the history no longer holds
-    max_passing_diff: float = 0.0  # the largest |behaviour - recomputed| of a sample that passed: the engine's
-                                   # agreement with the learner, what the tolerance must cover
+    max_passing_diff: float = 0.0  # the largest |behaviour - recomputed| of a sample that passed in a group kept:
+                                   # the engine's agreement with the learner, what the tolerance must cover
     num_free_tokens: int = 0  # checked tokens whose log-probs came from the training forward (no extra forward)
     free_seconds: float = 0.0  # the part of ``seconds`` those took (their comparison, and a redo)
     num_forwards: int = 0     # re-scoring forwards run on this rank (one per micro-batch of all versions' rows)
@@ -470,13 +470,13 @@ class IntegrityCheck:
         comparison (``results`` [P, 4], summed over the ranks); every rank drops the groups any rank failed."""
         members = group_members(step)
         failures: dict[int, PolicyMismatch] = {g: found for g, found in enumerate(evidence) if found is not None}
-        max_passing_diff = 0.0
+        passing_diff: dict[int, float] = {}  # group -> the largest difference of its samples that passed
         for (sample, version), row in zip(pairs, results.tolist(), strict=True):
             g = step.samples[sample].group
             num_checked, num_off, max_diff, mean_diff = int(row[0]), int(row[1]), row[2], row[3]
             noisy = integrity.noisy_tokens(self._engine_dtype(step, g, version), self.learner_dtype)
             if integrity.sample_passes(num_off, num_checked, self.config.max_off_fraction, noisy):
-                max_passing_diff = max(max_passing_diff, max_diff if num_checked else 0.0)
+                passing_diff[g] = max(passing_diff.get(g, 0.0), max_diff if num_checked else 0.0)
                 continue
             if g in failures:
                 continue
@@ -487,9 +487,13 @@ class IntegrityCheck:
                 f"than {self._tolerance(step, g, version):g} nats at temperature {self.temperature:g}")
         flags = torch.tensor([int(g in failures) for g in range(step.num_groups)], dtype=torch.int32)
         self.reduce(flags, "max")  # rank 0 alone knows the published hashes: agree on its verdicts
+        # over the groups kept only: a sample of a group failed by its evidence (a stale LoRA id serving a
+        # neighbouring version, say) may pass the comparison, and is no measure of a healthy engine's agreement
+        failed_groups = flags.tolist()
+        max_passing_diff = max((d for g, d in passing_diff.items() if not failed_groups[g]), default=0.0)
         verdict = Verdict(num_checked_tokens=int(results[:, 0].sum()) if len(pairs) else 0,
                           max_passing_diff=min(max_passing_diff, MAX_REPORTED_DIFF))
-        for g, failed in enumerate(flags.tolist()):
+        for g, failed in enumerate(failed_groups):
             if not failed:
                 verdict.keep.append(g)
                 continue

@@ -236,6 +236,20 @@ def test_evidence_failures(world: World) -> None:
         ("bad-sha", "adapter_sha256"), ("no-evidence", "no_evidence"), ("reused", "lora_id_reused")]
 
 
+def test_the_engine_agreement_figure_counts_only_the_groups_kept(world: World) -> None:
+    """A group failed by its evidence whose log-probs still pass the comparison (a stale LoRA id serving a
+    neighbouring version differs by less than the tolerance) is no measure of a healthy engine's agreement:
+    ``max_passing_diff`` is taken over the groups kept (it once reported such a group's 8.5e-3 nats)."""
+    rng = np.random.default_rng(7)
+    kept = honest(world, rng, "kept", 1, worker_id="k1")
+    failed = honest(world, rng, "failed", 1, worker_id="k2")
+    failed[0].served = [served_for(1, world.sha[2])]  # the evidence names another version's weights
+    failed[1][2] = ("logprobs", failed[1][2][1] - np.float32(0.005))  # 0.005 nats off: under the 0.01 tolerance
+    verdict = world.check.run(data.decode_step_batch(encode_groups([kept, failed])))
+    assert [(m.group_id, m.reason) for m in verdict.mismatches] == [("failed", "adapter_sha256")]
+    assert verdict.max_passing_diff < 1e-4, verdict.max_passing_diff
+
+
 def test_lora_id_memory_is_bounded() -> None:
     ids = LoraIds(ids_per_worker=2, max_workers=2)
     assert ids.claim("a", 1, 1) is None and ids.claim("a", 1, 1) is None
