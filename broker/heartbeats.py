@@ -59,7 +59,8 @@ class HeartbeatPath:
         self._decoder = msgspec.msgpack.Decoder(_raw_counters_type())
         self._counters = msgspec.msgpack.Decoder(Numbers)
         self._roles = SENDERS[Kind.HEARTBEAT]
-        self._pong: tuple[tuple[int, float], list[bytes], int] | None = None  # ((version, interval), frames, bytes)
+        self._pong_of: tuple[int, float] = (-1, 0.0)  # the (latest version, interval) _pong was encoded for
+        self._pong: tuple[list[bytes], int] = ([], 0)  # its frames and their bytes
 
     def decode(self, frames: list[Any], peer: Peer | None, authenticated_role: str | None) -> Any:
         """The beat (``counters`` decoded into ``counters_dict``, or None when unchanged), or None when the message
@@ -93,7 +94,8 @@ class HeartbeatPath:
     def pong(self, latest_version: int, interval_s: float) -> tuple[list[bytes], int]:
         """The broker's Heartbeat reply at ``latest_version``, asking for beats every ``interval_s``, encoded once
         per (version, interval): (frames, bytes)."""
-        if self._pong is None or self._pong[0] != (latest_version, interval_s):
+        of = self._pong_of  # (compared field by field: this runs for every answered beat)
+        if of[0] != latest_version or of[1] != interval_s:
             frames = protocol.encode(Heartbeat(latest_version=latest_version, state="idle", interval_s=interval_s))
-            self._pong = ((latest_version, interval_s), frames, sum(len(f) for f in frames))
-        return self._pong[1], self._pong[2]
+            self._pong_of, self._pong = (latest_version, interval_s), (frames, sum(len(f) for f in frames))
+        return self._pong

@@ -105,7 +105,8 @@ def compare(behaviour: Sequence[float] | np.ndarray, recomputed: Sequence[float]
         raise ValueError(f"compare: {b.shape} behaviour vs {r.shape} recomputed log-probs")
     num_checked, num_off, max_diff, mean_diff = compare_rows(b.ravel(), r.ravel(), [b.size], [token_tolerance])[0]
     return Comparison(num_checked=int(num_checked), num_off=int(num_off), max_abs_diff=float(max_diff),
-                      mean_abs_diff=float(mean_diff), passed=sample_passes(num_off, b.size, max_off_fraction, noisy_tokens))
+                      mean_abs_diff=float(mean_diff),
+                      passed=sample_passes(num_off, b.size, max_off_fraction, noisy_tokens))
 
 
 def noisy_tokens(engine_dtype: str, learner_dtype: str) -> int:

@@ -98,7 +98,7 @@ class GuardedCall:
         self._on_done = on_done
         self._finished = threading.Event()
         self.name = getattr(fn, "__name__", "call")  # the user function, for a stuck call's report
-        self._cpu_at_deadline = 0.0  # the thread's CPU seconds when the call was abandoned
+        self.cpu_at_deadline_s = 0.0  # the thread's CPU seconds when the call was abandoned
         self._thread = threading.Thread(target=self._run, args=(fn, args, kwargs), daemon=True,
                                         name=f"guarded-{self.name}")
         self._thread.start()
@@ -130,12 +130,17 @@ class GuardedCall:
             self.abandoned = True
             self._outcome = Outcome(failure="timeout", error=f"no result within {self.timeout_s:g} s "
                                     "(worker.reward_timeout_s)", duration_s=self.timeout_s)
-        self._cpu_at_deadline = self._thread_cpu_s()
+        self.cpu_at_deadline_s = self.thread_cpu_s()
         with _abandoned_lock:
             _abandoned.append(self)
         return self._outcome
 
-    def _thread_cpu_s(self) -> float:
+    @property
+    def running(self) -> bool:
+        """Whether the call's thread is still running (an abandoned call's may be)."""
+        return self._thread.is_alive()
+
+    def thread_cpu_s(self) -> float:
         """CPU seconds the call's thread has used, from Linux's /proc (0 once it ended, or off Linux)."""
         try:
             stat = Path(f"/proc/self/task/{self._thread.native_id}/stat").read_text()
@@ -187,10 +192,10 @@ class RunawayWatch:
             return []
         process_cpu_s = time.process_time()
         with _abandoned_lock:
-            _abandoned[:] = [c for c in _abandoned if c._thread.is_alive()]
+            _abandoned[:] = [c for c in _abandoned if c.running]
             calls = list(_abandoned)
-        cpu_s = {id(c): c._thread_cpu_s() for c in calls}
-        used_s = [(c, cpu_s[id(c)] - self._thread_cpu_s.get(id(c), c._cpu_at_deadline)) for c in calls]
+        cpu_s = {id(c): c.thread_cpu_s() for c in calls}
+        used_s = [(c, cpu_s[id(c)] - self._thread_cpu_s.get(id(c), c.cpu_at_deadline_s)) for c in calls]
         spent_s = process_cpu_s - self._process_cpu_s
         self._at, self._process_cpu_s, self._thread_cpu_s = now, process_cpu_s, cpu_s
         if spent_s <= 0 or sum(u for _, u in used_s) < self.min_share * spent_s:
