@@ -2,7 +2,7 @@
 
     .venv/bin/python -m bench.gateway [--backend vllm] [--tokens 32] [--calls 4] [--sessions 1,8,64]
                                       [--latency-requests 40] [--repeats 3] [--cores shared,split] [--burn 0.2]
-                                      [--profile]
+                                      [--openai-http aiohttp|httpx] [--profile]
 
 One backend on the tiny model, one engine thread owning it, as in a worker: ``vllm`` (the default; vLLM's CPU
 engine, its engine core in a process of its own, fed continuously: ``Backend.submit`` / ``advance``) or ``hf``
@@ -15,7 +15,8 @@ the text the model returned, a new turn ``TURN``), as an agent sends it:
   submitted into the running engine, and its next call is submitted as soon as it ends; hf: generated in
   ``worker.chunk_tokens`` rounds that batch every sequence (one ``Backend.generate`` per round);
 - ``gateway``: ``N`` concurrent recorded sessions (``/sessions/<id>/v1``: trajectory, prefix check), each with an
-  ``openai.AsyncOpenAI`` client of its own, as the worker gives each episode (``rollout_worker.gateway.episodes``),
+  ``openai.AsyncOpenAI`` client of its own on openai's aiohttp transport, as the worker gives each episode
+  (``rollout_worker.gateway.episodes``; ``--openai-http httpx``: openai's default transport instead),
   in a client process (GatewayEngine + GatewayServer in this one, the engine pumped and rounded by the engine
   thread as the worker loop does). Each count also runs with plain aiohttp POSTs as the clients
   (``plain HTTP``), which leaves out the openai client's own CPU (httpx, pydantic).
@@ -324,6 +325,7 @@ class Plan:
     tokens: int
     calls: int
     serial: bool  # one session after another (latency), else all at once
+    openai_http: str  # the openai clients' transport: "aiohttp" (the worker's) or "httpx" (openai's default)
     ready: Any  # set by the clients: imported, connected, waiting for ``go``
     go: Any
 
@@ -366,8 +368,9 @@ async def openai_clients(plan: Plan) -> tuple[int, float, list[float], float]:
         return n
 
     # one client per session, as the worker gives each episode (rollout_worker.gateway.episodes)
+    transport = openai.DefaultAioHttpClient if plan.openai_http == "aiohttp" else openai.DefaultAsyncHttpxClient
     sessions = [openai.AsyncOpenAI(base_url=f"{url}/v1", api_key="x", max_retries=0, timeout=600,
-                                   http_client=openai.DefaultAsyncHttpxClient(verify=False)) for url in plan.urls]
+                                   http_client=transport(verify=False)) for url in plan.urls]
     try:
         await asyncio.gather(*(c.models.list() for c in sessions))  # connections warm
         num_tokens, elapsed, cpu_s = await together(plan, [one(c) for c in sessions])
@@ -415,6 +418,7 @@ class Gateway:
         self.server = GatewayServer(self.engine, host="127.0.0.1", port=0, max_request_bytes=1 << 20,
                                     metrics=Metrics()).start()
         self.client_cpus: set[int] | None = None  # set per run (--cores)
+        self.openai_http = "aiohttp"  # --openai-http
         self.profile = profile
         self.num_profiled_calls = 0
         self._num_runs = 0
@@ -429,7 +433,7 @@ class Gateway:
         ctx = mp.get_context("spawn")
         out = ctx.Queue()
         plan = Plan(urls=[f"{self.server.url}/sessions/{sid}" for sid in ids], tokens=tokens, calls=calls,
-                    serial=serial, ready=ctx.Event(), go=ctx.Event())
+                    serial=serial, openai_http=self.openai_http, ready=ctx.Event(), go=ctx.Event())
         proc = ctx.Process(target=clients, args=(plan, out, kind, self.client_cpus))
         proc.start()
         if not plan.ready.wait(600):
@@ -600,6 +604,9 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=3, help="interleaved direct/gateway runs per count (median)")
     parser.add_argument("--cores", default="shared,split", help="where the engine side and the clients run "
                         "(Placement): shared, split, or both (interleaved; the JSON ratio is the first's)")
+    parser.add_argument("--openai-http", choices=("aiohttp", "httpx"), default="aiohttp", help="the openai "
+                        "clients' transport: aiohttp (openai.DefaultAioHttpClient, as the worker gives each "
+                        "episode) or httpx (openai's default, the worker's before 2026-12-04)")
     parser.add_argument("--switch-interval", type=float, default=0.0, help="sys.setswitchinterval of this process "
                         "(seconds; 0: Python's default, 5 ms)")
     parser.add_argument("--burn", type=float, default=0.0, help="also run direct beside a process that keeps this "
@@ -640,6 +647,7 @@ def main() -> None:
     placement = Placement(backend.streaming)
     profile = ThreadProfiles() if args.profile else None
     gateway = Gateway(backend, args.chunk, args.tokens, profile)
+    gateway.openai_http = args.openai_http
     direct(backend, args.chunk, 2, args.tokens, 2)  # warm-up
     print(f"backend {args.backend} ({'streaming' if backend.streaming else f'chunk {args.chunk}'}); "
           f"{args.calls} calls of {args.tokens} tokens per session; load average at the start {load_start}; "
@@ -697,7 +705,7 @@ def main() -> None:
            ratio=ratio[configs[0]], cores=configs[0], gateway_tok_s=round(g.tok_s, 1), direct_tok_s=round(d.tok_s, 1),
            ratio_by_cores={c: round(x, 4) for c, x in ratio.items()},
            plain_http_ratio_by_cores={c: round(x, 4) for c, x in plain.items()},
-           backend=args.backend, load_average_start=load_start, load_average_end=load(),
+           backend=args.backend, openai_http=args.openai_http, load_average_start=load_start, load_average_end=load(),
            latency_median_ms=round(statistics.median(gateway_lat) * 1e3, 2),
            latency_p99_ms=round(pct(gateway_lat, 0.99) * 1e3, 2),
            direct_latency_median_ms=round(statistics.median(direct_lat) * 1e3, 2),
