@@ -19,7 +19,7 @@ the text the model returned, a new turn ``TURN``), as an agent sends it:
   (``rollout_worker.gateway.episodes``; ``--openai-http httpx``: openai's default transport instead),
   in a client process (GatewayEngine + GatewayServer in this one, the engine pumped and rounded by the engine
   thread as the worker loop does). Each count also runs with plain aiohttp POSTs as the clients
-  (``plain HTTP``), which leaves out the openai client's own CPU (httpx, pydantic).
+  (``plain HTTP``), which leaves out the openai client's own CPU (its transport, pydantic).
 
 The clients' own CPU is the harness's, not the gateway's; on a 2-core machine it still competes with the engine.
 ``--cores`` says where things run (:class:`Placement`), the same for direct and gateway; both placements by
