@@ -51,7 +51,7 @@ import threading
 import time
 import uuid
 from collections.abc import Iterable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import zmq
@@ -165,10 +165,12 @@ class MessageTooLarge(ValueError):
 
 @dataclass(slots=True)
 class Incoming:
-    """A message from the broker: the typed record and its envelope (tensor specs and frames)."""
+    """A message from the broker: the typed record and its envelope (tensor specs and frames), and when the
+    link's thread received it (``time.monotonic()``; the owner may read its inbox much later)."""
 
     record: Any
     envelope: Envelope
+    received_at: float = field(default_factory=time.monotonic)
 
     @property
     def kind(self) -> Kind:

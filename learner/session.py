@@ -56,7 +56,8 @@ class LearnerReplaced(RuntimeError):
 @dataclass(slots=True)
 class AdapterAckTime:
     version: int
-    seconds: float  # from sending the AdapterUpdate to the broker's Ack: the adapter is available to workers
+    seconds: float  # from sending the AdapterUpdate to its Ack's arrival: stored and on the broker's disk
+    # (workers are told of it when it is stored, before the write)
 
 
 class BrokerSession:
@@ -156,7 +157,8 @@ class BrokerSession:
         if isinstance(record, AdapterAck):
             sent_at = self._adapter_sent_at.pop(record.version, None)
             if sent_at is not None:
-                self.adapter_acks.append(AdapterAckTime(record.version, time.monotonic() - sent_at))
+                # when it arrived, not when this loop got to read it (after a whole step, at times)
+                self.adapter_acks.append(AdapterAckTime(record.version, item.received_at - sent_at))
         elif isinstance(record, BatchSettled):
             self._unacked_batches.pop(record.batch_id, None)
         elif isinstance(record, Error):

@@ -73,6 +73,24 @@ def test_batches_acks_and_resending_after_a_broker_restart() -> None:
             second.close()
 
 
+def test_an_adapter_ack_is_timed_at_its_arrival_not_when_the_loop_reads_it() -> None:
+    """The learner reads its inbox between steps; an Ack read a whole step after it arrived still counts the
+    broker's round trip alone (``adapter_ack_s`` in the step lines)."""
+    broker = ScriptedBroker()
+    config = load_config(None, [f"broker.endpoint=\"{broker.endpoint}\"", SCRIPTED_TOKEN])
+    session = BrokerSession(config, version=0, metrics=Metrics())
+    try:
+        session.start(5)
+        session.publish(snapshot(1))
+        time.sleep(1.0)  # "a training step": nobody reads the inbox, the Ack arrives meanwhile
+        poll_until(session, lambda _: session.adapter_acks)
+        assert [a.version for a in session.adapter_acks] == [1]
+        assert 0 < session.adapter_acks[0].seconds < 0.5
+    finally:
+        session.close()
+        broker.close()
+
+
 def test_refused_batch_requests_are_retried_at_the_poll_pace_or_fatal_for_limit() -> None:
     broker = ScriptedBroker(refuse_requests="internal")
     config = load_config(None, [f"broker.endpoint=\"{broker.endpoint}\"", SCRIPTED_TOKEN])
