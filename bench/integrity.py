@@ -34,6 +34,7 @@ import argparse
 import sys
 import tempfile
 import time
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -118,7 +119,7 @@ def run_clean(root: Path, model_dir: Path, minutes: float, use_vllm: bool) -> di
 
 
 def honest_batch(policy: Any, rng: Any, *, versions: list[int], groups: int, group_size: int, prompt_len: int,
-                 completion_len: int, sha256: dict[int, str]) -> Any:
+                 completion_len: int, sha256: dict[int, str], device: Any = "cpu") -> Any:
     """A step batch whose log-probs are the policy's own under each group's version (random tokens): what an
     honest fp32 engine would send. Group g claims ``versions[g % len(versions)]``: version 0 is the base (the
     adapter disabled: v0's B is zero), any other the parameters as they are (call it while they hold it; the
@@ -136,9 +137,10 @@ def honest_batch(policy: Any, rng: Any, *, versions: list[int], groups: int, gro
         tokens = torch.as_tensor(rng.integers(3, policy.vocab_size, (group_size, prompt_len + completion_len)))
         select = torch.zeros(group_size, prompt_len + completion_len - 1, dtype=torch.bool)
         select[:, prompt_len - 1:] = True
+        on = tokens.to(device), select.to(device)
         with torch.no_grad(), policy.reference() if version == 0 else contextlib.nullcontext():
-            logp, _ = policy.trained_logprobs(tokens[:, :-1], select, tokens[:, 1:][select], with_entropy=False)
-        for k, row in enumerate(logp.reshape(group_size, completion_len)):
+            logp, _ = policy.trained_logprobs(on[0][:, :-1], on[1], on[0][:, 1:][on[1]], with_entropy=False)
+        for k, row in enumerate(logp.cpu().reshape(group_size, completion_len)):
             samples.append(data.Sample(group=g, tokens=tokens[k], prompt_len=prompt_len, behaviour_logp=row.clone(),
                                        loss_mask=torch.ones(completion_len, dtype=torch.bool),
                                        versions=torch.full((completion_len,), version, dtype=torch.int64)))
@@ -164,13 +166,16 @@ def load_reference(path: str) -> Any:
     return module
 
 
-def run_isolated(shape: str, repeats: int, reference: str | None = None) -> dict[str, Any]:
+def run_isolated(shape: str, repeats: int, reference: str | None = None, *, model: str = "builtin:tiny",
+                 settings: Sequence[str] = ()) -> dict[str, Any]:
     """The check's cost in one process, without a run around it: the learner's forward/backward of one step
     batch (no optimizer step, so the parameters keep holding the version the check knows) with and without the
     check, for a batch of the current version only (the free path), one of the previous version only (one
     re-scoring forward; its forward alone timed too, the rest being bookkeeping) and one whose groups alternate
     the two versions before the current one (max_staleness 2: still one forward). Min of ``repeats``
-    interleaved timings (the box is shared: the min is the least disturbed)."""
+    interleaved timings (the box is shared: the min is the least disturbed). ``model``: a model directory or a
+    built-in; ``settings``: config overrides (``learner.device="cuda"``, ``learner.mixed_precision="bf16"``, ...);
+    on a GPU every timing ends with a synchronize."""
     import numpy as np
     import torch
 
@@ -184,10 +189,16 @@ def run_isolated(shape: str, repeats: int, reference: str | None = None) -> dict
 
     groups, group_size, prompt_len, completion_len = SHAPES[shape]
     torch.set_num_threads(1)
-    parallel = init_parallel("cpu")
     config = load_config(None, ["learner.lora_rank=16", "learner.warmup_steps=0", "learner.lr=0.01",
-                                "run.max_staleness=2"])  # as the demo: the history holds v0, v1 and v2
-    policy = build_policy(Path(resolve_model("builtin:tiny")), config.learner, parallel, seed=0)
+                                "run.max_staleness=2", *settings])  # as the demo: the history holds v0, v1, v2
+    parallel = init_parallel(config.learner.device)
+    policy = build_policy(Path(resolve_model(model)), config.learner, parallel, seed=0)
+    device = parallel.device
+
+    def sync() -> None:
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+
     optimizer, scheduler = make_optimizer(policy, config.learner)
     check = integrity.IntegrityCheck(config, policy, parallel)
     check.watch(optimizer)
@@ -199,7 +210,7 @@ def run_isolated(shape: str, repeats: int, reference: str | None = None) -> dict
     loss_config = LossConfig.from_learner(config.learner)
     rng = np.random.default_rng(0)
     shape_args = {"groups": groups, "group_size": group_size, "prompt_len": prompt_len,
-                  "completion_len": completion_len}
+                  "completion_len": completion_len, "device": device}
     sha = {0: ""}
     batches = {}
     for version in (1, 2):  # two trained versions; the batches of older ones made while the parameters held them
@@ -215,12 +226,15 @@ def run_isolated(shape: str, repeats: int, reference: str | None = None) -> dict
     batches["current"] = honest_batch(policy, rng, versions=[2], sha256=sha, **shape_args)
 
     def plain(step: Any) -> float:
+        sync()
         started = time.perf_counter()
         forward_backward(policy, step, parallel=parallel, config=config, loss_config=loss_config)
         optimizer.zero_grad(set_to_none=True)
+        sync()
         return time.perf_counter() - started
 
     def checked(step: Any) -> tuple[float, float]:
+        sync()
         started = time.perf_counter()
         verdict = check.run(step, defer_version=check.free_version)
         assert not verdict.mismatches and verdict.num_unverifiable_tokens == 0
@@ -230,24 +244,30 @@ def run_isolated(shape: str, repeats: int, reference: str | None = None) -> dict
         late = watch.finish()
         assert not late.mismatches and verdict.num_checked_tokens + late.num_checked_tokens > 0
         optimizer.zero_grad(set_to_none=True)
+        sync()
         return time.perf_counter() - started, verdict.seconds + late.seconds
 
     previous = batches["previous"]
     pairs, _ = check._pairs(previous, check.facts(previous, fresh=True))  # the rows the check re-scores
-    rows = data.collate([integrity._restricted(previous.samples[i], v) for i, v in pairs], [0.0] * len(pairs))
+    rows = data.collate([integrity._restricted(previous.samples[i], v) for i, v in pairs],
+                        [0.0] * len(pairs)).to(device)
 
     def forward_alone() -> float:
         """The re-scoring forward of those rows and nothing else (the rest of the check is bookkeeping)."""
+        sync()
         started = time.perf_counter()
         with check.history.scoring() as use:
             use([(0, len(pairs), 1)])
             policy.trained_logprobs(rows.input_ids, rows.select, rows.targets[rows.select], with_entropy=False)
+        sync()
         return time.perf_counter() - started
 
     def reference_check(name: str) -> float:
+        sync()
         started = time.perf_counter()
         verdict = checks[1].run(batches[name], defer_version=2)
         assert not verdict.mismatches and verdict.num_unverifiable_tokens == 0
+        sync()
         return time.perf_counter() - started
 
     names = ("current", "previous", "two_older")
@@ -278,12 +298,14 @@ def run_isolated(shape: str, repeats: int, reference: str | None = None) -> dict
             "reference_two_older_ms": 1000 * best["reference_two_older"]}
 
 
-#: groups, samples per group, prompt tokens, completion tokens: the harness's batches and the demo's
-SHAPES = {"harness": (4, 4, 6, 12), "demo": (16, 8, 8, 6)}
+#: groups, samples per group, prompt tokens, completion tokens: the harness's batches, the demo's, and
+#: bench/gpu_smoke.sh's GPU mode (8 groups x 8 samples of 64 new tokens after a ~5-token arith prompt)
+SHAPES = {"harness": (4, 4, 6, 12), "demo": (16, 8, 8, 6), "smoke": (8, 8, 5, 64)}
 
 
-def main_isolated(repeats: int, reference: str | None) -> None:
-    results = [run_isolated(shape, repeats, reference) for shape in SHAPES]
+def main_isolated(repeats: int, reference: str | None, shapes: Sequence[str] = ("harness", "demo"),
+                  model: str = "builtin:tiny", settings: Sequence[str] = ()) -> None:
+    results = [run_isolated(shape, repeats, reference, model=model, settings=settings) for shape in shapes]
     for r in results:
         print(f"{r['shape']:8s} {r['groups']} groups x {r['group_size']}, {r['tokens']} tokens: forward+backward "
               f"{r['plain_ms']:.1f} ms; current version (free path): check {r['free_check_ms']:.2f} ms = "
@@ -297,7 +319,7 @@ def main_isolated(repeats: int, reference: str | None) -> None:
                   f"{r['reference_two_older_ms']:.2f} ms = {r['reference_two_older_ms'] / r['plain_ms']:.1%} "
                   f"(this one: {r['previous_check_ms']:.2f} ms, {r['two_older_check_ms']:.2f} ms)")
     worst = max(r["free_share"] for r in results)
-    report("integrity_isolated", "free_path_share", worst, "share", 0.02,
+    report("integrity_isolated", "free_path_share", worst, "share", 0.02, model=model, settings=list(settings),
            **{f"{r['shape']}_{k}": round(r[k], 4) for r in results
               for k in ("plain_ms", "free_check_ms", "previous_check_ms", "forward_ms", "two_older_check_ms",
                         "free_share", "previous_share", "two_older_share")
@@ -315,9 +337,17 @@ def main() -> None:
     parser.add_argument("--reference", metavar="INTEGRITY_PY",
                         help="with --isolated: also time this learner/integrity.py's check (another commit's, from "
                         "a git worktree) on the same policy and batches, interleaved")
+    parser.add_argument("--shapes", default="harness,demo", help=f"with --isolated: batch shapes, of {list(SHAPES)}")
+    parser.add_argument("--model", default="builtin:tiny", help="with --isolated: the policy's base model (a "
+                        "directory, e.g. bench/learner_memory.py build's, or a built-in)")
+    parser.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="with --isolated: a config "
+                        "override, e.g. learner.device=\"cuda\" or learner.mixed_precision=\"bf16\" (repeatable)")
     args = parser.parse_args()
     if args.isolated:
-        main_isolated(args.isolated, args.reference)
+        shapes = [s for s in args.shapes.split(",") if s]
+        if not shapes or set(shapes) - set(SHAPES):
+            parser.error(f"--shapes {args.shapes!r}: choose from {list(SHAPES)}")
+        main_isolated(args.isolated, args.reference, shapes, args.model, args.set)
         return
     from common.tiny_model import resolve_model
 
