@@ -97,9 +97,18 @@ class Policy:
 
     @contextlib.contextmanager
     def reference(self) -> Iterator[None]:
-        """The base policy: the adapter disabled for the duration (the KL reference)."""
+        """The base policy: the adapter disabled for the duration (the KL reference).
+
+        peft's ``disable_adapter`` also turns the LoRA parameters' ``requires_grad`` off; they are turned back on
+        inside (a disabled adapter is in no graph, so nothing changes for gradients). FSDP2 fixes a group's
+        mixed-precision dtypes at the group's first forward from the parameters that require grad then: a first
+        forward under the reference (the KL term's, before the policy's own) left the reduce dtype unset, and
+        the first backward failed assigning bf16 gradients to the fp32 master weights."""
         peft_model: PeftModel = self.model  # type: ignore[assignment]
+        trainable = self.trainable_parameters()
         with peft_model.disable_adapter():
+            for param in trainable:
+                param.requires_grad_(True)
             yield
 
 

@@ -182,6 +182,25 @@ def test_bf16_mixed_precision_computes_in_bf16_with_fp32_master_weights_and_publ
     assert {t.dtype for _, t in publish.gather_adapter(forced, is_main=True)} == {torch.float32}
 
 
+def test_bf16_with_a_kl_term_trains_from_the_first_step(tiny_model_dir: Path, parallel) -> None:
+    """The KL reference forward (adapter disabled) runs before the policy's own, so it is each FSDP2 group's
+    first forward, where FSDP2 fixes the mixed-precision reduce dtype from the parameters requiring grad: peft's
+    disable_adapter turned those off, and the first backward failed ("assign a gradient with dtype BFloat16 to
+    a tensor with grad_dtype Float"). One micro-batch (the default budget), as on a GPU learner."""
+    config = make_config(mixed_precision="bf16", kl_beta=0.05, micro_batch_tokens=8192)
+    trainer = make_trainer(tiny_model_dir, parallel, config)
+    policy = trainer[0]
+    with policy.reference():
+        assert all(p.requires_grad for p in policy.trainable_parameters())  # the adapter's, still trainable
+    kls = []
+    for index in range(2):
+        stats = step_on(trainer, parallel, config, index)
+        assert stats["grad_norm"] > 0 and torch.isfinite(torch.tensor(stats["loss"]))
+        kls.append(stats["kl"])
+    assert kls[0] == 0 < kls[1]  # the zero-B start is the reference; after one step the policy has moved
+    assert {p.grad.dtype for p in policy.trainable_parameters() if p.grad is not None} <= {torch.float32}
+
+
 ADAPTER_DTYPES = ("float32", "bfloat16")
 
 
