@@ -52,7 +52,7 @@ from common.protocol import (
     ServedAdapter,
     Welcome,
 )
-from common.transport import BrokerLink, Incoming
+from common.transport import BrokerLink, Incoming, Reconnected
 
 VOCAB = 259  # the tiny model's
 
@@ -267,6 +267,9 @@ class Producer(threading.Thread):
                 self.link.send(LeaseRequest(max_leases=16, adapter_version=self.version, wait_ms=200))
                 asked = True
             item = self.link.recv(timeout_s=0.1)
+            if isinstance(item, Reconnected):  # declared dead (a loaded box) and back: its parked request is gone
+                asked = False
+                continue
             if not isinstance(item, Incoming):
                 continue
             record = item.record
