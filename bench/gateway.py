@@ -406,7 +406,8 @@ async def raw_clients(plan: Plan) -> tuple[int, float, list[float], float]:
 class Gateway:
     """The gateway under test: engine + HTTP server in this process; sessions opened per run."""
 
-    def __init__(self, backend: Any, chunk: int, tokens: int, profile: ThreadProfiles | None = None) -> None:
+    def __init__(self, backend: Any, chunk: int, tokens: int, profile: ThreadProfiles | None = None,
+                 openai_http: str = "aiohttp") -> None:
         from common.config import WorkerConfig
         from common.metrics import Metrics
         from rollout_worker.gateway.engine import GatewayEngine
@@ -418,7 +419,7 @@ class Gateway:
         self.server = GatewayServer(self.engine, host="127.0.0.1", port=0, max_request_bytes=1 << 20,
                                     metrics=Metrics()).start()
         self.client_cpus: set[int] | None = None  # set per run (--cores)
-        self.openai_http = "aiohttp"  # --openai-http
+        self.openai_http = openai_http  # the openai clients' transport (Plan.openai_http)
         self.profile = profile
         self.num_profiled_calls = 0
         self._num_runs = 0
@@ -646,8 +647,7 @@ def main() -> None:
     GENERATE_CPU.install(backend)
     placement = Placement(backend.streaming)
     profile = ThreadProfiles() if args.profile else None
-    gateway = Gateway(backend, args.chunk, args.tokens, profile)
-    gateway.openai_http = args.openai_http
+    gateway = Gateway(backend, args.chunk, args.tokens, profile, args.openai_http)
     direct(backend, args.chunk, 2, args.tokens, 2)  # warm-up
     print(f"backend {args.backend} ({'streaming' if backend.streaming else f'chunk {args.chunk}'}); "
           f"{args.calls} calls of {args.tokens} tokens per session; load average at the start {load_start}; "
