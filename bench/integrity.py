@@ -8,7 +8,10 @@ tests/integrity/raw_client.py). Per fault: detected (the faulty client quarantin
 trained), steps to detection (learner steps from the first of its groups reaching the learner to the first
 policy_mismatch, both counted: 1 = caught at once) and seconds from its start to the quarantine. Then a clean
 run of ``--clean-minutes`` with an hf and a vLLM worker: false positives = policy mismatches (there should be
-none).
+none). The faulty clients join fresh, so the learner's probation (learner/trust.py) re-scores every group of
+theirs; besides them (unless ``--no-late``), a worker that is healthy until the learner logs it trusted and then
+samples at temperature 0.6, under the default ``integrity.audit_fraction``: the steps it takes the free path or
+an audit to catch it, and how many of its wrong groups were trained before (the probation rule's price).
 
 Cost, from the clean run:
 - learner: the check's seconds (``integrity_s`` of each step line) as a share of the learner's step time (wall
@@ -44,7 +47,7 @@ if str(REPO) not in sys.path:
 
 from bench.report import report  # noqa: E402
 from tests.fault.ledger import read_json_lines  # noqa: E402
-from tests.integrity.run import BAD, GOOD, audit, quarantined, start_run  # noqa: E402
+from tests.integrity.run import BAD, GOOD, audit, quarantined, run_late_fault, start_run  # noqa: E402
 from tests.support import Processes, wait_for  # noqa: E402
 
 NUM_PROMPTS = 100_000  # never exhausted: each scenario stops by itself
@@ -74,6 +77,20 @@ def run_fault(root: Path, model_dir: Path, fault: str, backend: str) -> dict[str
     return {"fault": fault, "backend": backend, "caught": caught, "steps_to_detect": found.steps_to_detect,
             "seconds_to_quarantine": round(seconds, 1), "bad_groups_trained": found.trained_from.get(BAD, 0),
             "reasons": reasons}
+
+
+def run_late(root: Path, model_dir: Path) -> dict[str, Any]:
+    """A worker healthy until the learner trusts it, then at temperature 0.6, under the default audit_fraction:
+    what the probation rule lets through before it is caught."""
+    procs = Processes(root)
+    try:
+        run = start_run(procs, root, model_dir, num_prompts=NUM_PROMPTS)
+        late = run_late_fault(run, model_dir, BAD, after_steps=STEPS_AFTER)
+        run.stop()
+    finally:
+        procs.cleanup()
+    return {"steps_to_detect": late.steps_to_detect, "wrong_groups_trained": late.wrong_trained,
+            "healthy_groups_trained": late.healthy_trained, "seconds_to_quarantine": late.seconds_to_quarantine}
 
 
 def run_clean(root: Path, model_dir: Path, minutes: float, use_vllm: bool) -> dict[str, Any]:
@@ -115,7 +132,9 @@ def run_clean(root: Path, model_dir: Path, minutes: float, use_vllm: bool) -> di
             "rescore_ms_per_step": 1000 * (found.integrity_s - found.free_s) / found.steps if found.steps else 0.0,
             "free_ms_per_step": 1000 * found.free_s / found.steps if found.steps else 0.0,
             "compute_ms_per_step": 1000 * found.compute_s / found.steps if found.steps else 0.0,
-            "redone_steps": found.redone_steps}
+            "redone_steps": found.redone_steps, "audited_steps": found.audited_steps,
+            "unaudited_token_share": found.unaudited_tokens / (found.unaudited_tokens + found.checked_tokens)
+            if found.unaudited_tokens + found.checked_tokens else 0.0}
 
 
 def honest_batch(policy: Any, rng: Any, *, versions: list[int], groups: int, group_size: int, prompt_len: int,
@@ -330,6 +349,8 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--clean-minutes", type=float, default=10.0)
     parser.add_argument("--no-vllm", action="store_true", help="skip the vLLM fault and the vLLM clean worker")
+    parser.add_argument("--no-late", action="store_true", help="skip the worker that goes wrong after its "
+                        "probation (run with the faults)")
     parser.add_argument("--faults", default="all", help="comma-separated faults to inject (all, or none: the "
                         "clean run alone, for the cost figures)")
     parser.add_argument("--isolated", type=int, default=0, metavar="REPEATS",
@@ -365,6 +386,12 @@ def main() -> None:
             print(f"{fault:14s} {backend:5s} caught={result['caught']} steps_to_detect={result['steps_to_detect']} "
                   f"quarantined after {result['seconds_to_quarantine']} s, bad groups trained "
                   f"{result['bad_groups_trained']}, reasons {result['reasons']}", flush=True)
+        late = run_late(Path(tmp) / "late", model_dir) if faults and not args.no_late else None
+        if late is not None:
+            print(f"after its probation, temperature 0.6 (hf): caught {late['steps_to_detect']} learner steps after "
+                  f"its first wrong group reached the learner, quarantined after {late['seconds_to_quarantine']} s; "
+                  f"{late['wrong_groups_trained']} wrong groups trained before (the probation rule's price; "
+                  f"{late['healthy_groups_trained']} healthy ones before the fault)", flush=True)
         clean = run_clean(Path(tmp) / "clean", model_dir, args.clean_minutes, not args.no_vllm)
     print(f"clean run ({clean['minutes']} min, hf{' + vllm' if not args.no_vllm else ''}): {clean['steps']} steps, "
           f"groups trained by worker {clean['trained_from']}, {clean['checked_tokens']} tokens re-scored, "
@@ -377,6 +404,9 @@ def main() -> None:
           f"ms compute); re-scoring older versions {clean['rescore_ms_per_step']:.2f} ms in "
           f"{clean['forwards_per_step']:.2f} forwards; the free path {clean['free_ms_per_step']:.3f} ms for "
           f"{clean['free_token_share']:.1%} of the checked tokens; {clean['redone_steps']} steps redone")
+    print(f"probation and audits: {clean['audited_steps']} of {clean['steps']} steps audited; "
+          f"{clean['unaudited_token_share']:.1%} of the chosen samples' tokens left unaudited (trusted workers' older "
+          f"versions on the other steps)")
     detection_rate = sum(r["caught"] for r in results) / len(results) if results else None
     steps = [r["steps_to_detect"] for r in results if r["steps_to_detect"] is not None]
     cost_share = max(clean["learner_step_share"], clean["worker_share"])
@@ -388,7 +418,8 @@ def main() -> None:
            clean_minutes=clean["minutes"], free_token_share=round(clean["free_token_share"], 4),
            forwards_per_step=round(clean["forwards_per_step"], 3), step_ms=round(clean["step_ms"], 2),
            rescore_ms_per_step=round(clean["rescore_ms_per_step"], 3),
-           free_ms_per_step=round(clean["free_ms_per_step"], 4))
+           free_ms_per_step=round(clean["free_ms_per_step"], 4), audited_steps=clean["audited_steps"], late=late,
+           unaudited_token_share=round(clean["unaudited_token_share"], 4))
 
 
 if __name__ == "__main__":

@@ -254,6 +254,12 @@ class IntegrityConfig:
     max_off_fraction: float = rule(0.1, ge=0, le=1, doc="a checked sample fails when more than this share of "
                                    "its tokens is off by more than the tolerance (and, with bf16 on either side, "
                                    "more than one: one noisy token fails nothing)")
+    probation_groups: int = rule(16, ge=0, le=1_000_000, unit="groups", doc="groups of a worker process that must "
+                                 "pass the check in a row before it is trusted; until then every group is re-scored "
+                                 "(learner/trust.py)")
+    audit_fraction: float = rule(0.1, gt=0, le=1, doc="share of learner steps on which a trusted worker's tokens of "
+                                 "older versions are re-scored (drawn secretly per step; 1 = every step, every group: "
+                                 "exact for every worker at every step, at the cost of a forward nearly every step)")
     quarantine_after: int = rule(2, ge=1, le=1000, unit="groups", doc="failed groups of one worker process, among "
                                  "its last quarantine_window checked ones, that quarantine it")
     quarantine_window: int = rule(8, ge=1, le=10_000, unit="groups")

@@ -14,7 +14,7 @@ So the learner checks the very tokens it is about to train:
    and the sha256 of the tensor bytes it loaded. The learner compares the sha256 with what it published for that
    version (``adapter_sha256``) and refuses an int id that named another version earlier in the same worker
    process (``lora_id_reused``). A version without evidence is ``no_evidence``. Cost: a dict lookup.
-2. *Exact re-scoring* (``logprobs``): ``integrity.samples_per_group`` samples of each group, chosen by the
+2. *Exact re-scoring* (``logprobs``): ``integrity.samples_per_group`` samples of a group, chosen by the
    learner at random (a worker cannot know which), are scored under the exact adapter version each token
    claims (the learner keeps the LoRA tensors of the last ``max_staleness + 1`` versions: a few MB), at the run's
    sampling temperature, and compared token by token with the behaviour log-probs (:func:`compare`). This
@@ -35,15 +35,32 @@ So the learner checks the very tokens it is about to train:
      parameters are never swapped and ``max_staleness = 2`` (the demo) costs one forward as 1 does.
 
    Cost: the free path is bookkeeping (~1-2 ms a step on the tiny model, ~1 % of the demo batch's
-   forward+backward); what is left is the one re-scoring forward of older versions. Its rows are
-   ``samples_per_group / group_size`` of the batch's (1/8 in the demo, 1/4 in the test harness), a forward is
-   about half the arithmetic of a forward+backward (the frozen base needs no weight gradients), and on this
-   overhead-bound model a forward of a few rows costs more than its arithmetic (Python per module, FSDP2's
-   per-parameter unshard): 6-8 % of the demo batch's forward+backward, ~20 % of the harness's. An asynchronous
-   run's batches hold mostly the previous version's tokens (the workers generate with v-1 while the learner
-   trains v-1 -> v), so nearly every step pays it. Not the 2 % target: the arithmetic alone is ~6 % (demo) and
-   ~12 % (harness) of the forward+backward (measured, and where the rest goes: ``bench/integrity.py``,
+   forward+backward). A re-scoring forward is not: its rows are ``samples_per_group / group_size`` of the
+   batch's, a no-grad forward is about half the arithmetic of a forward+backward, and on a small model a forward
+   of a few rows costs more than its arithmetic (Python per module, FSDP2's per-parameter unshard; on a GPU,
+   ~1,500 kernel launches whatever its rows): 6-8 % of the demo batch's forward+backward, ~20 % of the test
+   harness's, 21 % of the 1.5B shape's on an H200. An asynchronous run's batches hold mostly the previous
+   version's tokens (the workers generate with v-1 while the learner trains v-1 -> v), so re-scoring them every
+   step costs a forward nearly every step, 3-4 times the 2 % budget (measured: ``bench/integrity.py``,
    BENCHMARKS.md "Policy integrity").
+
+3. *Probation and audits* (:mod:`learner.trust`): who is re-scored when. A worker process starts on probation:
+   every one of its groups is re-scored as above, until ``integrity.probation_groups`` of them passed in a row.
+   After that its tokens of older versions are re-scored only on *audited* steps, drawn per step with
+   probability ``integrity.audit_fraction`` from a keyed hash of the learner's secret seed (every rank draws
+   the same; no worker can tell which). What stays exact for every group of every worker at every step: the
+   evidence (1) and the version the parameters hold (the free path). Any failure puts the worker back on
+   probation with a count of 0, and the broker's quarantine rule applies as before.
+
+   What this gives up, and why it is the default: a worker that was honest through its probation and then
+   starts to fail *only* in its log-probs of older versions (made-up numbers, another temperature, an engine
+   that reports the adapter it loaded but generates without it) is caught at the next audited step, expected
+   ``1 / audit_fraction`` steps later, and its groups in between are trained. Everything that fails from a
+   worker's start (a misconfigured engine, a cheating client: the faults tests/integrity injects) is caught at
+   its first group; a fault that begins with an adapter load shows in the evidence (sha256, a reused int id)
+   of that version's first group. The cost falls to the free path plus ``audit_fraction`` re-scoring
+   forwards a step, under the 2 % budget at the default 1/10 (``bench/integrity.py``). ``audit_fraction = 1``
+   re-scores every group of every worker at every step: exact for all, at the cost above.
 
 **Tolerances.** An fp32 engine and an fp32 learner agree to ~1e-5 nats per token (FACTS.md: vLLM 5e-6, hf 1e-6);
 bf16 on either side drifts by up to a few tenths on low-probability tokens. :func:`tolerance` gives 0.01 nats

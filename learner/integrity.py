@@ -11,7 +11,9 @@ Why this check and these tolerances: :mod:`common.integrity`.
       choose     integrity.samples_per_group samples per group, ranked by blake2b(seed, group_id, k): the seed is
                  drawn by rank 0 at start-up and broadcast, so every rank picks the same ones and no worker can know
                  which (samples with trained tokens first)
-      re-score   the chosen samples' trained tokens of every claimed version u the history holds, except the
+      re-score   on an audited step every group's, else those of groups from workers on probation
+                 (:class:`learner.trust.Trust`; the others' tokens are counted unaudited): the chosen samples'
+                 trained tokens of every claimed version u the history holds, except the
                  one the parameters hold (free_version), all versions together: one row per (sample, version),
                  spread over the ranks by length and packed in learner.micro_batch_tokens micro-batches, a
                  micro-batch's rows sorted by version; one no-grad forward each in which every LoRA module adds
@@ -31,7 +33,9 @@ Why this check and these tolerances: :mod:`common.integrity`.
       finish     compared, summed over the ranks, agreed as above, after backward and before optimizer.step();
                  a failed group: checked_train_step drops it and runs forward/backward again without it
     -> Verdict (merged): the groups to keep, one PolicyMismatch per failed group (with rank 0's evidence),
-       seconds, tokens (free ones too), re-scoring forwards
+       seconds, tokens (free ones too, and the unaudited ones), re-scoring forwards, whether the step was audited
+    IntegrityCheck.settle(step, verdict)   after the optimizer step: each compared group that was kept counts a
+                 pass for its worker process, each failed one puts it back on probation (alike on every rank)
 
 free_version is the version :meth:`IntegrityCheck.record` last saw the parameters hold, forgotten at the
 optimizer's next step (:meth:`IntegrityCheck.watch`): with learner.publish_every > 1 a step between two
@@ -87,6 +91,7 @@ from common.protocol import PolicyMismatch, ServedAdapter
 from learner import data, segments
 from learner.model import Policy
 from learner.parallel import Parallel
+from learner.trust import Trust
 
 log = get_logger("learner.integrity")
 
@@ -278,6 +283,11 @@ class LoraIds:
         return None
 
 
+def process_of(step: data.StepBatch, group: int) -> str:
+    """The worker process that submitted a group: its worker id and Hello session."""
+    return f"{step.worker_ids[group]}#{step.worker_sessions[group] if step.worker_sessions else ''}"
+
+
 def group_members(step: data.StepBatch) -> list[list[int]]:
     """The indices (into ``step.samples``) of each group's samples."""
     members: list[list[int]] = [[] for _ in range(step.num_groups)]
@@ -403,6 +413,8 @@ class Verdict:
     free_seconds: float = 0.0  # the part of ``seconds`` those took (their comparison, and a redo)
     num_forwards: int = 0     # re-scoring forwards run on this rank (one per micro-batch of all versions' rows)
     redone: bool = False      # forward/backward ran again without a group the training forward failed
+    audited: bool = False     # an audited step: every worker's older versions re-scored (learner.trust)
+    num_unaudited_tokens: int = 0  # chosen samples' tokens of older versions from trusted workers, not re-scored
 
 
 class IntegrityCheck:
@@ -419,11 +431,14 @@ class IntegrityCheck:
         self.history = AdapterHistory(policy.model, keep=config.run.max_staleness + 1, dtype=policy.compute_dtype)
         self.lora_ids = LoraIds()
         self.seed = parallel.broadcast_int(secrets.randbits(62))  # collective: every rank builds one at start-up
+        self.trust = Trust(probation_groups=config.integrity.probation_groups,
+                           audit_fraction=config.integrity.audit_fraction, seed=self.seed)
         self.current_version: int | None = None  # the version the parameters hold (None once a step changed them)
         self.exact_training_forward = not stochastic_modules(policy.model)  # modes are set once, at build time
         self.num_forwards = 0  # re-scoring forwards this rank ran (the free path runs none)
         self.num_redone_steps = 0  # steps whose forward/backward ran again without a group the free path failed
         self._chosen: dict[str, list[int]] = {}  # group id -> positions of its chosen samples (this step's)
+        self._compared: set[str] = set()  # group ids with a comparison this step (re-scored or free)
         self._facts: tuple[data.StepBatch, StepFacts] | None = None  # of the batch run() saw last
 
     def record(self, version: int, sha256: str | None) -> None:
@@ -455,11 +470,14 @@ class IntegrityCheck:
             return Verdict(keep=list(range(step.num_groups)))
         facts = self.facts(step, fresh=True)
         evidence = [self._evidence(step, g, facts.group_versions[g]) for g in range(step.num_groups)]
-        pairs, unverifiable = self._pairs(step, facts)
-        pairs = [(i, version) for i, version in pairs if version != defer_version]
+        audited = self.trust.audited(step.group_ids)
+        pairs, unverifiable, unaudited = self._pairs(step, facts, audited=audited, defer_version=defer_version)
+        self._compared = {step.group_ids[step.samples[i].group] for i, _ in pairs}
         forwards = self.num_forwards
         verdict = self.judge(step, evidence, pairs, self._rescore(step, pairs))
         verdict.num_unverifiable_tokens = unverifiable
+        verdict.num_unaudited_tokens = unaudited
+        verdict.audited = audited
         verdict.num_forwards = self.num_forwards - forwards
         verdict.seconds = time.monotonic() - started
         return verdict
@@ -509,9 +527,20 @@ class IntegrityCheck:
         if self.parallel.world_size > 1:
             (self.parallel.sum if op == "sum" else self.parallel.max)(tensor)
 
+    def settle(self, step: data.StepBatch, verdict: Verdict) -> None:
+        """After a step's verdict (alike on every rank): each group's worker process passed if the group was
+        compared and kept, and is on probation again if the group failed (:class:`learner.trust.Trust`)."""
+        if not self.enabled:
+            return
+        failed = {m.group_id for m in verdict.mismatches}
+        for g, group_id in enumerate(step.group_ids):
+            if group_id in failed:
+                self.trust.failed(process_of(step, g))
+            elif group_id in self._compared:
+                self.trust.passed(process_of(step, g))
+
     def _evidence(self, step: data.StepBatch, group: int, versions: list[int]) -> PolicyMismatch | None:
-        process = f"{step.worker_ids[group]}#{step.worker_sessions[group] if step.worker_sessions else ''}"
-        return check_evidence(versions, step.served[group], process, self.history, self.lora_ids)
+        return check_evidence(versions, step.served[group], process_of(step, group), self.history, self.lora_ids)
 
     def _served(self, step: data.StepBatch, group: int, version: int) -> ServedAdapter | None:
         return next((s for s in step.served[group] if s.version == version), None)
@@ -542,20 +571,30 @@ class IntegrityCheck:
             positions = self._chosen[group_id] = [members.index(i) for i in chosen]
         return [members[k] for k in positions]
 
-    def _pairs(self, step: data.StepBatch, facts: StepFacts) -> tuple[list[tuple[int, int]], int]:
-        """(sample, version) pairs to re-score, from what every rank knows alike; and the tokens of chosen samples
-        whose version is not held (unverifiable)."""
+    def _pairs(self, step: data.StepBatch, facts: StepFacts, *, audited: bool,
+               defer_version: int | None) -> tuple[list[tuple[int, int]], int, int]:
+        """(sample, version) pairs to re-score, from what every rank knows alike: the chosen samples' versions
+        other than ``defer_version`` (the training forward's), of every group on an audited step and of groups
+        from workers on probation on the others; and the tokens of chosen samples whose version is not held
+        (unverifiable), and of those left unaudited."""
         pairs: list[tuple[int, int]] = []
-        unverifiable = 0
+        unverifiable = unaudited = 0
         self._chosen = {}
         for g in range(step.num_groups):
+            exact = audited or self.trust.on_probation(process_of(step, g))
             for i in self.chosen(step, facts, g):
                 for version, count in zip(*(a.tolist() for a in facts.trained_versions(i)), strict=True):
+                    if version == defer_version:
+                        continue
                     if not self.history.holds(version):
                         unverifiable += count
-                    elif self._served(step, g, version) is not None:  # else failed as no_evidence already
+                    elif self._served(step, g, version) is None:  # failed as no_evidence already
+                        continue
+                    elif exact:
                         pairs.append((i, version))
-        return pairs, unverifiable
+                    else:
+                        unaudited += count
+        return pairs, unverifiable, unaudited
 
     def _rescore(self, step: data.StepBatch, pairs: list[tuple[int, int]]) -> torch.Tensor:
         """Collective: [P, 4] float64 (num_checked, num_off, max |diff|, mean |diff|) of each pair, on every rank.
@@ -660,6 +699,7 @@ class TrainedCheck:
                     if version in facts.trained_versions(i)[0]:
                         self.pairs.append((i, version))
         self._watched = {i: k for k, (i, _) in enumerate(self.pairs)}
+        check._compared.update(step.group_ids[step.samples[i].group] for i, _ in self.pairs)
         self._seen: list[tuple[int, torch.Tensor]] = []  # (pair, its sample's trained log-probs), on the device
         self.seconds = time.monotonic() - started
 
@@ -710,7 +750,8 @@ def merged(step: data.StepBatch, first: Verdict, survivors: Verdict) -> Verdict:
                    max_passing_diff=max(first.max_passing_diff, survivors.max_passing_diff),
                    num_free_tokens=first.num_free_tokens + survivors.num_free_tokens,
                    free_seconds=first.free_seconds + survivors.free_seconds,
-                   num_forwards=first.num_forwards + survivors.num_forwards)
+                   num_forwards=first.num_forwards + survivors.num_forwards, audited=first.audited,
+                   num_unaudited_tokens=first.num_unaudited_tokens + survivors.num_unaudited_tokens)
 
 
 def stochastic_modules(model: nn.Module) -> list[str]:

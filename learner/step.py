@@ -174,10 +174,12 @@ def checked_train_step(policy: Policy, optimizer: torch.optim.Optimizer, schedul
     step batch trained, the verdict on ``step``'s groups).
 
     The check runs before the step (evidence, and the chosen samples re-scored under every version other than
-    the one the parameters hold, :meth:`learner.integrity.IntegrityCheck.run`); the failures are dropped. The
+    the one the parameters hold, for workers on probation or on an audited step,
+    :meth:`learner.integrity.IntegrityCheck.run`); the failures are dropped. The
     tokens of the version the parameters hold are checked from the training forward itself
     (:class:`learner.integrity.TrainedCheck`): optimistic, before ``optimizer.step()``; if a group fails there,
-    the gradients are thrown away and forward/backward run again without it (failures are rare)."""
+    the gradients are thrown away and forward/backward run again without it (failures are rare). The verdict
+    then settles each worker's probation (:meth:`learner.integrity.IntegrityCheck.settle`)."""
     version = check.free_version
     verdict = check.run(step, defer_version=version)
     trained = data.keep_groups(step, verdict.keep) if verdict.mismatches else step
@@ -198,6 +200,7 @@ def checked_train_step(policy: Policy, optimizer: torch.optim.Optimizer, schedul
             verdict.redone = True
             check.num_redone_steps += 1
     stats = optimizer_step(policy, optimizer, scheduler, trained, computed, parallel=parallel, learner=config.learner)
+    check.settle(step, verdict)
     return stats, trained, verdict
 
 

@@ -16,7 +16,9 @@ groups first; ``LORAFLOW_FAULT_GATE``
 - ``swapped_files`` (hf or vllm): each received adapter's weights file is replaced on disk by the previous
   version's before the engine loads it (a sync bug that leaves an old file under a new name);
 - ``temperature`` (hf): the engine samples and reports its log-probs at temperature 0.6 while the run's config
-  says ``worker.temperature`` (the one the learner scores at).
+  says ``worker.temperature`` (the one the learner scores at); with ``LORAFLOW_FAULT_AFTER_VERSION`` N, from its
+  first load of a version newer than N, and with ``LORAFLOW_FAULT_TURN`` (a file) from the first load after that
+  file exists (a worker that was healthy through its probation, then goes wrong; it logs ``fault_started``).
 """
 
 from __future__ import annotations
@@ -27,12 +29,21 @@ import shutil
 import sys
 from typing import Any
 
+from common.logging import get_logger
+
 FAULTS = ("base_model", "stale_lora_id", "swapped_files", "temperature")
 FAULT_TEMPERATURE = 0.6
+TURN_ENV = "LORAFLOW_FAULT_TURN"  # a file: the fault begins at the first load after it exists (temperature)
 
 
 def _after() -> int:
     return int(os.environ.get("LORAFLOW_FAULT_AFTER_VERSION", "0"))
+
+
+def _turned() -> bool:
+    """Whether the fault may begin: no turn file named, or it exists."""
+    turn = os.environ.get(TURN_ENV)
+    return not turn or os.path.exists(turn)
 
 
 def inject_base_model() -> None:
@@ -98,8 +109,20 @@ def inject_temperature() -> None:
 
     def make_backend(config: Any, **kwargs: Any) -> Any:
         backend = healthy(config, **kwargs)
-        if _after() == 0:
+        if _after() == 0 and not os.environ.get(TURN_ENV):
             backend.sampling = dataclasses.replace(backend.sampling, temperature=FAULT_TEMPERATURE)
+            return backend
+        add_adapter = backend.add_adapter
+
+        def add_then_turn(adapter: Any) -> None:
+            """Healthy until it loads a version newer than N (after the turn file exists): from then on every
+            request samples at 0.6."""
+            add_adapter(adapter)
+            if backend.sampling.temperature != FAULT_TEMPERATURE and adapter.version > _after() and _turned():
+                backend.sampling = dataclasses.replace(backend.sampling, temperature=FAULT_TEMPERATURE)
+                get_logger("faulty_worker").warning("fault_started", fault="temperature", version=adapter.version)
+
+        backend.add_adapter = add_then_turn
         return backend
 
     worker.make_backend = make_backend

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import subprocess
 import sys
+import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -22,8 +23,9 @@ from common.transport import BrokerUnavailable, fetch_stats
 from learner.ledger import read as read_ledger
 from tests.fault.ledger import committed_chain, read_json_lines
 from tests.fault.system import System, write_config
+from tests.integrity.faulty_worker import TURN_ENV
 from tests.integrity.gate import ENV as GATE_ENV
-from tests.support import REPO, Proc, Processes, child_env
+from tests.support import REPO, Proc, Processes, child_env, wait_for
 
 BAD = "bad"
 GOOD = "good"
@@ -58,10 +60,12 @@ class IntegrityRun(System):
                                                 "--backend", backend)
 
     def start_bad(self, fault: str, model_dir: Path, *, worker_id: str = BAD, backend: str = "hf",
-                  after_version: int = 0, gate: Path | None = None) -> Proc:
+                  after_version: int = 0, gate: Path | None = None, turn: Path | None = None) -> Proc:
         """Start a faulty client; with ``gate`` it does its imports, then waits until that file exists
-        (:mod:`tests.integrity.gate`)."""
+        (:mod:`tests.integrity.gate`); with ``turn`` it is healthy until that file exists (temperature)."""
         gated = {GATE_ENV: str(gate)} if gate is not None else {}
+        if turn is not None:
+            gated[TURN_ENV] = str(turn)
         if fault == "fabricated":
             report = self.run_dir / f"raw_client-{worker_id}.json"
             proc = self.procs.python(self._name(worker_id), "tests.integrity.raw_client", self.endpoint,
@@ -76,12 +80,13 @@ class IntegrityRun(System):
 
 
 def start_run(procs: Processes, tmp_path: Path, model_dir: Path, *, num_prompts: int, backend: str = "hf",
-              extra: str = "") -> IntegrityRun:
+              extra: str = "", integrity: str = "") -> IntegrityRun:
+    """``integrity``: more lines of the config's [integrity] table (e.g. ``audit_fraction = 0.25``)."""
     keys = make_keys(tmp_path / "keys")
     run_dir = tmp_path / "run"
     config = write_config(tmp_path / "run.toml", run_dir=run_dir, model_dir=model_dir, backend=backend,
                           num_prompts=num_prompts, max_staleness=1, checkpoint_every=0,
-                          extra=f'[security]\nenabled = true\nkeys_dir = "{keys}"\n{extra}')
+                          extra=f'{integrity}\n[security]\nenabled = true\nkeys_dir = "{keys}"\n{extra}')
     run = IntegrityRun(procs=procs, config=config, run_dir=run_dir, num_workers=1, keys=keys)
     run.start_broker()
     run.start_learner()
@@ -113,6 +118,8 @@ class Audit:
     free_s: float = 0.0       # the check's seconds spent on those (comparison, redo)
     forwards: int = 0         # re-scoring forwards (older versions), summed over steps
     redone_steps: int = 0     # steps redone without a group the training forward failed
+    audited_steps: int = 0    # steps drawn for an audit (every worker's older versions re-scored)
+    unaudited_tokens: int = 0  # chosen samples' older-version tokens of trusted workers not re-scored
 
     @property
     def steps_to_detect(self) -> int | None:
@@ -150,6 +157,8 @@ def audit(run_dir: Path, learner_log: Path, bad_ids: frozenset[str] = frozenset(
         out.free_s += float(line.get("integrity_free_s", 0.0))
         out.forwards += int(line.get("integrity_forwards", 0))
         out.redone_steps += int(line.get("integrity_redone", 0))
+        out.audited_steps += int(line.get("integrity_audited", 0))
+        out.unaudited_tokens += int(line.get("integrity_unaudited_tokens", 0))
         out.busy_s += sum(float(line.get(k, 0.0)) for k in ("integrity_s", "compute_s", "publish_s", "checkpoint_s"))
         if line.get("skipped", {}).get("policy_mismatch") and out.first_mismatch_step is None:
             out.first_mismatch_step = line["step"]
@@ -159,3 +168,51 @@ def audit(run_dir: Path, learner_log: Path, bad_ids: frozenset[str] = frozenset(
         out.first_bad_step = min(out.first_bad_step or out.first_mismatch_step, out.first_mismatch_step)
     out.mismatches = [line for line in read_json_lines(learner_log) if line.get("event") == "policy_mismatch"]
     return out
+
+
+@dataclass(frozen=True)
+class LateFault:
+    """How a worker that went wrong after its probation was caught (:func:`run_late_fault`)."""
+
+    turned_at: int          # the first version it served wrong
+    healthy_trained: int    # its groups trained from versions before that
+    wrong_trained: int      # its groups trained from that version on (the probation rule's price)
+    steps_to_detect: int    # learner steps from its first wrong group reaching the learner to the first mismatch
+    seconds_to_quarantine: float  # from the fault's start (the turn) to the broker's quarantine
+
+
+def trusted_process(learner_log: Path, worker_id: str) -> bool:
+    """Whether the learner logged that a process of ``worker_id`` passed its probation."""
+    return any(line.get("event") == "integrity_trusted" and str(line.get("worker", "")).startswith(f"{worker_id}#")
+               for line in read_json_lines(learner_log))
+
+
+def run_late_fault(run: IntegrityRun, model_dir: Path, worker_id: str, *, after_steps: int) -> LateFault:
+    """Start a ``temperature`` worker that is healthy until the learner trusts it, then turn it; wait for its
+    quarantine and ``after_steps`` more learner steps; stop it; what the ledger and logs say."""
+    turn = run.run_dir.parent / f"turn-{worker_id}"
+    run.start_bad("temperature", model_dir, worker_id=worker_id, turn=turn)
+    wait_for(lambda: trusted_process(run.learner.log_path, worker_id), 240, f"{worker_id} to pass its probation",
+             run.procs)
+    turn.touch()
+    turned = time.monotonic()
+    wait_for(lambda: worker_id in quarantined(run.stats()), 300, f"{worker_id} to be quarantined", run.procs)
+    seconds = time.monotonic() - turned
+    target = run.ledger_steps() + after_steps
+    wait_for(lambda: run.ledger_steps() >= target, 180, "the run to go on with the healthy worker", run.procs)
+    proc = run.bad[worker_id]
+    assert proc.alive(), proc.log()[-3000:]  # quarantined, not crashed
+    proc.stop()
+    turned_at = next((int(line["version"]) for line in read_json_lines(proc.log_path)
+                      if line.get("event") == "fault_started"), None)
+    assert turned_at is not None, f"{proc.log_path}: the fault never started"
+    chain, _ = committed_chain(read_ledger(run.run_dir / "learner" / "ledger.jsonl"))
+    trained = [(step["step"], max(step["versions"][group])) for step in chain
+               for group, worker in step["workers"].items() if worker == worker_id]
+    wrong = [step for step, version in trained if version >= turned_at]
+    found = audit(run.run_dir, run.learner.log_path, frozenset({worker_id}))
+    assert found.first_mismatch_step is not None, found.summary()
+    first_wrong = min(wrong + [found.first_mismatch_step])
+    return LateFault(turned_at=turned_at, healthy_trained=len(trained) - len(wrong), wrong_trained=len(wrong),
+                     steps_to_detect=found.first_mismatch_step - first_wrong + 1,
+                     seconds_to_quarantine=round(seconds, 1))

@@ -15,7 +15,7 @@ import pytest
 
 from learner.ledger import read as read_ledger
 from tests.fault.ledger import committed_chain, read_json_lines
-from tests.integrity.run import GOOD, IntegrityRun, audit, quarantined, start_run
+from tests.integrity.run import GOOD, IntegrityRun, audit, quarantined, run_late_fault, start_run
 from tests.support import Processes, wait_for
 
 NUM_PROMPTS = 4000  # far more than the test trains: it stops once the run went on past the quarantine
@@ -116,3 +116,30 @@ def test_a_vllm_worker_is_clean_until_it_reuses_a_lora_id_then_caught_and_quaran
     assert found.trained_from.get(GOOD, 0) > 0 and found.checked_tokens > 0, found.summary()
     assert found.max_passing_diff < 1e-3, found.summary()  # fp32 engines agree far inside the 0.01 tolerance
     print(f"vLLM worker: {len(clean)} clean groups trained, faulty from version {faulty_from}; {found.summary()}")
+
+
+
+LATE = "late"
+LATE_AUDIT_FRACTION = 0.25  # for a prompt test: the default 0.1 is measured by bench/integrity.py
+LATE_MAX_STEPS = 40  # P(no audit in 40 steps at 0.25) = 1e-5, and the free path checks every step besides
+
+
+def test_a_worker_that_goes_wrong_after_its_probation_is_caught_by_an_audit(procs: Processes, tmp_path: Path,
+                                                                             tiny_model_dir: Path) -> None:
+    """Healthy through its probation (the learner logs integrity_trusted), then it samples at temperature 0.6:
+    no evidence shows that, so the free path (its tokens of the version the learner holds) or an audited step
+    must fail its groups within a few steps; it is quarantined and the run goes on. The groups of it trained in
+    between are the probation rule's price (common/integrity.py): counted and printed, not zero by design."""
+    run = start_run(procs, tmp_path, tiny_model_dir, num_prompts=NUM_PROMPTS,
+                    integrity=f"audit_fraction = {LATE_AUDIT_FRACTION}")
+    late = run_late_fault(run, tiny_model_dir, LATE, after_steps=STEPS_AFTER)
+    stats = run.stats()
+    run.stop()
+    found = audit(run.run_dir, run.learner.log_path, frozenset({LATE}))
+    assert late.healthy_trained >= 16, late  # its probation: integrity.probation_groups passes in a row
+    assert found.mismatches and all(m["worker_id"] == LATE and m["version"] >= late.turned_at
+                                    and m["reason"] == "logprobs" for m in found.mismatches), found.mismatches
+    assert late.steps_to_detect <= LATE_MAX_STEPS, (late, found.summary())
+    assert GOOD not in quarantined(stats) and quarantined(stats)[LATE]["evidence"], quarantined(stats)
+    assert found.trained_from.get(GOOD, 0) > 0, found.summary()
+    print(f"late worker: {late}; {found.summary()}")

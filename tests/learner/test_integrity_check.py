@@ -20,7 +20,7 @@ import torch
 
 from common.config import load_config
 from learner import data, publish
-from learner.integrity import IntegrityCheck, LoraIds
+from learner.integrity import IntegrityCheck, LoraIds, TrainedCheck
 from learner.loss import LossConfig
 from learner.model import build_policy
 from learner.parallel import init_parallel
@@ -48,6 +48,7 @@ class World:
     scorers: dict[int, Scorer]
     snapshots: dict[int, publish.AdapterSnapshot]
     logits: dict[int, torch.Tensor]  # of a fixed input, recorded while the version was current
+    parallel: object = None
 
 
 PROBE = torch.arange(3, 40, dtype=torch.int64)[None]
@@ -75,7 +76,7 @@ def world(tiny_model_dir: Path) -> World:
         scorers[version] = Scorer(tiny_model_dir, snap.tensors, policy.lora_config)
         with torch.no_grad():
             logits[version] = policy.logits(PROBE).clone()
-    yield World(policy, check, sha, scorers, snapshots, logits)
+    yield World(policy, check, sha, scorers, snapshots, logits, parallel)
     parallel.close()
 
 
@@ -360,3 +361,85 @@ def test_a_resumed_learner_checks_the_version_of_its_checkpoint(tiny_model_dir: 
         procs.cleanup()
     assert [a.group_ids for a in broker.acks] == [["0:0", "0:1"], ["1:0", "1:1"]]
     assert [(m.group_id, m.reason) for m in broker.acks[-1].mismatches] == [("1:2", "adapter_sha256")]
+
+
+# -- probation and audits (learner.trust) ---------------------------------------------------------------------
+
+
+def trusting_check(world: World, *, probation: int, audit_fraction: float) -> IntegrityCheck:
+    """A check of its own (its own trust), holding the version the world's parameters hold now (v2)."""
+    config = load_config(None, OVERRIDES + [f"integrity.probation_groups={probation}",
+                                            f"integrity.audit_fraction={audit_fraction}"])
+    check = IntegrityCheck(config, world.policy, world.parallel)
+    check.record(2, world.sha[2])
+    return check
+
+
+def step_of(check: IntegrityCheck, groups: list, *, session: str = "s1"):
+    """One step's verdict as the learner loop reaches it (run, then settle), the groups from process ``session``."""
+    for group, _ in groups:
+        group.worker_session = session
+    step = data.decode_step_batch(encode_groups(groups))
+    verdict = check.run(step)
+    check.settle(step, verdict)
+    return verdict
+
+
+NEVER = 1e-9  # an audit_fraction no test run draws
+
+
+def test_a_worker_is_re_scored_on_every_group_until_trusted_then_on_audited_steps_only(world: World) -> None:
+    """On probation every group is re-scored; after probation_groups passes in a row its older versions are not
+    (counted unaudited), while its evidence still is; a fresh process of the same worker starts on probation."""
+    check = trusting_check(world, probation=3, audit_fraction=NEVER)
+    rng = np.random.default_rng(11)
+    for k in range(3):
+        verdict = step_of(check, [honest(world, rng, f"p-{k}", 2)])
+        assert verdict.num_forwards == 1 and verdict.num_unaudited_tokens == 0 and not verdict.mismatches
+    assert not check.trust.on_probation("w#s1") and check.trust.num_trusted() == 1
+    verdict = step_of(check, [honest(world, rng, "trusted", 2)])
+    assert verdict.num_forwards == 0 and verdict.num_checked_tokens == 0 and not verdict.audited
+    assert verdict.num_unaudited_tokens == 2 * 12  # integrity.samples_per_group = 2, 12 tokens each
+    bad_sha = rollout_group("bad-sha", sample_group(world.scorers[2], rng, group_size=4, version=2),
+                            [served_for(2, "0" * 64)])
+    assert [m.reason for m in step_of(check, [bad_sha]).mismatches] == ["adapter_sha256"]  # evidence: every step
+    assert check.trust.on_probation("w#s1")  # a failure: back on probation
+    verdict = step_of(check, [honest(world, rng, "restarted", 2)], session="s2")
+    assert verdict.num_forwards == 1  # another process of the same worker id: on probation
+
+
+def test_a_trusted_worker_that_turns_dishonest_is_caught_on_an_audited_step(world: World) -> None:
+    """Made-up log-probs from a trusted worker pass an unaudited step (the rule's price, counted as unaudited
+    tokens) and fail the next audited one; the worker is then on probation, every group re-scored again."""
+    check = trusting_check(world, probation=2, audit_fraction=NEVER)
+    rng = np.random.default_rng(12)
+    for k in range(2):
+        step_of(check, [honest(world, rng, f"p-{k}", 2)])
+    made_up = wrong(world, rng, "made-up", claimed=2, scored_by=2, change=lambda r, lp: np.full_like(lp, -0.5))
+    made_up[0].worker_id = "w"
+    verdict = step_of(check, [made_up])
+    assert not verdict.mismatches and verdict.num_unaudited_tokens > 0
+    check.trust.audit_fraction = 1.0  # the next step is drawn for an audit
+    made_up = wrong(world, rng, "made-up-2", claimed=2, scored_by=2, change=lambda r, lp: np.full_like(lp, -0.5))
+    made_up[0].worker_id = "w"
+    verdict = step_of(check, [made_up, honest(world, rng, "beside", 2, worker_id="other")])
+    assert verdict.audited and [(m.group_id, m.reason) for m in verdict.mismatches] == [("made-up-2", "logprobs")]
+    assert check.trust.on_probation("w#s1")
+    check.trust.audit_fraction = NEVER
+    assert step_of(check, [honest(world, rng, "after", 2)]).num_forwards == 1  # on probation: re-scored
+
+
+def test_the_free_path_checks_a_trusted_worker_every_step(world: World) -> None:
+    """Tokens of the version the parameters hold are checked from the training forward whatever the trust: a
+    trusted worker's group of that version counts as compared (it keeps its trust by passing it)."""
+    check = trusting_check(world, probation=1, audit_fraction=NEVER)
+    rng = np.random.default_rng(13)
+    step_of(check, [honest(world, rng, "p", 2)])
+    assert not check.trust.on_probation("w#s1")
+    groups = [honest(world, rng, "free", 2)]
+    groups[0][0].worker_session = "s1"
+    step = data.decode_step_batch(encode_groups(groups))
+    verdict = check.run(step, defer_version=2)  # v2 left to the training forward
+    assert verdict.num_forwards == 0 and verdict.num_unaudited_tokens == 0
+    watch = TrainedCheck(check, step, 2)
+    assert len(watch.pairs) == 2  # the chosen samples' v2 tokens are watched in the training forward
