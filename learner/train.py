@@ -303,6 +303,9 @@ class Learner:
         self.metrics.inc("tokens_masked_stale", num_masked)
         self.metrics.set("version", self.state.version)
         self.metrics.set("busy_share", self.timers.busy_share())
+        self.metrics.set("integrity_trusted_workers", self.integrity.trust.num_trusted())
+        if received.verdict is not None and received.verdict.audited:
+            self.metrics.inc("integrity_audited_steps")
         rewards = torch.tensor(received.rewards, dtype=torch.float64)
         adapter_acks = self.session.adapter_acks if self.session is not None else []
         line = {
