@@ -337,11 +337,20 @@ def main_isolated(repeats: int, reference: str | None, shapes: Sequence[str] = (
                   f"{r['reference_previous_ms'] / r['plain_ms']:.1%}, two older versions "
                   f"{r['reference_two_older_ms']:.2f} ms = {r['reference_two_older_ms'] / r['plain_ms']:.1%} "
                   f"(this one: {r['previous_check_ms']:.2f} ms, {r['two_older_check_ms']:.2f} ms)")
+    from common.config import load_config
+
+    audit_fraction = load_config(None, list(settings)).integrity.audit_fraction
+    for r in results:  # a batch of trusted workers' previous-version groups: re-scored on audited steps only
+        r["audited_share"] = r["free_share"] + audit_fraction * (r["previous_share"] - r["free_share"])
+        print(f"{r['shape']:8s} trusted workers, audit_fraction {audit_fraction:g}: expected "
+              f"{r['audited_share']:.2%} of forward+backward a step (the free path's bookkeeping every step, the "
+              f"re-scoring forward on audited steps)")
     worst = max(r["free_share"] for r in results)
     report("integrity_isolated", "free_path_share", worst, "share", 0.02, model=model, settings=list(settings),
+           audit_fraction=audit_fraction,
            **{f"{r['shape']}_{k}": round(r[k], 4) for r in results
               for k in ("plain_ms", "free_check_ms", "previous_check_ms", "forward_ms", "two_older_check_ms",
-                        "free_share", "previous_share", "two_older_share")
+                        "free_share", "previous_share", "two_older_share", "audited_share")
               + (("reference_previous_ms", "reference_two_older_ms") if reference else ())})
 
 

@@ -243,9 +243,10 @@ class IntegrityConfig:
     """The policy check (common/integrity.py): the learner re-scores what each group claims, the broker
     quarantines a worker whose groups keep failing."""
 
-    check: bool = rule(True, doc="re-score one sample of every group under the exact version each token claims "
-                       "and refuse groups that do not match (policy_mismatch); off only for worker.backend = "
-                       "\"sim\", whose log-probs come from no model")
+    check: bool = rule(True, doc="check each group's evidence and re-score its chosen samples under the exact "
+                       "version each token claims (every group of a worker on probation, else on audited steps "
+                       "and for the version the learner holds) and refuse groups that do not match "
+                       "(policy_mismatch); off only for worker.backend = \"sim\", whose log-probs come from no model")
     samples_per_group: int = rule(1, ge=1, le=1024, doc="samples of each group re-scored, chosen by the learner "
                                   "at random (a worker cannot tell which)")
     token_tolerance: float = rule(0.0, ge=0, le=10, unit="nats", doc="largest |behaviour - recomputed| log-prob "
@@ -257,7 +258,7 @@ class IntegrityConfig:
     probation_groups: int = rule(16, ge=0, le=1_000_000, unit="groups", doc="groups of a worker process that must "
                                  "pass the check in a row before it is trusted; until then every group is re-scored "
                                  "(learner/trust.py)")
-    audit_fraction: float = rule(0.1, gt=0, le=1, doc="share of learner steps on which a trusted worker's tokens of "
+    audit_fraction: float = rule(0.0625, gt=0, le=1, doc="share of learner steps on which a trusted worker's tokens of "
                                  "older versions are re-scored (drawn secretly per step; 1 = every step, every group: "
                                  "exact for every worker at every step, at the cost of a forward nearly every step)")
     quarantine_after: int = rule(2, ge=1, le=1000, unit="groups", doc="failed groups of one worker process, among "

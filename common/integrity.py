@@ -59,7 +59,7 @@ So the learner checks the very tokens it is about to train:
    worker's start (a misconfigured engine, a cheating client: the faults tests/integrity injects) is caught at
    its first group; a fault that begins with an adapter load shows in the evidence (sha256, a reused int id)
    of that version's first group. The cost falls to the free path plus ``audit_fraction`` re-scoring
-   forwards a step, under the 2 % budget at the default 1/10 (``bench/integrity.py``). ``audit_fraction = 1``
+   forwards a step, under the 2 % budget at the default 1/16 (``bench/integrity.py``). ``audit_fraction = 1``
    re-scores every group of every worker at every step: exact for all, at the cost above.
 
 **Tolerances.** An fp32 engine and an fp32 learner agree to ~1e-5 nats per token (FACTS.md: vLLM 5e-6, hf 1e-6);

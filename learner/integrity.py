@@ -12,7 +12,8 @@ Why this check and these tolerances: :mod:`common.integrity`.
                  drawn by rank 0 at start-up and broadcast, so every rank picks the same ones and no worker can know
                  which (samples with trained tokens first)
       re-score   on an audited step every group's, else those of groups from workers on probation
-                 (:class:`learner.trust.Trust`; the others' tokens are counted unaudited): the chosen samples'
+                 (:class:`learner.trust.Trust`), and then every group's too (the forward runs anyway; the
+                 others' tokens are counted unaudited): the chosen samples'
                  trained tokens of every claimed version u the history holds, except the
                  one the parameters hold (free_version), all versions together: one row per (sample, version),
                  spread over the ranks by length and packed in learner.micro_batch_tokens micro-batches, a
@@ -471,7 +472,8 @@ class IntegrityCheck:
         facts = self.facts(step, fresh=True)
         evidence = [self._evidence(step, g, facts.group_versions[g]) for g in range(step.num_groups)]
         audited = self.trust.audited(step.group_ids)
-        pairs, unverifiable, unaudited = self._pairs(step, facts, audited=audited, defer_version=defer_version)
+        pairs, unverifiable, unaudited, audited = self._pairs(step, facts, audited=audited,
+                                                               defer_version=defer_version)
         self._compared = {step.group_ids[step.samples[i].group] for i, _ in pairs}
         forwards = self.num_forwards
         verdict = self.judge(step, evidence, pairs, self._rescore(step, pairs))
@@ -572,29 +574,29 @@ class IntegrityCheck:
         return [members[k] for k in positions]
 
     def _pairs(self, step: data.StepBatch, facts: StepFacts, *, audited: bool,
-               defer_version: int | None) -> tuple[list[tuple[int, int]], int, int]:
+               defer_version: int | None) -> tuple[list[tuple[int, int]], int, int, bool]:
         """(sample, version) pairs to re-score, from what every rank knows alike: the chosen samples' versions
-        other than ``defer_version`` (the training forward's), of every group on an audited step and of groups
-        from workers on probation on the others; and the tokens of chosen samples whose version is not held
-        (unverifiable), and of those left unaudited."""
-        pairs: list[tuple[int, int]] = []
-        unverifiable = unaudited = 0
+        other than ``defer_version`` (the training forward's) of every group on an audited step, and of groups
+        from workers on probation on the others, unless those need a forward anyway: then of every group (a
+        forward costs about the same whatever its rows); the tokens of chosen samples whose version is not held
+        (unverifiable), and of those left unaudited; whether every group's were re-scored."""
+        candidates: list[tuple[int, int, int, bool]] = []  # (sample, version, tokens, re-scored whatever the step)
+        unverifiable = 0
         self._chosen = {}
         for g in range(step.num_groups):
             exact = audited or self.trust.on_probation(process_of(step, g))
             for i in self.chosen(step, facts, g):
                 for version, count in zip(*(a.tolist() for a in facts.trained_versions(i)), strict=True):
                     if version == defer_version:
-                        continue
+                        continue  # the training forward's
                     if not self.history.holds(version):
                         unverifiable += count
-                    elif self._served(step, g, version) is None:  # failed as no_evidence already
-                        continue
-                    elif exact:
-                        pairs.append((i, version))
-                    else:
-                        unaudited += count
-        return pairs, unverifiable, unaudited
+                    elif self._served(step, g, version) is not None:  # else failed as no_evidence already
+                        candidates.append((i, version, count, exact))
+        every = audited or any(exact for *_, exact in candidates)
+        pairs = [(i, version) for i, version, _, exact in candidates if every or exact]
+        unaudited = sum(count for *_, count, exact in candidates if not (every or exact))
+        return pairs, unverifiable, unaudited, every
 
     def _rescore(self, step: data.StepBatch, pairs: list[tuple[int, int]]) -> torch.Tensor:
         """Collective: [P, 4] float64 (num_checked, num_off, max |diff|, mean |diff|) of each pair, on every rank.

@@ -120,7 +120,7 @@ def test_a_vllm_worker_is_clean_until_it_reuses_a_lora_id_then_caught_and_quaran
 
 
 LATE = "late"
-LATE_AUDIT_FRACTION = 0.25  # for a prompt test: the default 0.1 is measured by bench/integrity.py
+LATE_AUDIT_FRACTION = 0.25  # for a prompt test: the default (1/16) is measured by bench/integrity.py
 LATE_MAX_STEPS = 40  # P(no audit in 40 steps at 0.25) = 1e-5, and the free path checks every step besides
 
 

@@ -408,6 +408,19 @@ def test_a_worker_is_re_scored_on_every_group_until_trusted_then_on_audited_step
     assert verdict.num_forwards == 1  # another process of the same worker id: on probation
 
 
+def test_a_step_that_re_scores_for_a_worker_on_probation_re_scores_every_group(world: World) -> None:
+    """The forward runs anyway, and costs about the same with the trusted workers' rows in it."""
+    check = trusting_check(world, probation=1, audit_fraction=NEVER)
+    rng = np.random.default_rng(14)
+    step_of(check, [honest(world, rng, "p", 2)])
+    made_up = wrong(world, rng, "made-up", claimed=2, scored_by=2, change=lambda r, lp: np.full_like(lp, -0.5))
+    made_up[0].worker_id = "w"
+    newcomer = honest(world, rng, "newcomer", 2, worker_id="new")
+    verdict = step_of(check, [made_up, newcomer])
+    assert verdict.audited and verdict.num_forwards == 1 and verdict.num_unaudited_tokens == 0
+    assert [(m.group_id, m.reason) for m in verdict.mismatches] == [("made-up", "logprobs")]
+
+
 def test_a_trusted_worker_that_turns_dishonest_is_caught_on_an_audited_step(world: World) -> None:
     """Made-up log-probs from a trusted worker pass an unaudited step (the rule's price, counted as unaudited
     tokens) and fail the next audited one; the worker is then on probation, every group re-scored again."""
