@@ -5,7 +5,8 @@ one batch: two honest groups (v1 and v0, log-probs from a reference model in ran
 published v1 through peft), one with
 made-up log-probs and one whose evidence names another sha256 (which only rank 0 can judge), plus an honest and a
 made-up group of rows longer than the token budget (re-scored in segments). Every rank must keep exactly the
-honest groups; rank 0 prints what was kept and dropped.
+honest groups; rank 0 prints what was kept and dropped. Then ten steps under probation and audits
+(:func:`trusted_steps`): every rank must re-score the same rows and hold the same trust.
 """
 
 from __future__ import annotations
@@ -38,7 +39,7 @@ from tests.learner.scripted import (
 
 
 def group(scorers: dict[int, Scorer], rng: np.random.Generator, group_id: str, version: int, sha256: str,
-          made_up: bool = False, completion_len: int = 10) -> tuple:
+          made_up: bool = False, completion_len: int = 10, worker_id: str | None = None) -> tuple:
     samples = []
     for _ in range(4):
         prompt = rng.integers(3, VOCAB, 6).astype(np.int32)
@@ -49,7 +50,7 @@ def group(scorers: dict[int, Scorer], rng: np.random.Generator, group_id: str, v
         n = len(completion)
         samples.append(Sampled(prompt, completion, logp.astype(np.float32), np.full(n, version, dtype=np.int32),
                                np.ones(n, dtype=np.uint8)))
-    return rollout_group(group_id, samples, [served_for(version, sha256)], worker_id=group_id)
+    return rollout_group(group_id, samples, [served_for(version, sha256)], worker_id=worker_id or group_id)
 
 
 def main(model_dir: Path) -> None:
@@ -89,7 +90,39 @@ def main(model_dir: Path) -> None:
     if parallel.is_main:
         dropped = [(m.group_id, m.reason) for m in verdict.mismatches]
         print(f"integrity ok on {parallel.world_size} ranks: kept {kept}, dropped {dropped}", flush=True)
+    trusted_steps(parallel, check, model_dir, snap)
     dist.barrier()
+
+
+def trusted_steps(parallel, check: IntegrityCheck, model_dir: Path, snap) -> None:  # noqa: ANN001
+    """Probation and audits on 2 ranks: steps of one worker's honest groups, trusted after 2 passes, audited on
+    half the steps by the shared secret draw, a made-up group from it at step 6. Every rank must re-score the same
+    rows (each forward is a collective: a disagreement would hang) and hold the same trust."""
+    check.trust.probation_groups, check.trust.audit_fraction = 2, 0.5
+    scorers = ({0: Scorer(model_dir), 1: Scorer(model_dir, snap.tensors, check.policy.lora_config)}
+               if parallel.is_main else {})
+    rng = np.random.default_rng(1)
+    seen = []
+    for index in range(10):
+        frames = None
+        if parallel.is_main:
+            groups = [group(scorers, rng, f"{index}:a", 1, snap.sha256, worker_id="steady"),
+                      group(scorers, rng, f"{index}:b", 0, "", worker_id="steady")]
+            if index == 6:
+                groups.append(group(scorers, rng, f"{index}:lie", 1, snap.sha256, made_up=True, worker_id="steady"))
+            frames = encode_groups(groups, batch_id=f"trust-{index}")
+        step = data.decode_step_batch(parallel.broadcast_frames(frames))
+        verdict = check.run(step)
+        check.settle(step, verdict)
+        seen.append((verdict.audited, verdict.num_forwards > 0, [m.group_id for m in verdict.mismatches],
+                     check.trust.on_probation("steady#")))
+    everyone: list = [None] * parallel.world_size
+    dist.all_gather_object(everyone, seen)
+    assert all(s == seen for s in everyone), everyone
+    assert not seen[-1][3] or any(m for _, _, m, _ in seen[-3:]), seen  # trusted at the end unless it just failed
+    if parallel.is_main:
+        print(f"trust ok on {parallel.world_size} ranks: {sum(a for a, *_ in seen)} of {len(seen)} steps "
+              f"re-scored every group, caught {[m for _, _, m, _ in seen if m]}", flush=True)
 
 
 if __name__ == "__main__":

@@ -278,6 +278,7 @@ def test_two_ranks_agree_and_drop_the_bad_groups(tiny_model_dir: Path) -> None:
     stdout = run_ranks("integrity_ranks.py", 2, str(tiny_model_dir))
     assert "integrity ok on 2 ranks: kept ['good-0', 'good-1', 'good-long'], dropped [('made-up', 'logprobs'), " \
            "('bad-sha', 'adapter_sha256'), ('made-up-long', 'logprobs')]" in stdout
+    assert "trust ok on 2 ranks: " in stdout
 
 
 @pytest.mark.parametrize("ranks", [1, 2])
