@@ -96,7 +96,8 @@ def main(model_dir: Path) -> None:
 
 def trusted_steps(parallel, check: IntegrityCheck, model_dir: Path, snap) -> None:  # noqa: ANN001
     """Probation and audits on 2 ranks: steps of one worker's honest groups, trusted after 2 passes, audited on
-    half the steps by the shared secret draw, a made-up group from it at step 6. Every rank must re-score the same
+    half the steps by the shared secret draw, a made-up group from it at step 6 (an audited one: caught, and the
+    worker back on probation). Every rank must re-score the same
     rows (each forward is a collective: a disagreement would hang) and hold the same trust."""
     check.trust.probation_groups, check.trust.audit_fraction = 2, 0.5
     scorers = ({0: Scorer(model_dir), 1: Scorer(model_dir, snap.tensors, check.policy.lora_config)}
@@ -112,6 +113,7 @@ def trusted_steps(parallel, check: IntegrityCheck, model_dir: Path, snap) -> Non
                 groups.append(group(scorers, rng, f"{index}:lie", 1, snap.sha256, made_up=True, worker_id="steady"))
             frames = encode_groups(groups, batch_id=f"trust-{index}")
         step = data.decode_step_batch(parallel.broadcast_frames(frames))
+        check.trust.audit_fraction = 1.0 if index == 6 else 0.5  # the lie's step is drawn for an audit
         verdict = check.run(step)
         check.settle(step, verdict)
         seen.append((verdict.audited, verdict.num_forwards > 0, [m.group_id for m in verdict.mismatches],
@@ -119,7 +121,7 @@ def trusted_steps(parallel, check: IntegrityCheck, model_dir: Path, snap) -> Non
     everyone: list = [None] * parallel.world_size
     dist.all_gather_object(everyone, seen)
     assert all(s == seen for s in everyone), everyone
-    assert not seen[-1][3] or any(m for _, _, m, _ in seen[-3:]), seen  # trusted at the end unless it just failed
+    assert not seen[1][3] and seen[6][2] == ["6:lie"] and seen[6][3], seen  # trusted by step 1; caught, on probation
     if parallel.is_main:
         print(f"trust ok on {parallel.world_size} ranks: {sum(a for a, *_ in seen)} of {len(seen)} steps "
               f"re-scored every group, caught {[m for _, _, m, _ in seen if m]}", flush=True)
