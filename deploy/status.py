@@ -69,12 +69,18 @@ def reward_failures(worker: dict[str, Any]) -> str:
     return str(value) if isinstance(value, int) else "-"
 
 
-def integrity_lines(integrity: dict[str, Any]) -> list[str]:
-    """The policy check's section: mismatches by reason, then one row per quarantined or probation worker
-    process with its newest evidence (broker/quarantine.py)."""
+def integrity_lines(integrity: dict[str, Any], learner: dict[str, Any] | None = None) -> list[str]:
+    """The policy check's section: mismatches by reason, the learner's trusted workers and audited steps (from
+    its heartbeat counters: learner/trust.py), then one row per quarantined or probation worker process with its
+    newest evidence (broker/quarantine.py)."""
     flagged = [*integrity.get("quarantined", []), *integrity.get("probation", [])]
+    counters = (learner or {}).get("counters") or {}
+    trust = (f"  learner trusts {counters['integrity_trusted']} worker process(es), audited "
+             f"{counters.get('integrity_audited_steps', 0)} of {learner.get('step', '?')} steps"
+             if isinstance(counters.get("integrity_trusted"), int) else "")
     lines = [f"integrity mismatches {_pairs(integrity.get('policy_mismatches', {}))}  "
-             f"quarantined {integrity.get('num_quarantined', 0)}  probation {integrity.get('num_probation', 0)}"]
+             f"quarantined {integrity.get('num_quarantined', 0)}  probation {integrity.get('num_probation', 0)}"
+             f"{trust}"]
     rows = []
     for w in flagged:
         last = (w.get("evidence") or [{}])[-1]
@@ -158,7 +164,7 @@ def render(snap: dict[str, Any]) -> str:
     adapters = snap.get("adapters", [])
     lines.append("adapters  " + (", ".join(f"v{a['version']} ({_bytes(a.get('num_bytes', 0))})" for a in adapters)
                                  if adapters else "none published"))
-    lines += integrity_lines(snap.get("integrity") or {})
+    lines += integrity_lines(snap.get("integrity") or {}, learner)
     lines.append(f"dropped   {_pairs(snap.get('dropped', {}))}")
     lines.append(f"rejected  {_pairs(snap.get('rejected', {}))}")
     auth, history = snap.get("auth", {}), snap.get("history") or {}

@@ -150,7 +150,9 @@ class Learner:
         if self.session is not None:
             self.session.link.set_state(state, adapter_version=self.state.version, steps=self.state.step,
                                         busy_s=round(self.timers.busy_s, 3), wait_s=round(self.timers.wait_s, 3),
-                                        busy_share=round(self.timers.busy_share(), 4))
+                                        busy_share=round(self.timers.busy_share(), 4),
+                                        integrity_trusted=self.integrity.trust.num_trusted(),
+                                        integrity_audited_steps=int(self.metrics.total("integrity_audited_steps")))
 
     def _want_batch(self) -> None:
         if self.session is not None:

@@ -249,6 +249,13 @@ def test_status_without_integrity_checks() -> None:
     assert "integrity mismatches none  quarantined 0  probation 0" in status.render({})
 
 
+def test_status_shows_the_learners_trusted_workers_and_audited_steps() -> None:
+    learner = {"id": "learner", "state": "training", "step": 40,
+               "counters": {"integrity_trusted": 2, "integrity_audited_steps": 3}}
+    assert ("integrity mismatches none  quarantined 0  probation 0  learner trusts 2 worker process(es), audited 3 "
+            "of 40 steps") in status.render({"learner": learner}).splitlines()
+
+
 def test_a_batch_names_the_submitting_process_whatever_the_group_claims(h: Harness) -> None:
     """The learner's lora_id memory keys on (worker_id, worker_session): the broker fills the session from the
     Hello of the process that sent the group, so a worker cannot pose as a fresh process (or as another one)."""
