@@ -62,6 +62,12 @@ So the learner checks the very tokens it is about to train:
    forwards a step, under the 2 % budget at the default 1/16 (``bench/integrity.py``). ``audit_fraction = 1``
    re-scores every group of every worker at every step: exact for all, at the cost above.
 
+   Why not a per-version canary for trusted workers instead: its reference is the learner's log-probs of the
+   canary under each version, i.e. a forward per step (the cost above), or an extra row in the training forward
+   whose backward runs too: 4 extra rows of the harness's 18 tokens cost 16 % of its forward+backward
+   (BENCHMARKS.md), ~4 % a row. On batches of hundreds of rows that row would be cheap; on this project's small
+   ones it is over budget by itself.
+
 **Tolerances.** An fp32 engine and an fp32 learner agree to ~1e-5 nats per token (FACTS.md: vLLM 5e-6, hf 1e-6);
 bf16 on either side drifts by up to a few tenths on low-probability tokens. :func:`tolerance` gives 0.01 nats
 when both are fp32 and 0.25 otherwise (``integrity.token_tolerance`` overrides), measured by
