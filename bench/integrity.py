@@ -267,7 +267,7 @@ def run_isolated(shape: str, repeats: int, reference: str | None = None, *, mode
         return time.perf_counter() - started, verdict.seconds + late.seconds
 
     previous = batches["previous"]
-    pairs = check._pairs(previous, check.facts(previous, fresh=True), audited=True,  # the rows the check re-scores
+    pairs = check._pairs(previous, check.facts(previous, fresh=True), drawn=True,  # the rows the check re-scores
                          defer_version=check.free_version)[0]
     rows = data.collate([integrity._restricted(previous.samples[i], v) for i, v in pairs],
                         [0.0] * len(pairs)).to(device)

@@ -415,6 +415,7 @@ class Verdict:
     num_forwards: int = 0     # re-scoring forwards run on this rank (one per micro-batch of all versions' rows)
     redone: bool = False      # forward/backward ran again without a group the training forward failed
     audited: bool = False     # an audited step: every worker's older versions re-scored (learner.trust)
+    compared: set[str] = field(default_factory=set)  # ids of the groups whose samples were compared (any path)
     num_unaudited_tokens: int = 0  # chosen samples' tokens of older versions from trusted workers, not re-scored
 
 
@@ -439,7 +440,6 @@ class IntegrityCheck:
         self.num_forwards = 0  # re-scoring forwards this rank ran (the free path runs none)
         self.num_redone_steps = 0  # steps whose forward/backward ran again without a group the free path failed
         self._chosen: dict[str, list[int]] = {}  # group id -> positions of its chosen samples (this step's)
-        self._compared: set[str] = set()  # group ids with a comparison this step (re-scored or free)
         self._facts: tuple[data.StepBatch, StepFacts] | None = None  # of the batch run() saw last
 
     def record(self, version: int, sha256: str | None) -> None:
@@ -471,10 +471,8 @@ class IntegrityCheck:
             return Verdict(keep=list(range(step.num_groups)))
         facts = self.facts(step, fresh=True)
         evidence = [self._evidence(step, g, facts.group_versions[g]) for g in range(step.num_groups)]
-        audited = self.trust.audited(step.group_ids)
-        pairs, unverifiable, unaudited, audited = self._pairs(step, facts, audited=audited,
+        pairs, unverifiable, unaudited, audited = self._pairs(step, facts, drawn=self.trust.audited(step.group_ids),
                                                                defer_version=defer_version)
-        self._compared = {step.group_ids[step.samples[i].group] for i, _ in pairs}
         forwards = self.num_forwards
         verdict = self.judge(step, evidence, pairs, self._rescore(step, pairs))
         verdict.num_unverifiable_tokens = unverifiable
@@ -512,7 +510,8 @@ class IntegrityCheck:
         failed_groups = flags.tolist()
         max_passing_diff = max((d for g, d in passing_diff.items() if not failed_groups[g]), default=0.0)
         verdict = Verdict(num_checked_tokens=int(results[:, 0].sum()) if len(pairs) else 0,
-                          max_passing_diff=min(max_passing_diff, MAX_REPORTED_DIFF))
+                          max_passing_diff=min(max_passing_diff, MAX_REPORTED_DIFF),
+                          compared={step.group_ids[step.samples[i].group] for i, _ in pairs})
         for g, failed in enumerate(failed_groups):
             if not failed:
                 verdict.keep.append(g)
@@ -538,7 +537,7 @@ class IntegrityCheck:
         for g, group_id in enumerate(step.group_ids):
             if group_id in failed:
                 self.trust.failed(process_of(step, g))
-            elif group_id in self._compared:
+            elif group_id in verdict.compared:
                 self.trust.passed(process_of(step, g))
 
     def _evidence(self, step: data.StepBatch, group: int, versions: list[int]) -> PolicyMismatch | None:
@@ -573,18 +572,18 @@ class IntegrityCheck:
             positions = self._chosen[group_id] = [members.index(i) for i in chosen]
         return [members[k] for k in positions]
 
-    def _pairs(self, step: data.StepBatch, facts: StepFacts, *, audited: bool,
+    def _pairs(self, step: data.StepBatch, facts: StepFacts, *, drawn: bool,
                defer_version: int | None) -> tuple[list[tuple[int, int]], int, int, bool]:
         """(sample, version) pairs to re-score, from what every rank knows alike: the chosen samples' versions
-        other than ``defer_version`` (the training forward's) of every group on an audited step, and of groups
-        from workers on probation on the others, unless those need a forward anyway: then of every group (a
-        forward costs about the same whatever its rows); the tokens of chosen samples whose version is not held
-        (unverifiable), and of those left unaudited; whether every group's were re-scored."""
+        other than ``defer_version`` (the training forward's) of every group on a step ``drawn`` for an audit,
+        and of groups from workers on probation on the others, unless those need a forward anyway: then of every
+        group (a forward costs about the same whatever its rows); the tokens of chosen samples whose version is
+        not held (unverifiable), and of those left unaudited; whether every group's were re-scored."""
         candidates: list[tuple[int, int, int, bool]] = []  # (sample, version, tokens, re-scored whatever the step)
         unverifiable = 0
         self._chosen = {}
         for g in range(step.num_groups):
-            exact = audited or self.trust.on_probation(process_of(step, g))
+            exact = drawn or self.trust.on_probation(process_of(step, g))
             for i in self.chosen(step, facts, g):
                 for version, count in zip(*(a.tolist() for a in facts.trained_versions(i)), strict=True):
                     if version == defer_version:
@@ -593,7 +592,7 @@ class IntegrityCheck:
                         unverifiable += count
                     elif self._served(step, g, version) is not None:  # else failed as no_evidence already
                         candidates.append((i, version, count, exact))
-        every = audited or any(exact for *_, exact in candidates)
+        every = drawn or any(exact for *_, exact in candidates)
         pairs = [(i, version) for i, version, _, exact in candidates if every or exact]
         unaudited = sum(count for *_, count, exact in candidates if not (every or exact))
         return pairs, unverifiable, unaudited, every
@@ -701,7 +700,6 @@ class TrainedCheck:
                     if version in facts.trained_versions(i)[0]:
                         self.pairs.append((i, version))
         self._watched = {i: k for k, (i, _) in enumerate(self.pairs)}
-        check._compared.update(step.group_ids[step.samples[i].group] for i, _ in self.pairs)
         self._seen: list[tuple[int, torch.Tensor]] = []  # (pair, its sample's trained log-probs), on the device
         self.seconds = time.monotonic() - started
 
@@ -753,6 +751,7 @@ def merged(step: data.StepBatch, first: Verdict, survivors: Verdict) -> Verdict:
                    num_free_tokens=first.num_free_tokens + survivors.num_free_tokens,
                    free_seconds=first.free_seconds + survivors.free_seconds,
                    num_forwards=first.num_forwards + survivors.num_forwards, audited=first.audited,
+                   compared=first.compared | survivors.compared,
                    num_unaudited_tokens=first.num_unaudited_tokens + survivors.num_unaudited_tokens)
 
 
