@@ -10,7 +10,8 @@ BrokerLink heartbeats every ``heartbeat_interval_s`` regardless of what its proc
 ``heartbeat_misses`` intervals means death (:meth:`PeerRegistry.dead`). A Hello with a new ``session`` from a
 known ``(role, client_id)``, under the same identity or another one, means the old process died and was
 restarted (:meth:`PeerRegistry.hello` returns the old entry so the server can reclaim what it held); the same
-session again is a harmless re-hello.
+session again is a harmless re-hello from the same identity, and refused from another (a connection posing as
+the registered process: the learner's probation keys on the process, learner.trust).
 
 There is one learner. A learner's Hello replaces any other learner (the newest process wins: a supervisor
 restarting a crashed learner must not wait for the old one's heartbeats to time out), and the replaced one is
@@ -215,6 +216,11 @@ class PeerRegistry:
             if old is not None and old.key != key and hello.role != "learner":  # (learners: the newest wins)
                 raise ClientIdTaken(f"{hello.role} id {hello.client_id!r} is registered by another key; choose "
                                     "another client id (a restarted client uses its own key)")
+            if old is not None and old.session == hello.session and hello.role != "learner":
+                # a process keeps its connection (identity) for its life, and a restarted one says a new session:
+                # this is another connection posing as the registered process (whose trust the learner keys on)
+                raise ClientIdTaken(f"{hello.role} id {hello.client_id!r} session {hello.session!r} is held by "
+                                    "another connection; a restarted client says a new session")
             if old is not None:
                 self.remove(old.identity)
         elif old is not None:  # the same identity with another session or role: a new process, in its slot

@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 from broker.adapters import AdapterCache
-from broker.peers import PeerRegistry, RegistryFull
+from broker.peers import ClientIdTaken, PeerRegistry, RegistryFull
 from broker.stats import BrokerStats
 from common import protocol
 from common.protocol import AdapterUpdate, Heartbeat, Hello, ProtocolError
@@ -34,6 +34,19 @@ def test_hello_again(second: Hello, replaced: bool, same_object: bool) -> None:
     assert (old is first) is replaced and (peer is first) is same_object and len(peers) == 1
     if same_object:
         assert peer.adapter_version == 3 and peer.last_seen_s == 1.0
+
+
+def test_another_connection_cannot_pose_as_a_registered_process() -> None:
+    """With route tokens (CURVE) a process keeps its identity for its life: the same worker id and session from
+    another identity, even under the same key, is refused (the learner trusts a process by that pair); a new
+    session from another identity is a restart, as before."""
+    peers = registry()
+    first, _ = peers.hello(b"worker/a/t1", hello("a"), 0.0, key="worker:shared")
+    with pytest.raises(ClientIdTaken, match="held by another connection"):
+        peers.hello(b"worker/a/t2", hello("a"), 1.0, key="worker:shared")
+    assert peers.worker("a", "s1") is first
+    restarted, old = peers.hello(b"worker/a/t3", hello("a", "s2"), 2.0, key="worker:shared")
+    assert old is first and restarted.session == "s2" and len(peers) == 1
 
 
 def test_worker_limit_counts_workers_only() -> None:
