@@ -93,14 +93,14 @@ def one_call(backend, leases: list, tokens: int, version: int) -> PathResult:  #
 
 
 def worker_path(backend, leases: list, adapters: list, *, tokens: int, chunk: int, capacity: int,  # noqa: ANN001
-                swap_every: int, finish_within: int = 0) -> PathResult:
+                swap_every: int, finish_within: int = 0, keep_within: int = 0) -> PathResult:
     """Tokens/s of Rollouts fed like the worker feeds it, a new adapter every ``swap_every`` engine steps."""
     from common.config import WorkerConfig
     from rollout_worker.envs import EnvResolver
     from rollout_worker.rollout import Rollouts
 
     config = WorkerConfig(chunk_tokens=chunk, max_new_tokens=tokens, reward_timeout_s=30, partial_policy="continue",
-                          finish_within_tokens=finish_within)
+                          finish_within_tokens=finish_within, keep_version_within=keep_within)
     rollouts = Rollouts(backend, EnvResolver(), config, worker_id="bench", max_seq_len=512)
     pending = list(leases)
     waiting = list(adapters)  # received, not loaded yet
@@ -159,9 +159,10 @@ def swapped(rollouts, finished: list, version: int) -> bool:  # noqa: ANN001
                for g in rollouts.groups.values() for s in g.samples)
 
 
-def swap_label(every: int, finish_within: int = 0) -> str:
+def swap_label(every: int, finish_within: int = 0, keep_within: int = 0) -> str:
     label = f"every {every}" if every else "no swap"
-    return f"{label}, finish within {finish_within}" if finish_within else label
+    label += f", finish within {finish_within}" if finish_within else ""
+    return label + (f", keep within {keep_within}" if keep_within else "")
 
 
 def main() -> None:
@@ -184,10 +185,13 @@ def main() -> None:
     parser.add_argument("--finish-within", default="0",
                         help="worker.finish_within_tokens of the worker path; a comma-separated list runs each in "
                              "turn (interleaved), the first is the JSON line's figure")
+    parser.add_argument("--keep-within", default="0",
+                        help="worker.keep_version_within of the worker path (versions); a comma-separated list runs "
+                             "each in turn (interleaved), the first is the JSON line's figure")
     parser.add_argument("--seed", type=int, default=0)
     args = parser.parse_args()
     swap_everies = [int(x) for x in args.swap_every.split(",")]
-    finish_withins = [int(x) for x in args.finish_within.split(",")]
+    variants = [(int(w), int(k)) for w in args.finish_within.split(",") for k in args.keep_within.split(",")]
 
     import torch
 
@@ -207,12 +211,12 @@ def main() -> None:
     print(f"{args.leases} leases, {num_samples} samples (group sizes {GROUP_SIZES}), <= {args.tokens} tokens each, "
           f"{args.capacity} groups in hand; a new adapter every {args.swap_every} decode steps (0: none); "
           f"load average {os.getloadavg()[0]:.1f}", flush=True)
-    runs: dict[tuple[str, int, int], list[tuple[PathResult, PathResult, float]]] = {}
+    runs: dict[tuple[str, int, int, int], list[tuple[PathResult, PathResult, float]]] = {}
     for name in args.backends.split(","):
         store = AdapterStore(tempfile.mkdtemp(prefix=f"bench-gen-{name}-"))
         # received ahead (the session's thread does it while the loop generates): v1 for the one call and the
         # start of the worker path, then alternating weights as v2, v3, ...
-        num_versions = 1 + args.repeats * len(finish_withins) * sum(4000 // every for every in swap_everies if every)
+        num_versions = 1 + args.repeats * len(variants) * sum(4000 // every for every in swap_everies if every)
         received = [receive(store, published[(v - 1) % 2], version=v) for v in range(1, 2 + num_versions)]
         started = time.perf_counter()
         if name.startswith("vllm"):
@@ -232,19 +236,19 @@ def main() -> None:
         backend.add_adapter(received[0])
         one_call(backend, leases[:2], 8, version=1)  # warm-up
         next_version = 1
-        for every, within in [(e, w) for _ in range(args.repeats) for e in swap_everies for w in finish_withins]:
+        for every, (within, keep) in [(e, v) for _ in range(args.repeats) for e in swap_everies for v in variants]:
             backend.add_adapter(received[0])
             backend.retain({1})
             reference = one_call(backend, leases, args.tokens, version=1)  # just before its worker path: same load
             num = 4000 // every if every else 0
             path = worker_path(backend, leases, received[next_version:next_version + num], tokens=args.tokens,
                                chunk=args.chunk, capacity=args.capacity, swap_every=every or 10**9,
-                               finish_within=within)
+                               finish_within=within, keep_within=keep)
             next_version += num
             swap = statistics.median(path.swap_steps) if path.swap_steps else float("nan")
-            runs.setdefault((name, every, within), []).append((reference, path, swap))
+            runs.setdefault((name, every, within, keep), []).append((reference, path, swap))
             moved = f", {path.tokens_moved_per_swap:.0f} tokens re-read per swap" if path.tokens_moved_per_swap else ""
-            print(f"{name:10s} {swap_label(every, within):11s} start {start_s:5.1f} s   one call {reference.tokens_per_s:7.0f} "
+            print(f"{name:10s} {swap_label(every, within, keep):11s} start {start_s:5.1f} s   one call {reference.tokens_per_s:7.0f} "
                   f"tok/s ({reference.num_tokens} tokens)   worker path {path.tokens_per_s:7.0f} tok/s "
                   f"({path.num_tokens} tokens, {path.num_swaps} swaps{moved})   ratio "
                   f"{path.tokens_per_s / reference.tokens_per_s:.3f}   swap -> first token {swap:.2f} decode steps "
@@ -262,29 +266,31 @@ def main() -> None:
         found.sort(key=lambda run: run[1].tokens_per_s / run[0].tokens_per_s)
         results[key] = found[(len(found) - 1) // 2]
         if len(found) > 1:
-            print(f"{key[0]:10s} {swap_label(key[1], key[2]):11s} median of {len(found)}: ratio "
+            print(f"{key[0]:10s} {swap_label(*key[1:]):11s} median of {len(found)}: ratio "
                   f"{results[key][1].tokens_per_s / results[key][0].tokens_per_s:.3f}, swap -> first token "
                   f"{results[key][2]:.2f} decode steps (ratios "
                   f"{', '.join(f'{p.tokens_per_s / r.tokens_per_s:.3f}' for r, p, _ in found)})", flush=True)
-    names = list(dict.fromkeys(n for n, _, _ in results))
+    names = list(dict.fromkeys(key[0] for key in results))
     main_name = "vllm" if "vllm" in names else names[0]
-    main_every, main_within = swap_everies[0], finish_withins[0]
-    reference, path, swap = results[main_name, main_every, main_within]
+    main_every, (main_within, main_keep) = swap_everies[0], variants[0]
+    reference, path, swap = results[main_name, main_every, main_within, main_keep]
     extra: dict[str, float] = {}
-    for (n, every, within), (r, p, s) in results.items():
-        if (n, every, within) == (main_name, main_every, main_within):
+    for (n, every, within, keep), (r, p, s) in results.items():
+        if (n, every, within, keep) == (main_name, main_every, main_within, main_keep):
             continue
         key = n.replace("-", "_") + ("" if every == main_every else f"_every_{every}" if every else "_no_swap")
         key += "" if within == main_within else f"_finish_within_{within}"
+        key += "" if keep == main_keep else f"_keep_within_{keep}"
         extra[f"{key}_ratio"] = round(p.tokens_per_s / r.tokens_per_s, 3)
         if every:
             extra[f"{key}_swap_decode_steps"] = round(s, 2)
         if n.startswith("hf"):
             extra[f"{key}_round_ms"] = round(p.round_ms, 2)
             extra[f"{key}_tokens_read_per_round"] = round(p.tokens_read_per_round)
-    if ("hf", main_every, main_within) in results and ("hf-nocache", main_every, main_within) in results:
-        cached = results["hf", main_every, main_within][1]  # the KV cache's gain, same run
-        uncached = results["hf-nocache", main_every, main_within][1]
+    main_variant = (main_every, main_within, main_keep)
+    if ("hf", *main_variant) in results and ("hf-nocache", *main_variant) in results:
+        cached = results["hf", *main_variant][1]  # the KV cache's gain, same run
+        uncached = results["hf-nocache", *main_variant][1]
         print(f"hf worker path: KV cache {cached.tokens_per_s:.0f} tok/s vs re-reading the prefix "
               f"{uncached.tokens_per_s:.0f} tok/s = {cached.tokens_per_s / uncached.tokens_per_s:.2f}x; tokens read "
               f"per round {cached.tokens_read_per_round:.0f} vs {uncached.tokens_read_per_round:.0f}; one round "
@@ -296,7 +302,7 @@ def main() -> None:
            swap_engine_steps=statistics.median(path.steps_after_load or [float("nan")]),
            tokens_moved_per_swap=round(path.tokens_moved_per_swap), num_swaps=path.num_swaps, leases=args.leases,
            samples=num_samples, tokens=args.tokens, capacity=args.capacity, swap_every=main_every,
-           finish_within_tokens=main_within, lora_rank=16,
+           finish_within_tokens=main_within, keep_version_within=main_keep, lora_rank=16,
            load_average=round(os.getloadavg()[0], 1), **extra)
 
 

@@ -240,9 +240,9 @@ class Rollouts:
         """Versions the backend must keep: those of requests in the engine, and those pinned by samples under way
         (``finish`` policy)."""
         streaming = {s.request_version for _, s in self._streams.values()}
-        if self.config.partial_policy != "finish":  # and a turn near its end between two chunks
+        if self.config.partial_policy != "finish":  # and a turn that keeps its version between two chunks
             return streaming | {s.versions[-1] for g in self.groups.values() for s in g.samples
-                                if s.status == READY and self._near_turn_end(g, s)}
+                                if s.status == READY and s.versions and self._keeps_version(g, s, s.versions[-1])}
         return streaming | {s.version for g in self.groups.values() for s in g.samples
                             if s.status != DONE and s.version is not None}
 
@@ -304,6 +304,15 @@ class Rollouts:
         """A turn under way with at most worker.finish_within_tokens tokens left (it keeps its version)."""
         return sample.turn_tokens > 0 and 0 < self._budget(group, sample) <= self.config.finish_within_tokens
 
+    def _keeps_version(self, group: GroupRollout, sample: Sample, version: int) -> bool:
+        """Whether a turn under way that runs under ``version`` keeps it although a newer one arrived (continue
+        and abort policies): near its end (worker.finish_within_tokens), or ``version`` within
+        worker.keep_version_within of the newest. Only while the backend still holds ``version``."""
+        if self.config.partial_policy == "finish" or sample.turn_tokens == 0 or not self.backend.has_version(version):
+            return False
+        return (self.current_version - version <= self.config.keep_version_within
+                or self._near_turn_end(group, sample))
+
     def _budget(self, group: GroupRollout, sample: Sample) -> int:
         """Tokens the sample's turn may still generate (worker.max_new_tokens, the context)."""
         room = self.max_seq_len - len(group.prompt_ids) - len(sample.completion_ids)
@@ -342,13 +351,13 @@ class Rollouts:
                 moved.append((g, s))
             elif self.config.partial_policy == "finish":
                 continue
-            elif self._near_turn_end(g, s):
+            elif self._keeps_version(g, s, s.request_version):
                 kept += 1
             else:
                 moved.append((g, s))
         if kept and self._kept_for != newest:  # counted once per sample and swap, not at every step after it
             self._kept_for = newest
-            self.metrics.inc("kept_near_turn_end", kept)
+            self.metrics.inc("turns_kept_version", kept)
         if moved:  # aborted at their current tokens; resubmitted below under the version _version_for picks
             self.metrics.inc("requests_moved", len(moved))
             # the tokens the new version re-reads (prefill) before its first token of each moved sample
@@ -426,9 +435,9 @@ class Rollouts:
         if sample.version is None or sample.version == newest:
             return newest
         policy = self.config.partial_policy
-        if policy != "finish" and self._near_turn_end(group, sample) and self.backend.has_version(sample.versions[-1]):
+        if sample.versions and self._keeps_version(group, sample, sample.versions[-1]):
             if sample.versions[-1] != newest:
-                self.metrics.inc("kept_near_turn_end")
+                self.metrics.inc("turns_kept_version")
             return sample.versions[-1]
         if policy == "finish":
             if self.backend.has_version(sample.version):

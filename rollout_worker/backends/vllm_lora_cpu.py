@@ -22,6 +22,8 @@ the backend passes the extension only when vLLM's platform is the CPU.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -30,46 +32,97 @@ import torch
 OP_NAMES = ("bgmv_shrink", "bgmv_expand", "bgmv_expand_slice", "sgmv_shrink", "sgmv_expand", "sgmv_expand_slice")
 
 
-def lora_products(inputs: torch.Tensor, weights: torch.Tensor, indices: torch.Tensor,
-                  dtype: torch.dtype) -> torch.Tensor:
-    """``[num_rows, out]``: row i is ``inputs[i] @ weights[indices[i]].T`` in ``dtype`` (zero where the index is -1).
+@dataclass(frozen=True, slots=True)
+class RowGroups:
+    """Which rows of a step each adapter slot serves: ``single`` is the slot of every row (-1: none) when one
+    serves them all, else ``groups`` lists (slot, row indices) of each slot present (rows of -1 in none)."""
+
+    num_rows: int
+    single: int | None
+    groups: tuple[tuple[int, torch.Tensor], ...] = ()
+
+
+def row_groups(indices: torch.Tensor) -> RowGroups:
+    """The rows per adapter slot of one index per row."""
+    first = int(indices[0]) if indices.numel() else -1
+    if not indices.numel() or bool((indices == first).all()):
+        return RowGroups(num_rows=indices.numel(), single=first)
+    return RowGroups(num_rows=indices.numel(), single=None,
+                     groups=tuple((slot, (indices == slot).nonzero(as_tuple=True)[0])
+                                  for slot in indices.unique().tolist() if slot >= 0))
+
+
+class StepGroups:
+    """Row groups computed once per content of the index tensors they come from, not once per op call.
+
+    A forward pass calls the ops ~10 times per layer with the same indices (the punica wrapper's per-step
+    buffers), and finding the rows of each slot (``unique``, ``nonzero``) costs more than a small GEMM. An entry is
+    reused only for the same storage, offset and shape at the same version counter (any in-place write, as
+    vLLM's ``update_metadata`` does each step the mapping changes, bumps it); it holds its source tensors, so
+    their memory cannot be freed and reused by other tensors while it is kept. At most ``size`` entries."""
+
+    def __init__(self, size: int = 8) -> None:
+        self.size = size
+        self._entries: dict[tuple, tuple[tuple[torch.Tensor, ...], tuple[int, ...], RowGroups]] = {}
+
+    def get(self, sources: tuple[torch.Tensor, ...], compute: Callable[[], RowGroups]) -> RowGroups:
+        key = tuple((t.data_ptr(), tuple(t.shape), tuple(t.stride())) for t in sources)
+        versions = tuple(t._version for t in sources)
+        entry = self._entries.get(key)
+        if entry is not None and entry[1] == versions:
+            return entry[2]
+        if len(self._entries) >= self.size:
+            self._entries.clear()
+        groups = compute()
+        self._entries[key] = (sources, versions, groups)
+        return groups
+
+
+_step_groups = StepGroups()
+
+
+def decode_groups(indices: torch.Tensor) -> RowGroups:
+    """Row groups of one index per row (the decode ops' metadata)."""
+    return _step_groups.get((indices,), lambda: row_groups(indices))
+
+
+def prefill_groups(lora_indices: torch.Tensor, seq_len: torch.Tensor) -> RowGroups:
+    """Row groups of one index per sequence of ``seq_len`` rows (the prefill ops' metadata)."""
+    return _step_groups.get((lora_indices, seq_len),
+                            lambda: row_groups(torch.repeat_interleave(lora_indices, seq_len)))
+
+
+def lora_products(inputs: torch.Tensor, weights: torch.Tensor, rows: RowGroups, dtype: torch.dtype) -> torch.Tensor:
+    """``[num_rows, out]``: row i is ``inputs[i] @ weights[slot of i].T`` in ``dtype`` (zero for rows of slot -1).
 
     ``weights`` is ``[num_slots, out, in]`` or ``[num_slots, 1, out, in]`` (vLLM's stacked LoRA A or B)."""
     if weights.dim() == 4:
         weights = weights.squeeze(1)
     inputs = inputs.to(dtype=dtype)
-    first = int(indices[0]) if indices.numel() else -1
-    if indices.numel() and bool((indices == first).all()):  # one adapter for the whole step: one GEMM, no masks
-        if first < 0:
+    if rows.single is not None:  # one adapter for the whole step: one GEMM, no masks
+        if rows.single < 0:
             return inputs.new_zeros(inputs.shape[0], weights.shape[-2])
-        return inputs @ weights[first].to(dtype=dtype).t()
+        return inputs @ weights[rows.single].to(dtype=dtype).t()
     out = inputs.new_zeros(inputs.shape[0], weights.shape[-2])
-    for slot in indices.unique().tolist():
-        if slot < 0:
-            continue
-        rows = (indices == slot).nonzero(as_tuple=True)[0]
-        out[rows] = inputs[rows] @ weights[slot].to(dtype=dtype).t()
+    for slot, slot_rows in rows.groups:
+        out.index_copy_(0, slot_rows, inputs.index_select(0, slot_rows) @ weights[slot].to(dtype=dtype).t())
     return out
 
 
-def _rows_match(inputs: torch.Tensor, indices: torch.Tensor) -> bool:
+def _rows_match(inputs: torch.Tensor, rows: RowGroups) -> bool:
     """The torch ops' shapes the grouped ops handle: one index per input row (else the torch op runs)."""
-    return inputs.dim() == 2 and inputs.shape[0] == indices.shape[0] and indices.numel() > 0
+    return inputs.dim() == 2 and inputs.shape[0] == rows.num_rows > 0
 
 
-def bgmv_shrink(inputs: torch.Tensor, lora_b_weights: torch.Tensor, output_tensor: torch.Tensor,
-                lora_indices_tensor: torch.Tensor, scaling: float = 1.0) -> None:
-    if not _rows_match(inputs, lora_indices_tensor):
-        return _stock.bgmv_shrink(inputs, lora_b_weights, output_tensor, lora_indices_tensor, scaling)
-    outputs = lora_products(inputs, lora_b_weights, lora_indices_tensor, output_tensor.dtype)
+def _shrink(inputs: torch.Tensor, weights: torch.Tensor, output_tensor: torch.Tensor, rows: RowGroups,
+            scaling: float) -> None:
+    outputs = lora_products(inputs, weights, rows, output_tensor.dtype)
     output_tensor[:, :outputs.shape[1]] = scaling * outputs
 
 
-def bgmv_expand(inputs: torch.Tensor, lora_b_weights: torch.Tensor, output_tensor: torch.Tensor,
-                lora_indices_tensor: torch.Tensor, add_inputs: bool = True) -> None:
-    if not _rows_match(inputs, lora_indices_tensor):
-        return _stock.bgmv_expand(inputs, lora_b_weights, output_tensor, lora_indices_tensor, add_inputs)
-    outputs = lora_products(inputs, lora_b_weights, lora_indices_tensor, output_tensor.dtype)
+def _expand(inputs: torch.Tensor, weights: torch.Tensor, output_tensor: torch.Tensor, rows: RowGroups,
+            add_inputs: bool) -> None:
+    outputs = lora_products(inputs, weights, rows, output_tensor.dtype)
     limit = 1 if outputs.shape[0] == 1 and output_tensor.shape[0] != 1 else output_tensor.shape[0]
     common = min(outputs.shape[1], output_tensor.shape[1])  # the adapter and the model may pad differently
     if add_inputs:
@@ -78,43 +131,71 @@ def bgmv_expand(inputs: torch.Tensor, lora_b_weights: torch.Tensor, output_tenso
         output_tensor[:, :common] = outputs[:limit, :common]
 
 
-def bgmv_expand_slice(inputs: torch.Tensor, lora_b_weights: torch.Tensor, output_tensor: torch.Tensor,
-                      lora_indices_tensor: torch.Tensor, slice_offset: int, slice_size: int,
-                      add_inputs: bool = True) -> None:
-    if not _rows_match(inputs, lora_indices_tensor):
-        return _stock.bgmv_expand_slice(inputs, lora_b_weights, output_tensor, lora_indices_tensor, slice_offset,
-                                        slice_size, add_inputs)
-    outputs = lora_products(inputs, lora_b_weights, lora_indices_tensor, output_tensor.dtype)
+def _expand_slice(inputs: torch.Tensor, weights: torch.Tensor, output_tensor: torch.Tensor, rows: RowGroups,
+                  slice_offset: int, slice_size: int, add_inputs: bool) -> None:
+    outputs = lora_products(inputs, weights, rows, output_tensor.dtype)
     if add_inputs:
         output_tensor[:, slice_offset:slice_offset + slice_size] += outputs
     else:
         output_tensor[:, slice_offset:slice_offset + slice_size] = outputs
 
 
-def _token_indices(lora_indices_tensor: torch.Tensor, seq_len_tensor: torch.Tensor) -> torch.Tensor:
-    """Prefill metadata (one adapter index per sequence) as one index per token, as the torch ops expand it."""
-    return torch.repeat_interleave(lora_indices_tensor, seq_len_tensor)
+def bgmv_shrink(inputs: torch.Tensor, lora_b_weights: torch.Tensor, output_tensor: torch.Tensor,
+                lora_indices_tensor: torch.Tensor, scaling: float = 1.0) -> None:
+    rows = decode_groups(lora_indices_tensor)
+    if not _rows_match(inputs, rows):
+        return _stock.bgmv_shrink(inputs, lora_b_weights, output_tensor, lora_indices_tensor, scaling)
+    _shrink(inputs, lora_b_weights, output_tensor, rows, scaling)
+
+
+def bgmv_expand(inputs: torch.Tensor, lora_b_weights: torch.Tensor, output_tensor: torch.Tensor,
+                lora_indices_tensor: torch.Tensor, add_inputs: bool = True) -> None:
+    rows = decode_groups(lora_indices_tensor)
+    if not _rows_match(inputs, rows):
+        return _stock.bgmv_expand(inputs, lora_b_weights, output_tensor, lora_indices_tensor, add_inputs)
+    _expand(inputs, lora_b_weights, output_tensor, rows, add_inputs)
+
+
+def bgmv_expand_slice(inputs: torch.Tensor, lora_b_weights: torch.Tensor, output_tensor: torch.Tensor,
+                      lora_indices_tensor: torch.Tensor, slice_offset: int, slice_size: int,
+                      add_inputs: bool = True) -> None:
+    rows = decode_groups(lora_indices_tensor)
+    if not _rows_match(inputs, rows):
+        return _stock.bgmv_expand_slice(inputs, lora_b_weights, output_tensor, lora_indices_tensor, slice_offset,
+                                        slice_size, add_inputs)
+    _expand_slice(inputs, lora_b_weights, output_tensor, rows, slice_offset, slice_size, add_inputs)
 
 
 def sgmv_shrink(inputs: torch.Tensor, lora_a_weights: torch.Tensor, output_tensor: torch.Tensor,
                 b_seq_start_loc: torch.Tensor, seq_len_tensor: torch.Tensor, lora_indices_tensor: torch.Tensor,
                 batches: int, max_seq_length: int, token_nums: int, scaling: float) -> None:
-    bgmv_shrink(inputs, lora_a_weights, output_tensor, _token_indices(lora_indices_tensor, seq_len_tensor), scaling)
+    rows = prefill_groups(lora_indices_tensor, seq_len_tensor)
+    if not _rows_match(inputs, rows):
+        return _stock.sgmv_shrink(inputs, lora_a_weights, output_tensor, b_seq_start_loc, seq_len_tensor,
+                                  lora_indices_tensor, batches, max_seq_length, token_nums, scaling)
+    _shrink(inputs, lora_a_weights, output_tensor, rows, scaling)
 
 
 def sgmv_expand(inputs: torch.Tensor, lora_b_weights: torch.Tensor, output_tensor: torch.Tensor,
                 b_seq_start_loc: torch.Tensor, seq_len_tensor: torch.Tensor, lora_indices_tensor: torch.Tensor,
                 batches: int, max_seq_length: int, token_nums: int, add_inputs: bool = False) -> None:
-    bgmv_expand(inputs, lora_b_weights, output_tensor, _token_indices(lora_indices_tensor, seq_len_tensor),
-                add_inputs)
+    rows = prefill_groups(lora_indices_tensor, seq_len_tensor)
+    if not _rows_match(inputs, rows):
+        return _stock.sgmv_expand(inputs, lora_b_weights, output_tensor, b_seq_start_loc, seq_len_tensor,
+                                  lora_indices_tensor, batches, max_seq_length, token_nums, add_inputs)
+    _expand(inputs, lora_b_weights, output_tensor, rows, add_inputs)
 
 
 def sgmv_expand_slice(inputs: torch.Tensor, lora_b_weights: torch.Tensor, output_tensor: torch.Tensor,
                       b_seq_start_loc: torch.Tensor, seq_len_tensor: torch.Tensor, lora_indices_tensor: torch.Tensor,
                       batches: int, max_seq_length: int, token_nums: int, slice_offset: int, slice_size: int,
                       add_inputs: bool = False) -> None:
-    bgmv_expand_slice(inputs, lora_b_weights, output_tensor, _token_indices(lora_indices_tensor, seq_len_tensor),
-                      slice_offset, slice_size, add_inputs)
+    rows = prefill_groups(lora_indices_tensor, seq_len_tensor)
+    if not _rows_match(inputs, rows):
+        return _stock.sgmv_expand_slice(inputs, lora_b_weights, output_tensor, b_seq_start_loc, seq_len_tensor,
+                                        lora_indices_tensor, batches, max_seq_length, token_nums, slice_offset,
+                                        slice_size, add_inputs)
+    _expand_slice(inputs, lora_b_weights, output_tensor, rows, slice_offset, slice_size, add_inputs)
 
 
 _stock: Any = None  # vllm.lora.ops.torch_ops, for shapes the grouped ops leave to it

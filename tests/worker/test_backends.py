@@ -67,12 +67,14 @@ def test_generate_returns_tokens_logprobs_and_eos_per_request(backend: Backend, 
 def test_logprobs_equal_a_plain_forward_pass(backend: Backend, store: AdapterStore, adapters: list[Adapter],
                                              reference: Reference) -> None:
     backend.add_adapter(receive(store, adapters[0]))
+    backend.add_adapter(receive(store, adapters[1]))
+    # one batch of three versions (vLLM: each step's rows split among two adapter slots and the base model)
     requests = [GenRequest(token_ids=backend.encode(p), max_tokens=12, version=v)
-                for p in PROMPTS for v in (0, 1)]
+                for p in PROMPTS for v in (0, 1, 2)]
     outputs = backend.generate(requests)
     worst = 0.0
     for request, output in zip(requests, outputs, strict=True):
-        adapter = adapters[0] if request.version else None
+        adapter = adapters[request.version - 1] if request.version else None
         expected = reference.logprobs(adapter, list(request.token_ids), output.token_ids)
         worst = max(worst, max(abs(a - b) for a, b in zip(expected, output.logprobs, strict=True)))
     assert worst < 1e-4, f"{backend.name} log-probs differ from a transformers forward pass by {worst:.2e}"

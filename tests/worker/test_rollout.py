@@ -263,8 +263,31 @@ def test_a_turn_near_its_end_finishes_under_its_version(policy: str, finish_with
     assert [s["versions"] for s in samples(first)] == [versions] * 2
     assert samples(first)[0]["completion_ids"] == list(b"a" * 10) + [EOS]
     assert samples(second)[0]["versions"] == [1] * 11  # a new turn starts under the newest version
-    assert rollouts.metrics.counter("kept_near_turn_end") == (4 if kept else 0)  # 2 samples x 2 chunks
+    assert rollouts.metrics.counter("turns_kept_version") == (4 if kept else 0)  # 2 samples x 2 chunks
     assert rollouts.metrics.counter("samples_aborted") == 0 and rollouts.versions_in_use() == set()
+
+
+@pytest.mark.parametrize("policy", ["continue", "abort"])
+def test_a_turn_keeps_its_version_while_within_keep_version_within(policy: str) -> None:
+    """worker.keep_version_within = 1: v1 arriving after the first chunk leaves the turn on v0; v2 (two ahead)
+    moves it (continue: its prefix re-read under v2; abort: it restarts)."""
+    backend = ScriptedBackend(lambda i, t: ("a" * 10, True))
+    rollouts = make_rollouts(backend, partial_policy=policy, keep_version_within=1)
+    rollouts.add(lease("0:0", group_size=2))
+    assert rollouts.step() == []
+    serve_version(backend, 1)
+    rollouts.add(lease("0:1", group_size=1))
+    assert rollouts.versions_in_use() == {0}  # the backend must keep v0 for the turns on it
+    assert rollouts.step() == []  # the second chunk: v0 for the first group, v1 for the new one
+    serve_version(backend, 2)
+    assert rollouts.versions_in_use() == {1}  # v0 is two behind now: those turns move; the new group keeps v1
+    first, second = sorted(run_to_end(rollouts), key=lambda f: f.group.group_id)
+    moved = [0] * 8 + [2] * 3 if policy == "continue" else [2] * 11
+    assert [s["versions"] for s in samples(first)] == [moved] * 2
+    assert samples(first)[0]["completion_ids"] == list(b"a" * 10) + [EOS]
+    assert samples(second)[0]["versions"] == [1] * 11  # v1's turn stayed on v1: one behind v2
+    assert rollouts.metrics.counter("turns_kept_version") == 2 + 2
+    assert rollouts.metrics.counter("samples_aborted") == (2 if policy == "abort" else 0)
 
 
 def test_abort_gives_up_after_max_aborts_so_a_sample_always_finishes() -> None:

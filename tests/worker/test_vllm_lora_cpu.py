@@ -95,3 +95,30 @@ def test_the_session_engine_runs_the_grouped_ops(vllm_session_backend) -> None: 
     assert vllm_session_backend.grouped_lora_ops is current_platform.is_cpu()
     if current_platform.is_cpu():
         assert vllm_session_backend.llm.collective_rpc("loraflow_grouped_lora_ops") == [True]
+
+
+def test_row_groups_are_computed_once_per_content_of_their_indices(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The ops of one step share the wrapper's index buffer: its row groups are found once, and again after the
+    buffer is written in place (vLLM's update_metadata), never taken from another tensor's entry."""
+    computed: list[list[int]] = []
+    real = grouped.row_groups
+    monkeypatch.setattr(grouped, "row_groups", lambda indices: computed.append(indices.tolist()) or real(indices))
+    monkeypatch.setattr(grouped, "_step_groups", grouped.StepGroups(size=2))
+    buffer = torch.tensor([0, 1, 1, -1, 0, 0])
+    step = buffer[:4]
+    x = torch.randn(4, IN, generator=torch.Generator().manual_seed(11))
+    a = weights(RANK, IN, 12)
+    for _ in range(3):
+        y = torch.zeros(4, RANK)
+        grouped.bgmv_shrink(x, a, y, buffer[:4], 1.0)  # a new view object of the same buffer each call
+    assert computed == [[0, 1, 1, -1]]
+    torch.testing.assert_close(y[1:3], x[1:3] @ a[1, 0].t())
+    buffer[:4].copy_(torch.tensor([2, 2, 2, 2]))  # the next step's mapping
+    grouped.bgmv_shrink(x, a, y, step, 1.0)
+    assert computed[-1] == [2, 2, 2, 2]
+    torch.testing.assert_close(y, x @ a[2, 0].t())
+    other = torch.tensor([1, 1, 1, 1])  # another tensor: its own entry (and at most `size` are kept)
+    grouped.bgmv_shrink(x, a, y, other, 1.0)
+    grouped.bgmv_shrink(x, a, y, buffer[:4], 1.0)
+    assert computed[-1] == [1, 1, 1, 1] and len(computed) == 3
+    torch.testing.assert_close(y, x @ a[2, 0].t())

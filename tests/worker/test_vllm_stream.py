@@ -111,15 +111,16 @@ def test_a_new_lease_joins_the_running_batch(vllm: Backend) -> None:
     assert vllm.num_streams == 0
 
 
-@pytest.mark.parametrize("policy", ["continue", "finish", "abort", "continue near the end"])
+@pytest.mark.parametrize("policy", ["continue", "finish", "abort", "continue near the end", "continue keep within"])
 def test_an_adapter_swap_under_each_partial_policy(vllm: Backend, store: AdapterStore, adapters: list[Adapter],
                                                    reference: Reference, policy: str) -> None:
-    """("continue near the end": worker.finish_within_tokens covers the whole turn, so it ends under v1.)"""
+    """("continue near the end": worker.finish_within_tokens covers the whole turn, so it ends under v1; "continue
+    keep within": worker.keep_version_within = 1, v2 is one version ahead, so the turn keeps v1.)"""
     a1, a2 = adapters[0], adapters[1]
     vllm.add_adapter(receive(store, a1))
-    near_end = policy == "continue near the end"
+    near_end, keep_within = policy == "continue near the end", policy == "continue keep within"
     config = WorkerConfig(max_new_tokens=24, chunk_tokens=4, partial_policy=policy.split()[0],
-                          finish_within_tokens=24 if near_end else 0)
+                          finish_within_tokens=24 if near_end else 0, keep_version_within=int(keep_within))
     rollouts = Rollouts(vllm, EnvResolver(), config, worker_id="w", max_seq_len=256, greedy=True)
     rollouts.add(lease("2:0", prompt=PROMPTS[2], group_size=2))
     samples = rollouts.groups["lease-2:0"].samples
@@ -128,7 +129,7 @@ def test_an_adapter_swap_under_each_partial_policy(vllm: Backend, store: Adapter
     before = [len(s.completion_ids) for s in samples]
     vllm.add_adapter(receive(store, a2))
     vllm.retain({2} | rollouts.versions_in_use())  # as the worker does after a load
-    assert 1 in vllm.adapters or policy != "finish"
+    assert 1 in vllm.adapters or policy not in ("finish", "continue keep within")
     (group,) = run(rollouts)
     tensors = dict(group.tensors)
     prompt = vllm.encode(PROMPTS[2])
@@ -139,7 +140,7 @@ def test_an_adapter_swap_under_each_partial_policy(vllm: Backend, store: Adapter
         ids = tensors["completion_ids"][offset:offset + num].tolist()
         versions = tensors["versions"][offset:offset + num].tolist()
         logprobs = tensors["logprobs"][offset:offset + num].tolist()
-        if policy == "finish" or near_end:
+        if policy == "finish" or near_end or keep_within:
             assert ids == reference.greedy(a1, prompt, 24, eos) and versions == [1] * num
         elif policy == "abort":
             assert ids == reference.greedy(a2, prompt, 24, eos) and versions == [2] * num
@@ -155,8 +156,8 @@ def test_an_adapter_swap_under_each_partial_policy(vllm: Backend, store: Adapter
     for version, served_as in served.items():
         assert served_as == vllm.served(version) and served_as.sha256 == adapters[version - 1].update.sha256
     moved = rollouts.metrics.total("requests_moved")
-    assert (moved == 0) if policy == "finish" or near_end else (moved == 2)
-    assert rollouts.metrics.total("kept_near_turn_end") == (2 if near_end else 0)
+    assert (moved == 0) if policy == "finish" or near_end or keep_within else (moved == 2)
+    assert rollouts.metrics.total("turns_kept_version") == (2 if near_end or keep_within else 0)
     assert rollouts.metrics.total("samples_aborted") == (2 if policy == "abort" else 0)
 
 
