@@ -234,8 +234,7 @@ class Worker:
             self.stop.set()  # exit 2: a restart would fetch the same adapter (stale_adapter until then)
             return
         served = self.backend.served(adapter.version)
-        log.info("adapter_loaded", version=adapter.version, load_ms=round((time.monotonic() - started) * 1000, 1),
-                 num_bytes=adapter.num_bytes, lora_id=served.lora_id, phases_ms=self.backend.load_phases_ms or None)
+        load_ms = round((time.monotonic() - started) * 1000, 1)
         if served.sha256 != adapter.sha256:  # the learner refuses its groups (adapter_sha256): say why here too
             self.metrics.inc("adapters_served_mismatch")
             log.warning("adapter_served_mismatch", version=adapter.version, published=adapter.sha256[:12],
@@ -246,6 +245,9 @@ class Worker:
         bind(version=newest)
         keep = {newest} | self.rollouts.versions_in_use()  # older versions: only samples pinned to them
         self.backend.retain(keep)
+        log.info("adapter_loaded", version=adapter.version, load_ms=load_ms, num_bytes=adapter.num_bytes,
+                 lora_id=served.lora_id, phases_ms=self.backend.load_phases_ms or None,
+                 resident=sorted(keep))  # older ones: turns that keep their version
         self.store.prune(keep, upto_version=newest)
 
     def _start_granted(self) -> None:

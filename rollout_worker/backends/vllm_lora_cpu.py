@@ -35,11 +35,13 @@ OP_NAMES = ("bgmv_shrink", "bgmv_expand", "bgmv_expand_slice", "sgmv_shrink", "s
 @dataclass(frozen=True, slots=True)
 class RowGroups:
     """Which rows of a step each adapter slot serves: ``single`` is the slot of every row (-1: none) when one
-    serves them all, else ``groups`` lists (slot, row indices) of each slot present (rows of -1 in none)."""
+    serves them all; else ``order`` lists the rows that have a slot, grouped by slot, and ``bounds`` gives each
+    slot's (slot, start, end) range in ``order`` (rows of -1 are in none)."""
 
     num_rows: int
     single: int | None
-    groups: tuple[tuple[int, torch.Tensor], ...] = ()
+    order: torch.Tensor | None = None
+    bounds: tuple[tuple[int, int, int], ...] = ()
 
 
 def row_groups(indices: torch.Tensor) -> RowGroups:
@@ -47,9 +49,14 @@ def row_groups(indices: torch.Tensor) -> RowGroups:
     first = int(indices[0]) if indices.numel() else -1
     if not indices.numel() or bool((indices == first).all()):
         return RowGroups(num_rows=indices.numel(), single=first)
-    return RowGroups(num_rows=indices.numel(), single=None,
-                     groups=tuple((slot, (indices == slot).nonzero(as_tuple=True)[0])
-                                  for slot in indices.unique().tolist() if slot >= 0))
+    order = torch.argsort(indices, stable=True)
+    slots = indices[order]
+    without = int((slots < 0).sum())  # sorted first: no LoRA term for them
+    slots, counts = torch.unique_consecutive(slots[without:], return_counts=True)
+    ends = torch.cumsum(counts, 0).tolist()
+    return RowGroups(num_rows=indices.numel(), single=None, order=order[without:],
+                     bounds=tuple((slot, end - count, end)
+                                  for slot, count, end in zip(slots.tolist(), counts.tolist(), ends, strict=True)))
 
 
 class StepGroups:
@@ -92,21 +99,37 @@ def prefill_groups(lora_indices: torch.Tensor, seq_len: torch.Tensor) -> RowGrou
                             lambda: row_groups(torch.repeat_interleave(lora_indices, seq_len)))
 
 
-def lora_products(inputs: torch.Tensor, weights: torch.Tensor, rows: RowGroups, dtype: torch.dtype) -> torch.Tensor:
-    """``[num_rows, out]``: row i is ``inputs[i] @ weights[slot of i].T`` in ``dtype`` (zero for rows of slot -1).
-
-    ``weights`` is ``[num_slots, out, in]`` or ``[num_slots, 1, out, in]`` (vLLM's stacked LoRA A or B)."""
+def lora_products(inputs: torch.Tensor, weights: torch.Tensor, slot: int, dtype: torch.dtype) -> torch.Tensor:
+    """``[num_rows, out]``: ``inputs @ weights[slot].T`` in ``dtype``, every row under one adapter slot (-1: none,
+    zeros). ``weights`` is ``[num_slots, out, in]`` or ``[num_slots, 1, out, in]`` (vLLM's stacked LoRA A or B)."""
     if weights.dim() == 4:
         weights = weights.squeeze(1)
-    inputs = inputs.to(dtype=dtype)
-    if rows.single is not None:  # one adapter for the whole step: one GEMM, no masks
-        if rows.single < 0:
-            return inputs.new_zeros(inputs.shape[0], weights.shape[-2])
-        return inputs @ weights[rows.single].to(dtype=dtype).t()
-    out = inputs.new_zeros(inputs.shape[0], weights.shape[-2])
-    for slot, slot_rows in rows.groups:
-        out.index_copy_(0, slot_rows, inputs.index_select(0, slot_rows) @ weights[slot].to(dtype=dtype).t())
-    return out
+    if slot < 0:
+        return inputs.new_zeros(inputs.shape[0], weights.shape[-2], dtype=dtype)
+    return inputs.to(dtype=dtype) @ weights[slot].to(dtype=dtype).t()
+
+
+def products_into(target: torch.Tensor, inputs: torch.Tensor, weights: torch.Tensor, rows: RowGroups, *,
+                  add: bool, scaling: float = 1.0) -> None:
+    """Rows under several adapters: ``target[i]`` (``[num_rows, width]``) set to, or with ``add`` increased by,
+    ``scaling * inputs[i] @ weights[slot of i].T`` (its first ``width`` columns); rows of -1 get no LoRA term (set
+    to 0, or left). One gather, one GEMM per slot on its contiguous rows, one scatter."""
+    if weights.dim() == 4:
+        weights = weights.squeeze(1)
+    assert rows.order is not None
+    grouped = inputs.index_select(0, rows.order).to(dtype=target.dtype)
+    products = grouped.new_empty(grouped.shape[0], weights.shape[-2])
+    for slot, start, end in rows.bounds:
+        torch.mm(grouped[start:end], weights[slot].to(dtype=target.dtype).t(), out=products[start:end])
+    products = products[:, :target.shape[1]]
+    if scaling != 1.0:
+        products.mul_(scaling)
+    if add:
+        target.index_add_(0, rows.order, products)
+        return
+    if rows.order.numel() < rows.num_rows:
+        target.zero_()
+    target.index_copy_(0, rows.order, products)
 
 
 def _rows_match(inputs: torch.Tensor, rows: RowGroups) -> bool:
@@ -116,15 +139,23 @@ def _rows_match(inputs: torch.Tensor, rows: RowGroups) -> bool:
 
 def _shrink(inputs: torch.Tensor, weights: torch.Tensor, output_tensor: torch.Tensor, rows: RowGroups,
             scaling: float) -> None:
-    outputs = lora_products(inputs, weights, rows, output_tensor.dtype)
-    output_tensor[:, :outputs.shape[1]] = scaling * outputs
+    width = weights.shape[-2]
+    if rows.single is None:
+        return products_into(output_tensor[:, :width], inputs, weights, rows, add=False, scaling=scaling)
+    output_tensor[:, :width] = scaling * lora_products(inputs, weights, rows.single, output_tensor.dtype)
 
 
 def _expand(inputs: torch.Tensor, weights: torch.Tensor, output_tensor: torch.Tensor, rows: RowGroups,
             add_inputs: bool) -> None:
-    outputs = lora_products(inputs, weights, rows, output_tensor.dtype)
+    common = min(weights.shape[-2], output_tensor.shape[1])  # the adapter and the model may pad differently
+    if rows.single is None and output_tensor.shape[0] == rows.num_rows:
+        return products_into(output_tensor[:, :common], inputs, weights, rows, add=add_inputs)
+    if rows.single is None:  # other row counts (the torch op's broadcasting rules below): the products first
+        outputs = output_tensor.new_zeros(rows.num_rows, common)
+        products_into(outputs, inputs, weights, rows, add=False)
+    else:
+        outputs = lora_products(inputs, weights, rows.single, output_tensor.dtype)
     limit = 1 if outputs.shape[0] == 1 and output_tensor.shape[0] != 1 else output_tensor.shape[0]
-    common = min(outputs.shape[1], output_tensor.shape[1])  # the adapter and the model may pad differently
     if add_inputs:
         output_tensor[:, :common] += outputs[:limit, :common]
     else:
@@ -133,11 +164,14 @@ def _expand(inputs: torch.Tensor, weights: torch.Tensor, output_tensor: torch.Te
 
 def _expand_slice(inputs: torch.Tensor, weights: torch.Tensor, output_tensor: torch.Tensor, rows: RowGroups,
                   slice_offset: int, slice_size: int, add_inputs: bool) -> None:
-    outputs = lora_products(inputs, weights, rows, output_tensor.dtype)
+    target = output_tensor[:, slice_offset:slice_offset + slice_size]
+    if rows.single is None:
+        return products_into(target, inputs, weights, rows, add=add_inputs)
+    outputs = lora_products(inputs, weights, rows.single, output_tensor.dtype)
     if add_inputs:
-        output_tensor[:, slice_offset:slice_offset + slice_size] += outputs
+        target += outputs
     else:
-        output_tensor[:, slice_offset:slice_offset + slice_size] = outputs
+        target[:] = outputs
 
 
 def bgmv_shrink(inputs: torch.Tensor, lora_b_weights: torch.Tensor, output_tensor: torch.Tensor,

@@ -122,3 +122,23 @@ def test_row_groups_are_computed_once_per_content_of_their_indices(monkeypatch: 
     grouped.bgmv_shrink(x, a, y, buffer[:4], 1.0)
     assert computed[-1] == [1, 1, 1, 1] and len(computed) == 3
     torch.testing.assert_close(y, x @ a[2, 0].t())
+
+
+@pytest.mark.parametrize("add", [True, False])
+def test_mixed_steps_leave_no_adapter_rows_without_a_lora_term(add: bool) -> None:
+    idx = torch.tensor([1, -1, 0, 1, -1])
+    x = torch.randn(5, RANK, generator=torch.Generator().manual_seed(13))
+    b = weights(OUT, RANK, 14)
+    base = torch.randn(5, OUT + 4, generator=torch.Generator().manual_seed(15))
+    for expand, width in ((lambda y: grouped.bgmv_expand(x, b, y, idx, add), OUT),
+                          (lambda y: grouped.bgmv_expand_slice(x, b[:, :, :16], y, idx, 4, 16, add), 16)):
+        y = base.clone()
+        expand(y)
+        offset = 4 if width == 16 else 0
+        lora = torch.zeros(5, width)
+        for row, slot in enumerate(idx.tolist()):
+            if slot >= 0:
+                lora[row] = x[row] @ b[slot, 0, :width].t()
+        want = base.clone()
+        want[:, offset:offset + width] = (want[:, offset:offset + width] if add else 0) + lora
+        torch.testing.assert_close(y, want, rtol=1e-5, atol=1e-6)
