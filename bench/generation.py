@@ -5,6 +5,7 @@
     .venv/bin/python bench/generation.py --swap-every 256,64,128,512,0 --repeats 3   # the table
     .venv/bin/python bench/generation.py --backends vllm-stock,vllm --swap-every 256,0   # grouped LoRA ops or not
     .venv/bin/python bench/generation.py --backends hf,hf-nocache --leases 16 --tokens 384   # hf's KV cache
+    .venv/bin/python bench/generation.py --swap-every 256,128,64 --keep-within 0,2   # worker.keep_version_within
 
 The workload is a long-tailed stream of leases on the tiny model with rank-16 LoRA adapters (received the way a
 worker receives them: AdapterUpdates verified and written to PEFT directories), temperature 1, fp32:
@@ -22,6 +23,10 @@ worker receives them: AdapterUpdates verified and written to PEFT directories), 
 - ``one call``: one ``Backend.generate`` call for every sample of every lease at once, one adapter, the same
   token cap (the engine's raw speed: nothing arrives, nothing swaps), run just before each worker path so that both
   see the same machine load.
+
+``--finish-within`` and ``--keep-within`` set ``worker.finish_within_tokens`` and ``worker.keep_version_within`` of
+the worker path (comma-separated lists: every combination runs, interleaved). Adapters are loaded on schedule
+whether or not the previous one has produced a token yet (a turn that keeps its version delays that token).
 
 ``--swap-every`` may list several intervals (0: no swap), each run in turn on the same engine with its own one-call
 reference, ``--repeats`` times (interleaved; each figure is that of the run with the median ratio); ``vllm-stock`` is the vLLM backend with vLLM's own CPU LoRA ops instead of the grouped ones
@@ -109,20 +114,21 @@ def worker_path(backend, leases: list, adapters: list, *, tokens: int, chunk: in
     round_cpu_s: list[float] = []
     tokens_read = getattr(backend, "num_tokens_read", 0)
     swap_steps_s: list[float] = []  # per swap, seconds from load to the first token of the new version
-    in_swap: tuple[int, float] | None = None  # (version, load started)
+    in_swap: dict[int, tuple[float, int]] = {}  # version -> (load started, steps until then): no token of it yet
     load_ms: list[float] = []
     steps_after_load: list[int] = []
     num_tokens = 0
-    steps_since_swap = 0
+    num_steps = steps_since_swap = 0
     tokens_per_step = 1 if backend.streaming else chunk
     started = time.perf_counter()
     while pending or rollouts.num_groups:
-        if waiting and in_swap is None and steps_since_swap * tokens_per_step >= swap_every:
+        if waiting and steps_since_swap * tokens_per_step >= swap_every:  # on schedule, whatever the last one did
             adapter = waiting.pop(0)
-            in_swap = (adapter.version, time.perf_counter())
+            load_started = time.perf_counter()
+            in_swap[adapter.version] = (load_started, num_steps)
             backend.add_adapter(adapter)  # what Worker._load_adapter does, then retain
             backend.retain({backend.newest_version} | rollouts.versions_in_use())
-            load_ms.append((time.perf_counter() - in_swap[1]) * 1e3)
+            load_ms.append((time.perf_counter() - load_started) * 1e3)
             steps_since_swap = 0
         while pending and rollouts.num_groups < capacity:
             rollouts.add(pending.pop(0))
@@ -132,19 +138,21 @@ def worker_path(backend, leases: list, adapters: list, *, tokens: int, chunk: in
         round_s.append(now - step_started)
         round_cpu_s.append(time.process_time() - cpu_started)
         steps_since_swap += 1
+        num_steps += 1
         num_tokens += sum(f.group.metrics["num_generated_tokens"] for f in finished)
-        if in_swap is None:
+        if not in_swap:
             step_s.append(now - step_started)
-        elif swapped(rollouts, finished, in_swap[0]):
-            swap_steps_s.append(now - in_swap[1])
-            steps_after_load.append(steps_since_swap)
-            in_swap = None
+        for version, (load_started, steps_before) in list(in_swap.items()):
+            if swapped(rollouts, finished, version):
+                swap_steps_s.append(now - load_started)
+                steps_after_load.append(num_steps - steps_before)
+                del in_swap[version]
     elapsed = time.perf_counter() - started
-    decode_step_s = statistics.median(step_s) / tokens_per_step
+    decode_step_s = statistics.median(step_s or round_s) / tokens_per_step  # steps with no swap pending
     moved = rollouts.metrics.total("tokens_moved")
     return PathResult(tokens_per_s=num_tokens / elapsed, num_tokens=num_tokens, elapsed_s=elapsed,
                       decode_step_ms=decode_step_s * 1e3, swap_steps=[s / decode_step_s for s in swap_steps_s],
-                      num_swaps=len(swap_steps_s), load_ms=load_ms[:len(swap_steps_s)],
+                      num_swaps=len(load_ms), load_ms=load_ms,
                       steps_after_load=steps_after_load, num_rounds=len(round_s),
                       round_ms=statistics.median(round_s) * 1e3, round_cpu_ms=statistics.median(round_cpu_s) * 1e3,
                       tokens_read_per_round=(getattr(backend, "num_tokens_read", 0) - tokens_read) / len(round_s),
