@@ -35,7 +35,9 @@ tokens so far of every moved request: what the new version re-reads before its f
 
 Tokens/s counts the tokens actually generated. Swap latency: from the start of loading a new version (already
 received: the transfer is not in it) to the first token generated with it, in decode steps (the median duration
-of one engine step of the worker path; for a chunked backend, of one round divided by ``--chunk``). vLLM's CPU
+of one engine step of the worker path; for a chunked backend, of one round divided by ``--chunk``). Swap cost
+(``swap_cost_ms``, median over swaps): what the up to 40 rounds after a load took beyond the median round, i.e.
+the engine time the swap's re-read and its effects cost. vLLM's CPU
 backend binds its OpenMP threads to one core; hf runs with one torch thread. The JSON line's value is vLLM's
 worker-path tokens/s at the first ``--swap-every``, its reference the one-call tokens/s run just before it,
 ``ratio`` worker path / one call; the other intervals and backends add ``*_ratio`` and ``*_swap_decode_steps``.
@@ -73,6 +75,7 @@ class PathResult:
     round_cpu_ms: float = 0.0  # median CPU time of this process in one round
     tokens_read_per_round: float = 0.0  # hf: tokens fed before each chunk's first new token, per round
     tokens_moved_per_swap: float = 0.0  # streaming: tokens of the requests a swap resubmits (re-read by the new version)
+    swap_cost_s: list[float] = field(default_factory=list)  # per swap: what its rounds took beyond the median round
 
 
 def make_leases(prompts: list[str], seed: int) -> list:  # noqa: ANN001 - PromptLease
@@ -116,6 +119,7 @@ def worker_path(backend, leases: list, adapters: list, *, tokens: int, chunk: in
     swap_steps_s: list[float] = []  # per swap, seconds from load to the first token of the new version
     in_swap: dict[int, tuple[float, int]] = {}  # version -> (load started, steps until then): no token of it yet
     load_ms: list[float] = []
+    load_rounds: list[int] = []  # per swap: the rounds before its load
     steps_after_load: list[int] = []
     num_tokens = 0
     num_steps = steps_since_swap = 0
@@ -126,6 +130,7 @@ def worker_path(backend, leases: list, adapters: list, *, tokens: int, chunk: in
             adapter = waiting.pop(0)
             load_started = time.perf_counter()
             in_swap[adapter.version] = (load_started, num_steps)
+            load_rounds.append(num_steps)
             backend.add_adapter(adapter)  # what Worker._load_adapter does, then retain
             backend.retain({backend.newest_version} | rollouts.versions_in_use())
             load_ms.append((time.perf_counter() - load_started) * 1e3)
@@ -150,13 +155,20 @@ def worker_path(backend, leases: list, adapters: list, *, tokens: int, chunk: in
     elapsed = time.perf_counter() - started
     decode_step_s = statistics.median(step_s or round_s) / tokens_per_step  # steps with no swap pending
     moved = rollouts.metrics.total("tokens_moved")
-    return PathResult(tokens_per_s=num_tokens / elapsed, num_tokens=num_tokens, elapsed_s=elapsed,
+    typical = statistics.median(round_s)
+    swap_cost_s = [sum(r - typical for r in round_s[start:min(start + SWAP_COST_ROUNDS, end)])
+                   for start, end in zip(load_rounds, [*load_rounds[1:], len(round_s)], strict=False)]
+    return PathResult(swap_cost_s=swap_cost_s, tokens_per_s=num_tokens / elapsed, num_tokens=num_tokens, elapsed_s=elapsed,
                       decode_step_ms=decode_step_s * 1e3, swap_steps=[s / decode_step_s for s in swap_steps_s],
                       num_swaps=len(load_ms), load_ms=load_ms,
                       steps_after_load=steps_after_load, num_rounds=len(round_s),
                       round_ms=statistics.median(round_s) * 1e3, round_cpu_ms=statistics.median(round_cpu_s) * 1e3,
                       tokens_read_per_round=(getattr(backend, "num_tokens_read", 0) - tokens_read) / len(round_s),
                       tokens_moved_per_swap=moved / len(load_ms) if load_ms else 0.0)
+
+
+#: rounds after a load that count toward its cost (:func:`worker_path`): a swap's re-read is over well within them
+SWAP_COST_ROUNDS = 40
 
 
 def swapped(rollouts, finished: list, version: int) -> bool:  # noqa: ANN001
@@ -256,6 +268,8 @@ def main() -> None:
             swap = statistics.median(path.swap_steps) if path.swap_steps else float("nan")
             runs.setdefault((name, every, within, keep), []).append((reference, path, swap))
             moved = f", {path.tokens_moved_per_swap:.0f} tokens re-read per swap" if path.tokens_moved_per_swap else ""
+            if path.swap_cost_s:
+                moved += f", each costing {statistics.median(path.swap_cost_s) * 1e3:.0f} ms of rounds beyond the median"
             print(f"{name:10s} {swap_label(every, within, keep):11s} start {start_s:5.1f} s   one call {reference.tokens_per_s:7.0f} "
                   f"tok/s ({reference.num_tokens} tokens)   worker path {path.tokens_per_s:7.0f} tok/s "
                   f"({path.num_tokens} tokens, {path.num_swaps} swaps{moved})   ratio "
@@ -309,6 +323,7 @@ def main() -> None:
            swap_load_ms=round(statistics.median(path.load_ms or [float("nan")]), 1),
            swap_engine_steps=statistics.median(path.steps_after_load or [float("nan")]),
            tokens_moved_per_swap=round(path.tokens_moved_per_swap), num_swaps=path.num_swaps, leases=args.leases,
+           swap_cost_ms=round(statistics.median(path.swap_cost_s or [float("nan")]) * 1e3, 1),
            samples=num_samples, tokens=args.tokens, capacity=args.capacity, swap_every=main_every,
            finish_within_tokens=main_within, keep_version_within=main_keep, lora_rank=16,
            load_average=round(os.getloadavg()[0], 1), **extra)
