@@ -137,12 +137,15 @@ def worker_path(backend, leases: list, adapters: list, *, tokens: int, chunk: in
             steps_since_swap = 0
         while pending and rollouts.num_groups < capacity:
             rollouts.add(pending.pop(0))
+        lengths = [(s, len(s.completion_ids)) for g in rollouts.groups.values() for s in g.samples]
         step_started, cpu_started = time.perf_counter(), time.process_time()
         finished = rollouts.step()
         now = time.perf_counter()
         round_s.append(now - step_started)
         round_cpu_s.append(time.process_time() - cpu_started)
-        steps_since_swap += 1
+        # the swap schedule counts decode steps: one per engine step, a chunked round's longest advance
+        steps_since_swap += 1 if backend.streaming else max((len(s.completion_ids) - n for s, n in lengths),
+                                                             default=0) / chunk
         num_steps += 1
         num_tokens += sum(f.group.metrics["num_generated_tokens"] for f in finished)
         if not in_swap:
