@@ -22,9 +22,13 @@ end-of-turn id, are dropped, so the cache holds at most one round's batch.
 A round's batch is laid out per row as ``[pad | held prefix | pad | new tokens]``, left-padded so that every
 row's next token is in the last column; the attention mask hides the padding and the position ids count only a
 row's real tokens (as ``generate`` does with left padding), so a row's keys, values and logits are those it
-would have alone. Sampling is ``generate``'s own (:func:`common.hf_generation.sampling_warpers`,
-``torch.multinomial`` over the warped softmax for the whole batch every step, pad fed to rows that ended, stop
-when every row ended or after the largest ``max_tokens``), so for the same requests and seed the tokens are
+would have alone. When a few rows feed many new tokens (a prompt, a prefix re-read after a swap) beside rows
+that feed one, that padding would make every row pay for the longest: past ``MAX_PADDED_POSITIONS`` padded
+positions the long rows are read first in a forward of their own, all but their last tokens
+(:func:`_read_long_rows_first`), and join the round with that as their held prefix. Sampling is ``generate``'s
+own (:func:`common.hf_generation.sampling_warpers`, ``torch.multinomial`` over the warped softmax for the whole
+batch every step, pad fed to rows that ended, stop when every row ended or after the largest ``max_tokens``), so
+for the same requests and seed the tokens are
 those ``generate`` draws, and the log-probs (:func:`common.logprobs.token_logprobs` of the sampled token, from
 the step's fp32 logits of the last position only) equal the uncached path's to float rounding. Nothing of size
 ``[B, chunk, V]`` is kept: each step's ``[B, V]`` logits are dropped once its token and log-prob are taken.
@@ -80,14 +84,36 @@ class DecodeSettings:
     pad_token_id: int
 
 
-@torch.inference_mode()
-def decode(model: Any, rows: Sequence[Row], version: int, settings: DecodeSettings,
-           device: torch.device) -> list[RowOutput]:
-    """One chunk for every row under the active adapter (``version`` labels the prefixes it returns)."""
+#: padded positions a round's first forward may compute for rows with a held prefix before their long new rows
+#: are read in a forward of their own first (:func:`decode`)
+MAX_PADDED_POSITIONS = 128
+
+
+@dataclass(slots=True, kw_only=True)
+class _Layout:
+    """A batch laid out as ``[pad | held prefix | pad | new tokens]`` per row, and its cache of the held parts."""
+
+    held: list[int]
+    new: list[int]
+    input_ids: torch.Tensor  # [B, width_new]
+    mask: torch.Tensor  # [B, width_held + width_new]
+    positions: torch.Tensor  # [B, width_new]
+    cache: DynamicCache
+
+    @property
+    def width_held(self) -> int:
+        return max(self.held)
+
+    @property
+    def width_new(self) -> int:
+        return max(self.new)
+
+
+def _layout(rows: Sequence[Row], pad_token_id: int, device: torch.device) -> _Layout:
     held = [len(r.prefix.token_ids) if r.prefix else 0 for r in rows]
     new = [len(r.token_ids) - h for r, h in zip(rows, held, strict=True)]
     width_held, width_new, batch = max(held), max(new), len(rows)
-    input_ids = torch.full((batch, width_new), settings.pad_token_id, dtype=torch.long)
+    input_ids = torch.full((batch, width_new), pad_token_id, dtype=torch.long)
     mask = torch.zeros((batch, width_held + width_new), dtype=torch.long)
     positions = torch.zeros((batch, width_new), dtype=torch.long)
     for i, (row, h, n) in enumerate(zip(rows, held, new, strict=True)):
@@ -96,11 +122,49 @@ def decode(model: Any, rows: Sequence[Row], version: int, settings: DecodeSettin
         mask[i, width_held + width_new - n:] = 1
         positions[i, width_new - n:] = torch.arange(h, h + n)
     cache = DynamicCache(ddp_cache_data=_batched(rows, held, width_held, device) if width_held else None)
+    return _Layout(held=held, new=new, input_ids=input_ids.to(device), mask=mask.to(device),
+                   positions=positions.to(device), cache=cache)
+
+
+def _read_long_rows_first(model: Any, rows: Sequence[Row], version: int, pad_token_id: int,
+                          device: torch.device) -> list[Row]:
+    """``rows`` with the long new parts already read: when rows with many new tokens (a prompt, a re-read after a
+    swap) share the round with rows that feed one or a few, the round's first forward would pad every row to the
+    longest (``[B, width_new]``); past MAX_PADDED_POSITIONS padded positions the long rows are read in a forward of
+    their own (all but their last token, whose logits the round's first step needs), and come back with that as
+    their held prefix. The same keys and values, so the same tokens and log-probs to float rounding."""
+    new = [len(r.token_ids) - (len(r.prefix.token_ids) if r.prefix else 0) for r in rows]
+    short = max(1, min(new))
+    long = [i for i, n in enumerate(new) if n > short]
+    if not long or (len(rows) - len(long)) * (max(new) - short) <= MAX_PADDED_POSITIONS:
+        return list(rows)
+    first = [Row(token_ids=rows[i].token_ids[:len(rows[i].token_ids) - short], max_tokens=0, prefix=rows[i].prefix)
+             for i in long]
+    layout = _layout(first, pad_token_id, device)
+    model(input_ids=layout.input_ids, attention_mask=layout.mask, position_ids=layout.positions,
+          past_key_values=layout.cache, use_cache=True, logits_to_keep=1)
+    out = list(rows)
+    width = layout.width_held + layout.width_new
+    for j, i in enumerate(long):
+        out[i] = Row(token_ids=rows[i].token_ids, max_tokens=rows[i].max_tokens, prefix=Prefix(
+            token_ids=list(first[j].token_ids), version=version,
+            layers=_row_layers(layout.cache, j, layout.held[j], layout.width_held, layout.new[j], width, 0)))
+    return out
+
+
+@torch.inference_mode()
+def decode(model: Any, rows: Sequence[Row], version: int, settings: DecodeSettings,
+           device: torch.device) -> list[RowOutput]:
+    """One chunk for every row under the active adapter (``version`` labels the prefixes it returns)."""
+    rows = _read_long_rows_first(model, rows, version, settings.pad_token_id, device)
+    layout = _layout(rows, settings.pad_token_id, device)
+    held, new, cache, batch = layout.held, layout.new, layout.cache, len(rows)
+    width_held, width_new = layout.width_held, layout.width_new
     warpers = None if settings.greedy else sampling_warpers(settings.temperature, settings.top_p)
     temperature = 1.0 if settings.greedy else settings.temperature
     eos = torch.as_tensor(settings.eos_token_ids, device=device)
     unfinished = torch.ones(batch, dtype=torch.long, device=device)
-    mask, positions, step_ids = mask.to(device), positions.to(device), input_ids.to(device)
+    mask, positions, step_ids = layout.mask, layout.positions, layout.input_ids
     tokens: list[torch.Tensor] = []
     logprobs: list[torch.Tensor] = []
     for _ in range(max(r.max_tokens for r in rows)):

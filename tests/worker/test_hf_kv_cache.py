@@ -16,6 +16,7 @@ import pytest
 import torch
 
 from rollout_worker.adapters import AdapterStore
+from rollout_worker.backends import hf_decode
 from rollout_worker.backends.base import GenRequest, Sampling
 from rollout_worker.backends.hf import HfBackend
 from tests.worker.helpers import Adapter, receive
@@ -76,11 +77,22 @@ def assert_same(cached: Trace, uncached: Trace) -> None:
 
 @pytest.mark.parametrize("sampling", [None, Sampling(), Sampling(temperature=0.7, top_p=0.9)],
                          ids=["greedy", "sampled", "sampled-t0.7-p0.9"])
+@pytest.mark.parametrize("long_rows_first", [False, True], ids=["one-forward", "long-rows-first"])
 def test_cached_chunks_equal_the_uncached_path(tiny_model_dir: Path, store: AdapterStore, adapters: list[Adapter],
-                                               sampling: Sampling | None) -> None:
+                                               sampling: Sampling | None, long_rows_first: bool,
+                                               monkeypatch: pytest.MonkeyPatch) -> None:
+    """(long-rows-first: every round whose rows feed different numbers of new tokens, the swap's re-reads and the
+    environment's reply, reads the longer ones in a forward of their own first.)"""
+    reads: list[int] = []
+    if long_rows_first:
+        layout = hf_decode._layout
+        monkeypatch.setattr(hf_decode, "MAX_PADDED_POSITIONS", 0)
+        monkeypatch.setattr(hf_decode, "_layout", lambda rows, *a: reads.extend(
+            1 for r in rows if r.max_tokens == 0) or layout(rows, *a))
     cached, uncached = backend_pair(tiny_model_dir, sampling or Sampling())
     traces = [drive(b, store, adapters, greedy=sampling is None) for b in (cached, uncached)]
     assert_same(*traces)
+    assert len(reads) >= (3 if long_rows_first else 0)  # s0 and s1 after the swap, s3 after its reply
     assert all(len(t) == (30 if k == "s1" else 36) or traces[0].finished[k] for k, t in traces[0].tokens.items())
     # the cache did its work: after round 1 only new tokens were read, except where a swap or a re-published
     # version forced a sample's prefix to be read again
