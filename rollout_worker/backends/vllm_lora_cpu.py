@@ -66,13 +66,16 @@ class StepGroups:
     buffers), and finding the rows of each slot (``unique``, ``nonzero``) costs more than a small GEMM. An entry is
     reused only for the same storage, offset and shape at the same version counter (any in-place write, as
     vLLM's ``update_metadata`` does each step the mapping changes, bumps it); it holds its source tensors, so
-    their memory cannot be freed and reused by other tensors while it is kept. At most ``size`` entries."""
+    their memory cannot be freed and reused by other tensors while it is kept. At most ``size`` entries. A tensor
+    created under ``torch.inference_mode`` has no version counter: its groups are computed each call, uncached."""
 
     def __init__(self, size: int = 8) -> None:
         self.size = size
         self._entries: dict[tuple, tuple[tuple[torch.Tensor, ...], tuple[int, ...], RowGroups]] = {}
 
     def get(self, sources: tuple[torch.Tensor, ...], compute: Callable[[], RowGroups]) -> RowGroups:
+        if any(t.is_inference() for t in sources):
+            return compute()
         key = tuple((t.data_ptr(), tuple(t.shape), tuple(t.stride())) for t in sources)
         versions = tuple(t._version for t in sources)
         entry = self._entries.get(key)

@@ -6,9 +6,9 @@ the version it records (``integrity.audit_fraction = 1``: no sampling) finds no 
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
+from tests.fault.ledger import read_json_lines
 from tests.fault.system import System, write_config
 from tests.integrity.run import audit
 from tests.support import Processes, wait_for
@@ -18,15 +18,7 @@ STEPS = 12
 
 def resident_versions(log_path: Path) -> list[list[int]]:
     """The versions the worker held after each adapter load (its ``adapter_loaded`` lines)."""
-    out = []
-    for line in log_path.read_text().splitlines():
-        try:
-            event = json.loads(line)
-        except ValueError:
-            continue
-        if event.get("event") == "adapter_loaded":
-            out.append(event["resident"])
-    return out
+    return [line["resident"] for line in read_json_lines(log_path) if line.get("event") == "adapter_loaded"]
 
 
 def test_turns_keep_their_version_and_every_token_still_matches_it(procs: Processes, tmp_path: Path,

@@ -142,3 +142,17 @@ def test_mixed_steps_leave_no_adapter_rows_without_a_lora_term(add: bool) -> Non
         want = base.clone()
         want[:, offset:offset + width] = (want[:, offset:offset + width] if add else 0) + lora
         torch.testing.assert_close(y, want, rtol=1e-5, atol=1e-6)
+
+
+def test_inference_tensors_have_their_groups_computed_each_call() -> None:
+    """No version counter to trust (torch.inference_mode): computed, not cached, and still right."""
+    x = torch.randn(3, IN, generator=torch.Generator().manual_seed(16))
+    a = weights(RANK, IN, 17)
+    with torch.inference_mode():
+        idx = torch.tensor([0, 2, 2])
+        y = torch.zeros(3, RANK)
+        grouped.bgmv_shrink(x, a, y, idx, 1.0)
+        idx[:] = torch.tensor([1, 1, 0])
+        grouped.bgmv_shrink(x, a, y, idx, 1.0)
+    torch.testing.assert_close(y[:2], x[:2] @ a[1, 0].t())
+    torch.testing.assert_close(y[2], x[2] @ a[0, 0].t())
