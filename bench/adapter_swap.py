@@ -23,11 +23,12 @@ from __future__ import annotations
 import argparse
 import statistics
 import sys
-import tempfile
 import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from bench.report import report, scratch_dir  # noqa: E402
 
 LORA_RANK = 16
 RESIDENT = 3
@@ -48,7 +49,7 @@ def swap_latency(name: str, model_dir: Path, updates: list, batch: int) -> dict[
         from rollout_worker.backends.hf import HfBackend
 
         backend = HfBackend(model_dir, sampling=Sampling(), device="cpu")
-    store = AdapterStore(tempfile.mkdtemp(prefix=f"bench-swap-{name}-"))
+    store = AdapterStore(scratch_dir(prefix=f"bench-swap-{name}-"))
     prompts = [backend.encode(f"{10 + i}+{20 + i}=") for i in range(batch)]
 
     def generate(version: int, tokens: int) -> float:
@@ -115,7 +116,7 @@ def sync_bytes_for_a_05b_model() -> dict[str, float]:
     record, envelope = protocol.decode([bytes(f) for f in frames])
     from rollout_worker.adapters import AdapterStore
 
-    AdapterStore(tempfile.mkdtemp(prefix="bench-swap-05b-")).receive(record, envelope.specs, envelope.frames)
+    AdapterStore(scratch_dir(prefix="bench-swap-05b-")).receive(record, envelope.specs, envelope.frames)
     receive_ms = (time.perf_counter() - started) * 1e3
     return {"sync_bytes": sync_bytes, "model_bytes": model_bytes, "model_params": num_params,
             "lora_params": sum(t.numel() for _, t in tensors), "receive_ms": receive_ms}
@@ -133,7 +134,6 @@ def main() -> None:
     import torch
 
     torch.set_num_threads(1)
-    from bench.report import report
     from common.tiny_model import resolve_model
     from tests.worker.helpers import make_adapter
 

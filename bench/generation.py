@@ -50,7 +50,6 @@ import os
 import random
 import statistics
 import sys
-import tempfile
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -219,7 +218,7 @@ def main() -> None:
     import torch
 
     torch.set_num_threads(1)
-    from bench.report import report
+    from bench.report import report, scratch_dir
     from common.tasks import ArithTask
     from common.tiny_model import resolve_model
     from rollout_worker.adapters import AdapterStore
@@ -236,7 +235,7 @@ def main() -> None:
           f"load average {os.getloadavg()[0]:.1f}", flush=True)
     runs: dict[tuple[str, int, int, int], list[tuple[PathResult, PathResult, float]]] = {}
     for name in args.backends.split(","):
-        store = AdapterStore(tempfile.mkdtemp(prefix=f"bench-gen-{name}-"))
+        store = AdapterStore(scratch_dir(prefix=f"bench-gen-{name}-"))
         # received ahead (the session's thread does it while the loop generates): v1 for the one call and the
         # start of the worker path, then alternating weights as v2, v3, ...
         num_versions = 1 + args.repeats * len(variants) * sum(4000 // every for every in swap_everies if every)

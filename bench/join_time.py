@@ -35,6 +35,7 @@ from typing import Any
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from bench.broker_proc import REPO, RUN_TOKEN, start_broker  # noqa: E402
+from bench.report import report, scratch_dir  # noqa: E402
 
 #: worker settings shared by the joiners and the reference: small groups, one chunk per sample
 WORKER_SETTINGS = {"worker.max_new_tokens": "8", "worker.chunk_tokens": "8", "worker.num_threads": "1"}
@@ -127,7 +128,7 @@ def run_reference(model_dir: Path, adapter_dir: Path) -> None:
     config = load_config(overrides=[f'model.path="{model_dir}"', 'worker.backend="hf"',
                                     *(f"{k}={v}" for k, v in WORKER_SETTINGS.items())])
     layout, peft_config = lora_layout_from_disk(adapter_dir)
-    store = AdapterStore(tempfile.mkdtemp(prefix="join-ref-"))
+    store = AdapterStore(scratch_dir(prefix="join-ref-"))
     import_s = time.monotonic() - started
     loading = time.monotonic()
     backend = make_backend(config, worker_id="reference", max_staleness=0)
@@ -221,12 +222,11 @@ def main() -> None:
     if args.role == "reference":
         return run_reference(Path(args.model_dir), Path(args.adapter_dir))
 
-    from bench.report import report
     from common.tiny_model import resolve_model
     from common.transport import fetch_stats
 
     model_dir = resolve_model("builtin:tiny")
-    work = Path(tempfile.mkdtemp(prefix="bench-join-"))
+    work = Path(scratch_dir(prefix="bench-join-"))
     layout, config = lora_layout(model_dir)
     (work / "layout.json").write_text(json.dumps({"layout": layout, "config": config}))
     procs: list[subprocess.Popen] = []

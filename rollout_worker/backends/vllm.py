@@ -39,12 +39,19 @@ carries only the new tokens and their log-probs), ``advance`` one ``LLMEngine.st
 outputs of the engine core, which runs in its own process and keeps stepping in between), ``abort``
 ``LLMEngine.abort_request`` (outputs the core had already sent for it are dropped by the engine). The evidence
 of each delta is the ``lora_request`` its ``RequestOutput`` names, as for ``generate``.
+
+The engine core's ZeroMQ socket files (``ipc://`` paths) go into a directory of this process that is removed when
+it exits (:func:`private_rpc_dir`), not loose into the temp directory.
 """
 
 from __future__ import annotations
 
+import atexit
+import functools
 import math
 import os
+import shutil
+import tempfile
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
@@ -85,6 +92,21 @@ def rescale_logprob(raw_logprobs: Sequence[float], index: int, temperature: floa
     return scaled[index] - (top + math.log(sum(math.exp(x - top) for x in scaled)))
 
 
+@functools.cache
+def private_rpc_dir() -> str | None:
+    """Point vLLM's ZeroMQ socket files (``VLLM_RPC_BASE_PATH``: a few ``ipc://`` paths per engine) at a directory
+    of this process, removed at exit; returns it (None: the user set the variable, which is kept). By default vLLM
+    puts them loose into the temp directory, and a process that ends without closing its sockets (the worker's
+    ``os._exit``, a kill) leaves them there: a few files per worker start, thousands on a machine that restarts
+    workers. Once per process: vLLM may cache its environment after the first engine starts."""
+    if "VLLM_RPC_BASE_PATH" in os.environ:
+        return None
+    path = tempfile.mkdtemp(prefix="loraflow-vllm-")
+    os.environ["VLLM_RPC_BASE_PATH"] = path
+    atexit.register(shutil.rmtree, path, ignore_errors=True)  # after vLLM's own exit handlers (registered later)
+    return path
+
+
 def lora_rank_cap(rank: int) -> int:
     """The smallest max_lora_rank vLLM accepts that holds adapters of ``rank``."""
     for cap in VLLM_LORA_RANKS:
@@ -105,6 +127,7 @@ class VllmBackend(TokenizerMixin, Backend):
                  grouped_lora_ops: bool = True, async_scheduling: bool | None = None) -> None:
         super().__init__(sampling)
         os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", str(max(1, math.ceil(kv_cache_gib))))
+        private_rpc_dir()
         from vllm import LLM, SamplingParams
 
         self._sampling_params_cls = SamplingParams

@@ -7,14 +7,20 @@
   rest is the new adapter's greedy continuation of them (the reference says so token by token, with log-probs);
   ``finish`` keeps the old version to the end; ``abort`` restarts under the new one;
 - after a swap the shortest prefix is resubmitted first and alone, the others once it has a new-version token;
-- a stop string ends a turn mid-stream and takes the request out of the engine; a returned lease does too.
+- a stop string ends a turn mid-stream and takes the request out of the engine; a returned lease does too;
+- the engine's socket files live in a directory of the process, removed when it exits.
 
 All tests share the session's one engine (tests/worker/conftest.py): it starts in ~25 s.
 """
 
 from __future__ import annotations
 
+import os
+import stat
+import subprocess
+import sys
 from collections.abc import Iterator
+from pathlib import Path
 
 import pytest
 
@@ -22,6 +28,7 @@ from common.config import WorkerConfig
 from rollout_worker import rollout
 from rollout_worker.adapters import AdapterStore
 from rollout_worker.backends.base import Backend, GenRequest
+from rollout_worker.backends.vllm import private_rpc_dir
 from rollout_worker.envs import EnvResolver
 from rollout_worker.rollout import DONE, GENERATING, READY, Rollouts
 from tests.worker.helpers import Adapter, Reference, lease, receive
@@ -219,3 +226,34 @@ def test_after_a_swap_the_shortest_prefix_goes_first(vllm: Backend, store: Adapt
         k = sample.versions.index(2) if 2 in sample.versions else len(sample.versions)
         assert sample.versions == [1] * k + [2] * (len(sample.versions) - k) and k >= 1
     assert rollouts.metrics.total("requests_moved") == 3
+
+
+def test_the_engines_socket_files_live_in_a_directory_of_this_process(vllm: Backend) -> None:
+    """vLLM's ipc:// socket files go into private_rpc_dir (the suite sets no VLLM_RPC_BASE_PATH), not loose into
+    the temp directory, where a worker ended by os._exit or a kill left a few per start."""
+    path = private_rpc_dir()
+    assert path is not None and os.environ["VLLM_RPC_BASE_PATH"] == path
+    sockets = [p for p in Path(path).iterdir() if stat.S_ISSOCK(p.stat().st_mode)]
+    assert sockets, "the engine core's ZeroMQ sockets"
+
+
+@pytest.mark.parametrize("preset", ["", "/run/user-chosen"])
+def test_the_private_socket_directory_is_removed_at_exit(tmp_path: Path, preset: str) -> None:
+    """Even by the worker's way out (atexit handlers, then os._exit); a VLLM_RPC_BASE_PATH the user set is kept."""
+    env = {k: v for k, v in os.environ.items() if k != "VLLM_RPC_BASE_PATH"} | {"TMPDIR": str(tmp_path)}
+    if preset:
+        env["VLLM_RPC_BASE_PATH"] = preset
+    code = ("import os, sys\nfrom rollout_worker.backends.vllm import private_rpc_dir\n"
+            "path = private_rpc_dir()\nassert private_rpc_dir() == path\n"
+            "print(path, os.environ['VLLM_RPC_BASE_PATH'], flush=True)\n"
+            "if path: open(os.path.join(path, 'socket'), 'w').close()\n"
+            "from rollout_worker.worker import end_process\nend_process(0)\n")
+    done = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=60,
+                          cwd=Path(__file__).resolve().parents[2])
+    assert done.returncode == 0, done.stderr
+    path, variable = done.stdout.split()
+    if preset:
+        assert (path, variable) == ("None", preset)
+    else:
+        assert Path(path).parent == tmp_path and variable == path
+        assert not Path(path).exists() and not list(tmp_path.iterdir())
