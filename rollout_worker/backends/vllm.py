@@ -98,7 +98,9 @@ def private_rpc_dir() -> str | None:
     of this process, removed at exit; returns it (None: the user set the variable, which is kept). By default vLLM
     puts them loose into the temp directory, and a process that ends without closing its sockets (the worker's
     ``os._exit``, a kill) leaves them there: a few files per worker start, thousands on a machine that restarts
-    workers. Once per process: vLLM may cache its environment after the first engine starts."""
+    workers. The atexit handler also runs on the worker's ``os._exit`` path (``end_process``); a SIGKILL leaves the
+    directory (one per kill, not a few files per start). Once per process: vLLM may cache its environment after
+    the first engine starts."""
     if "VLLM_RPC_BASE_PATH" in os.environ:
         return None
     path = tempfile.mkdtemp(prefix="loraflow-vllm-")
