@@ -136,7 +136,8 @@ def worker_path(backend, leases: list, adapters: list, *, tokens: int, chunk: in
             steps_since_swap = 0
         while pending and rollouts.num_groups < capacity:
             rollouts.add(pending.pop(0))
-        lengths = [(s, len(s.completion_ids)) for g in rollouts.groups.values() for s in g.samples]
+        lengths = [] if backend.streaming else [(s, len(s.completion_ids)) for g in rollouts.groups.values()
+                                                for s in g.samples]  # a chunked round's advance, below
         step_started, cpu_started = time.perf_counter(), time.process_time()
         finished = rollouts.step()
         now = time.perf_counter()
