@@ -47,7 +47,7 @@ lint: $(VENV)/.test
 	$(PY) -m ruff check .
 
 bench: $(VENV)/.test
-	for b in bench/*.py; do $(PY) $$b || exit 1; done
+	for b in bench/*.py; do $(PY) -m bench.$$(basename $$b .py) || exit 1; done
 
 clean:
 	rm -rf $(VENV) runs .pytest_cache .ruff_cache

@@ -17,8 +17,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from common.config import Config, load_config
-from deploy import rundir
+from loraflow.common.config import Config, load_config
+from loraflow.deploy import rundir
 from tests.support import child_env  # noqa: F401 - the benches' child environment, as before
 
 REPO = Path(__file__).resolve().parent.parent
@@ -42,8 +42,8 @@ class Outcome:
 
 def run_loraflow(argv: Sequence[str], *, max_staleness: int, env: dict[str, str], timeout_s: float,
                  show: tuple[str, ...] = ("stopping:",)) -> None:
-    """``python -m deploy.cli run`` + ``argv``; prints the output lines that start with ``show``."""
-    result = subprocess.run([sys.executable, "-m", "deploy.cli", "run", *argv], env=env, cwd=REPO,
+    """``python -m loraflow.deploy.cli run`` + ``argv``; prints the output lines that start with ``show``."""
+    result = subprocess.run([sys.executable, "-m", "loraflow.deploy.cli", "run", *argv], env=env, cwd=REPO,
                             capture_output=True, text=True, timeout=timeout_s)
     if result.returncode != 0:
         raise SystemExit(f"loraflow run (max_staleness {max_staleness}) failed:\n{result.stdout}\n{result.stderr}")

@@ -1,9 +1,9 @@
 """Adapter relay fan-out: time until every worker holds a 50 MB adapter, against one direct send of its bytes.
 
-    .venv/bin/python bench/adapter_fanout.py [--mb 50] [--workers 1,4,16] [--repeats 3]
+    .venv/bin/python -m bench.adapter_fanout [--mb 50] [--workers 1,4,16] [--repeats 3]
 
 A learner process publishes an AdapterUpdate (``--mb`` MB of float32 LoRA tensors with PEFT names) to
-``python -m broker``; N worker processes get the AdapterNotice, fetch, and record when the whole
+``python -m loraflow.broker``; N worker processes get the AdapterNotice, fetch, and record when the whole
 AdapterUpdate has arrived (``time.monotonic`` is system-wide, so processes' clocks agree). The broker checks
 the sha256, keeps the received frames and forwards the same frames to every fetcher (no copies in Python;
 zmq's I/O thread still writes the bytes to each socket), and saves the adapter in its state writer thread.
@@ -26,16 +26,14 @@ import time
 import uuid
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+import msgpack
+import numpy as np
+import zmq
 
-import msgpack  # noqa: E402
-import numpy as np  # noqa: E402
-import zmq  # noqa: E402
-
-from bench.broker_proc import RUN_TOKEN, start_broker  # noqa: E402
-from bench.report import report  # noqa: E402
-from common import framing, protocol  # noqa: E402
-from common.protocol import AdapterFetch, AdapterUpdate, Hello, Kind  # noqa: E402
+from bench.broker_proc import RUN_TOKEN, start_broker
+from bench.report import report
+from loraflow.common import framing, protocol
+from loraflow.common.protocol import AdapterFetch, AdapterUpdate, Hello, Kind
 
 REPO = Path(__file__).resolve().parent.parent
 

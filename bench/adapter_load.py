@@ -1,6 +1,6 @@
 """An hf worker's adapter load and generation with a busy thread in the process, against the same with none.
 
-    .venv/bin/python bench/adapter_load.py [--layers 28] [--dtype float32] [--swaps 6] [--reference-tree DIR]
+    .venv/bin/python -m bench.adapter_load [--layers 28] [--dtype float32] [--swaps 6] [--reference-tree DIR]
 
 A worker process is never one thread: its broker session receives, verifies and writes the next adapter while
 the main loop loads the last one. Every torch call releases the GIL, and a busy Python thread then keeps it for
@@ -10,7 +10,7 @@ the learner on the machine, 0.15 s alone). The model here has the tensor count o
 (``--layers`` decoder layers of hidden 128, rank-16 LoRA on all seven projections: 14 tensors a layer), so the
 figure is about calls, not bandwidth.
 
-Each version is loaded into :class:`rollout_worker.backends.hf.HfBackend` as the worker does (``add_adapter``
+Each version is loaded into :class:`loraflow.rollout_worker.backends.hf.HfBackend` as the worker does (``add_adapter``
 from the PEFT directory, then ``retain`` of the new version only, so slots are reused), first with no other
 thread, then with one Python thread spinning. Loads that create a slot (the first two) are left out; the figure
 is the median of the rest, with the backend's own split (``load_phases_ms``) of the last load.
@@ -19,7 +19,7 @@ commit before a change) in a child process, for a before/after in one run.
 
 The same backend then generates 16 samples of ``--generate-tokens`` tokens alone and beside the busy thread: what
 a reward or agent that runs away past its timeout costs an hf worker (why the worker restarts then:
-``rollout_worker.rewards.guard.RunawayWatch``).
+``loraflow.rollout_worker.rewards.guard.RunawayWatch``).
 
 Last line: value = median load (ms) with the busy thread, reference = without, ratio = value / reference;
 ``generate_tok_s_idle`` / ``generate_tok_s_busy`` beside them.
@@ -29,7 +29,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import statistics
 import subprocess
 import sys
@@ -39,7 +38,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-REPO = Path(__file__).resolve().parent.parent
+from bench.report import REPO, checkout_env, report
 
 
 def build(work: Path, layers: int, versions: int) -> tuple[Path, list[Path]]:
@@ -47,7 +46,7 @@ def build(work: Path, layers: int, versions: int) -> tuple[Path, list[Path]]:
     from peft import LoraConfig, get_peft_model
     from transformers import AutoModelForCausalLM
 
-    from common.tiny_model import TinyShape, build_tiny_model
+    from loraflow.common.tiny_model import TinyShape, build_tiny_model
 
     model = build_tiny_model(work / "model", shape=TinyShape(num_hidden_layers=layers))
     dirs = []
@@ -65,9 +64,9 @@ def measure(model: Path, dirs: list[Path], dtype: str, generate_tokens: int) -> 
     generate 16 samples of ``generate_tokens`` tokens without, then with, one."""
     import torch
 
-    from rollout_worker.adapters import WEIGHTS_FILE, ReceivedAdapter, tensors_sha256
-    from rollout_worker.backends.base import GenRequest, Sampling
-    from rollout_worker.backends.hf import HfBackend
+    from loraflow.rollout_worker.adapters import WEIGHTS_FILE, ReceivedAdapter, tensors_sha256
+    from loraflow.rollout_worker.backends.base import GenRequest, Sampling
+    from loraflow.rollout_worker.backends.hf import HfBackend
 
     torch.set_num_threads(1)
     backend = HfBackend(model, sampling=Sampling(), device="cpu", dtype=dtype)
@@ -139,9 +138,6 @@ def main() -> None:
         print(json.dumps(measure(model, sorted(work.glob("v*"), key=lambda p: int(p.name[1:])), args.dtype,
                                  args.generate_tokens)))
         return
-    sys.path.insert(0, str(REPO))
-    from bench.report import report
-
     with tempfile.TemporaryDirectory() as tmp:
         model, dirs = build(Path(tmp), args.layers, max(args.swaps, 3))
         trees = {"this tree": REPO}
@@ -149,7 +145,7 @@ def main() -> None:
             trees["reference tree"] = Path(args.reference_tree).resolve()
         results = {}
         for name, tree in trees.items():
-            env = {**os.environ, "PYTHONPATH": str(tree)}
+            env = checkout_env(tree)
             done = subprocess.run([sys.executable, str(Path(__file__).resolve()), "--dtype", args.dtype,
                                    "--generate-tokens", str(args.generate_tokens), "--child", str(model), tmp], cwd=tree, env=env, capture_output=True, text=True,
                                   check=True)

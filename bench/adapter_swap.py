@@ -1,12 +1,12 @@
 """Adapter hot-swap on a worker: time from an adapter update arriving to the first token generated with it,
 against the time of one decode step; and bytes moved per sync against the size of the full model.
 
-    .venv/bin/python bench/adapter_swap.py [--swaps 6] [--batch 8] [--backends hf,vllm]
+    .venv/bin/python -m bench.adapter_swap [--swaps 6] [--batch 8] [--backends hf,vllm]
 
 Swap latency, for the hf and vllm backends on the tiny model (rank-16 LoRA on all projections, fp32): the clock
 starts when the AdapterUpdate's frames are in hand (as the worker's session receives them from zmq) and stops when
 the backend has generated one token with the new version for a batch of ``--batch`` prompts. In between: decode
-and checksum the message, write the PEFT directory (:class:`rollout_worker.adapters.AdapterStore`), load it into
+and checksum the message, write the PEFT directory (:class:`loraflow.rollout_worker.adapters.AdapterStore`), load it into
 the running backend (a peft slot / a new vLLM LoRARequest; old versions retained as the worker does: 3 resident),
 prefill + first decode step under the new version. The reference is one decode step of the same batch under the
 previous version: (time for 33 tokens - time for 1 token) / 32, measured in the same run. The first adapter ever
@@ -22,13 +22,10 @@ from __future__ import annotations
 
 import argparse
 import statistics
-import sys
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-
-from bench.report import report, scratch_dir  # noqa: E402
+from bench.report import report, scratch_dir
 
 LORA_RANK = 16
 RESIDENT = 3
@@ -36,17 +33,17 @@ RESIDENT = 3
 
 def swap_latency(name: str, model_dir: Path, updates: list, batch: int) -> dict[str, float]:  # noqa: ANN001
     """Per-swap timings (ms) of one backend; ``updates`` are (version, frames) pairs as received."""
-    from common import protocol
-    from rollout_worker.adapters import AdapterStore
-    from rollout_worker.backends.base import GenRequest, Sampling
+    from loraflow.common import protocol
+    from loraflow.rollout_worker.adapters import AdapterStore
+    from loraflow.rollout_worker.backends.base import GenRequest, Sampling
 
     if name == "vllm":
-        from rollout_worker.backends.vllm import VllmBackend
+        from loraflow.rollout_worker.backends.vllm import VllmBackend
 
         backend = VllmBackend(model_dir, sampling=Sampling(), max_loras=RESIDENT, max_lora_rank=LORA_RANK,
                               max_model_len=512, max_num_seqs=64)
     else:
-        from rollout_worker.backends.hf import HfBackend
+        from loraflow.rollout_worker.backends.hf import HfBackend
 
         backend = HfBackend(model_dir, sampling=Sampling(), device="cpu")
     store = AdapterStore(scratch_dir(prefix=f"bench-swap-{name}-"))
@@ -91,9 +88,9 @@ def sync_bytes_for_a_05b_model() -> dict[str, float]:
     from peft import LoraConfig, get_peft_model
     from transformers import AutoModelForCausalLM, Qwen2Config
 
-    from common import protocol
-    from common.framing import frames_sha256
-    from common.protocol import AdapterUpdate
+    from loraflow.common import protocol
+    from loraflow.common.framing import frames_sha256
+    from loraflow.common.protocol import AdapterUpdate
 
     config = Qwen2Config(hidden_size=896, intermediate_size=4864, num_hidden_layers=24, num_attention_heads=14,
                          num_key_value_heads=2, vocab_size=151936, max_position_embeddings=32768,
@@ -114,7 +111,7 @@ def sync_bytes_for_a_05b_model() -> dict[str, float]:
     sync_bytes = sum(memoryview(f).nbytes for f in frames)
     started = time.perf_counter()
     record, envelope = protocol.decode([bytes(f) for f in frames])
-    from rollout_worker.adapters import AdapterStore
+    from loraflow.rollout_worker.adapters import AdapterStore
 
     AdapterStore(scratch_dir(prefix="bench-swap-05b-")).receive(record, envelope.specs, envelope.frames)
     receive_ms = (time.perf_counter() - started) * 1e3
@@ -134,7 +131,7 @@ def main() -> None:
     import torch
 
     torch.set_num_threads(1)
-    from common.tiny_model import resolve_model
+    from loraflow.common.tiny_model import resolve_model
     from tests.worker.helpers import make_adapter
 
     model_dir = resolve_model("builtin:tiny")

@@ -1,8 +1,8 @@
-"""The broker's durable write of a new adapter (``broker.state.save_adapter``: frames, fsync, rename) on this disk.
+"""The broker's durable write of a new adapter (``loraflow.broker.state.save_adapter``: frames, fsync, rename) on this disk.
 
-    .venv/bin/python bench/adapter_write.py [--mb 37] [--tensors 392] [--repeats 8] [--dir DIR]
+    .venv/bin/python -m bench.adapter_write [--mb 37] [--tensors 392] [--repeats 8] [--dir DIR]
 
-An AdapterAck waits for the state write that covers the adapter (``broker.state.StateWriter``), so this is the
+An AdapterAck waits for the state write that covers the adapter (``loraflow.broker.state.StateWriter``), so this is the
 disk's part of "adapter at the broker after a publish" (the learner's ``adapter_ack_s``). Defaults: the 1.5B
 shape's rank-16 adapter on every linear as ``bench/gpu_smoke.sh`` publishes it (37 MB in 392 tensors, plus a
 header frame). Reference, same run, same directory: the same bytes written without the fsync and the rename.
@@ -14,17 +14,14 @@ from __future__ import annotations
 import argparse
 import os
 import statistics
-import sys
 import tempfile
 import time
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parent.parent
-if str(REPO) not in sys.path:
-    sys.path.insert(0, str(REPO))
+from bench.report import report
+from loraflow.broker.state import save_adapter
 
-from bench.report import report  # noqa: E402
-from broker.state import save_adapter  # noqa: E402
+REPO = Path(__file__).resolve().parent.parent
 
 
 def main() -> None:

@@ -15,21 +15,18 @@ of the run's first process (start-up included, the same for both).
 Last line: value = async seconds to target, reference = sync seconds to target, ratio = async / sync (< 1:
 async is faster). A run that misses the target is an error (raise ``--max-duration`` or lower ``--target``).
 
-    .venv/bin/python bench/agent_demo.py [--seed 0] [--target 0.8] [--max-duration 150]
+    .venv/bin/python -m bench.agent_demo [--seed 0] [--target 0.8] [--max-duration 150]
 """
 
 from __future__ import annotations
 
 import argparse
-import sys
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-
-from bench.accuracy_runs import REPO, child_env, compare, run_loraflow  # noqa: E402
-from bench.report import report  # noqa: E402
-from common.config import Config, load_config  # noqa: E402
-from deploy.agent_base import ensure_agent_base  # noqa: E402
+from bench.accuracy_runs import REPO, child_env, compare, run_loraflow
+from bench.report import report
+from loraflow.common.config import Config, load_config
+from loraflow.deploy.agent_base import ensure_agent_base
 
 CONFIG = REPO / "deploy" / "configs" / "agent-demo.toml"
 
@@ -57,7 +54,7 @@ def main() -> None:
     print(f"agent demo base for seed {args.seed}: {ensure_agent_base(args.seed)}", flush=True)
 
     def evaluate(config: Config, version: int, path: Path) -> float:
-        from deploy.agent_eval import evaluate_agent
+        from loraflow.deploy.agent_eval import evaluate_agent
 
         return evaluate_agent(config, path, num_prompts=args.num_prompts, device="cpu").accuracy
 

@@ -3,7 +3,7 @@
 Setup per mode: a real broker, ``--workers`` real rollout workers with the ``sim`` backend (lognormal,
 long-tailed completion lengths at a fixed tokens/s per stream; no model, so the figures describe the
 orchestration), and a learner whose step cost is controlled: it speaks the real learner's protocol through
-``learner.session.BrokerSession`` (long-polled BatchRequest, AdapterUpdate v+1 after every step, BatchAck) but
+``loraflow.learner.session.BrokerSession`` (long-polled BatchRequest, AdapterUpdate v+1 after every step, BatchAck) but
 its training step is a sleep. The first ``--warmup`` steps of a mode are not timed.
 
 1. Generation alone: a learner that trains in no time, with the loosest staleness, so the workers never wait:
@@ -20,31 +20,28 @@ Figures per mode: samples/s, step time, the learner's busy share (train time / w
 Last line: value = samples/s at ``--report-staleness`` (default 4), reference = the ideal (perfect overlap)
 samples/s, ratio = share of the ideal reached; the synchronous figures are extra fields.
 
-    .venv/bin/python bench/async_vs_sync.py [--workers 8] [--steps 24] [--train-s auto]
+    .venv/bin/python -m bench.async_vs_sync [--workers 8] [--steps 24] [--train-s auto]
 """
 
 from __future__ import annotations
 
 import argparse
 import statistics
-import sys
 import tempfile
 import time
 from dataclasses import dataclass
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+import torch
 
-import torch  # noqa: E402
-
-from bench.report import report  # noqa: E402
-from common.config import load_config  # noqa: E402
-from common.metrics import Metrics  # noqa: E402
-from common.protocol import BatchAck  # noqa: E402
-from common.transport import fetch_stats  # noqa: E402
-from learner.publish import AdapterSnapshot, tensors_sha256  # noqa: E402
-from learner.session import BrokerSession  # noqa: E402
-from tests.support import Processes, start_broker, wait_for  # noqa: E402
+from bench.report import report
+from loraflow.common.config import load_config
+from loraflow.common.metrics import Metrics
+from loraflow.common.protocol import BatchAck
+from loraflow.common.transport import fetch_stats
+from loraflow.learner.publish import AdapterSnapshot, tensors_sha256
+from loraflow.learner.session import BrokerSession
+from tests.support import Processes, start_broker, wait_for
 
 # a small LoRA-shaped adapter: workers verify and store every version as usual
 ADAPTER_CONFIG = {"peft_type": "LORA", "r": 4, "lora_alpha": 8, "target_modules": ["q_proj"],
@@ -90,7 +87,7 @@ def run_mode(tmp: Path, args: argparse.Namespace, max_staleness: int) -> ModeRes
         for item in overrides:
             worker_args += ["--set", item]
         for i in range(args.workers):
-            procs.python(f"worker-{i}", "rollout_worker", *worker_args, "--worker-id", f"sim-{i}")
+            procs.python(f"worker-{i}", "loraflow.rollout_worker", *worker_args, "--worker-id", f"sim-{i}")
         wait_for(lambda: len(fetch_stats(broker.endpoint)["workers"]) == args.workers, 120,
                  f"{args.workers} workers to join", procs)
         config = load_config(None, [*overrides, f"broker.endpoint=\"{broker.endpoint}\""])

@@ -1,9 +1,9 @@
 """The broker core's Python per group, in process, against another checkout of the broker (a before/after).
 
-    .venv/bin/python bench/broker_core_cpu.py --reference-tree /path/to/other/checkout [--groups 4000]
+    .venv/bin/python -m bench.broker_core_cpu --reference-tree /path/to/other/checkout [--groups 4000]
         [--repeats 5] [--sizes 16384,262144]
 
-One thread drives a :class:`broker.core.BrokerCore` (no sockets) through every message a group costs the broker:
+One thread drives a :class:`loraflow.broker.core.BrokerCore` (no sockets) through every message a group costs the broker:
 a LeaseRequest for 8 leases, the 8 RolloutGroups (validated, buffered, acknowledged), a BatchRequest served as a
 Batch of 8, the BatchAck (settled, state written by the background writer with group commit, Ack released once
 durable). The figure is the CPU time of that thread inside ``handle`` / ``tick`` / ``flush`` per group
@@ -28,7 +28,8 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-REPO = Path(__file__).resolve().parent.parent
+from bench.report import REPO, checkout_env, report
+
 BATCH = 8
 
 
@@ -37,11 +38,11 @@ def child(num_groups: int, group_bytes: int) -> float:
     import msgpack
 
     from bench.broker_throughput import GROUP_SIZE, group_record, group_tensors
-    from broker.core import BrokerCore
-    from common import protocol
-    from common.config import load_config
-    from common.protocol import BatchAck, BatchRequest, Hello, Kind, LeaseRequest
-    from common.tasks import load_task
+    from loraflow.broker.core import BrokerCore
+    from loraflow.common import protocol
+    from loraflow.common.config import load_config
+    from loraflow.common.protocol import BatchAck, BatchRequest, Hello, Kind, LeaseRequest
+    from loraflow.common.tasks import load_task
 
     worker, learner = b"worker/w", b"learner/l"
     with tempfile.TemporaryDirectory() as tmp:
@@ -100,22 +101,22 @@ def child(num_groups: int, group_bytes: int) -> float:
 
 #: (label, module, attribute) timed by --breakdown; indented labels are parts of the one above them
 BREAKDOWN = (
-    ("RolloutGroup handler", "broker.core", "BrokerCore._on_rollout_group"),
-    ("  judge (broker.intake)", "broker.intake", "judge"),
-    ("    tensor value checks", "common.protocol", "check_group_values"),
-    ("    lease MAC check", "broker.leases", "LeaseTable.issued_to"),
-    ("  ledger accept", "broker.ledger", "GroupLedger.accept"),
-    ("  stored group", "broker.intake", "stored"),
-    ("envelope decode (all kinds)", "common.protocol", "decode_envelope"),
-    ("record decode (all kinds)", "common.protocol", "decode_record"),
-    ("LeaseRequest handler", "broker.core", "BrokerCore._on_lease_request"),
-    ("  prompt items (task)", "broker.prompts", "PromptSource.item"),
-    ("  lease grants + MAC", "broker.leases", "LeaseTable.grant"),
-    ("BatchRequest handler", "broker.core", "BrokerCore._on_batch_request"),
-    ("BatchAck handler", "broker.core", "BrokerCore._on_batch_ack"),
-    ("flush (replies, state hand-off)", "broker.core", "BrokerCore.flush"),
-    ("  state snapshot", "broker.restore", "state_of"),
-    ("tick", "broker.core", "BrokerCore.tick"),
+    ("RolloutGroup handler", "loraflow.broker.core", "BrokerCore._on_rollout_group"),
+    ("  judge (loraflow.broker.intake)", "loraflow.broker.intake", "judge"),
+    ("    tensor value checks", "loraflow.common.protocol", "check_group_values"),
+    ("    lease MAC check", "loraflow.broker.leases", "LeaseTable.issued_to"),
+    ("  ledger accept", "loraflow.broker.ledger", "GroupLedger.accept"),
+    ("  stored group", "loraflow.broker.intake", "stored"),
+    ("envelope decode (all kinds)", "loraflow.common.protocol", "decode_envelope"),
+    ("record decode (all kinds)", "loraflow.common.protocol", "decode_record"),
+    ("LeaseRequest handler", "loraflow.broker.core", "BrokerCore._on_lease_request"),
+    ("  prompt items (task)", "loraflow.broker.prompts", "PromptSource.item"),
+    ("  lease grants + MAC", "loraflow.broker.leases", "LeaseTable.grant"),
+    ("BatchRequest handler", "loraflow.broker.core", "BrokerCore._on_batch_request"),
+    ("BatchAck handler", "loraflow.broker.core", "BrokerCore._on_batch_ack"),
+    ("flush (replies, state hand-off)", "loraflow.broker.core", "BrokerCore.flush"),
+    ("  state snapshot", "loraflow.broker.restore", "state_of"),
+    ("tick", "loraflow.broker.core", "BrokerCore.tick"),
 )
 
 
@@ -157,7 +158,7 @@ def breakdown(num_groups: int, group_bytes: int) -> dict[str, float]:
 
 
 def run_child(tree: Path, num_groups: int, group_bytes: int) -> float:
-    env = {**os.environ, "PYTHONPATH": f"{tree}{os.pathsep}{REPO}"}
+    env = checkout_env(tree)
     out = subprocess.run([sys.executable, __file__, "--child", "--groups", str(num_groups), "--sizes",
                           str(group_bytes)], env=env, cwd=tree, capture_output=True, text=True, timeout=600)
     if out.returncode != 0:
@@ -184,16 +185,12 @@ def main(argv: list[str] | None = None) -> int:
         if args.child:
             print(json.dumps({"us_per_group": child(args.groups, sizes[0])}))
             return 0
-        sys.path.insert(0, str(REPO))
         for size in sizes:
             parts = breakdown(args.groups, size)
             print(f"group {size // 1024} KB: {parts.pop('total')} us of core CPU per group (timers included)")
             for label, us in parts.items():
                 print(f"  {label:<34} {us:7.1f} us")
         return 0
-    sys.path.insert(0, str(REPO))  # as every bench script: runnable without an install
-    from bench.report import report
-
     if args.reference_tree is None:
         parser.error("--reference-tree is required")
     results: dict[int, dict[str, float]] = {}

@@ -1,8 +1,8 @@
 """Broker memory with a full buffer: resident size against the configured byte bound (+ 150 MB allowed).
 
-    .venv/bin/python bench/broker_memory.py [--bound-mb 256] [--group-kb 1024]
+    .venv/bin/python -m bench.broker_memory [--bound-mb 256] [--group-kb 1024]
 
-Starts ``python -m broker`` with ``broker.max_buffer_bytes`` = ``--bound-mb`` and room for many groups, then a
+Starts ``python -m loraflow.broker`` with ``broker.max_buffer_bytes`` = ``--bound-mb`` and room for many groups, then a
 producer (a worker) fills the buffer with rollout groups of ``--group-kb`` until the broker stops granting
 leases (its byte bound) and refuses any more groups; nobody consumes. A learner then takes half of the groups
 into training without acking (those bytes stay held too). The broker's VmRSS (from /proc) is read when idle
@@ -18,17 +18,15 @@ import tempfile
 import uuid
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+import msgpack
+import zmq
 
-import msgpack  # noqa: E402
-import zmq  # noqa: E402
-
-from bench.broker_proc import start_broker  # noqa: E402
-from bench.broker_throughput import GROUP_SIZE, group_record, group_tensors  # noqa: E402
-from bench.report import report  # noqa: E402
-from common import framing, protocol  # noqa: E402
-from common.protocol import BatchRequest, Hello, Kind, LeaseRequest  # noqa: E402
-from common.transport import fetch_stats  # noqa: E402
+from bench.broker_proc import start_broker
+from bench.broker_throughput import GROUP_SIZE, group_record, group_tensors
+from bench.report import report
+from loraflow.common import framing, protocol
+from loraflow.common.protocol import BatchRequest, Hello, Kind, LeaseRequest
+from loraflow.common.transport import fetch_stats
 
 REPO = Path(__file__).resolve().parent.parent
 MB = 1 << 20

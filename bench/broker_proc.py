@@ -1,4 +1,4 @@
-"""The broker as the benchmarks start it: ``python -m broker`` on a free loopback port, quiet logs."""
+"""The broker as the benchmarks start it: ``python -m loraflow.broker`` on a free loopback port, quiet logs."""
 
 from __future__ import annotations
 
@@ -15,11 +15,11 @@ RUN_TOKEN = "bench-run-token"
 def start_broker(workdir: Path, *overrides: str, python_args: tuple[str, ...] = (),
                  timeout_s: float = 30.0, tree: Path = REPO) -> tuple[subprocess.Popen, str]:
     """(process, endpoint) of a broker with its run directory in ``workdir``; ``overrides`` are ``--set``
-    values (``section.key=value``); ``python_args`` go before ``-m broker`` (e.g. cProfile); ``tree``: the
+    values (``section.key=value``); ``python_args`` go before ``-m loraflow.broker`` (e.g. cProfile); ``tree``: the
     source tree whose broker runs (another checkout: a before/after in one run)."""
     endpoint_file = workdir / "broker.endpoint"
     endpoint_file.unlink(missing_ok=True)
-    argv = [sys.executable, *python_args, "-m", "broker", "--run-dir", str(workdir / "run"), "--log-level", "warning",
+    argv = [sys.executable, *python_args, "-m", "loraflow.broker", "--run-dir", str(workdir / "run"), "--log-level", "warning",
             "--set", "broker.bind=\"tcp://127.0.0.1:0\"", "--set", f"broker.endpoint_file=\"{endpoint_file}\"",
             "--set", "broker.heartbeat_misses=100", "--set", f'security.run_token="{RUN_TOKEN}"']
     for override in overrides:

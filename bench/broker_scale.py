@@ -1,6 +1,6 @@
 """The broker at fleet size: 256, 1,024 and 4,096 connected workers heartbeating, 16 of them leasing and submitting.
 
-    .venv/bin/python bench/broker_scale.py [--fleets 256,1024,4096] [--seconds 10] [--fanout 64,256] [--mb 50]
+    .venv/bin/python -m bench.broker_scale [--fleets 256,1024,4096] [--seconds 10] [--fanout 64,256] [--mb 50]
                                            [--fleet-nice 10] [--reference-tree /path/to/an/older/checkout]
 
 A few "fleet" processes each hold many DEALER sockets, one per worker: each says Hello as a worker and then
@@ -68,15 +68,13 @@ import time
 import uuid
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+import msgpack
+import numpy as np
+import zmq
 
-import msgpack  # noqa: E402
-import numpy as np  # noqa: E402
-import zmq  # noqa: E402
-
-from bench.adapter_fanout import adapter_tensors, direct_time  # noqa: E402
-from bench.broker_proc import REPO, start_broker  # noqa: E402
-from bench.broker_throughput import (  # noqa: E402
+from bench.adapter_fanout import adapter_tensors, direct_time
+from bench.broker_proc import REPO, start_broker
+from bench.broker_throughput import (
     cpu_seconds,
     end_step,
     group_record,
@@ -85,10 +83,10 @@ from bench.broker_throughput import (  # noqa: E402
     machine_busy_ticks,
     thread_cpu,
 )
-from bench.report import report  # noqa: E402
-from broker.loop_times import pass_quantile  # noqa: E402
-from common import framing, protocol  # noqa: E402
-from common.protocol import (  # noqa: E402
+from bench.report import report
+from loraflow.broker.loop_times import pass_quantile
+from loraflow.common import framing, protocol
+from loraflow.common.protocol import (
     AdapterFetch,
     AdapterUpdate,
     BatchRequest,
@@ -97,7 +95,7 @@ from common.protocol import (  # noqa: E402
     Kind,
     LeaseRequest,
 )
-from common.transport import fetch_stats  # noqa: E402
+from loraflow.common.transport import fetch_stats
 
 PER_PROCESS = 1024  # worker sockets per fleet process
 ACTIVE_WORKERS = 16
@@ -156,7 +154,7 @@ def connect_workers(ctx: zmq.Context, endpoint: str, names: list[str]) -> list[z
 
 def asked_interval(frames: list, interval_s: float) -> float:
     """The interval a worker beats at after reading ``frames``: a pong's ``interval_s`` when longer than its own
-    (common.transport.BrokerLink._follow), else ``interval_s`` unchanged."""
+    (loraflow.common.transport.BrokerLink._follow), else ``interval_s`` unchanged."""
     if kind_of(frames) != Kind.HEARTBEAT:
         return interval_s
     return max(INTERVAL_S, msgpack.unpackb(frames[1].buffer).get("interval_s", 0.0))
@@ -392,13 +390,12 @@ def idle_window(pid: int, endpoint: str, seconds: float) -> dict[str, float]:
 #: run inside a checkout (argv: workers, beats per loop pass): the broker core's CPU per heartbeat, no sockets
 CORE_COST = """
 import sys, time
-sys.path.insert(0, ".")
-from broker.core import BrokerCore
-from common import protocol
-from common.config import load_config
-from common.logging import setup_logging
-from common.protocol import Heartbeat, Hello
-from common.tasks import load_task
+from loraflow.broker.core import BrokerCore
+from loraflow.common import protocol
+from loraflow.common.config import load_config
+from loraflow.common.logging import setup_logging
+from loraflow.common.protocol import Heartbeat, Hello
+from loraflow.common.tasks import load_task
 setup_logging("broker", level="warning")
 n, per_pass, counters = int(sys.argv[1]), int(sys.argv[2]), eval(sys.argv[3])
 config = load_config(None, [f"broker.max_workers={n + 8}"])
@@ -431,7 +428,7 @@ def core_cost(tree: Path, workers: int, per_pass: int = 4) -> float:
 
 
 def loop_during(before: dict | None, after: dict | None) -> dict | None:
-    """The broker loop's passes between two Stats ``loop`` snapshots (broker.loop_times): how many, their p99
+    """The broker loop's passes between two Stats ``loop`` snapshots (loraflow.broker.loop_times): how many, their p99
     bucket, how many took over 20 ms, and the slowest pass and step of the broker's last stats window; None for a
     broker without it (an older ``--reference-tree``)."""
     if not before or not after:

@@ -1,6 +1,6 @@
 """Rollout-group throughput through the broker, next to a direct zmq pipe and a bare zmq.proxy relay.
 
-    .venv/bin/python bench/broker_throughput.py [--producers 3] [--seconds 3] [--sizes 16384,262144,4194304]
+    .venv/bin/python -m bench.broker_throughput [--producers 3] [--seconds 3] [--sizes 16384,262144,4194304]
 
 Several producer processes push rollout groups (the real RolloutGroup message: preamble, msgpack header,
 five tensor frames) to one consumer process, three ways, in the same run:
@@ -11,7 +11,7 @@ five tensor frames) to one consumer process, three ways, in the same run:
 - pyrelay: the same hop as a Python loop (``recv_multipart`` / ``send_multipart``, ``copy=False``, no logic): what
   a hop costs in Python before it does any work, so broker / pyrelay is the price of the broker's per-group work;
 - broker: producers act as workers (LeaseRequest, RolloutGroup, Ack) and the consumer as the learner
-  (BatchRequest, Batch, BatchAck) against ``python -m broker``: leases, validation of every group (numpy
+  (BatchRequest, Batch, BatchAck) against ``python -m loraflow.broker``: leases, validation of every group (numpy
   views), dedup, buffering, batching and fsynced state writes (group commit);
 - curve: the same with ``security.enabled``: every byte CURVE-encrypted (keys made once per run in the work
   directory, the producers holding a worker key, the consumer the learner key).
@@ -40,16 +40,14 @@ import time
 import uuid
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+import msgpack
+import numpy as np
+import zmq
 
-import msgpack  # noqa: E402
-import numpy as np  # noqa: E402
-import zmq  # noqa: E402
-
-from bench.broker_proc import RUN_TOKEN, start_broker  # noqa: E402
-from bench.report import report  # noqa: E402
-from common import framing, protocol  # noqa: E402
-from common.protocol import (  # noqa: E402
+from bench.broker_proc import RUN_TOKEN, start_broker
+from bench.report import report
+from loraflow.common import framing, protocol
+from loraflow.common.protocol import (
     AdapterFetch,
     AdapterUpdate,
     BatchAck,
@@ -59,7 +57,7 @@ from common.protocol import (  # noqa: E402
     LeaseRequest,
     RolloutGroup,
 )
-from common.security import ClientSecurity, generate_keys  # noqa: E402
+from loraflow.common.security import ClientSecurity, generate_keys
 
 BENCH_KEYS = {"worker": "bench-worker", "learner": "bench-learner"}  # role -> key name (curve mode)
 GROUP_SIZE = 8

@@ -3,23 +3,22 @@
 An outside client found that parked LeaseRequests were unbounded per worker and expired in O(n^2) (a
 ``deque.remove`` per expired waiter in ``BrokerCore.tick``): 8,000 parked requests stalled the loop seconds.
 Now a worker has at most one parked request (a newer one replaces it) and deadlines sit in a heap
-(:mod:`broker.waiters`).
+(:mod:`loraflow.broker.waiters`).
 
 Two figures, both printed:
 
 - the expiry itself, ``n`` waiters of which every other one is due: the old loop (the exact lines it had, on a deque) against
   ``WaiterQueue.expired`` — the reference is the old loop's time, the value the new one's;
-- end to end against a real ``python -m broker``: one raw worker sends ``n`` LeaseRequests (wait_ms=1000)
+- end to end against a real ``python -m loraflow.broker``: one raw worker sends ``n`` LeaseRequests (wait_ms=1000)
   while nothing can be leased, and an observer measures the longest StatsRequest round trip while they park
   and expire (the loop's stall as a client sees it) and how many waiters the broker holds.
 
-    python bench/broker_waiters.py [--num-requests 8000]
+    python -m bench.broker_waiters [--num-requests 8000]
 """
 
 from __future__ import annotations
 
 import argparse
-import sys
 import tempfile
 import time
 from collections import deque
@@ -27,13 +26,11 @@ from pathlib import Path
 
 import zmq
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-
-from bench.broker_proc import start_broker  # noqa: E402
-from bench.report import report  # noqa: E402
-from broker.waiters import Waiter, WaiterQueue  # noqa: E402
-from common import protocol  # noqa: E402
-from common.protocol import Hello, LeaseRequest, StatsRequest  # noqa: E402
+from bench.broker_proc import start_broker
+from bench.report import report
+from loraflow.broker.waiters import Waiter, WaiterQueue
+from loraflow.common import protocol
+from loraflow.common.protocol import Hello, LeaseRequest, StatsRequest
 
 
 def deadline_of(i: int) -> float:

@@ -16,7 +16,7 @@ the text the model returned, a new turn ``TURN``), as an agent sends it:
   ``worker.chunk_tokens`` rounds that batch every sequence (one ``Backend.generate`` per round);
 - ``gateway``: ``N`` concurrent recorded sessions (``/sessions/<id>/v1``: trajectory, prefix check), each with an
   ``openai.AsyncOpenAI`` client of its own on openai's aiohttp transport, as the worker gives each episode
-  (``rollout_worker.gateway.episodes``; ``--openai-http httpx``: openai's default transport instead),
+  (``loraflow.rollout_worker.gateway.episodes``; ``--openai-http httpx``: openai's default transport instead),
   in a client process (GatewayEngine + GatewayServer in this one, the engine pumped and rounded by the engine
   thread as the worker loop does). Each count also runs with plain aiohttp POSTs as the clients
   (``plain HTTP``), which leaves out the openai client's own CPU (its transport, pydantic).
@@ -246,7 +246,7 @@ def direct(backend: Any, chunk: int, sessions: int, tokens: int, calls: int) -> 
     running engine; else all sequences in every chunk round."""
     if backend.streaming:
         return direct_stream(backend, sessions, tokens, calls)
-    from rollout_worker.backends.base import GenRequest
+    from loraflow.rollout_worker.backends.base import GenRequest
 
     generated, latencies, rounds = 0, [], []
     cpu0, generate0, started = time.thread_time(), GENERATE_CPU.seconds, time.perf_counter()
@@ -280,7 +280,7 @@ def direct(backend: Any, chunk: int, sessions: int, tokens: int, calls: int) -> 
 def direct_stream(backend: Any, sessions: int, tokens: int, calls: int) -> Run:
     """The rollouts' streaming path: each sequence's call one request in the running engine, the next call
     submitted as soon as one ends (its text decoded, the turn appended)."""
-    from rollout_worker.backends.base import GenRequest
+    from loraflow.rollout_worker.backends.base import GenRequest
 
     generated, latencies, rounds = 0, [], []
     cpu0, generate0, started = time.thread_time(), GENERATE_CPU.seconds, time.perf_counter()
@@ -367,7 +367,7 @@ async def openai_clients(plan: Plan) -> tuple[int, float, list[float], float]:
             prompt += reply.choices[0].text + TURN
         return n
 
-    # one client per session, as the worker gives each episode (rollout_worker.gateway.episodes)
+    # one client per session, as the worker gives each episode (loraflow.rollout_worker.gateway.episodes)
     transport = openai.DefaultAioHttpClient if plan.openai_http == "aiohttp" else openai.DefaultAsyncHttpxClient
     sessions = [openai.AsyncOpenAI(base_url=f"{url}/v1", api_key="x", max_retries=0, timeout=600,
                                    http_client=transport(verify=False)) for url in plan.urls]
@@ -408,10 +408,10 @@ class Gateway:
 
     def __init__(self, backend: Any, chunk: int, tokens: int, profile: ThreadProfiles | None = None,
                  openai_http: str = "aiohttp") -> None:
-        from common.config import WorkerConfig
-        from common.metrics import Metrics
-        from rollout_worker.gateway.engine import GatewayEngine
-        from rollout_worker.gateway.server import GatewayServer
+        from loraflow.common.config import WorkerConfig
+        from loraflow.common.metrics import Metrics
+        from loraflow.rollout_worker.gateway.engine import GatewayEngine
+        from loraflow.rollout_worker.gateway.server import GatewayServer
 
         config = WorkerConfig(chunk_tokens=chunk, max_new_tokens=tokens)
         self.engine = GatewayEngine(backend, config, max_seq_len=512, models=["loraflow"], metrics=Metrics(),
@@ -425,7 +425,7 @@ class Gateway:
         self._num_runs = 0
 
     def run(self, sessions: int, tokens: int, calls: int, kind: str = "openai", serial: bool = False) -> Run:
-        from rollout_worker.gateway.session import Session
+        from loraflow.rollout_worker.gateway.session import Session
 
         self._num_runs += 1
         ids = [f"r{self._num_runs}s{i}" for i in range(sessions)]
@@ -624,7 +624,7 @@ def main() -> None:
     if args.switch_interval:
         sys.setswitchinterval(args.switch_interval)
     load_start = load()
-    from common.logging import setup_logging
+    from loraflow.common.logging import setup_logging
 
     setup_logging("bench", level="warning")
 
@@ -632,13 +632,13 @@ def main() -> None:
 
     torch.set_num_threads(1)
     from bench.report import report
-    from common.tiny_model import resolve_model
-    from rollout_worker.backends.base import Sampling
-    from rollout_worker.backends.hf import HfBackend
+    from loraflow.common.tiny_model import resolve_model
+    from loraflow.rollout_worker.backends.base import Sampling
+    from loraflow.rollout_worker.backends.hf import HfBackend
 
     model_dir = resolve_model("builtin:tiny")
     if args.backend == "vllm":
-        from rollout_worker.backends.vllm import VllmBackend
+        from loraflow.rollout_worker.backends.vllm import VllmBackend
 
         backend = VllmBackend(model_dir, sampling=Sampling(), max_loras=1, max_lora_rank=8, max_model_len=512,
                               max_num_seqs=max(64, *(int(x) for x in args.sessions.split(","))), seed=0)

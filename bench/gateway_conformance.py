@@ -2,8 +2,8 @@
 
     .venv/bin/python -m bench.gateway_conformance
 
-For each family of :mod:`common.model_zoo` (built offline into a temporary directory) and each scenario below,
-a gateway session (:class:`rollout_worker.gateway.session.Session`) plays a multi-turn episode whose model turns
+For each family of :mod:`loraflow.common.model_zoo` (built offline into a temporary directory) and each scenario below,
+a gateway session (:class:`loraflow.rollout_worker.gateway.session.Session`) plays a multi-turn episode whose model turns
 are fixed texts "generated" as the model would (their tokens, then the template's end-of-turn id). The harness
 sends each turn back as an OpenAI client does and adds a tool result or a user turn. Two numbers per cell:
 
@@ -87,9 +87,9 @@ QUESTION = [{"role": "system", "content": "Use the calculator."}, {"role": "user
 def play(chat: Any, end_id: int, turns: list[tuple[str, bool, dict[str, Any] | None]],
          tools: list[dict[str, Any]] | None = None) -> tuple[int, int, dict]:
     """(divergent calls, drifted tokens under re-tokenization, divergence reasons) of one episode."""
-    from common.protocol import ServedAdapter
-    from rollout_worker.gateway.session import Session
-    from rollout_worker.gateway.tools import parse_hermes, template_messages
+    from loraflow.common.protocol import ServedAdapter
+    from loraflow.rollout_worker.gateway.session import Session
+    from loraflow.rollout_worker.gateway.tools import parse_hermes, template_messages
 
     session = Session(id="bench")
     messages = [dict(m) for m in QUESTION]
@@ -116,8 +116,8 @@ def play(chat: Any, end_id: int, turns: list[tuple[str, bool, dict[str, Any] | N
 def main() -> None:
     from transformers import AutoTokenizer
 
-    from common.chat import ChatFormat
-    from common.model_zoo import FAMILIES, build_model
+    from loraflow.common.chat import ChatFormat
+    from loraflow.common.model_zoo import FAMILIES, build_model
 
     rows, clean, cells = [], 0, 0
     with tempfile.TemporaryDirectory() as tmp:

@@ -1,18 +1,18 @@
 """Generation throughput of the worker's real path against one ``generate`` call over the same prompts, same run.
 
-    .venv/bin/python bench/generation.py [--leases 48] [--tokens 256] [--capacity 16] [--swap-every 256]
+    .venv/bin/python -m bench.generation [--leases 48] [--tokens 256] [--capacity 16] [--swap-every 256]
                                          [--backends vllm] [--chunk 16]
-    .venv/bin/python bench/generation.py --swap-every 256,64,128,512,0 --repeats 3   # the table
-    .venv/bin/python bench/generation.py --backends vllm-stock,vllm --swap-every 256,0   # grouped LoRA ops or not
-    .venv/bin/python bench/generation.py --backends hf,hf-nocache --leases 16 --tokens 384   # hf's KV cache
-    .venv/bin/python bench/generation.py --swap-every 256,128,64 --keep-within 0,2   # worker.keep_version_within
+    .venv/bin/python -m bench.generation --swap-every 256,64,128,512,0 --repeats 3   # the table
+    .venv/bin/python -m bench.generation --backends vllm-stock,vllm --swap-every 256,0   # grouped LoRA ops or not
+    .venv/bin/python -m bench.generation --backends hf,hf-nocache --leases 16 --tokens 384   # hf's KV cache
+    .venv/bin/python -m bench.generation --swap-every 256,128,64 --keep-within 0,2   # worker.keep_version_within
 
 The workload is a long-tailed stream of leases on the tiny model with rank-16 LoRA adapters (received the way a
 worker receives them: AdapterUpdates verified and written to PEFT directories), temperature 1, fp32:
 
 - ``--leases`` arithmetic prompts whose group sizes are heavy-tailed (mostly 1-2 samples, a few 8 or 16), each
   sample generating until EOS or ``--tokens`` (the tiny model's EOS gives lengths from a few tokens to the cap);
-- ``worker path``: :class:`rollout_worker.rollout.Rollouts` driven as the worker loop drives it, with
+- ``worker path``: :class:`loraflow.rollout_worker.rollout.Rollouts` driven as the worker loop drives it, with
   ``--capacity`` groups in hand: a finished group is replaced by the next lease at once (the worker's long-poll),
   and a new adapter version is loaded every ``--swap-every`` engine steps (``partial_policy = "continue"``: the
   samples under way continue under it). vLLM streams (``backend.streaming``: requests join the running batch,
@@ -49,12 +49,8 @@ import argparse
 import os
 import random
 import statistics
-import sys
 import time
 from dataclasses import dataclass, field
-from pathlib import Path
-
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 GROUP_SIZES = (1, 1, 1, 2, 2, 4, 8, 16)  # drawn uniformly: a heavy tail of large groups
 
@@ -78,7 +74,7 @@ class PathResult:
 
 
 def make_leases(prompts: list[str], seed: int) -> list:  # noqa: ANN001 - PromptLease
-    from common.protocol import PromptLease
+    from loraflow.common.protocol import PromptLease
 
     rng = random.Random(seed)
     return [PromptLease(lease_id=f"l{i}", group_id=f"0:{i}", prompt_index=i, epoch=0, task="arith", prompt=prompt,
@@ -88,7 +84,7 @@ def make_leases(prompts: list[str], seed: int) -> list:  # noqa: ANN001 - Prompt
 
 def one_call(backend, leases: list, tokens: int, version: int) -> PathResult:  # noqa: ANN001
     """Tokens/s of one generate call over every sample of every lease."""
-    from rollout_worker.backends.base import GenRequest
+    from loraflow.rollout_worker.backends.base import GenRequest
 
     requests = [GenRequest(token_ids=backend.encode(lease.prompt), max_tokens=tokens, version=version)
                 for lease in leases for _ in range(lease.group_size)]
@@ -102,9 +98,9 @@ def one_call(backend, leases: list, tokens: int, version: int) -> PathResult:  #
 def worker_path(backend, leases: list, adapters: list, *, tokens: int, chunk: int, capacity: int,  # noqa: ANN001
                 swap_every: int, finish_within: int = 0, keep_within: int = 0) -> PathResult:
     """Tokens/s of Rollouts fed like the worker feeds it, a new adapter every ``swap_every`` engine steps."""
-    from common.config import WorkerConfig
-    from rollout_worker.envs import EnvResolver
-    from rollout_worker.rollout import Rollouts
+    from loraflow.common.config import WorkerConfig
+    from loraflow.rollout_worker.envs import EnvResolver
+    from loraflow.rollout_worker.rollout import Rollouts
 
     config = WorkerConfig(chunk_tokens=chunk, max_new_tokens=tokens, reward_timeout_s=30, partial_policy="continue",
                           finish_within_tokens=finish_within, keep_version_within=keep_within)
@@ -220,10 +216,10 @@ def main() -> None:
 
     torch.set_num_threads(1)
     from bench.report import report, scratch_dir
-    from common.tasks import ArithTask
-    from common.tiny_model import resolve_model
-    from rollout_worker.adapters import AdapterStore
-    from rollout_worker.backends.base import Sampling
+    from loraflow.common.tasks import ArithTask
+    from loraflow.common.tiny_model import resolve_model
+    from loraflow.rollout_worker.adapters import AdapterStore
+    from loraflow.rollout_worker.backends.base import Sampling
     from tests.worker.helpers import make_adapter, receive
 
     model_dir = resolve_model("builtin:tiny")
@@ -243,7 +239,7 @@ def main() -> None:
         received = [receive(store, published[(v - 1) % 2], version=v) for v in range(1, 2 + num_versions)]
         started = time.perf_counter()
         if name.startswith("vllm"):
-            from rollout_worker.backends.vllm import VllmBackend
+            from loraflow.rollout_worker.backends.vllm import VllmBackend
 
             backend = VllmBackend(model_dir, sampling=Sampling(), max_loras=3, max_lora_rank=16, max_model_len=512,
                                   max_num_seqs=args.max_num_seqs, seed=args.seed,
@@ -251,7 +247,7 @@ def main() -> None:
                                   grouped_lora_ops=name != "vllm-stock",
                                   async_scheduling={"auto": None, "on": True, "off": False}[args.async_scheduling])
         else:
-            from rollout_worker.backends.hf import HfBackend
+            from loraflow.rollout_worker.backends.hf import HfBackend
 
             backend = HfBackend(model_dir, sampling=Sampling(), device="cpu", seed=args.seed,
                                 kv_cache=name != "hf-nocache")

@@ -6,7 +6,7 @@
                                                                  --max-staleness K [--stats OUT.json]
                                                                  per-worker table, figures and checks (exit 1)
 
-``place`` asks :func:`deploy.devices.plan` (the policy ``loraflow run`` uses) for one learner rank (two when 3+ GPUs
+``place`` asks :func:`loraflow.deploy.devices.plan` (the policy ``loraflow run`` uses) for one learner rank (two when 3+ GPUs
 are visible) and three vLLM workers, and sizes ``worker.vllm.gpu_memory_utilization`` so the engines dealt onto one
 GPU fit beside each other and beside the learner (0.75 / k of a GPU the learner shares, 0.85 / k of one it does not,
 for k engines there). The script's CPU mode prints the placements for 1, 2, 3, 4 and 8 GPUs and an inherited
@@ -36,8 +36,8 @@ NUM_WORKERS = 3  # two from the start, one joining mid-run
 
 def placement(visible: tuple[str, ...]) -> tuple[Any, float, int]:
     """(Placement, gpu_memory_utilization, learner ranks) for three vLLM workers over ``visible``."""
-    from common.config import load_config
-    from deploy.devices import plan
+    from loraflow.common.config import load_config
+    from loraflow.deploy.devices import plan
 
     ranks = 2 if len(visible) >= 3 else 1
 
@@ -58,7 +58,7 @@ def place(args: argparse.Namespace) -> int:
     as under Slurm) or ``0 .. gpus-1``, at most ``gpus`` (what torch counts)."""
     import os
 
-    from deploy.devices import visible_devices
+    from loraflow.deploy.devices import visible_devices
 
     where, util, ranks = placement(visible_devices(os.environ.get("CUDA_VISIBLE_DEVICES"), args.gpus))
     workers = " ".join(",".join(ids) for ids in where.workers)
@@ -105,7 +105,7 @@ def trained_by(run: Path, worker: str, session: int) -> int:
 
 
 def stats(args: argparse.Namespace) -> int:
-    from common.transport import fetch_stats
+    from loraflow.common.transport import fetch_stats
 
     snapshot = fetch_stats(args.endpoint, timeout_s=10.0)
     Path(args.out).write_text(json.dumps({**snapshot, "fetched_unix": time.time()}))

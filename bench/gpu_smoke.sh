@@ -147,20 +147,20 @@ EOF
 LOGS="$WORK/logs"; mkdir -p "$LOGS"
 # a process not on a GPU gets CUDA_VISIBLE_DEVICES="" on a GPU machine (deploy/devices.py's rule 4)
 export CUDA_VISIBLE_DEVICES=""
-"$PY" -m broker "$WORK/smoke.toml" >"$LOGS/broker.log" 2>&1 & PIDS+=($!)
+"$PY" -m loraflow.broker "$WORK/smoke.toml" >"$LOGS/broker.log" 2>&1 & PIDS+=($!)
 
 start_worker() {  # $1 = index into WORKERS
-  env CUDA_VISIBLE_DEVICES="${WORKER_GPUS[$1]}" "$PY" -m rollout_worker "$WORK/smoke.toml" --worker-id "${WORKERS[$1]}" \
+  env CUDA_VISIBLE_DEVICES="${WORKER_GPUS[$1]}" "$PY" -m loraflow.rollout_worker "$WORK/smoke.toml" --worker-id "${WORKERS[$1]}" \
     --set "worker.backend=\"${BACKENDS[$1]}\"" >"$LOGS/worker-${WORKERS[$1]}.log" 2>&1 & PIDS+=($!)
   say "worker ${WORKERS[$1]} started (${BACKENDS[$1]}, GPU ${WORKER_GPUS[$1]:-none})"
 }
 
 start_learner() {  # $1 = life number; leaves the learner's pid in LEARNER
   if (( RANKS > 1 )); then
-    env CUDA_VISIBLE_DEVICES="$LEARNER_GPUS" "$PY" -m torch.distributed.run --standalone --nproc_per_node="$RANKS" -m learner \
+    env CUDA_VISIBLE_DEVICES="$LEARNER_GPUS" "$PY" -m torch.distributed.run --standalone --nproc_per_node="$RANKS" -m loraflow.learner \
       "$WORK/smoke.toml" >"$LOGS/learner-$1.log" 2>&1 &
   else
-    env CUDA_VISIBLE_DEVICES="$LEARNER_GPUS" "$PY" -m learner "$WORK/smoke.toml" >"$LOGS/learner-$1.log" 2>&1 &
+    env CUDA_VISIBLE_DEVICES="$LEARNER_GPUS" "$PY" -m loraflow.learner "$WORK/smoke.toml" >"$LOGS/learner-$1.log" 2>&1 &
   fi
   LEARNER=$!; PIDS+=($LEARNER)
 }

@@ -1,6 +1,6 @@
 """Policy integrity (issue 14): is every injected fault caught, how fast, with no false alarm, at what cost.
 
-    .venv/bin/python bench/integrity.py [--clean-minutes 10] [--no-vllm] [--faults all|none|base_model,...]
+    .venv/bin/python -m bench.integrity [--clean-minutes 10] [--no-vllm] [--faults all|none|base_model,...]
 
 Real processes, as tests/integrity runs them (tests/integrity/run.py): a broker, a learner (CURVE on), a healthy
 hf worker and, once the learner has published two versions, one faulty client (tests/integrity/faulty_worker.py,
@@ -41,14 +41,12 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-REPO = Path(__file__).resolve().parent.parent
-if str(REPO) not in sys.path:
-    sys.path.insert(0, str(REPO))
+from bench.report import report
+from tests.fault.ledger import read_json_lines
+from tests.integrity.run import BAD, GOOD, audit, quarantined, run_late_fault, start_run
+from tests.support import Processes, wait_for
 
-from bench.report import report  # noqa: E402
-from tests.fault.ledger import read_json_lines  # noqa: E402
-from tests.integrity.run import BAD, GOOD, audit, quarantined, run_late_fault, start_run  # noqa: E402
-from tests.support import Processes, wait_for  # noqa: E402
+REPO = Path(__file__).resolve().parent.parent
 
 NUM_PROMPTS = 100_000  # never exhausted: each scenario stops by itself
 FAULTS = [("base_model", "hf"), ("swapped_files", "hf"), ("temperature", "hf"), ("fabricated", "hf"),
@@ -94,13 +92,13 @@ def run_late(root: Path, model_dir: Path) -> dict[str, Any]:
 
 
 def run_clean(root: Path, model_dir: Path, minutes: float, use_vllm: bool) -> dict[str, Any]:
-    from rollout_worker.adapters import WEIGHTS_FILE, tensors_sha256
+    from loraflow.rollout_worker.adapters import WEIGHTS_FILE, tensors_sha256
 
     procs = Processes(root)
     try:
         run = start_run(procs, root, model_dir, num_prompts=NUM_PROMPTS)
         if use_vllm:
-            run.workers[2] = procs.python(run._name("vllm"), "rollout_worker", str(run.config), "--endpoint",
+            run.workers[2] = procs.python(run._name("vllm"), "loraflow.rollout_worker", str(run.config), "--endpoint",
                                           run.endpoint, "--worker-id", "vllm-worker", "--backend", "vllm")
         started = time.monotonic()
         wait_for(lambda: time.monotonic() - started >= minutes * 60, minutes * 60 + 60, "the clean run", procs,
@@ -147,8 +145,8 @@ def honest_batch(policy: Any, rng: Any, *, versions: list[int], groups: int, gro
 
     import torch
 
-    from common.protocol import ServedAdapter
-    from learner import data
+    from loraflow.common.protocol import ServedAdapter
+    from loraflow.learner import data
 
     samples, rewards = [], []
     for g in range(groups):
@@ -198,13 +196,13 @@ def run_isolated(shape: str, repeats: int, reference: str | None = None, *, mode
     import numpy as np
     import torch
 
-    from common.config import load_config
-    from common.tiny_model import resolve_model
-    from learner import data, integrity, publish
-    from learner.loss import LossConfig
-    from learner.model import build_policy
-    from learner.parallel import init_parallel
-    from learner.step import forward_backward, make_optimizer, train_step
+    from loraflow.common.config import load_config
+    from loraflow.common.tiny_model import resolve_model
+    from loraflow.learner import data, integrity, publish
+    from loraflow.learner.loss import LossConfig
+    from loraflow.learner.model import build_policy
+    from loraflow.learner.parallel import init_parallel
+    from loraflow.learner.step import forward_backward, make_optimizer, train_step
 
     groups, group_size, prompt_len, completion_len = SHAPES[shape]
     torch.set_num_threads(1)
@@ -338,7 +336,7 @@ def main_isolated(repeats: int, reference: str | None, shapes: Sequence[str] = (
                   f"{r['reference_previous_ms'] / r['plain_ms']:.1%}, two older versions "
                   f"{r['reference_two_older_ms']:.2f} ms = {r['reference_two_older_ms'] / r['plain_ms']:.1%} "
                   f"(this one: {r['previous_check_ms']:.2f} ms, {r['two_older_check_ms']:.2f} ms)")
-    from common.config import load_config
+    from loraflow.common.config import load_config
 
     audit_fraction = load_config(None, list(settings)).integrity.audit_fraction
     for r in results:  # a batch of trusted workers' previous-version groups: re-scored on audited steps only
@@ -380,7 +378,7 @@ def main() -> None:
             parser.error(f"--shapes {args.shapes!r}: choose from {list(SHAPES)}")
         main_isolated(args.isolated, args.reference, shapes, args.model, args.set)
         return
-    from common.tiny_model import resolve_model
+    from loraflow.common.tiny_model import resolve_model
 
     model_dir = resolve_model("builtin:tiny")
     chosen = {f for f, _ in FAULTS} if args.faults == "all" else set(args.faults.split(",")) - {"none", ""}

@@ -1,5 +1,5 @@
 """Policy integrity's low-precision tolerance (issue 14): how far a bf16 engine's behaviour log-probs are from the
-fp32 learner's re-scoring of the same tokens, next to the tolerance :func:`common.integrity.tolerance` applies.
+fp32 learner's re-scoring of the same tokens, next to the tolerance :func:`loraflow.common.integrity.tolerance` applies.
 
     .venv/bin/python bench/integrity_bf16.py [--model builtin:demo] [--prompts 256] [--samples 4] [--no-vllm]
                                              [--device cuda]
@@ -7,11 +7,11 @@ fp32 learner's re-scoring of the same tokens, next to the tolerance :func:`commo
 Each engine generates ``--samples`` completions of each of ``--prompts`` arith prompts (the demo's task and
 settings: ``worker.temperature``, ``worker.top_p``, ``worker.max_new_tokens``) under two policies, the base (v0)
 and a LoRA adapter (r=8 on every projection, random non-zero weights: a trained adapter's sort of change), as a
-worker does (the project's backends: ``rollout_worker.backends``, the adapter loaded from a PEFT directory). The
-reference is the learner's definition of the same numbers (:func:`common.logprobs.token_logprobs` on an fp32
+worker does (the project's backends: ``loraflow.rollout_worker.backends``, the adapter loaded from a PEFT directory). The
+reference is the learner's definition of the same numbers (:func:`loraflow.common.logprobs.token_logprobs` on an fp32
 transformers + peft forward of prompt + completion, which the learner's own forward matches to ~1e-6, FACTS.md).
 Per engine: the max / mean / p99 of ``|behaviour - fp32|`` over every generated token, the share of tokens above
-the tolerance, and the share of samples :func:`common.integrity.compare` would fail (a false positive of the
+the tolerance, and the share of samples :func:`loraflow.common.integrity.compare` would fail (a false positive of the
 check: more than ``integrity.max_off_fraction`` of a sample's tokens off). Engines, one after another:
 
 - ``hf fp32`` (control: must agree to ~1e-6, or the harness is wrong), ``hf bf16``;
@@ -29,17 +29,14 @@ import argparse
 import json
 import os
 import subprocess
-import sys
 import tempfile
 import time
 from pathlib import Path
 from typing import Any
 
-REPO = Path(__file__).resolve().parent.parent
-if str(REPO) not in sys.path:
-    sys.path.insert(0, str(REPO))
+from bench.report import report
 
-from bench.report import report  # noqa: E402
+REPO = Path(__file__).resolve().parent.parent
 
 ADAPTER_VERSION = 1
 TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
@@ -65,7 +62,7 @@ def write_adapter(model_dir: Path, out: Path, seed: int) -> Path:
 
 
 def received(path: Path) -> Any:
-    from rollout_worker.adapters import WEIGHTS_FILE, ReceivedAdapter, tensors_sha256
+    from loraflow.rollout_worker.adapters import WEIGHTS_FILE, ReceivedAdapter, tensors_sha256
 
     weights = path / WEIGHTS_FILE
     return ReceivedAdapter(version=ADAPTER_VERSION, sha256=tensors_sha256(weights), path=path,
@@ -75,7 +72,7 @@ def received(path: Path) -> Any:
 
 def generate(backend: Any, prompts: list[list[int]], samples: int, max_tokens: int) -> list[dict[str, Any]]:
     """Every completion of every prompt under v0 and the adapter: prompt ids, tokens, behaviour log-probs."""
-    from rollout_worker.backends.base import GenRequest
+    from loraflow.rollout_worker.backends.base import GenRequest
 
     rows = []
     for version in (0, ADAPTER_VERSION):
@@ -94,7 +91,7 @@ def fp32_logprobs(model_dir: Path, adapter_dir: Path, rows: list[dict[str, Any]]
     from peft import PeftModel
     from transformers import AutoModelForCausalLM
 
-    from common.logprobs import token_logprobs
+    from loraflow.common.logprobs import token_logprobs
 
     base = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32).eval()
     tuned = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32),
@@ -114,7 +111,7 @@ def fp32_logprobs(model_dir: Path, adapter_dir: Path, rows: list[dict[str, Any]]
 def figures(rows: list[dict[str, Any]], tolerance: float, max_off_fraction: float, noisy: int) -> dict[str, Any]:
     import numpy as np
 
-    from common.integrity import compare
+    from loraflow.common.integrity import compare
 
     diffs = np.abs(np.concatenate([np.subtract(r["logprobs"], r["fp32"]) for r in rows]))
     failed = [not compare(r["logprobs"], r["fp32"], token_tolerance=tolerance, max_off_fraction=max_off_fraction,
@@ -139,11 +136,11 @@ def figures(rows: list[dict[str, Any]], tolerance: float, max_off_fraction: floa
 def run_engine(engine: str, dtype: str, model_dir: Path, adapter_dir: Path, prompts: list[str], args: Any,
                sampling: Any) -> tuple[list[dict[str, Any]], str]:
     if engine == "hf":
-        from rollout_worker.backends.hf import HfBackend
+        from loraflow.rollout_worker.backends.hf import HfBackend
 
         backend = HfBackend(model_dir, sampling=sampling, device=args.device, dtype=dtype, seed=args.seed)
     else:
-        from rollout_worker.backends.vllm import VllmBackend
+        from loraflow.rollout_worker.backends.vllm import VllmBackend
 
         backend = VllmBackend(model_dir, sampling=sampling, max_loras=2, max_lora_rank=8, dtype=dtype,
                               max_model_len=256, max_num_seqs=64, kv_cache_gib=1, gpu_memory_utilization=0.2,
@@ -173,18 +170,18 @@ def main() -> None:
     import torch
 
     torch.set_num_threads(1)
-    from common.config import load_config
-    from common.integrity import noisy_tokens, tolerance
-    from common.tasks import load_task
-    from common.tiny_model import resolve_model
-    from rollout_worker.backends.base import Sampling
+    from loraflow.common.config import load_config
+    from loraflow.common.integrity import noisy_tokens, tolerance
+    from loraflow.common.tasks import load_task
+    from loraflow.common.tiny_model import resolve_model
+    from loraflow.rollout_worker.backends.base import Sampling
 
     config = load_config(None, [f'model.path="{args.model}"'])
     worker, integrity = config.worker, config.integrity
     args.max_new_tokens = args.max_new_tokens or worker.max_new_tokens
     sampling = Sampling(temperature=worker.temperature, top_p=worker.top_p)
     if args.model == "builtin:demo":
-        from deploy.demo_base import ensure_demo_base
+        from loraflow.deploy.demo_base import ensure_demo_base
 
         model_dir = ensure_demo_base(args.seed, config.model.cache_dir or None)
     else:
@@ -202,7 +199,7 @@ def main() -> None:
             print("vllm is not installed: the vLLM engine is skipped")
     print(f"model {model_dir}  hf engines on {args.device}  task {config.run.task}  {args.prompts} prompts x {args.samples} samples x 2 "
           f"policies  temperature {worker.temperature}  top_p {worker.top_p}  max_new_tokens {args.max_new_tokens}")
-    print(f"tolerance (common.integrity.tolerance): fp32 engine {fp32} nats, bf16 engine {low} nats; "
+    print(f"tolerance (loraflow.common.integrity.tolerance): fp32 engine {fp32} nats, bf16 engine {low} nats; "
           f"max_off_fraction {integrity.max_off_fraction}")
     print(f"load: {subprocess.run(['uptime'], capture_output=True, text=True).stdout.strip()}")
     results: dict[str, dict[str, Any]] = {}

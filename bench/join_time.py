@@ -1,8 +1,8 @@
 """Elastic join under load: process start -> first accepted group of workers joining a fast-publishing run.
 
-    .venv/bin/python bench/join_time.py [--workers 3] [--rate 0] [--warmup-versions 50] [--timeout 180]
+    .venv/bin/python -m bench.join_time [--workers 3] [--rate 0] [--warmup-versions 50] [--timeout 180]
 
-A broker (``python -m broker``) and a stand-in learner (this file, ``--role learner``) run first: the learner
+A broker (``python -m loraflow.broker``) and a stand-in learner (this file, ``--role learner``) run first: the learner
 publishes a new LoRA adapter of the tiny model (random weights, real PEFT names and shapes) as soon as the
 broker acknowledged the previous one (``--rate`` caps versions/s; 0 = as fast as it can) and trains nothing:
 it takes every buffered group in a Batch and acknowledges it at once (a learner with tiny steps). Once
@@ -32,10 +32,8 @@ from datetime import datetime
 from pathlib import Path
 from typing import Any
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-
-from bench.broker_proc import REPO, RUN_TOKEN, start_broker  # noqa: E402
-from bench.report import report, scratch_dir  # noqa: E402
+from bench.broker_proc import REPO, RUN_TOKEN, start_broker
+from bench.report import report, scratch_dir
 
 #: worker settings shared by the joiners and the reference: small groups, one chunk per sample
 WORKER_SETTINGS = {"worker.max_new_tokens": "8", "worker.chunk_tokens": "8", "worker.num_threads": "1"}
@@ -64,8 +62,8 @@ def adapter_message(version: int, layout: list[tuple[str, tuple[int, ...]]], con
     """An AdapterUpdate of ``version`` with small random weights (a different adapter every version)."""
     import numpy as np
 
-    from common.framing import frames_sha256
-    from common.protocol import AdapterUpdate, encode
+    from loraflow.common.framing import frames_sha256
+    from loraflow.common.protocol import AdapterUpdate, encode
 
     rng = np.random.default_rng(version)
     tensors = [(name, (rng.standard_normal(shape) * 0.01).astype(np.float32)) for name, shape in layout]
@@ -75,8 +73,8 @@ def adapter_message(version: int, layout: list[tuple[str, tuple[int, ...]]], con
 
 def run_learner(endpoint: str, model_dir: Path, rate: float, batch_groups: int) -> None:
     """Publish versions as fast as the broker acknowledges them (at most ``rate``/s), take and ack batches."""
-    from common.protocol import Ack, Batch, BatchAck, BatchRequest, Error, Hello, Kind
-    from common.transport import BrokerLink, Incoming
+    from loraflow.common.protocol import Ack, Batch, BatchAck, BatchRequest, Error, Hello, Kind
+    from loraflow.common.transport import BrokerLink, Incoming
 
     layout, config = lora_layout(model_dir)
     link = BrokerLink(endpoint, Hello(role="learner", client_id="fast-learner", token=RUN_TOKEN),
@@ -117,13 +115,13 @@ def run_learner(endpoint: str, model_dir: Path, rate: float, batch_groups: int) 
 def run_reference(model_dir: Path, adapter_dir: Path) -> None:
     """Load the model, one adapter (written as a worker's store writes it), generate one group; print timings."""
     started = time.monotonic()
-    from common.config import load_config
-    from common.protocol import PromptLease
-    from common.tasks import ArithTask
-    from rollout_worker.adapters import AdapterStore
-    from rollout_worker.backends import make_backend
-    from rollout_worker.envs import EnvResolver
-    from rollout_worker.rollout import Rollouts
+    from loraflow.common.config import load_config
+    from loraflow.common.protocol import PromptLease
+    from loraflow.common.tasks import ArithTask
+    from loraflow.rollout_worker.adapters import AdapterStore
+    from loraflow.rollout_worker.backends import make_backend
+    from loraflow.rollout_worker.envs import EnvResolver
+    from loraflow.rollout_worker.rollout import Rollouts
 
     config = load_config(overrides=[f'model.path="{model_dir}"', 'worker.backend="hf"',
                                     *(f"{k}={v}" for k, v in WORKER_SETTINGS.items())])
@@ -134,7 +132,7 @@ def run_reference(model_dir: Path, adapter_dir: Path) -> None:
     backend = make_backend(config, worker_id="reference", max_staleness=0)
     model_s = time.monotonic() - loading
     update, tensors = adapter_message(1, layout, peft_config)
-    from common.protocol import decode, encode
+    from loraflow.common.protocol import decode, encode
 
     _, envelope = decode([bytes(f) for f in encode(update, tensors)])
     loading = time.monotonic()
@@ -193,7 +191,7 @@ def join_pieces(events: list[dict[str, Any]], spawned_unix: float) -> dict[str, 
 
 
 def worker_argv(endpoint: str, run_dir: Path, worker_id: str, model_dir: Path) -> list[str]:
-    argv = [sys.executable, "-m", "rollout_worker", "--endpoint", endpoint, "--run-dir", str(run_dir),
+    argv = [sys.executable, "-m", "loraflow.rollout_worker", "--endpoint", endpoint, "--run-dir", str(run_dir),
             "--worker-id", worker_id, "--backend", "hf", "--log-format", "json",
             "--set", f'model.path="{model_dir}"']
     for key, value in WORKER_SETTINGS.items():
@@ -222,8 +220,8 @@ def main() -> None:
     if args.role == "reference":
         return run_reference(Path(args.model_dir), Path(args.adapter_dir))
 
-    from common.tiny_model import resolve_model
-    from common.transport import fetch_stats
+    from loraflow.common.tiny_model import resolve_model
+    from loraflow.common.transport import fetch_stats
 
     model_dir = resolve_model("builtin:tiny")
     work = Path(scratch_dir(prefix="bench-join-"))

@@ -1,13 +1,13 @@
 """Learner memory at real model shapes: peak RSS per rank against the model's bytes per rank, before / after.
 
 Qwen2-0.5B- and Qwen2-1.5B-shaped models with random weights (real vocabulary size 151,936, tied head, a qwen2
-tokenizer from common.model_zoo, so the padded vocabulary and the multi-id EOS are those of the releases) are
+tokenizer from loraflow.common.model_zoo, so the padded vocabulary and the multi-id EOS are those of the releases) are
 written offline, one safetensors shard per decoder layer, drawn directly in the target dtype (no fp32 copy of
 the model is ever held). Each case runs in fresh processes (1 rank, and 2 ranks under torchrun with gloo, one
 torch thread each) that build the policy and train one step on ``--tokens`` tokens per rank (LoRA r=16 on all
 linear layers, AdamW), then report ``ru_maxrss``:
 
-- ``after``  = ``learner.model.build_policy`` (meta-device build, rank 0 reads one layer at a time and
+- ``after``  = ``loraflow.learner.model.build_policy`` (meta-device build, rank 0 reads one layer at a time and
   broadcasts; base stored in bf16) and ``Policy.trained_logprobs`` (head on the trained positions, chunked);
 - ``before`` = :func:`legacy_build`, the previous commit's build (``from_pretrained`` in fp32 on every rank,
   ``get_peft_model``, ``fully_shard``) with its full-logits step (``[B, L, V]`` logits, ``token_logprobs`` and
@@ -30,17 +30,17 @@ Each rank also reports a memory timeline (``phases``: RSS and peak RSS after imp
 AdamW), to tell where the peak happens.
 
 The long-row case (``--long-row TOKENS``, alone): one sample of TOKENS tokens on the 0.5B layer shape (2 layers,
-bf16, checkpointing on) through ``learner.step.forward_backward``, once with a budget above its length (one
-row) and once with ``--budget`` (segments, :mod:`learner.segments`): peak RSS above the built policy; value =
+bf16, checkpointing on) through ``loraflow.learner.step.forward_backward``, once with a budget above its length (one
+row) and once with ``--budget`` (segments, :mod:`loraflow.learner.segments`): peak RSS above the built policy; value =
 the split run's, reference = the unsplit run's.
 
 Last line: value = peak RSS per rank (MB) of the 2-rank run of the largest shape run (1.5B unless ``--shapes``
 says otherwise), reference = its model bytes per rank (MB), ratio = value / reference; the other figures are
 extra keys.
 
-    .venv/bin/python bench/learner_memory.py [--shapes 0.5b,1.5b] [--before-shapes 0.5b] [--tokens 256] [--logits]
-    .venv/bin/python bench/learner_memory.py --long-row 8192 [--budget 2048]
-    .venv/bin/python bench/learner_memory.py build --shape 1.5b --out DIR [--dtype bfloat16]   (the model only)
+    .venv/bin/python -m bench.learner_memory [--shapes 0.5b,1.5b] [--before-shapes 0.5b] [--tokens 256] [--logits]
+    .venv/bin/python -m bench.learner_memory --long-row 8192 [--budget 2048]
+    .venv/bin/python -m bench.learner_memory build --shape 1.5b --out DIR [--dtype bfloat16]   (the model only)
 """
 
 from __future__ import annotations
@@ -55,8 +55,6 @@ import sys
 import tempfile
 from pathlib import Path
 from typing import Any
-
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 REPO = Path(__file__).resolve().parent.parent
 VOCAB = 151_936
@@ -84,7 +82,7 @@ def build_shaped_model(directory: Path, shape: str, *, dtype: str = "bfloat16", 
     from safetensors.torch import save_file
     from transformers import AutoConfig, AutoModelForCausalLM, GenerationConfig
 
-    from common import model_zoo
+    from loraflow.common import model_zoo
 
     directory.mkdir(parents=True, exist_ok=True)
     family = model_zoo.FAMILIES["qwen2"]
@@ -147,7 +145,7 @@ def legacy_build(model_dir: Path, learner: Any, parallel: Any, *, seed: int) -> 
     from peft import get_peft_model
     from transformers import AutoModelForCausalLM
 
-    from learner.model import decoder_layers, lora_config_for, resolve_compute_dtype, shard
+    from loraflow.learner.model import decoder_layers, lora_config_for, resolve_compute_dtype, shard
 
     base = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32)
     base.config.use_cache = False
@@ -171,11 +169,11 @@ def run_rank(args: argparse.Namespace) -> None:
     """One rank: build (after or before), one step on ``args.tokens`` tokens, print this rank's figures."""
     import torch
 
-    from common.config import load_config
-    from common.logprobs import token_entropy, token_logprobs
-    from learner.model import build_policy
-    from learner.parallel import init_parallel
-    from learner.vocab import vocab_rows_of
+    from loraflow.common.config import load_config
+    from loraflow.common.logprobs import token_entropy, token_logprobs
+    from loraflow.learner.model import build_policy
+    from loraflow.learner.parallel import init_parallel
+    from loraflow.learner.vocab import vocab_rows_of
 
     torch.set_num_threads(1)
     parallel = init_parallel("cpu")
@@ -226,18 +224,18 @@ def run_rank(args: argparse.Namespace) -> None:
 
 
 def run_long_row(args: argparse.Namespace) -> None:
-    """One sample of ``args.tokens`` tokens (a quarter prompt) through ``learner.step.forward_backward`` at the
+    """One sample of ``args.tokens`` tokens (a quarter prompt) through ``loraflow.learner.step.forward_backward`` at the
     token budget ``args.budget`` (a row longer than it runs in segments): peak RSS above the built policy."""
     import time
 
     import torch
 
-    from common.config import load_config
-    from learner import data
-    from learner.loss import LossConfig
-    from learner.model import build_policy
-    from learner.parallel import init_parallel
-    from learner.step import forward_backward
+    from loraflow.common.config import load_config
+    from loraflow.learner import data
+    from loraflow.learner.loss import LossConfig
+    from loraflow.learner.model import build_policy
+    from loraflow.learner.parallel import init_parallel
+    from loraflow.learner.step import forward_backward
 
     torch.set_num_threads(1)
     parallel = init_parallel("cpu")
@@ -271,8 +269,8 @@ def run_logits(args: argparse.Namespace) -> None:
     """One micro-batch's head path: peak RSS above the inputs, before (full logits) or after (chunked)."""
     import torch
 
-    from common.logprobs import token_entropy, token_logprobs
-    from learner import head
+    from loraflow.common.logprobs import token_entropy, token_logprobs
+    from loraflow.learner import head
 
     torch.set_num_threads(1)
     g = torch.Generator().manual_seed(0)

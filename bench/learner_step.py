@@ -1,6 +1,6 @@
 """Learner step time split (wait / compute / publish) and trained tokens/s, 1 rank vs 2 ranks, on this CPU.
 
-A real broker (``python -m broker``) is kept full by a producer thread that plays a rollout worker with
+A real broker (``python -m loraflow.broker``) is kept full by a producer thread that plays a rollout worker with
 synthetic groups (random tokens of the tiny model's vocabulary, log-probs near its uniform policy), so the
 learner never starves and the figures describe the learner. The learner runs ``--steps`` steps on the tiny
 model twice: as one process and under ``torchrun --nproc_per_node=2``, one torch thread per rank (on a busy
@@ -9,13 +9,13 @@ Per-step figures come from its ``metrics.jsonl``; the first ``--warmup`` steps a
 
 Last line: value = trained tokens/s with 2 ranks, reference = with 1 rank, same batches, same run.
 
-``--interleaved``: no broker; one process trains the tiny model with the current step (``learner.step``) and
+``--interleaved``: no broker; one process trains the tiny model with the current step (``loraflow.learner.step``) and
 with the step before the trained-positions head (:func:`legacy_train_step`: full ``[B, L, V]`` logits, gradient
 sync per micro-batch, on :func:`bench.learner_memory.legacy_build`'s model), alternating step by step on the
 same synthetic batches, so a busy machine slows both alike. value = median ms of the current step, reference =
 of the old one.
 
-    .venv/bin/python bench/learner_step.py [--steps 30] [--groups 16] [--group-size 8] [--ranks 1,2]
+    .venv/bin/python -m bench.learner_step [--steps 30] [--groups 16] [--group-size 8] [--ranks 1,2]
         [--set learner.activation_checkpointing=\"on\"] [--set learner.micro_batch_tokens=512]
 """
 
@@ -29,12 +29,10 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-
-from bench.report import report  # noqa: E402
-from common.tiny_model import resolve_model  # noqa: E402
-from tests.learner.scripted import Producer  # noqa: E402
-from tests.support import Processes, child_env, start_broker  # noqa: E402
+from bench.report import report
+from loraflow.common.tiny_model import resolve_model
+from tests.learner.scripted import Producer
+from tests.support import Processes, child_env, start_broker
 
 
 def run_learner(tmp: Path, model_dir: Path, ranks: int, args: argparse.Namespace) -> list[dict]:
@@ -49,7 +47,7 @@ def run_learner(tmp: Path, model_dir: Path, ranks: int, args: argparse.Namespace
         broker = start_broker(procs, *settings, name=f"broker-{ranks}", run_dir=run_dir)
         producer = Producer(broker.endpoint, max_prompt=args.max_prompt, max_completion=args.max_completion)
         producer.start()
-        learner_args = ["-m", "learner", "--run-dir", str(run_dir), "--endpoint", broker.endpoint,
+        learner_args = ["-m", "loraflow.learner", "--run-dir", str(run_dir), "--endpoint", broker.endpoint,
                         "--num-steps", str(args.steps)]
         for setting in settings:
             learner_args += ["--set", setting]
@@ -92,7 +90,7 @@ def synthetic_step_batch(args: argparse.Namespace, seed: int) -> Any:
     """A step batch shaped like the producer's groups (random tokens, prompt 2..max, completion 1..max)."""
     import torch
 
-    from learner import data
+    from loraflow.learner import data
 
     g = torch.Generator().manual_seed(seed)
     samples, rewards = [], []
@@ -113,9 +111,9 @@ def legacy_train_step(model: Any, optimizer: Any, step: Any, *, config: Any, los
     """The step before logits-only-where-trained: [B, L, V] logits, fp32 log-softmax copies, sync per micro-batch."""
     import torch
 
-    from common import logprobs
-    from learner import data
-    from learner.loss import group_advantages, token_loss
+    from loraflow.common import logprobs
+    from loraflow.learner import data
+    from loraflow.learner.loss import group_advantages, token_loss
 
     advantages, _ = group_advantages(step.rewards, step.group_index, step.num_groups, scale_by_std=True)
     micro_batches = data.rank_micro_batches(step, advantages, rank=0, world_size=1,
@@ -142,11 +140,11 @@ def interleaved(args: argparse.Namespace) -> None:
     import torch
 
     from bench.learner_memory import legacy_build
-    from common.config import load_config
-    from learner.loss import LossConfig
-    from learner.model import build_policy
-    from learner.parallel import init_parallel
-    from learner.step import make_optimizer, train_step
+    from loraflow.common.config import load_config
+    from loraflow.learner.loss import LossConfig
+    from loraflow.learner.model import build_policy
+    from loraflow.learner.parallel import init_parallel
+    from loraflow.learner.step import make_optimizer, train_step
 
     torch.set_num_threads(args.threads)
     parallel = init_parallel("cpu")

@@ -1,6 +1,6 @@
 """The multi-host test bed measured: recovery from link faults and restarts, and the network's cost in throughput.
 
-    sudo .venv/bin/python bench/net_faults.py [--prompts 300] [--repeats 2] [--fault-prompts 520]
+    sudo .venv/bin/python -m bench.net_faults [--prompts 300] [--repeats 2] [--fault-prompts 520]
                                               [--fault-tokens-per-s 10]
 
 Three runs on the bed of bench/netbed.py (tests/net runs the third one), all with CURVE on and every role started
@@ -33,11 +33,9 @@ import time
 from pathlib import Path
 from typing import Any
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-
-from bench import netbed  # noqa: E402
-from bench.report import report  # noqa: E402
-from tests.support import Processes  # noqa: E402
+from bench import netbed
+from bench.report import report
+from tests.support import Processes
 
 FAULTS = [("bandwidth_limited", {"w": "w3", "rate": "1mbit", "hold_s": 6}),
           ("latency_and_resets", {"w": "w2", "delay_ms": 100, "hold_s": 6, "resets": 2}),
@@ -88,7 +86,7 @@ def main() -> None:
         sys.exit(f"net_faults: {exc}")
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # the bed's teardown runs on a SIGTERM too
 
-    from common.tiny_model import build_tiny_model
+    from loraflow.common.tiny_model import build_tiny_model
 
     with tempfile.TemporaryDirectory(prefix="net-faults-") as tmp:
         tmp_path = Path(tmp)

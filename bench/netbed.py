@@ -40,14 +40,12 @@ from datetime import datetime
 from pathlib import Path
 from typing import Any
 
-REPO = Path(__file__).resolve().parent.parent
-if str(REPO) not in sys.path:
-    sys.path.insert(0, str(REPO))
+from loraflow.learner.ledger import read as read_ledger
+from tests.fault.ledger import Audit, audit_learner, audit_run, committed_chain, read_json_lines
+from tests.fault.system import write_config
+from tests.support import Proc, Processes, child_env, wait_for
 
-from learner.ledger import read as read_ledger  # noqa: E402
-from tests.fault.ledger import Audit, audit_learner, audit_run, committed_chain, read_json_lines  # noqa: E402
-from tests.fault.system import write_config  # noqa: E402
-from tests.support import Proc, Processes, child_env, wait_for  # noqa: E402
+REPO = Path(__file__).resolve().parent.parent
 
 SCRIPTS = REPO / "deploy" / "scripts"
 BROKER_PORT = 5555
@@ -374,8 +372,8 @@ class Cluster:
     def ledger(self) -> list[dict[str, Any]]:
         return read_ledger(self.ledger_path) if self.ledger_path.is_file() else []
 
-    def trained_ids(self) -> set[str]:
-        chain, _ = committed_chain(self.ledger())
+    def trained_ids(self, lines: list[dict[str, Any]] | None = None) -> set[str]:
+        chain, _ = committed_chain(self.ledger() if lines is None else lines)
         return {g for step in chain for g in (*step["trained"], *step["zero_variance"])}
 
     def steps_since(self, t: float) -> list[dict[str, Any]]:
@@ -428,8 +426,8 @@ class Cluster:
 
     def audit_so_far(self) -> Audit:
         """The ledger part of the audit on a run still training: nothing trained twice, no withdrawn version."""
-        lines = self.ledger()
-        return audit_learner(lines, self.trained_ids())
+        lines = self.ledger()  # read once: a step committed between two reads would look lost
+        return audit_learner(lines, self.trained_ids(lines))
 
     def throughput(self) -> float:
         """Groups trained per second in the committed history, from the first step to the last (start-up out)."""

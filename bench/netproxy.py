@@ -1,6 +1,6 @@
 """A user-space TCP relay for the test bed: latency and lost connections, which this kernel's tc cannot make.
 
-    python bench/netproxy.py LISTEN_HOST:PORT TARGET_HOST:PORT CONTROL_FILE
+    python -m bench.netproxy LISTEN_HOST:PORT TARGET_HOST:PORT CONTROL_FILE
 
 It runs on a worker host (bench/netbed.py starts it there with the worker pointed at it) and relays every
 connection to the broker. Its settings come from ``CONTROL_FILE``, a JSON object re-read every 50 ms:

@@ -2,10 +2,10 @@
 
     .venv/bin/python -m bench.prompt_render [--group-size 8] [--tokens 32] [--repeats 5]
 
-For each family of :mod:`common.model_zoo` (small random models, built offline into a temporary directory):
+For each family of :mod:`loraflow.common.model_zoo` (small random models, built offline into a temporary directory):
 
 - ``render``: what a worker does per group before generating: ``Backend.encode`` of a conversational prompt
-  (system + user message) through :class:`common.chat.ChatFormat` (the tokenizer's Jinja template, then the
+  (system + user message) through :class:`loraflow.common.chat.ChatFormat` (the tokenizer's Jinja template, then the
   tokenizer), once per group; plus, per sample, decoding its completion for the reward;
 - ``generate``: the hf backend sampling ``--group-size`` completions of ``--tokens`` tokens for that prompt
   (one ``generate`` call, one torch thread, temperature 1, no early stop counted out).
@@ -48,9 +48,9 @@ def main() -> None:
 
     import torch
 
-    from common.model_zoo import FAMILIES, build_model
-    from rollout_worker.backends.base import GenRequest, Sampling
-    from rollout_worker.backends.hf import HfBackend
+    from loraflow.common.model_zoo import FAMILIES, build_model
+    from loraflow.rollout_worker.backends.base import GenRequest, Sampling
+    from loraflow.rollout_worker.backends.hf import HfBackend
 
     torch.set_num_threads(1)
     shares = {}

@@ -4,22 +4,22 @@ What ``loraflow run`` spreads over a broker, two workers and a learner, done one
 with the very code the roles run (imported, not copied)::
 
     generate  PromptLeases of the task's train split, in order (as broker/leasing.py builds them), one step's
-              groups in hand at a time: rollout_worker.rollout.Rollouts over the worker's backend
-              (rollout_worker.backends.make_backend: hf, seeded as a worker is), environments and rewards of
+              groups in hand at a time: loraflow.rollout_worker.rollout.Rollouts over the worker's backend
+              (loraflow.rollout_worker.backends.make_backend: hf, seeded as a worker is), environments and rewards of
               the worker (worker.env, worker.reward)
-    select    the finished groups as a Batch message (common.protocol), then the learner's rank-0 selection
-              (learner.data.select_groups: zero-variance groups acknowledged, not trained) and decode
+    select    the finished groups as a Batch message (loraflow.common.protocol), then the learner's rank-0 selection
+              (loraflow.learner.data.select_groups: zero-variance groups acknowledged, not trained) and decode
               (trainable_frames, decode_step_batch)
-    train     learner.step.train_step on the learner's Policy (learner.model.build_policy, a job of one) with
+    train     loraflow.learner.step.train_step on the learner's Policy (loraflow.learner.model.build_policy, a job of one) with
               its optimizer and LR schedule (make_optimizer) and loss (LossConfig.from_learner)
-    publish   learner.publish.snapshot -> AdapterUpdate frames -> the worker's AdapterStore.receive (sha256
+    publish   loraflow.learner.publish.snapshot -> AdapterUpdate frames -> the worker's AdapterStore.receive (sha256
               checked, PEFT directory) -> backend.add_adapter + retain: the hot-swap path of a worker; every
-              ``adapter_every`` versions learner.publish.write_adapter_dir, for the held-out evaluation
+              ``adapter_every`` versions loraflow.learner.publish.write_adapter_dir, for the held-out evaluation
 
 Every step is on-policy (staleness 0: each step's samples come from the version the step trains). The step's
 ``run.groups_per_step`` groups are generated together, the groups the fleet has in flight
 (``launch.num_workers`` x ``worker.capacity`` = 16 in the demo). What the single process leaves out is what only a
-distributed run needs: sockets, leases and acks, the policy check of untrusted workers (learner.integrity),
+distributed run needs: sockets, leases and acks, the policy check of untrusted workers (loraflow.learner.integrity),
 checkpoints, the launcher's supervision. One torch thread pool of ``num_threads`` (default: every core) serves
 generation and training in turn.
 
@@ -74,17 +74,17 @@ class SingleProcess:
     def __init__(self, config: Any, *, adapter_root: Path, adapter_every: int = 1, num_threads: int = 0) -> None:
         import torch
 
-        from common.tasks import load_task
-        from common.tiny_model import resolve_model
-        from learner.loss import LossConfig
-        from learner.model import build_policy
-        from learner.parallel import init_parallel
-        from learner.step import make_optimizer
-        from rollout_worker.adapters import AdapterStore
-        from rollout_worker.backends import make_backend
-        from rollout_worker.envs import EnvResolver
-        from rollout_worker.rewards import load_rewards
-        from rollout_worker.rollout import Rollouts
+        from loraflow.common.tasks import load_task
+        from loraflow.common.tiny_model import resolve_model
+        from loraflow.learner.loss import LossConfig
+        from loraflow.learner.model import build_policy
+        from loraflow.learner.parallel import init_parallel
+        from loraflow.learner.step import make_optimizer
+        from loraflow.rollout_worker.adapters import AdapterStore
+        from loraflow.rollout_worker.backends import make_backend
+        from loraflow.rollout_worker.envs import EnvResolver
+        from loraflow.rollout_worker.rewards import load_rewards
+        from loraflow.rollout_worker.rollout import Rollouts
 
         self.config = config
         self.adapter_root = adapter_root
@@ -93,7 +93,7 @@ class SingleProcess:
         self.backend = make_backend(config, worker_id="reference", max_staleness=0)
         torch.set_num_threads(num_threads or os.cpu_count() or 1)  # after make_backend, which sets the worker's
         self.parallel = init_parallel(config.learner.device)
-        torch.manual_seed(config.run.seed + self.parallel.rank)  # as learner.train.run seeds before the build
+        torch.manual_seed(config.run.seed + self.parallel.rank)  # as loraflow.learner.train.run seeds before the build
         model_dir = resolve_model(config.model.path, config.model.cache_dir)
         self.policy = build_policy(Path(model_dir), config.learner, self.parallel, seed=config.run.seed,
                                    max_message_bytes=config.broker.max_message_bytes)
@@ -113,7 +113,7 @@ class SingleProcess:
     # -- one iteration -----------------------------------------------------------------------------------------
 
     def _lease(self) -> Any:
-        from common.protocol import PromptLease
+        from loraflow.common.protocol import PromptLease
 
         index, self.cursor = self.cursor, self.cursor + 1
         group_id = f"0:{index}"
@@ -140,8 +140,8 @@ class SingleProcess:
 
     def select(self, finished: list[Any]) -> tuple[Any, Any]:
         """(StepBatch, Selection): the groups through a Batch message and the learner's rank-0 selection."""
-        from common import protocol
-        from learner import data
+        from loraflow.common import protocol
+        from loraflow.learner import data
 
         entries = [protocol.BatchEntry(group=f.group, first_tensor=i * data.NUM_GROUP_TENSORS)
                    for i, f in enumerate(finished)]
@@ -159,7 +159,7 @@ class SingleProcess:
         return step_batch, selection
 
     def train(self, step_batch: Any) -> dict[str, Any]:
-        from learner.step import train_step
+        from loraflow.learner.step import train_step
 
         stats = train_step(self.policy, self.optimizer, self.scheduler, step_batch, parallel=self.parallel,
                            config=self.config, loss_config=self.loss_config)
@@ -168,8 +168,8 @@ class SingleProcess:
 
     def publish(self) -> None:
         """The next version into the backend as a worker receives it; its PEFT directory when due."""
-        from common import protocol
-        from learner import publish
+        from loraflow.common import protocol
+        from loraflow.learner import publish
 
         if self.num_steps % self.config.learner.publish_every:
             return
@@ -214,7 +214,7 @@ def run_reference(config: Any, *, num_steps: int, adapter_root: Path, adapter_ev
         for _ in range(num_steps):
             run.steps.append(loop.step())
         if loop.version and loop.version not in loop.adapters:
-            from learner import publish
+            from loraflow.learner import publish
 
             snap = publish.snapshot(loop.policy, version=loop.version, step=loop.num_steps, is_main=True)
             assert snap is not None
@@ -234,7 +234,7 @@ def main() -> None:
     parser.add_argument("--adapter-every", type=int, default=1, help="write a PEFT directory every N versions")
     parser.add_argument("--threads", type=int, default=0, help="torch threads (0 = every core)")
     args = parser.parse_args()
-    from common.config import load_config
+    from loraflow.common.config import load_config
 
     out = Path(args.out)
     run = run_reference(load_config(args.config), num_steps=args.steps, adapter_root=out / "adapters",

@@ -1,10 +1,10 @@
 """Soak: many sim workers against one broker and one learner for minutes; memory, loss and throughput over time.
 
-    .venv/bin/python bench/soak.py [--minutes 10] [--workers 32]
+    .venv/bin/python -m bench.soak [--minutes 10] [--workers 32]
 
-Real processes: ``python -m broker``, ``--workers`` ``python -m rollout_worker`` with the ``sim`` backend
+Real processes: ``python -m loraflow.broker``, ``--workers`` ``python -m loraflow.rollout_worker`` with the ``sim`` backend
 (lognormal completion lengths; a coin-flip reward so groups carry a learning signal) and the real learner
-(``python -m learner``, the built tiny model, one thread, a checkpoint every 20 steps). Every
+(``python -m loraflow.learner``, the built tiny model, one thread, a checkpoint every 20 steps). Every
 ``--sample-every`` seconds the broker's resident memory (``/proc/<pid>/status``) and its stats are sampled.
 
 Figures:
@@ -31,12 +31,10 @@ import time
 from collections import Counter
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-
-from bench.report import report  # noqa: E402
-from common.tiny_model import build_tiny_model  # noqa: E402
-from learner.ledger import read as read_ledger  # noqa: E402
-from tests.support import Processes, start_broker, wait_for  # noqa: E402
+from bench.report import report
+from loraflow.common.tiny_model import build_tiny_model
+from loraflow.learner.ledger import read as read_ledger
+from tests.support import Processes, start_broker, wait_for
 
 
 def rss_mb(pid: int) -> float:
@@ -57,7 +55,7 @@ def slope_per_min(points: list[tuple[float, float]]) -> float:
 
 
 def committed(ledger: list[dict]) -> list[dict]:
-    """The learner's committed steps: in order, cut back at every start line (see learner.ledger)."""
+    """The learner's committed steps: in order, cut back at every start line (see loraflow.learner.ledger)."""
     chain: list[dict] = []
     for line in ledger:
         if line["event"] == "start":
@@ -112,9 +110,9 @@ def main(argv: list[str] | None = None) -> int:
                            "--set", f"worker.sim.tokens_per_s={args.tokens_per_s}",
                            "--set", f"worker.sim.mean_tokens={args.mean_tokens}",
                            "--set", 'worker.reward="tests.fault.rewards:coin"']
-            workers = [procs.python(f"worker-{i}", "rollout_worker", *common, *worker_args, "--worker-id", f"w{i}")
+            workers = [procs.python(f"worker-{i}", "loraflow.rollout_worker", *common, *worker_args, "--worker-id", f"w{i}")
                        for i in range(args.workers)]
-            learner = procs.python("learner", "learner", *common, "--set", "learner.num_threads=1",
+            learner = procs.python("learner", "loraflow.learner", *common, "--set", "learner.num_threads=1",
                                    "--set", "learner.lora_rank=4", "--set", "learner.checkpoint_every=20",
                                    "--set", "learner.save_adapter_every=0")
             wait_for(lambda: len(broker.stats()["workers"]) == args.workers and broker.stats()["learner"], 120,

@@ -1,20 +1,20 @@
 """Drop rate by completion length, under the staleness rule before (a group's oldest token decides) and after (its
 newest token decides; older tokens are masked in the learner), in one run (issue 13, long generations).
 
-    .venv/bin/python bench/staleness_lengths.py [--groups 600] [--mean-tokens 256] [--sigma 1.0] [--max-staleness 1]
+    .venv/bin/python -m bench.staleness_lengths [--groups 600] [--mean-tokens 256] [--sigma 1.0] [--max-staleness 1]
         [--plot drops.png]
 
 Both runs drive the real code in process, with the same seed and an explicit clock (no sockets, no model):
 
-- the broker: :class:`broker.core.BrokerCore` (admission, leases, ``broker.intake.judge`` on arrival, the buffer's
+- the broker: :class:`loraflow.broker.core.BrokerCore` (admission, leases, ``loraflow.broker.intake.judge`` on arrival, the buffer's
   stale drops, batching), its ledger's ``staleness_rule`` set to ``OLDEST_TOKEN`` for "before" (the rule until
   issue 13) and left at its default ``NEWEST_TOKEN`` for "after";
-- one rollout worker: :class:`rollout_worker.rollout.Rollouts` over the sim backend (lognormal completion lengths,
+- one rollout worker: :class:`loraflow.rollout_worker.rollout.Rollouts` over the sim backend (lognormal completion lengths,
   ``--mean-tokens`` / ``--sigma``, capped at ``--max-tokens``; ``partial_policy = "continue"``; one *round* is one
   chunk of ``--chunk-tokens`` for every ready sample), holding up to ``--worker-groups`` leases, its adapter moved
   to each new version ``--fetch-rounds`` after it is published;
 - the learner: takes a batch of ``--groups-per-step`` groups when the buffer holds one, decides with
-  ``learner.data.select_groups`` and ``learner.train.mask_stale_tokens`` at its version, acknowledges the batch and
+  ``loraflow.learner.data.select_groups`` and ``loraflow.learner.train.mask_stale_tokens`` at its version, acknowledges the batch and
   publishes the next version ``--step-rounds`` rounds later (so versions advance while long samples generate).
 
 A *sample attempt* is one generated completion that reached the broker. It is *dropped* when none of its tokens is
@@ -41,26 +41,24 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # as every bench script: runnable without install
+import numpy as np
 
-import numpy as np  # noqa: E402
-
-from bench.report import report  # noqa: E402
-from broker.core import BrokerCore  # noqa: E402
-from broker.ledger import State  # noqa: E402
-from broker.prompts import parse_group_id  # noqa: E402
-from common import framing, protocol  # noqa: E402
-from common.config import load_config  # noqa: E402
-from common.logging import setup_logging  # noqa: E402
-from common.protocol import AdapterUpdate, Batch, BatchAck, BatchRequest, Hello, Kind, LeaseRequest  # noqa: E402
-from common.tasks import load_task  # noqa: E402
-from common.versions import StalenessRule  # noqa: E402
-from learner import data  # noqa: E402
-from learner.train import mask_stale_tokens  # noqa: E402
-from rollout_worker.adapters import WEIGHTS_FILE, ReceivedAdapter, write_safetensors  # noqa: E402
-from rollout_worker.backends import make_backend  # noqa: E402
-from rollout_worker.envs import EnvResolver  # noqa: E402
-from rollout_worker.rollout import IN_ENV, Rollouts  # noqa: E402
+from bench.report import report
+from loraflow.broker.core import BrokerCore
+from loraflow.broker.ledger import State
+from loraflow.broker.prompts import parse_group_id
+from loraflow.common import framing, protocol
+from loraflow.common.config import load_config
+from loraflow.common.logging import setup_logging
+from loraflow.common.protocol import AdapterUpdate, Batch, BatchAck, BatchRequest, Hello, Kind, LeaseRequest
+from loraflow.common.tasks import load_task
+from loraflow.common.versions import StalenessRule
+from loraflow.learner import data
+from loraflow.learner.train import mask_stale_tokens
+from loraflow.rollout_worker.adapters import WEIGHTS_FILE, ReceivedAdapter, write_safetensors
+from loraflow.rollout_worker.backends import make_backend
+from loraflow.rollout_worker.envs import EnvResolver
+from loraflow.rollout_worker.rollout import IN_ENV, Rollouts
 
 WORKER, LEARNER = b"worker/w", b"learner/l"
 ROUND_S = 0.01  # the broker's clock advances this much per round (leases and heartbeats never run out)

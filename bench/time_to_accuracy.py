@@ -25,7 +25,7 @@ Last line: value = loraflow's training seconds to target (median over seeds), re
 process's, ``ratio`` = median over seeds of loraflow / reference (< 1: loraflow is faster), ``samples_ratio``
 the same for samples.
 
-    .venv/bin/python bench/time_to_accuracy.py [--seeds 0,1,2] [--target 0.9] [--max-steps 100]
+    .venv/bin/python -m bench.time_to_accuracy [--seeds 0,1,2] [--target 0.9] [--max-steps 100]
 """
 
 from __future__ import annotations
@@ -42,15 +42,13 @@ from collections import defaultdict
 from dataclasses import dataclass, field
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-
-from bench.accuracy_runs import REPO, child_env, run_loraflow  # noqa: E402
-from bench.report import report  # noqa: E402
-from common.config import Config, load_config  # noqa: E402
-from common.tasks import load_task  # noqa: E402
-from deploy import rundir  # noqa: E402
-from deploy.demo_base import ensure_demo_base  # noqa: E402
-from deploy.launcher import DEMO_CONFIG  # noqa: E402
+from bench.accuracy_runs import REPO, child_env, run_loraflow
+from bench.report import report
+from loraflow.common.config import Config, load_config
+from loraflow.common.tasks import load_task
+from loraflow.deploy import rundir
+from loraflow.deploy.demo_base import ensure_demo_base
+from loraflow.deploy.launcher import DEMO_CONFIG
 
 
 @dataclass(slots=True, kw_only=True)
@@ -205,7 +203,7 @@ def step_s(times: list[float]) -> float:
 
 
 def make_evaluate(config: Config, num_prompts: int):  # noqa: ANN201
-    from deploy.evaluate import evaluate, load_model
+    from loraflow.deploy.evaluate import evaluate, load_model
 
     task = load_task(config.run.task, config.run.seed, config.data)
 

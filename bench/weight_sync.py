@@ -2,8 +2,8 @@
 
 One learner process (a process group of one, FSDP2 on the CPU) trains the LoRA adapter on small synthetic
 batches and, after each optimizer step, publishes the new version exactly as the learner does: gather the
-LoRA tensors in one collective (``learner.publish.gather_trainable``), PEFT names,
-sha256, AdapterUpdate through a real broker (``python -m broker``), until the broker's Ack (the adapter is then
+LoRA tensors in one collective (``loraflow.learner.publish.gather_trainable``), PEFT names,
+sha256, AdapterUpdate through a real broker (``python -m loraflow.broker``), until the broker's Ack (the adapter is then
 available to every worker). Timed from the end of ``optimizer.step()`` to that Ack.
 
 Reference, same run: the full model's weights (every tensor of its state dict): their size, and a plain
@@ -13,7 +13,7 @@ any network.
 Last line: value = median ms from step to adapter available, reference = median ms of the full save; the
 bytes of both are in the extra fields.
 
-    .venv/bin/python bench/weight_sync.py [--versions 20] [--rank 16] [--hidden 128 --layers 4 --intermediate 512]
+    .venv/bin/python -m bench.weight_sync [--versions 20] [--rank 16] [--hidden 128 --layers 4 --intermediate 512]
 """
 
 from __future__ import annotations
@@ -21,28 +21,25 @@ from __future__ import annotations
 import argparse
 import os
 import statistics
-import sys
 import tempfile
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+import torch
+from safetensors.torch import save_file
 
-import torch  # noqa: E402
-from safetensors.torch import save_file  # noqa: E402
-
-from bench.report import report  # noqa: E402
-from common.config import load_config  # noqa: E402
-from common.metrics import Metrics  # noqa: E402
-from common.tiny_model import TinyShape, build_tiny_model, resolve_model  # noqa: E402
-from learner import data, publish  # noqa: E402
-from learner.loss import LossConfig  # noqa: E402
-from learner.model import build_policy  # noqa: E402
-from learner.parallel import init_parallel  # noqa: E402
-from learner.session import BrokerSession  # noqa: E402
-from learner.step import make_optimizer, train_step  # noqa: E402
-from tests.learner.scripted import make_batch  # noqa: E402
-from tests.support import Processes, start_broker  # noqa: E402
+from bench.report import report
+from loraflow.common.config import load_config
+from loraflow.common.metrics import Metrics
+from loraflow.common.tiny_model import TinyShape, build_tiny_model, resolve_model
+from loraflow.learner import data, publish
+from loraflow.learner.loss import LossConfig
+from loraflow.learner.model import build_policy
+from loraflow.learner.parallel import init_parallel
+from loraflow.learner.session import BrokerSession
+from loraflow.learner.step import make_optimizer, train_step
+from tests.learner.scripted import make_batch
+from tests.support import Processes, start_broker
 
 
 def model_dir_for(args: argparse.Namespace, tmp: Path) -> Path:

@@ -1,7 +1,7 @@
-"""``python -m broker``: the same as ``loraflow broker``."""
+"""``python -m loraflow.broker``: the same as ``loraflow broker``."""
 
 import sys
 
-from broker.main import main
+from loraflow.broker.main import main
 
 sys.exit(main(sys.argv[1:]))

@@ -1,7 +1,7 @@
 """The adapter relay's memory: the newest published adapter versions, kept as the frames that arrived.
 
 The learner publishes an AdapterUpdate (PEFT tensor names, dtypes, shapes, sha256 over the tensor frames in
-order, :func:`common.framing.frames_sha256`). The broker checks the digest once, reading the frames in place
+order, :func:`loraflow.common.framing.frames_sha256`). The broker checks the digest once, reading the frames in place
 (``hashlib`` over memoryviews, no copy), then keeps the *whole received message* — preamble, header and tensor frames — and forwards it
 unchanged to every worker that fetches it: re-sending a ``zmq.Frame`` shares its buffer, so sixteen workers
 fetching a 50 MB adapter cost no extra 50 MB copies in the broker. The newest ``num_kept`` versions are
@@ -19,9 +19,9 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from common import framing
-from common.framing import TensorSpec
-from common.protocol import AdapterNotice, AdapterUpdate, ProtocolError
+from loraflow.common import framing
+from loraflow.common.framing import TensorSpec
+from loraflow.common.protocol import AdapterNotice, AdapterUpdate, ProtocolError
 
 
 @dataclass(slots=True, kw_only=True)
@@ -82,7 +82,7 @@ class AdapterCache:
         actual = framing.frames_sha256(message[2:])
         if actual != update.sha256.lower():
             raise ProtocolError(f"AdapterUpdate v{update.version}: sha256 of the tensor frames is {actual}, the header "
-                                f"says {update.sha256!r} (common.framing.frames_sha256 over the tensor frames)")
+                                f"says {update.sha256!r} (loraflow.common.framing.frames_sha256 over the tensor frames)")
 
     def withdraw(self, lo: int, hi: int) -> list[int]:
         """Forget the kept versions in [lo, hi] (a restarted learner rolled them back); returns them."""

@@ -29,7 +29,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from common import versions
+from loraflow.common import versions
 
 
 @dataclass(slots=True, kw_only=True)

@@ -4,18 +4,18 @@
                     oldest whole groups -> Batch
                     (or park / wait; when every epoch is issued and only buffered groups remain, a short final batch)
     BatchAck     -> GroupLedger.settle: listed ids trained (recorded until a learner checkpoint covers them,
-                    broker.history), unlisted re-queued; ids of a batch this broker did not serve (it restarted)
+                    loraflow.broker.history), unlisted re-queued; ids of a batch this broker did not serve (it restarted)
                     marked trained -> Ack after the state write (the core's outbox)
 
 A Batch forwards each group's frames as received (``framing.pack_raw``'s layout with the specs kept from the
 group's arrival); one zmq refuses to send goes back to the buffer (``restored``). So does every batch in
 flight when the learner goes away.
 
-Policy integrity (:mod:`broker.quarantine`): a BatchAck's ``mismatches`` are failed checks and its listed groups
+Policy integrity (:mod:`loraflow.broker.quarantine`): a BatchAck's ``mismatches`` are failed checks and its listed groups
 passed ones, each counted against the worker process that submitted the group (the buffer's record, never the
 group's own ``worker_id``); a failed group is re-queued like any unlisted one (``dropped{policy_mismatch}``).
 A process that is quarantined loses its leases and buffered groups at once (prompts re-queued); what else the
-status means is :mod:`broker.leasing`'s (no leases; one at a time on probation) and :mod:`broker.intake`'s (its
+status means is :mod:`loraflow.broker.leasing`'s (no leases; one at a time on probation) and :mod:`loraflow.broker.intake`'s (its
 groups refused).
 """
 
@@ -23,21 +23,21 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
-from broker.buffer import StoredGroup
-from broker.history import TrainingHistory
-from broker.intake import holds_withdrawn
-from broker.ledger import GroupLedger, Reason
-from broker.outbox import Outbox
-from broker.peers import PeerRegistry
-from broker.progress import RunProgress
-from broker.prompts import parse_group_id
-from broker.quarantine import Quarantine, Transition, WorkerKey
-from broker.stats import BrokerStats
-from broker.waiters import Waiter, WaiterQueue
-from common import protocol, versions
-from common.framing import TensorSpec
-from common.logging import get_logger
-from common.protocol import Kind
+from loraflow.broker.buffer import StoredGroup
+from loraflow.broker.history import TrainingHistory
+from loraflow.broker.intake import holds_withdrawn
+from loraflow.broker.ledger import GroupLedger, Reason
+from loraflow.broker.outbox import Outbox
+from loraflow.broker.peers import PeerRegistry
+from loraflow.broker.progress import RunProgress
+from loraflow.broker.prompts import parse_group_id
+from loraflow.broker.quarantine import Quarantine, Transition, WorkerKey
+from loraflow.broker.stats import BrokerStats
+from loraflow.broker.waiters import Waiter, WaiterQueue
+from loraflow.common import protocol, versions
+from loraflow.common.framing import TensorSpec
+from loraflow.common.logging import get_logger
+from loraflow.common.protocol import Kind
 
 log = get_logger("broker")
 
@@ -62,7 +62,7 @@ class BatchDesk:
     def request(self, identity: bytes, request: protocol.BatchRequest, now_s: float) -> None:
         self.progress.learner["learner_version"] = request.learner_version
         self.drop_stale()
-        self.waiters.remove(identity)  # a newer request replaces a parked one (broker.waiters)
+        self.waiters.remove(identity)  # a newer request replaces a parked one (loraflow.broker.waiters)
         if not self.try_serve(identity, request, final=request.wait_ms == 0):
             self.waiters.park(Waiter(identity=identity, request=request, deadline_s=now_s + request.wait_ms / 1000))
 

@@ -9,7 +9,7 @@ A group's *slot* lives from acceptance to the learner's BatchAck::
                  +--------------------------------------+
 
 ``drop_from`` takes out the buffered groups of one worker process, whose rollouts failed the learner's policy
-check (:mod:`broker.quarantine`): each group remembers who submitted it (``worker`` + ``session``).
+check (:mod:`loraflow.broker.quarantine`): each group remembers who submitted it (``worker`` + ``session``).
 
 Both buffered and training groups count against the two bounds, ``max_groups`` and ``max_bytes``: the bytes
 stay referenced until the ack, because a learner that dies mid-step gets the same groups again.
@@ -32,8 +32,8 @@ from collections import Counter, OrderedDict
 from dataclasses import dataclass, field
 from typing import Any
 
-from broker.prompts import PromptKey
-from common.versions import StalenessRule, group_is_too_stale
+from loraflow.broker.prompts import PromptKey
+from loraflow.common.versions import StalenessRule, group_is_too_stale
 
 GROUP_OVERHEAD_BYTES = 24 << 10
 
@@ -42,8 +42,8 @@ GROUP_OVERHEAD_BYTES = 24 << 10
 class StoredGroup:
     group_id: str
     key: PromptKey
-    header: Any  # the decoded RolloutGroup record (common.protocol), worker_id and worker_session as registered
-    wire_specs: list[Any]  # the tensor specs as received (common.framing.TensorSpec); "frame" indexes ``frames``
+    header: Any  # the decoded RolloutGroup record (loraflow.common.protocol), worker_id and worker_session as registered
+    wire_specs: list[Any]  # the tensor specs as received (loraflow.common.framing.TensorSpec); "frame" indexes ``frames``
     frames: list[Any] = field(repr=False)  # the received tensor frames, untouched
     num_bytes: int  # all frames of the message, as counted on arrival
     min_version: int  # the oldest of its tokens' versions
@@ -183,7 +183,7 @@ class RolloutBuffer:
 
     def drop_stale(self, latest_version: int, max_staleness: int,
                    rule: StalenessRule = StalenessRule.NEWEST_TOKEN) -> list[StoredGroup]:
-        """Remove and return buffered groups past the bound (:func:`common.versions.group_is_too_stale`; training
+        """Remove and return buffered groups past the bound (:func:`loraflow.common.versions.group_is_too_stale`; training
         groups are the learner's)."""
         stale = [g for g in self._buffered.values()
                  if group_is_too_stale(latest_version, g.min_version, g.max_version, max_staleness, rule)]

@@ -1,32 +1,32 @@
 """The broker's state machine: dispatch, role checks and one thin handler per message kind.
 
-:class:`BrokerCore` owns no socket. :mod:`broker.server` hands it every received multipart message
+:class:`BrokerCore` owns no socket. :mod:`loraflow.broker.server` hands it every received multipart message
 (``handle(identity, frames, now_s)``), calls ``tick`` for timers and ``flush`` for what to send. The state is
 held by its parts, each the one owner of its piece::
 
-    ledger    every prompt's and group's state, its lease and its frames      broker.ledger
-    outbox    every reply until zmq takes it (now, after durable, batched)   broker.outbox
-    leasing   admission, grants, parked LeaseRequests                        broker.leasing
-    groups    verdicts on RolloutGroups and what they do                     broker.groups
-    batching  Batches, BatchAcks, parked BatchRequests, quarantine hooks     broker.batching
-    progress  latest version and trained counts                             broker.progress
+    ledger    every prompt's and group's state, its lease and its frames      loraflow.broker.ledger
+    outbox    every reply until zmq takes it (now, after durable, batched)   loraflow.broker.outbox
+    leasing   admission, grants, parked LeaseRequests                        loraflow.broker.leasing
+    groups    verdicts on RolloutGroups and what they do                     loraflow.broker.groups
+    batching  Batches, BatchAcks, parked BatchRequests, quarantine hooks     loraflow.broker.batching
+    progress  latest version and trained counts                             loraflow.broker.progress
     peers / adapters / history / quarantine / stats                         their modules
 
-Handlers validate first, then apply (:mod:`broker.dispatch`: the order of the checks and why an exception
-once a handler sets ``_applying`` ends the process); a RolloutGroup's checks are :func:`broker.intake.judge`.
+Handlers validate first, then apply (:mod:`loraflow.broker.dispatch`: the order of the checks and why an exception
+once a handler sets ``_applying`` ends the process); a RolloutGroup's checks are :func:`loraflow.broker.intake.judge`.
 
 Semantics (the contract between roles, see the team plan), each told where it is kept:
 
 - LeaseRequest / BatchRequest are long-polls: answered at once when something can be given, else parked and
   answered when state changes (a ledger transition, or a change of peers or versions: ``_reconsider``) or
-  with an empty reply at its deadline (:mod:`broker.leasing`, :mod:`broker.batching`).
+  with an empty reply at its deadline (:mod:`loraflow.broker.leasing`, :mod:`loraflow.broker.batching`).
 - RolloutGroup: only for a lease granted to the sender for that prompt; dedup by group id; refused groups'
-  prompts re-queued at once (:mod:`broker.groups`). BatchAck: the listed groups trained, the rest re-queued;
-  its Ack only after the state write (:mod:`broker.batching`, :mod:`broker.outbox`).
+  prompts re-queued at once (:mod:`loraflow.broker.groups`). BatchAck: the listed groups trained, the rest re-queued;
+  its Ack only after the state write (:mod:`loraflow.broker.batching`, :mod:`loraflow.broker.outbox`).
 - AdapterUpdate: the version advances (or restores) the latest; Ack after the state write, then notices to
-  every worker (:mod:`broker.relay`).
+  every worker (:mod:`loraflow.broker.relay`).
 - Hello: the run token for a learner (security off), one learner at a time, a restarted learner's rollback
-  before its Welcome (:mod:`broker.registration`).
+  before its Welcome (:mod:`loraflow.broker.registration`).
 """
 
 from __future__ import annotations
@@ -37,30 +37,38 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from broker import intake
-from broker.adapters import AdapterCache
-from broker.batching import BatchDesk
-from broker.dispatch import KIND_NAMES, SENDERS, HalfApplied, claimed_role, num_bytes, peek_kind, refusal
-from broker.groups import GroupDesk
-from broker.heartbeats import HeartbeatPath
-from broker.leasing import LeaseDesk
-from broker.loop_times import LoopTimes
-from broker.notices import NoticePacer
-from broker.outbox import Outbox, Outgoing
-from broker.peers import Peer, PeerRegistry, display_name
-from broker.prompts import group_id_of
-from broker.quarantine import Quarantine
-from broker.registration import Registrar
-from broker.relay import AdapterRelay
-from broker.restore import StateKeeper, restore, state_of
-from broker.snapshot import StatsReply, set_gauges
-from broker.state import StateWriter
-from broker.stats import BrokerStats
-from common import framing, protocol
-from common.config import Config
-from common.logging import get_logger
-from common.protocol import Kind, ProtocolError
-from common.tasks import Task
+from loraflow.broker import intake
+from loraflow.broker.adapters import AdapterCache
+from loraflow.broker.batching import BatchDesk
+from loraflow.broker.dispatch import (
+    KIND_NAMES,
+    SENDERS,
+    HalfApplied,
+    claimed_role,
+    num_bytes,
+    peek_kind,
+    refusal,
+)
+from loraflow.broker.groups import GroupDesk
+from loraflow.broker.heartbeats import HeartbeatPath
+from loraflow.broker.leasing import LeaseDesk
+from loraflow.broker.loop_times import LoopTimes
+from loraflow.broker.notices import NoticePacer
+from loraflow.broker.outbox import Outbox, Outgoing
+from loraflow.broker.peers import Peer, PeerRegistry, display_name
+from loraflow.broker.prompts import group_id_of
+from loraflow.broker.quarantine import Quarantine
+from loraflow.broker.registration import Registrar
+from loraflow.broker.relay import AdapterRelay
+from loraflow.broker.restore import StateKeeper, restore, state_of
+from loraflow.broker.snapshot import StatsReply, set_gauges
+from loraflow.broker.state import StateWriter
+from loraflow.broker.stats import BrokerStats
+from loraflow.common import framing, protocol
+from loraflow.common.config import Config
+from loraflow.common.logging import get_logger
+from loraflow.common.protocol import Kind, ProtocolError
+from loraflow.common.tasks import Task
 
 log = get_logger("broker")
 
@@ -119,13 +127,13 @@ class BrokerCore:
                                    **parts)
         self._handlers: dict[int, Callable[..., None]] = {
             kind: getattr(self, f"_on_{KIND_NAMES[kind]}") for kind in SENDERS if kind != Kind.HELLO}
-        self._applying = False  # inside a handler's apply half (broker.dispatch)
+        self._applying = False  # inside a handler's apply half (loraflow.broker.dispatch)
         self._beats = HeartbeatPath(broker.max_message_bytes)  # the common heartbeat's fast path
-        self.notices = NoticePacer()  # AdapterNotices not yet handed out (broker.notices)
+        self.notices = NoticePacer()  # AdapterNotices not yet handed out (loraflow.broker.notices)
         self._reconsider = False  # a peer or version changed: a parked long-poll may be answerable (ledger: its own)
         self._changes_seen = 0
         self._num_changes = 0  # messages (other than StatsRequest) and ticks handled: what a Stats reply is of
-        self._stats_reply = StatsReply()  # encoded once per _num_changes (broker.snapshot)
+        self._stats_reply = StatsReply()  # encoded once per _num_changes (loraflow.broker.snapshot)
         self._next_peer_check_s = now_s
         self._next_stats_s = now_s
         self.keeper = StateKeeper(self.writer, stats=self.stats, adapter=self.relay.take_unsaved,
@@ -178,11 +186,11 @@ class BrokerCore:
         """One received message (the frames after the identity). ``authenticated_role`` is the role CURVE
         authentication bound to the sender's key (None without security): a client may act only in that role;
         ``authenticated_key`` names that key (``<role>:<name>``): a client id belongs to the key that registered
-        it (:meth:`broker.peers.PeerRegistry.hello`). Raises :class:`HalfApplied` for a bug in an apply half."""
+        it (:meth:`loraflow.broker.peers.PeerRegistry.hello`). Raises :class:`HalfApplied` for a bug in an apply half."""
         self.handled_kind = ""  # set where the message is counted in messages_in (internal_error reads it)
         peer = self.peers.get(identity)
         if peer is not None and (beat := self._beats.decode(frames, peer, authenticated_role)) is not None:
-            self._num_changes += 1  # the common heartbeat, accepted as the path below would (broker.heartbeats)
+            self._num_changes += 1  # the common heartbeat, accepted as the path below would (loraflow.broker.heartbeats)
             self.handled_kind = "heartbeat"
             self.stats.bytes_in += len(frames[0]) + len(frames[1])
             self.stats.count("messages_in", "heartbeat")
@@ -209,7 +217,7 @@ class BrokerCore:
         self.stats.bytes_in += envelope.num_bytes
         self.stats.count("messages_in", KIND_NAMES[kind])
         self.handled_kind = KIND_NAMES[kind]
-        if envelope.unknown_fields:  # a newer client's fields: ignored (common.protocol's compatibility rule)
+        if envelope.unknown_fields:  # a newer client's fields: ignored (loraflow.common.protocol's compatibility rule)
             self.stats.count("unknown_fields", KIND_NAMES[kind])
         if self.peers.fenced_by(identity) is not None:
             self._reject(identity, "replaced", self.registrar.fenced_message(identity), ref_kind=kind)
@@ -241,7 +249,7 @@ class BrokerCore:
         """A record that failed its decode: Error; a RolloutGroup's lease, if the sender holds it, goes back at once
         (the worker drops a refused group: waiting for lease_timeout_s would only idle the prompt)."""
         ref_id = header.get("group_id", "")
-        self._applying = True  # validated: the apply half (broker.dispatch)
+        self._applying = True  # validated: the apply half (loraflow.broker.dispatch)
         if kind == Kind.ROLLOUT_GROUP:
             self.groups.malformed(identity, header)
         self._reject(identity, exc.code, str(exc), ref_kind=kind, ref_id=ref_id if isinstance(ref_id, str) else "")
@@ -255,7 +263,7 @@ class BrokerCore:
             code, message, reason = refused
             self._reject(identity, code, message, ref_kind=Kind.HELLO, reason=reason)
             return
-        self._applying = True  # validated: the apply half (broker.dispatch)
+        self._applying = True  # validated: the apply half (loraflow.broker.dispatch)
         self.registrar.hello(identity, old_peer, hello, now_s, key)
         self._reconsider = True
 
@@ -264,7 +272,7 @@ class BrokerCore:
         """The pong is encoded once per version and sent when :meth:`Peer.pong_due` (often enough for the client's
         silence timeout, not for every beat); parked long-polls are reconsidered only when the beat changes the
         worker's adapter version (nothing else a beat reports changes what a lease request can be granted)."""
-        self._applying = True  # validated: the apply half (broker.dispatch)
+        self._applying = True  # validated: the apply half (loraflow.broker.dispatch)
         if self.peers.heartbeat(peer, beat, now_s):
             self._reconsider = True
         if beat.lease_ids:
@@ -274,7 +282,7 @@ class BrokerCore:
             self.outbox.send(identity, Kind.HEARTBEAT, frames, num_bytes=size)
 
     def _on_bye(self, identity: bytes, peer: Peer, bye: protocol.Bye, _env: Any, _frames: Any, _now_s: float) -> None:
-        self._applying = True  # validated: the apply half (broker.dispatch)
+        self._applying = True  # validated: the apply half (loraflow.broker.dispatch)
         self.registrar.bye(identity, peer, bye)
         self._reconsider = True
 
@@ -282,12 +290,12 @@ class BrokerCore:
 
     def _on_lease_request(self, identity: bytes, peer: Peer, request: protocol.LeaseRequest, _env: Any, _frames: Any,
                           now_s: float) -> None:
-        self._applying = True  # validated: the apply half (broker.dispatch)
+        self._applying = True  # validated: the apply half (loraflow.broker.dispatch)
         self.leasing.request(identity, peer, request, now_s)
 
     def _on_lease_return(self, identity: bytes, _peer: Peer, returned: protocol.LeaseReturn, _env: Any, _frames: Any,
                          _now_s: float) -> None:
-        self._applying = True  # validated: the apply half (broker.dispatch)
+        self._applying = True  # validated: the apply half (loraflow.broker.dispatch)
         unknown = self.leasing.give_back(identity, returned.lease_ids)
         if unknown:
             self._reject(identity, "unknown_lease", f"lease(s) {unknown[:8]} are not held by you (expired, "
@@ -299,7 +307,7 @@ class BrokerCore:
         if verdict.outcome == intake.UNKNOWN:
             self.groups.reject(identity, peer, verdict, group.group_id)
             return
-        self._applying = True  # validated: the apply half (broker.dispatch)
+        self._applying = True  # validated: the apply half (loraflow.broker.dispatch)
         self.groups.apply(identity, peer, group, envelope, verdict, now_s)
 
     def _on_batch_request(self, identity: bytes, _peer: Peer, request: protocol.BatchRequest, _env: Any, _frames: Any,
@@ -309,7 +317,7 @@ class BrokerCore:
                          f"broker holds at most {self.ledger.buffer.max_groups} (broker.capacity_groups)",
                          ref_kind=Kind.BATCH_REQUEST)
             return
-        self._applying = True  # validated: the apply half (broker.dispatch)
+        self._applying = True  # validated: the apply half (loraflow.broker.dispatch)
         self.batching.request(identity, request, now_s)
 
     def _on_batch_ack(self, identity: bytes, _peer: Peer, ack: protocol.BatchAck, _env: Any, _frames: Any,
@@ -318,7 +326,7 @@ class BrokerCore:
             self._reject(identity, "unknown_batch", f"batch {ack.batch_id!r} is unknown to this broker and the ack "
                          "lists no group_ids", ref_kind=Kind.BATCH_ACK, ref_id=ack.batch_id)
             return
-        self._applying = True  # validated: the apply half (broker.dispatch)
+        self._applying = True  # validated: the apply half (loraflow.broker.dispatch)
         self.batching.settle(ack, now_s)
         self.outbox.send_record(identity, protocol.BatchSettled(ref_id=ack.batch_id), after_durable=True)
         self._reconsider = True  # a quarantine may have begun
@@ -332,7 +340,7 @@ class BrokerCore:
             self._reject(identity, *refused, ref_kind=Kind.ADAPTER_UPDATE, ref_id=str(update.version),
                          ref_version=update.version)
             return
-        self._applying = True  # validated: the apply half (broker.dispatch)
+        self._applying = True  # validated: the apply half (loraflow.broker.dispatch)
         self.relay.publish(identity, peer, update, envelope, frames)
         self.leasing.answer_stale(now_s)
         self.batching.drop_stale()

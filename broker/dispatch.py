@@ -1,6 +1,6 @@
 """Who may send what, and the contract every handler keeps: validate everything first, then apply.
 
-Per message, in order (:meth:`broker.core.BrokerCore.handle`): framing checks (size, protocol version, header)
+Per message, in order (:meth:`loraflow.broker.core.BrokerCore.handle`): framing checks (size, protocol version, header)
 -> a fenced learner's identity is refused -> who may send it (:data:`SENDERS`: unknown identities may only say
 Hello or ask for Stats; with CURVE the role claimed must be the role the key is authorised for,
 :func:`refusal`) -> the record's validating decode (bounds on every field, free-form ones included) -> the
@@ -19,8 +19,8 @@ from __future__ import annotations
 
 from typing import Any
 
-from common import framing
-from common.protocol import Kind
+from loraflow.common import framing
+from loraflow.common.protocol import Kind
 
 KIND_NAMES = {int(k): k.name.lower() for k in Kind}
 ANYONE = frozenset({"worker", "learner", "observer"})

@@ -1,4 +1,4 @@
-"""Arriving RolloutGroups: the verdict (:func:`broker.intake.judge`) and what it does to the broker.
+"""Arriving RolloutGroups: the verdict (:func:`loraflow.broker.intake.judge`) and what it does to the broker.
 
     RolloutGroup -> judge -> unknown:   Error, no lease touched (validation: nothing applied)
                           -> refuse:    the sender's lease of that prompt ends (its prompt re-queued), Error
@@ -7,25 +7,25 @@
 
 Acks go one per group, or together once per loop pass to clients that read ``GroupAck.ref_ids``
 (``Hello.batched_acks``). The core runs :meth:`GroupDesk.judge` before its apply half begins and
-:meth:`GroupDesk.apply` after (:mod:`broker.dispatch`).
+:meth:`GroupDesk.apply` after (:mod:`loraflow.broker.dispatch`).
 """
 
 from __future__ import annotations
 
 from typing import Any
 
-from broker import intake
-from broker.history import TrainingHistory
-from broker.ledger import GroupLedger, Reason
-from broker.outbox import Outbox
-from broker.peers import Peer
-from broker.progress import RunProgress
-from broker.quarantine import Quarantine, Status
-from broker.stats import BrokerStats
-from common import framing, protocol
-from common.config import Config
-from common.logging import get_logger
-from common.protocol import Kind
+from loraflow.broker import intake
+from loraflow.broker.history import TrainingHistory
+from loraflow.broker.ledger import GroupLedger, Reason
+from loraflow.broker.outbox import Outbox
+from loraflow.broker.peers import Peer
+from loraflow.broker.progress import RunProgress
+from loraflow.broker.quarantine import Quarantine, Status
+from loraflow.broker.stats import BrokerStats
+from loraflow.common import framing, protocol
+from loraflow.common.config import Config
+from loraflow.common.logging import get_logger
+from loraflow.common.protocol import Kind
 
 log = get_logger("broker")
 

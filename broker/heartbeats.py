@@ -1,7 +1,7 @@
 """The heartbeat fast path: what a connected fleet costs the broker when it only says "still here".
 
 At 4,096 workers beating every second, heartbeats are most of the broker's messages, and nearly all of them say
-what the previous one said. The general path (:func:`common.protocol.decode_envelope`, role checks, the typed
+what the previous one said. The general path (:func:`loraflow.common.protocol.decode_envelope`, role checks, the typed
 record, a freshly encoded pong) costs ~12 us of Python per beat before the sockets; this one costs a few:
 
     frames == [the Heartbeat preamble, header]      (8 bytes compared: magic, protocol version, kind)
@@ -27,10 +27,10 @@ from typing import Any
 
 import msgspec
 
-from broker.dispatch import SENDERS
-from broker.peers import Peer
-from common import framing, protocol
-from common.protocol import PROTOCOL_VERSION, Heartbeat, Kind, Numbers
+from loraflow.broker.dispatch import SENDERS
+from loraflow.broker.peers import Peer
+from loraflow.common import framing, protocol
+from loraflow.common.protocol import PROTOCOL_VERSION, Heartbeat, Kind, Numbers
 
 _EMPTY_MAP = msgspec.Raw(b"\x80")  # msgpack's empty map: a beat without counters
 

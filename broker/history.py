@@ -26,9 +26,9 @@ not re-queue what it lost that far back. Records are not kept at all when the le
 (``learner.checkpoint_every = 0``): it restarts from the base model, and re-training the whole history is not
 a recovery.
 
-Withdrawn versions are inclusive ranges (:mod:`common.versions`). Their numbers are never used again, and no
+Withdrawn versions are inclusive ranges (:mod:`loraflow.common.versions`). Their numbers are never used again, and no
 group holding a token generated under one of them is buffered, served or trained. All of it is persisted in
-the state file (:mod:`broker.state`), so a broker restart between a learner's death and its recovery loses
+the state file (:mod:`loraflow.broker.state`), so a broker restart between a learner's death and its recovery loses
 nothing. Pure logic: no sockets, no clock.
 """
 
@@ -37,9 +37,9 @@ from __future__ import annotations
 from collections import OrderedDict
 from collections.abc import Iterable
 
-from broker.prompts import PromptKey
-from common import versions
-from common.versions import VersionRange
+from loraflow.broker.prompts import PromptKey
+from loraflow.common import versions
+from loraflow.common.versions import VersionRange
 
 
 class TrainingHistory:

@@ -2,23 +2,23 @@
 
 :func:`judge` runs every check on a decoded group and returns a :class:`Verdict`; it reads the ledger and
 the run's state and changes nothing, so a handler applies the verdict whole or not at all (see
-:mod:`broker.core`). In order::
+:mod:`loraflow.broker.core`). In order::
 
     group id is a prompt this broker issued?                  no  -> unknown_lease (nobody's lease touched)
     lease id granted to this client for this prompt (its MAC)? no -> unknown_lease (lease_not_yours)
-    sender quarantined (broker.quarantine)?                   yes -> refuse: quarantined
+    sender quarantined (loraflow.broker.quarantine)?                   yes -> refuse: quarantined
     prompt buffered / training / trained already?             yes -> duplicate (Ack)
-    group_size samples, values valid (common.protocol)?       no  -> refuse: invalid_group / malformed
+    group_size samples, values valid (loraflow.common.protocol)?       no  -> refuse: invalid_group / malformed
     newest token within max_staleness of the latest?          no  -> refuse: stale (dropped{stale_on_arrival})
-    tokens of a withdrawn version (broker.history)?           yes -> refuse: withdrawn (dropped{withdrawn_on_arrival})
+    tokens of a withdrawn version (loraflow.broker.history)?           yes -> refuse: withdrawn (dropped{withdrawn_on_arrival})
     fits the buffer's byte bound?                             no  -> refuse: buffer_full (dropped{buffer_full})
     otherwise                                                     -> accept
 
 A *refused* group's prompt goes back to the queue at once when the sender holds its lease; a group for a
 prompt whose lease expired is still accepted (any newer lease on it is cancelled by
-:meth:`broker.ledger.GroupLedger.accept`).
+:meth:`loraflow.broker.ledger.GroupLedger.accept`).
 
-Staleness is judged by the group's newest token (``max_version``; :func:`common.versions.group_is_too_stale`
+Staleness is judged by the group's newest token (``max_version``; :func:`loraflow.common.versions.group_is_too_stale`
 under the ledger's ``staleness_rule``): a group that still holds a token the learner may train is kept, and the
 learner masks its tokens older than the bound. Judged by its oldest token, a long completion, whose first
 tokens age while it generates, was the likeliest to be dropped.
@@ -31,12 +31,12 @@ from typing import Any
 
 import numpy as np
 
-from broker.buffer import StoredGroup
-from broker.ledger import GroupLedger, State
-from broker.prompts import PromptKey, parse_group_id
-from common import framing, protocol, versions
-from common.protocol import ProtocolError
-from common.versions import VersionRange
+from loraflow.broker.buffer import StoredGroup
+from loraflow.broker.ledger import GroupLedger, State
+from loraflow.broker.prompts import PromptKey, parse_group_id
+from loraflow.common import framing, protocol, versions
+from loraflow.common.protocol import ProtocolError
+from loraflow.common.versions import VersionRange
 
 ACCEPT, DUPLICATE, UNKNOWN, REFUSE = "accept", "duplicate", "unknown", "refuse"
 
@@ -54,7 +54,7 @@ class Verdict:
 
 def token_versions(specs: list[Any], frames: list[Any]) -> np.ndarray:
     """The per-token policy versions of one group: a numpy view of its ``versions`` frame (specs as received,
-    :class:`common.framing.TensorSpec`)."""
+    :class:`loraflow.common.framing.TensorSpec`)."""
     for spec in specs:
         if spec.name == "versions":
             return framing.as_numpy(spec, frames[spec.frame])

@@ -29,8 +29,8 @@ import itertools
 from collections.abc import Iterator
 from dataclasses import dataclass
 
-from broker.peers import display_name
-from broker.prompts import PromptKey
+from loraflow.broker.peers import display_name
+from loraflow.broker.prompts import PromptKey
 
 
 @dataclass(slots=True, kw_only=True)

@@ -13,9 +13,9 @@ Each prompt key ``(epoch, index)`` is in exactly one state, and every change of 
                      any pending state --trained_unserved--> trained: a BatchAck from before a broker restart)
 
 What a state holds lives in one store each, and only the ledger writes to them: the state table, the cursor
-and the re-queue order (:class:`broker.prompts.PromptSource`), the lease of a leased prompt
-(:class:`broker.leases.LeaseTable`) and the frames of a buffered or training group
-(:class:`broker.buffer.RolloutBuffer`, which enforces the capacity and byte bounds). Everything else the
+and the re-queue order (:class:`loraflow.broker.prompts.PromptSource`), the lease of a leased prompt
+(:class:`loraflow.broker.leases.LeaseTable`) and the frames of a buffered or training group
+(:class:`loraflow.broker.buffer.RolloutBuffer`, which enforces the capacity and byte bounds). Everything else the
 broker reports or persists is read from here: lease counts, buffer contents and bytes, the prompt counts of a
 Stats reply, and the persisted ``cursor`` / ``reserved_until`` / ``pending`` (:meth:`GroupLedger.restored`
 rebuilds a ledger from them: every pending key and every key of the reserved block is queued again, a trained
@@ -23,7 +23,7 @@ key never is, so each prompt is trained exactly once across restarts). :meth:`Gr
 that the stores agree; the property tests (tests/broker/test_ledger.py) run it after every event.
 
 Pure logic: no sockets, no clock (callers pass ``now_s``); counters go to the ``count(family, event, n)``
-callable it is given (the broker's :class:`broker.stats.BrokerStats`).
+callable it is given (the broker's :class:`loraflow.broker.stats.BrokerStats`).
 """
 
 from __future__ import annotations
@@ -32,10 +32,10 @@ import enum
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
-from broker.buffer import RolloutBuffer, StoredGroup
-from broker.leases import Lease, LeaseTable
-from broker.prompts import PromptKey, PromptSource, group_id_of
-from common.versions import StalenessRule
+from loraflow.broker.buffer import RolloutBuffer, StoredGroup
+from loraflow.broker.leases import Lease, LeaseTable
+from loraflow.broker.prompts import PromptKey, PromptSource, group_id_of
+from loraflow.common.versions import StalenessRule
 
 
 class State(enum.StrEnum):
@@ -121,7 +121,7 @@ class GroupLedger:
         self.leases = leases  # the lease of each leased prompt
         self._count = count
         self.num_changes = 0  # transitions so far: a change means parked long-polls may be answerable
-        # which token of a group decides that it is too stale, on arrival (broker.intake) and in the buffer
+        # which token of a group decides that it is too stale, on arrival (loraflow.broker.intake) and in the buffer
         self.staleness_rule = StalenessRule.NEWEST_TOKEN
 
     @classmethod

@@ -1,6 +1,6 @@
 """How long the broker's loop is busy: each pass's time and the slowest piece of work, by what it was.
 
-The loop (:mod:`broker.server`) is one thread: while a pass runs, nothing else is read or sent, so a slow pass
+The loop (:mod:`loraflow.broker.server`) is one thread: while a pass runs, nothing else is read or sent, so a slow pass
 is latency for every peer at once (a lease grant, a heartbeat's answer). This object owns what the operator
 and the benches need to see it: the passes by duration (``loop_passes{le_ms}``: counters by the bucket's upper
 bound in ms, so a Prometheus rate or two Stats snapshots give a distribution) and, over the last stats window,
@@ -12,7 +12,7 @@ carries it as ``loop``; ``loraflow status`` prints it. Python's garbage collecti
 (:meth:`LoopTimes.on_gc`): a full one stops the loop for as long as it walks the heap.
 
 A pass's time is the loop's work between two polls (what it received, the tick, the flush and the sends), not
-the poll's wait and not the gather sleep (:data:`broker.server.GATHER_S`). Two clock reads per message and
+the poll's wait and not the gather sleep (:data:`loraflow.broker.server.GATHER_S`). Two clock reads per message and
 six per pass (two of the thread's CPU clock): about a microsecond a pass.
 """
 
@@ -23,7 +23,7 @@ import time
 from bisect import bisect_left
 from typing import Any
 
-from broker.stats import BrokerStats
+from loraflow.broker.stats import BrokerStats
 
 #: upper bounds of the pass-duration buckets (ms); a pass longer than the last lands in "inf"
 BUCKETS_MS = (1, 2, 5, 10, 20, 50, 100, 200, 500, 1000)

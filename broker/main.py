@@ -10,8 +10,8 @@ CURVE clients whose keys lie under ``<security.keys_dir>/authorized/<role>/``. S
 long-polls are answered, the state is written, exit code 0.
 
 Before it binds, the start-up checks run (``model.path``, ``run.run_dir``, ``run.task``, the state and endpoint
-files, ``broker.metrics_port``; :mod:`common.startup`); those and a bind address that is taken or not on this machine are config errors:
-one line naming the setting, exit code 2 (:func:`common.cli.run_main`), which supervisors do not restart.
+files, ``broker.metrics_port``; :mod:`loraflow.common.startup`); those and a bind address that is taken or not on this machine are config errors:
+one line naming the setting, exit code 2 (:func:`loraflow.common.cli.run_main`), which supervisors do not restart.
 """
 
 from __future__ import annotations
@@ -22,13 +22,13 @@ import signal
 import sys
 from pathlib import Path
 
-from common.cli import config_from_args, config_parser, run_main
-from common.config import Config, ConfigError, write_resolved
-from common.logging import get_logger, setup_logging
-from common.metrics import serve_prometheus
-from common.startup import check_port_free, check_run_dir, check_task, check_writable, resolve_model
-from common.tasks import Task
-from common.tiny_model import default_cache_dir, model_vocab_size
+from loraflow.common.cli import config_from_args, config_parser, run_main
+from loraflow.common.config import Config, ConfigError, write_resolved
+from loraflow.common.logging import get_logger, setup_logging
+from loraflow.common.metrics import serve_prometheus
+from loraflow.common.startup import check_port_free, check_run_dir, check_task, check_writable, resolve_model
+from loraflow.common.tasks import Task
+from loraflow.common.tiny_model import default_cache_dir, model_vocab_size
 
 log = get_logger("broker")
 
@@ -71,14 +71,14 @@ def bind_setting(config: Config) -> str:
 
 
 def run(config: Config, task: Task) -> int:
-    from broker.core import BrokerCore
-    from broker.server import BrokerServer
-    from common.run_token import broker_token
-    from common.sockets import AddressInUse, CannotBind
+    from loraflow.broker.core import BrokerCore
+    from loraflow.broker.server import BrokerServer
+    from loraflow.common.run_token import broker_token
+    from loraflow.common.sockets import AddressInUse, CannotBind
 
     security = None
     if config.security.enabled:
-        from common.security import ServerSecurity
+        from loraflow.common.security import ServerSecurity
 
         security = ServerSecurity.load(config.security.keys_dir)
     vocab_size = vocab_size_for(config)

@@ -7,15 +7,15 @@ notices not yet handed out: each pass's replies go first, then at most :data:`NO
 full batch the next waits :data:`NOTICE_SPACING_S`. The fan-out of 4,096 takes 4,096 / 128 x 5 ms = 160 ms and a
 reply waits behind at most one batch; only a full batch makes the next wait, so up to 128 workers (and a late
 joiner's single notice) get theirs at once. Each worker still gets its notices in order; a notice carries no
-promise to undo (:mod:`broker.outbox`), so holding one back is safe.
+promise to undo (:mod:`loraflow.broker.outbox`), so holding one back is safe.
 """
 
 from __future__ import annotations
 
 from collections import deque
 
-from broker.outbox import Outgoing
-from common.protocol import Kind
+from loraflow.broker.outbox import Outgoing
+from loraflow.common.protocol import Kind
 
 NOTICE_BATCH = 128
 NOTICE_SPACING_S = 0.005

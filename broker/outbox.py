@@ -32,12 +32,12 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from broker.dispatch import KIND_NAMES
-from broker.peers import display_name
-from broker.stats import BrokerStats
-from common import protocol
-from common.logging import get_logger
-from common.protocol import Kind
+from loraflow.broker.dispatch import KIND_NAMES
+from loraflow.broker.peers import display_name
+from loraflow.broker.stats import BrokerStats
+from loraflow.common import protocol
+from loraflow.common.logging import get_logger
+from loraflow.common.protocol import Kind
 
 log = get_logger("broker")
 

@@ -1,6 +1,6 @@
 """The registry of connected clients: who they are, their session, what they last reported, whether alive.
 
-Clients are keyed by their zmq identity (``<role>/<client_id>``, set by :class:`common.transport.BrokerLink`;
+Clients are keyed by their zmq identity (``<role>/<client_id>``, set by :class:`loraflow.common.transport.BrokerLink`;
 with CURVE on, ``<role>/<client_id>/<route token>``: a random token per process, so that no other client, even an
 authorised one, can claim the identity and with it the messages routed to it). The token is never shown: a
 peer's :attr:`Peer.name` and everything stats report use :func:`display_name`.
@@ -11,11 +11,11 @@ BrokerLink heartbeats every ``heartbeat_interval_s`` regardless of what its proc
 known ``(role, client_id)``, under the same identity or another one, means the old process died and was
 restarted (:meth:`PeerRegistry.hello` returns the old entry so the server can reclaim what it held); the same
 session again is a harmless re-hello from the same identity, and refused from another (a connection posing as
-the registered process: the learner's probation keys on the process, learner.trust).
+the registered process: the learner's probation keys on the process, loraflow.learner.trust).
 
 There is one learner. A learner's Hello replaces any other learner (the newest process wins: a supervisor
 restarting a crashed learner must not wait for the old one's heartbeats to time out), and the replaced one is
-*fenced*: its identity (every learner process has its own, see :class:`common.transport.BrokerLink`) is refused
+*fenced*: its identity (every learner process has its own, see :class:`loraflow.common.transport.BrokerLink`) is refused
 with ``replaced`` from then on (:meth:`PeerRegistry.fence`), so a learner that was only partitioned or hung
 cannot come back and train the same run a second time.
 
@@ -48,7 +48,7 @@ from collections import OrderedDict, defaultdict
 from dataclasses import dataclass, field
 from typing import Any
 
-from common.protocol import Heartbeat, Hello
+from loraflow.common.protocol import Heartbeat, Hello
 
 MAX_FENCED = 64  # replaced learners remembered (the oldest are forgotten; each is one learner restart)
 INTERVAL_STEPS = 4  # a stretched heartbeat interval is rounded up to a quarter of the configured one
@@ -91,7 +91,7 @@ class Peer:
     state: str = "starting"
     num_leases_reported: int = 0
     counters: dict[str, Any] = field(default_factory=dict)
-    counters_raw: Any = None  # the msgpack bytes ``counters`` was decoded from (broker.heartbeats: unchanged -> kept)
+    counters_raw: Any = None  # the msgpack bytes ``counters`` was decoded from (loraflow.broker.heartbeats: unchanged -> kept)
     registered_s: float = 0.0
     registered_unix: float = 0.0
     last_seen_s: float = 0.0
@@ -248,7 +248,7 @@ class PeerRegistry:
 
     def heartbeat(self, peer: Peer, beat: Heartbeat, now_s: float) -> bool:
         """What a beat reports; True when it changes the peer's adapter version. ``beat.counters`` None: unchanged
-        (:mod:`broker.heartbeats`, which then keeps ``counters_raw``; a beat decoded the general way clears it)."""
+        (:mod:`loraflow.broker.heartbeats`, which then keeps ``counters_raw``; a beat decoded the general way clears it)."""
         changed = beat.adapter_version != peer.adapter_version
         peer.adapter_version = beat.adapter_version
         peer.num_leases_reported = beat.num_leases

@@ -1,11 +1,11 @@
 """Where the run stands, as the broker sees it: the newest policy version and how much has been trained.
 
-One :class:`RunProgress` is shared by the core and the desks that decide with it (:mod:`broker.leasing`'s
-admission, :mod:`broker.batching`'s staleness checks); the core's handlers are the only writers: an
+One :class:`RunProgress` is shared by the core and the desks that decide with it (:mod:`loraflow.broker.leasing`'s
+admission, :mod:`loraflow.broker.batching`'s staleness checks); the core's handlers are the only writers: an
 AdapterUpdate moves ``latest_version``, a BatchAck the trained counts, a restarted learner's rollback both.
-``latest_version``, ``latest_sha256`` and ``num_trained_total`` are persisted (:mod:`broker.state`);
+``latest_version``, ``latest_sha256`` and ``num_trained_total`` are persisted (:mod:`loraflow.broker.state`);
 ``base_version`` and ``num_trained_since_start`` are the admission limit's counting base
-(:func:`common.versions.admission_limit`), from this process's start.
+(:func:`loraflow.common.versions.admission_limit`), from this process's start.
 """
 
 from __future__ import annotations

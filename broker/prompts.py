@@ -18,7 +18,7 @@ Re-queued prompts are handed out before new ones, oldest key first. An epoch hol
 Persistence hook: new keys are only issued inside a *reserved block* ``[cursor, reserved_until)``. When the
 cursor reaches the end of the block, :class:`PromptSource` calls ``on_reserve(new_end)`` *before* issuing
 the key, so that the broker's state file always covers every key that may have been handed out
-(see :mod:`broker.state`).
+(see :mod:`loraflow.broker.state`).
 """
 
 from __future__ import annotations
@@ -27,7 +27,7 @@ import heapq
 from collections import Counter
 from collections.abc import Callable, Iterable
 
-from common.tasks import Task, TaskItem
+from loraflow.common.tasks import Task, TaskItem
 
 PromptKey = tuple[int, int]
 

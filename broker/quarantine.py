@@ -1,6 +1,6 @@
 """Quarantine: which worker processes keep sending rollouts that fail the learner's policy check.
 
-The learner re-scores what every group claims (:mod:`common.integrity`) and reports each group that fails in
+The learner re-scores what every group claims (:mod:`loraflow.common.integrity`) and reports each group that fails in
 ``BatchAck.mismatches``; a group it lists in ``BatchAck.group_ids`` passed. This module turns those outcomes
 into a status per *worker process*, ``(client id, session)``: a restarted worker is another process, with a
 clean slate but on probation::
@@ -13,19 +13,19 @@ clean slate but on probation::
 A reconnect (a Hello with the same session) changes nothing: the process that failed stays out. The old
 process's record stays quarantined after its successor's Hello (*superseded*: shown no more, and a later
 restart is not sent to probation by it again). Outcomes are attributed by the broker's own record of who
-submitted the group (:class:`broker.buffer.StoredGroup` ``worker`` + ``session``), never by the ``worker_id``
+submitted the group (:class:`loraflow.broker.buffer.StoredGroup` ``worker`` + ``session``), never by the ``worker_id``
 a group or a mismatch claims. Each process keeps the last :data:`MAX_EVIDENCE` failures (the learner's
-:class:`common.protocol.PolicyMismatch` records) so that ``loraflow status`` can say why.
+:class:`loraflow.common.protocol.PolicyMismatch` records) so that ``loraflow status`` can say why.
 
-What the statuses mean for the broker is :mod:`broker.batching`'s (its hooks, on each BatchAck),
-:mod:`broker.leasing`'s and :mod:`broker.intake`'s part: a quarantined process gets no leases
+What the statuses mean for the broker is :mod:`loraflow.broker.batching`'s (its hooks, on each BatchAck),
+:mod:`loraflow.broker.leasing`'s and :mod:`loraflow.broker.intake`'s part: a quarantined process gets no leases
 (``LeaseGrant.reason = "quarantined"``), its leases and buffered groups are taken back (prompts re-queued), and
 its groups are refused (Error ``quarantined``); a process on probation holds one lease at a time.
 
 Pure logic: no sockets, the caller's clock (``now_s``, ``time.monotonic()``). Bounded: at most
 :data:`MAX_TRACKED` processes are remembered (the least recently checked healthy ones are forgotten first).
 
-Survives a broker restart: the state file (:mod:`broker.state`, field ``quarantine``) keeps up to
+Survives a broker restart: the state file (:mod:`loraflow.broker.state`, field ``quarantine``) keeps up to
 :data:`MAX_PERSISTED` flagged records (:meth:`Quarantine.persisted`: the current ones before the superseded,
 the most recently flagged first), and :meth:`Quarantine.put` puts them back, so a quarantined process that
 reconnects to the new broker (same session) stays out and a restarted one (new session) is on probation as
@@ -41,7 +41,7 @@ from collections import OrderedDict, deque
 from dataclasses import dataclass, field
 from typing import Any
 
-from common.protocol import PolicyMismatch
+from loraflow.common.protocol import PolicyMismatch
 
 #: (client id, session) of a worker process
 WorkerKey = tuple[str, str]

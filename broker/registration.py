@@ -1,6 +1,6 @@
 """Who is connected: Hellos, Byes and deaths, the one learner, and what a restarted learner takes back.
 
-    Hello (worker)  -> registered (broker.peers; a new session of a known client id: the old process's leases
+    Hello (worker)  -> registered (loraflow.broker.peers; a new session of a known client id: the old process's leases
                        reclaimed) -> a quarantined worker's restart on probation -> Welcome (+ AdapterNotice of
                        the newest version when it is behind)
     Hello (learner) -> the run token (security off) -> registered; any other learner fenced (refused
@@ -11,7 +11,7 @@
 A restarted learner resumed from a checkpoint of version v = ``Hello.adapter_version``: groups trained on
 parameters of version >= v are re-queued; versions v+1..latest are withdrawn (dropped from the adapter cache;
 buffered groups holding their tokens dropped and re-queued; arriving ones refused; workers holding one get no
-lease until they load a newer version) (:mod:`broker.history`). The resumed learner publishes its weights as
+lease until they load a newer version) (:mod:`loraflow.broker.history`). The resumed learner publishes its weights as
 latest+1 right away.
 """
 
@@ -19,20 +19,20 @@ from __future__ import annotations
 
 import hmac
 
-from broker.batching import BatchDesk
-from broker.history import TrainingHistory
-from broker.leasing import LeaseDesk
-from broker.ledger import GroupLedger, Reason
-from broker.outbox import Outbox
-from broker.peers import ClientIdTaken, Peer, PeerRegistry, RegistryFull
-from broker.progress import RunProgress
-from broker.quarantine import Quarantine
-from broker.relay import AdapterRelay
-from broker.stats import BrokerStats
-from common import protocol
-from common.config import Config
-from common.logging import get_logger
-from common.protocol import Kind
+from loraflow.broker.batching import BatchDesk
+from loraflow.broker.history import TrainingHistory
+from loraflow.broker.leasing import LeaseDesk
+from loraflow.broker.ledger import GroupLedger, Reason
+from loraflow.broker.outbox import Outbox
+from loraflow.broker.peers import ClientIdTaken, Peer, PeerRegistry, RegistryFull
+from loraflow.broker.progress import RunProgress
+from loraflow.broker.quarantine import Quarantine
+from loraflow.broker.relay import AdapterRelay
+from loraflow.broker.stats import BrokerStats
+from loraflow.common import protocol
+from loraflow.common.config import Config
+from loraflow.common.logging import get_logger
+from loraflow.common.protocol import Kind
 
 log = get_logger("broker")
 
@@ -61,7 +61,7 @@ class Registrar:
     def hello(self, identity: bytes, old_peer: Peer | None, hello: protocol.Hello, now_s: float,
               key: str | None) -> None:
         """Register the sender and welcome it (the refusals of a full registry or a taken client id come before
-        anything is registered: :meth:`broker.peers.PeerRegistry.hello` raises first)."""
+        anything is registered: :meth:`loraflow.broker.peers.PeerRegistry.hello` raises first)."""
         try:
             peer, replaced = self.peers.hello(identity, hello, now_s, key=key)
         except RegistryFull as exc:
@@ -135,7 +135,7 @@ class Registrar:
 
     def dead(self, now_s: float) -> int:
         """Clients silent for heartbeat_misses intervals are gone; how many. (The heartbeat interval asked of the
-        fleet is set for its size first: broker.peers, "The heartbeat budget".)"""
+        fleet is set for its size first: loraflow.broker.peers, "The heartbeat budget".)"""
         if self.peers.pace(now_s):
             log.info("heartbeat_interval_set", interval_s=self.peers.interval_s, timeout_s=self.peers.timeout_s,
                      clients=len(self.peers), max_heartbeats_per_second=self.peers.max_heartbeats_per_second)

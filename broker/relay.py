@@ -1,13 +1,13 @@
 """The adapter relay: the learner's AdapterUpdates in, checked; notices out to every worker; fetches served.
 
     AdapterUpdate -> version advances the latest (or restores it: same version, same sha256, frames lost in a
-                     broker restart; a withdrawn version never comes back) -> digest -> kept (broker.adapters)
+                     broker restart; a withdrawn version never comes back) -> digest -> kept (loraflow.broker.adapters)
                      -> Ack after the state write (the adapter file is written with it) -> AdapterNotice to
                      every worker
     AdapterFetch  -> the kept message's frames, forwarded as received (or Error stale_version: not kept)
 
 :meth:`AdapterRelay.refusal` decides and changes nothing; :meth:`AdapterRelay.publish` applies (see
-:mod:`broker.dispatch`). A worker behind the newest version learns of it by the notice, or right after its
+:mod:`loraflow.broker.dispatch`). A worker behind the newest version learns of it by the notice, or right after its
 Welcome, and fetches when it wants it: a reconnect storm moves no tensors.
 """
 
@@ -15,15 +15,15 @@ from __future__ import annotations
 
 from typing import Any
 
-from broker.adapters import AdapterCache, StoredAdapter
-from broker.history import TrainingHistory
-from broker.outbox import Outbox
-from broker.peers import Peer, PeerRegistry
-from broker.progress import RunProgress
-from broker.stats import BrokerStats
-from common import framing, protocol
-from common.logging import get_logger
-from common.protocol import Kind, ProtocolError
+from loraflow.broker.adapters import AdapterCache, StoredAdapter
+from loraflow.broker.history import TrainingHistory
+from loraflow.broker.outbox import Outbox
+from loraflow.broker.peers import Peer, PeerRegistry
+from loraflow.broker.progress import RunProgress
+from loraflow.broker.stats import BrokerStats
+from loraflow.common import framing, protocol
+from loraflow.common.logging import get_logger
+from loraflow.common.protocol import Kind, ProtocolError
 
 log = get_logger("broker")
 

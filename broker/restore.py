@@ -1,8 +1,8 @@
 """A broker's start from what the previous process left on disk, and what it leaves for the next one.
 
-:func:`restore` reads ``state.json`` (:mod:`broker.state`) and ``adapter.bin`` and returns the parts the core
+:func:`restore` reads ``state.json`` (:mod:`loraflow.broker.state`) and ``adapter.bin`` and returns the parts the core
 runs on: the group ledger (every pending key and the reserved block re-queued, the cursor after the block:
-:meth:`broker.ledger.GroupLedger.restored`), where the run stands (:class:`broker.progress.RunProgress`), the
+:meth:`loraflow.broker.ledger.GroupLedger.restored`), where the run stands (:class:`loraflow.broker.progress.RunProgress`), the
 training history and the lease secret (so that leases granted before the restart still verify), and it puts
 the flagged worker processes back into the quarantine (a quarantined process stays out across the restart).
 :func:`state_of` is the inverse: the state to write, read off the same parts, and :class:`StateKeeper` writes it.
@@ -22,15 +22,15 @@ from functools import partial
 from pathlib import Path
 from typing import Any
 
-from broker.adapters import AdapterCache
-from broker.buffer import RolloutBuffer
-from broker.history import TrainingHistory
-from broker.leases import LeaseTable
-from broker.ledger import GroupLedger
-from broker.progress import RunProgress
-from broker.prompts import PromptSource
-from broker.quarantine import MAX_EVIDENCE, Evidence, Quarantine, Record, Status
-from broker.state import (
+from loraflow.broker.adapters import AdapterCache
+from loraflow.broker.buffer import RolloutBuffer
+from loraflow.broker.history import TrainingHistory
+from loraflow.broker.leases import LeaseTable
+from loraflow.broker.ledger import GroupLedger
+from loraflow.broker.progress import RunProgress
+from loraflow.broker.prompts import PromptSource
+from loraflow.broker.quarantine import MAX_EVIDENCE, Evidence, Quarantine, Record, Status
+from loraflow.broker.state import (
     BrokerState,
     EvidenceEntry,
     QuarantineEntry,
@@ -41,11 +41,11 @@ from broker.state import (
     load_state,
     make_state,
 )
-from broker.stats import BrokerStats
-from common import protocol
-from common.config import Config
-from common.logging import get_logger
-from common.tasks import Task
+from loraflow.broker.stats import BrokerStats
+from loraflow.common import protocol
+from loraflow.common.config import Config
+from loraflow.common.logging import get_logger
+from loraflow.common.tasks import Task
 
 log = get_logger("broker")
 
@@ -177,7 +177,7 @@ def state_of(config: Config, ledger: GroupLedger, progress: RunProgress, history
 class StateKeeper:
     """Writes the state (and the newest adapter with it): now, in the caller's thread (start, the reserved
     block, shutdown), or in the background writer, whose durable sequence number releases the replies that
-    waited for it (:class:`broker.outbox.Outbox`). Without a state file nothing is written."""
+    waited for it (:class:`loraflow.broker.outbox.Outbox`). Without a state file nothing is written."""
 
     def __init__(self, writer: StateWriter | None, *, state: Callable[[], BrokerState],
                  adapter: Callable[[], tuple[int, list[Any]] | None], stats: BrokerStats) -> None:

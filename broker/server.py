@@ -19,11 +19,11 @@ LeaseReturn, AdapterFetch, AdapterUpdate, BatchRequest, BatchAck, StatsRequest, 
 monitor's connect/disconnect events.
 
 What it produces: replies and forwarded frames on the same ROUTER, the state file and the newest adapter on
-disk (written by a helper thread, :class:`broker.state.StateWriter`, whose "durable" signal arrives on a pipe
+disk (written by a helper thread, :class:`loraflow.broker.state.StateWriter`, whose "durable" signal arrives on a pipe
 in the same poll, so acks that depend on a write wait for it without stalling the loop), Prometheus gauges.
 
 A bug in a handler's validation costs one message (Error ``internal``); one in its apply half
-(:class:`broker.dispatch.HalfApplied`) ends the process, exit 1, before the half-applied state is written
+(:class:`loraflow.broker.dispatch.HalfApplied`) ends the process, exit 1, before the half-applied state is written
 (the supervisor restarts the broker on its last state file).
 
 What it blocks on: ``zmq.Poller.poll`` only, with the timeout set to the core's next deadline (capped at
@@ -44,10 +44,10 @@ Up to ``MAX_DRAIN`` messages, for at most ``MAX_DRAIN_S``, are received per wake
 run, which amortises the poll and the state-file write over a burst without letting a burst (thousands of
 heartbeats after a stall) hold up the reply to a LeaseRequest queued behind it; tensor frames are received with
 ``copy=False`` and forwarded as the same ``zmq.Frame`` objects. The common heartbeat takes a fast path
-(:mod:`broker.heartbeats`), and a publish's AdapterNotices to every worker are handed out in paced batches
-(:data:`broker.notices.NOTICE_BATCH` every :data:`broker.notices.NOTICE_SPACING_S`), so neither a large idle fleet
+(:mod:`loraflow.broker.heartbeats`), and a publish's AdapterNotices to every worker are handed out in paced batches
+(:data:`loraflow.broker.notices.NOTICE_BATCH` every :data:`loraflow.broker.notices.NOTICE_SPACING_S`), so neither a large idle fleet
 nor a fan-out stalls the loop or the replies queued behind it in zmq's I/O thread. Each pass's
-time and its slowest step are kept by :class:`broker.loop_times.LoopTimes` (Stats ``loop``).
+time and its slowest step are kept by :class:`loraflow.broker.loop_times.LoopTimes` (Stats ``loop``).
 """
 
 from __future__ import annotations
@@ -61,13 +61,13 @@ from typing import Any
 import zmq
 from zmq.utils.monitor import recv_monitor_message
 
-from broker.core import BrokerCore
-from broker.dispatch import HalfApplied
-from broker.peers import display_name
-from common import sockets
-from common.config import Config
-from common.logging import get_logger
-from common.security import role_of
+from loraflow.broker.core import BrokerCore
+from loraflow.broker.dispatch import HalfApplied
+from loraflow.broker.peers import display_name
+from loraflow.common import sockets
+from loraflow.common.config import Config
+from loraflow.common.logging import get_logger
+from loraflow.common.security import role_of
 
 log = get_logger("broker")
 
@@ -192,7 +192,7 @@ class BrokerServer:
             try:
                 core.handle(identity, frames[1:], now_s, authenticated_role=role, authenticated_key=user_id)
                 core.loop_times.step(core.handled_kind, time.perf_counter() - started)
-            except HalfApplied:  # a bug after the state began to change: end the process (broker.dispatch)
+            except HalfApplied:  # a bug after the state began to change: end the process (loraflow.broker.dispatch)
                 log.exception("handler_failed_applying", peer=display_name(identity)[:64])
                 raise
             except Exception:  # a bug in a validation costs one message, not the broker: nothing was changed

@@ -15,14 +15,14 @@
     learner_busy_share     from the learner's counters (busy_s / (busy_s + idle_s)) when it reports them,
                            else from the states its heartbeats reported
     adapters[{version, num_bytes, ...}]
-    history{uncommitted_groups, withdrawn[[lo, hi]], learner_session}   (see broker.history)
+    history{uncommitted_groups, withdrawn[[lo, hi]], learner_session}   (see loraflow.broker.history)
     integrity{quarantine_after, quarantine_window, policy_mismatches{reason: n}, events{quarantined, probation,
-              cleared}, num_quarantined, num_probation, quarantined[...], probation[...]}   (broker.quarantine)
+              cleared}, num_quarantined, num_probation, quarantined[...], probation[...]}   (loraflow.broker.quarantine)
               at most MAX_FLAGGED_LISTED rows each
               {worker, session, status, since_s, num_failed, num_checked (of its last window), num_quarantines,
                evidence[{group_id, reason, version, num_checked, num_off, max_abs_diff, mean_abs_diff, detail,
                age_s, when_unix}]}
-    counters as in broker.stats: messages_in/out, bytes_in/out, rejected, num_rejected, dropped, send_failed,
+    counters as in loraflow.broker.stats: messages_in/out, bytes_in/out, rejected, num_rejected, dropped, send_failed,
     group_events, lease_events, served_staleness, adapter_events, peers_gone, connections, auth, state_writes,
     rates{...}
 
@@ -36,12 +36,12 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
-from broker.quarantine import Status
-from common import protocol
+from loraflow.broker.quarantine import Status
+from loraflow.common import protocol
 
 if TYPE_CHECKING:
-    from broker.core import BrokerCore
-    from broker.peers import Peer
+    from loraflow.broker.core import BrokerCore
+    from loraflow.broker.peers import Peer
 
 MAX_LEASES_LISTED = 200
 MAX_WORKERS_LISTED = 256

@@ -3,7 +3,7 @@
 ``<run_dir>/broker/state.json`` (or ``broker.state_path``) holds:
 
 - ``cursor``: the next never-issued prompt key when the file was written, and ``reserved_until``: the end of
-  the block of keys the cursor may hand out before the next write (:mod:`broker.prompts` calls back before
+  the block of keys the cursor may hand out before the next write (:mod:`loraflow.broker.prompts` calls back before
   crossing it, and the server writes synchronously then);
 - ``pending``: every issued key not yet trained (queued, leased, buffered, training);
 - ``latest_version``: the newest adapter version published, ``latest_sha256`` its checksum (a version number is
@@ -11,12 +11,12 @@
 - ``uncommitted``: ``[epoch, index, trained_version]`` of trained groups no learner checkpoint covers yet, and
   ``learner_session``: the learner process they belong to. A learner that dies loses the steps after its last
   checkpoint; when a learner of another session says hello at version ``v`` (its checkpoint's), the groups
-  trained on parameters of version ``>= v`` are re-queued (see :mod:`broker.core`);
+  trained on parameters of version ``>= v`` are re-queued (see :mod:`loraflow.broker.core`);
 - ``withdrawn``: inclusive ``[lo, hi]`` ranges of versions a restarted learner rolled back (never served again,
   no group holding one of their tokens is buffered or trained);
-- ``quarantine``: the worker processes quarantined or on probation (:mod:`broker.quarantine`), each with its
+- ``quarantine``: the worker processes quarantined or on probation (:mod:`loraflow.broker.quarantine`), each with its
   session, status, since when (wall clock), counts and last few failures (:class:`QuarantineEntry`), at most
-  :data:`broker.quarantine.MAX_PERSISTED` of them, and ``num_left_out``: flagged ones past that cap. A file
+  :data:`loraflow.broker.quarantine.MAX_PERSISTED` of them, and ``num_left_out``: flagged ones past that cap. A file
   written before the field existed loads with none;
 - the task identity (``task``, ``seed``, ``epoch_size``) so a state file of another dataset is refused.
 
@@ -57,10 +57,10 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from broker.prompts import PromptKey
-from broker.quarantine import MAX_EVIDENCE, MAX_PERSISTED, Status
-from common.protocol import MAX_ID_LEN, MAX_VERSION, MISMATCH_REASONS
-from common.schema import SchemaError, build, dump, rule
+from loraflow.broker.prompts import PromptKey
+from loraflow.broker.quarantine import MAX_EVIDENCE, MAX_PERSISTED, Status
+from loraflow.common.protocol import MAX_ID_LEN, MAX_VERSION, MISMATCH_REASONS
+from loraflow.common.schema import SchemaError, build, dump, rule
 
 STATE_FORMAT = 1
 MAX_QUARANTINE_WINDOW = 10_000  # integrity.quarantine_window's bound
@@ -68,7 +68,7 @@ MAX_QUARANTINE_WINDOW = 10_000  # integrity.quarantine_window's bound
 
 @dataclass(slots=True, kw_only=True)
 class EvidenceEntry:
-    """One failed group of a flagged worker process (:class:`broker.quarantine.Evidence`, wall clock)."""
+    """One failed group of a flagged worker process (:class:`loraflow.broker.quarantine.Evidence`, wall clock)."""
 
     group_id: str = rule(max_len=MAX_ID_LEN)
     reason: str = rule(choices=MISMATCH_REASONS)
@@ -83,7 +83,7 @@ class EvidenceEntry:
 
 @dataclass(slots=True, kw_only=True)
 class QuarantineEntry:
-    """One quarantined or probation worker process (:class:`broker.quarantine.Record`, wall clock)."""
+    """One quarantined or probation worker process (:class:`loraflow.broker.quarantine.Record`, wall clock)."""
 
     worker: str = rule(max_len=MAX_ID_LEN, doc="client id")
     session: str = rule(max_len=MAX_ID_LEN, doc="Hello session of the process")
@@ -121,7 +121,7 @@ class BrokerState:
                                         doc="[epoch, index, trained_version] trained after the learner's checkpoint")
     withdrawn: list[list[int]] = rule(default_factory=list, doc="[lo, hi] version ranges rolled back")
     lease_secret: str = rule("", max_len=64, doc="hex key of the MACs that bind lease ids to their holder "
-                             "(broker.leases); kept so that groups re-sent after a restart still verify")
+                             "(loraflow.broker.leases); kept so that groups re-sent after a restart still verify")
     quarantine: QuarantineState = rule(default_factory=QuarantineState, doc="flagged worker processes")
 
     @property

@@ -1,7 +1,7 @@
 """The broker's counters, rates and histograms, and how they reach a Stats reply and Prometheus.
 
 Hot-path accounting is plain ``Counter`` increments (a few per message); once per tick (about a second) the
-deltas are pushed into :class:`common.metrics.Metrics`, which serves Prometheus ``/metrics``, and a sample
+deltas are pushed into :class:`loraflow.common.metrics.Metrics`, which serves Prometheus ``/metrics``, and a sample
 of the totals is kept so rates can be given over the last ``window_s`` seconds.
 
 Every message that is refused, every group that is dropped and every send that fails lands in a counter with
@@ -29,9 +29,9 @@ Counter families (Prometheus name ``loraflow_broker_<family>_total{label=...}``)
     policy_mismatches{reason}  groups the learner's policy check failed (BatchAck.mismatches): logprobs,
                           adapter_sha256, lora_id_reused, no_evidence (common/integrity.py)
     quarantines{event}    quarantined (a worker process), probation (its restart joined), cleared (a group of a
-                          process on probation passed); broker.quarantine
+                          process on probation passed); loraflow.broker.quarantine
     loop_passes{le_ms}    the loop's passes by duration, each counted under its bucket's upper bound in ms (1, 2, 5,
-                          ..., 1000, inf: not cumulative); broker.loop_times, which also gives Stats ``loop``
+                          ..., 1000, inf: not cumulative); loraflow.broker.loop_times, which also gives Stats ``loop``
     gc_collections{generation}  Python's garbage collections in the broker's process while it serves (0, 1, 2)
     connections{event}    accepted / disconnected TCP connections (zmq drops a peer that sends a frame over
                           broker.max_message_bytes before anything is read: it shows up here)
@@ -52,7 +52,7 @@ from __future__ import annotations
 from collections import Counter, deque
 from typing import Any
 
-from common.metrics import Metrics
+from loraflow.common.metrics import Metrics
 
 #: rate name -> the total it is the rate of
 RATES = {"messages_in_per_s": "messages_in", "messages_out_per_s": "messages_out", "bytes_in_per_s": "bytes_in",

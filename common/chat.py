@@ -7,14 +7,14 @@ A prompt is TRL's: a string (used as is) or a conversation, a list of ``{"role",
      {"role": "user", "content": "47+38="}]             apply_chat_template(..., add_generation_prompt=True)
 
 :class:`ChatFormat` wraps one Hugging Face tokenizer and is what the rollout backends (``hf``, ``vllm``), the
-held-out evaluation (:mod:`deploy.evaluate`) and the multi-turn environments use, so training, evaluation and
+held-out evaluation (:mod:`loraflow.deploy.evaluate`) and the multi-turn environments use, so training, evaluation and
 generation see the same tokens. Template keyword arguments (``enable_thinking = false`` for Qwen3) come from
 ``model.chat_template_kwargs``. Messages given to a tokenizer without a chat template are a config error
 (:class:`ChatTemplateMissing`), never a silent fallback to some other format.
 
 Rendering is ``apply_chat_template(..., tokenize=False)`` and then the tokenizer on that text without adding
 special tokens, which is what ``apply_chat_template(..., tokenize=True)`` does inside (the template writes the
-BOS itself); the tests check the two agree token for token on every model family of :mod:`common.model_zoo`.
+BOS itself); the tests check the two agree token for token on every model family of :mod:`loraflow.common.model_zoo`.
 
 Multi-turn: a tool reply joins the sequence as a new message through the template (:meth:`ChatFormat.append_turn`).
 The tokens already held (prompt, the model's sampled turn) are never re-tokenized: the whole conversation is
@@ -40,7 +40,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from common.logging import get_logger
+from loraflow.common.logging import get_logger
 
 log = get_logger("chat")
 

@@ -2,13 +2,13 @@
 
 Each role's ``main(argv)`` builds its parser with :func:`config_parser`, then calls :func:`config_from_args`,
 so ``loraflow worker cfg.toml --endpoint tcp://host:5555 --set worker.temperature=0.7`` and
-``python -m rollout_worker cfg.toml ...`` behave the same.
+``python -m loraflow.rollout_worker cfg.toml ...`` behave the same.
 
 :func:`run_main` is the one place where an entry point's config-class failures become what an operator and a
 supervisor need: one line on stderr (``loraflow worker: config error: worker.reward = ...``), no traceback, exit
 code :data:`EXIT_CONFIG_ERROR`. Config-class errors are one class, never recognised by their text:
-:class:`common.config.ConfigError` (a bad file, ``--set``, value, or a setting the start-up checks of
-:mod:`common.startup` and each role refuse) and its subclasses (``SecurityError``: key files; ``DatasetError``:
+:class:`loraflow.common.config.ConfigError` (a bad file, ``--set``, value, or a setting the start-up checks of
+:mod:`loraflow.common.startup` and each role refuse) and its subclasses (``SecurityError``: key files; ``DatasetError``:
 a dataset that cannot be used). Every role's ``main`` and the ``loraflow`` dispatcher run under it; it also
 ends a command quietly when the reader of its output goes away (``loraflow config | head``).
 
@@ -28,7 +28,7 @@ import select
 import sys
 from collections.abc import Callable
 
-from common.config import Config, ConfigError, load_config
+from loraflow.common.config import Config, ConfigError, load_config
 
 #: exit codes the supervisor (deploy/processes.py) and the systemd units act on: restarting will not help
 EXIT_CONFIG_ERROR = 2  # a usage or config error (argparse exits 2 too)

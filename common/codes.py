@@ -1,4 +1,4 @@
-"""Codes, reasons and states of the wire protocol (:mod:`common.protocol`), as ``enum.StrEnum``.
+"""Codes, reasons and states of the wire protocol (:mod:`loraflow.common.protocol`), as ``enum.StrEnum``.
 
 Typed in the code, plain strings on the wire, the same strings as ever: a raw msgpack client sends
 ``"stop"`` and reads ``"malformed"``, and a member compares equal to its string. msgspec refuses any other

@@ -3,7 +3,7 @@
 Sections: ``[run]`` (shared by all roles), ``[model]``, ``[broker]``, ``[worker]``, ``[learner]``, ``[eval]``,
 ``[security]``, ``[launch]`` (read only by ``loraflow run``). Every field documents its unit and range next to its
 type; ``loraflow config --reference`` prints the table generated from these declarations. Values are validated
-at load by :mod:`common.schema` (wrong types, unknown keys and out-of-range values name the offending
+at load by :mod:`loraflow.common.schema` (wrong types, unknown keys and out-of-range values name the offending
 ``section.key``), then cross-field rules are checked in :func:`validate`.
 
 Overrides: ``--set section.key=value`` with a TOML value (``--set worker.temperature=0.7``,
@@ -21,8 +21,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from common import lora_targets
-from common.schema import SchemaError, build, dump, rule
+from loraflow.common import lora_targets
+from loraflow.common.schema import SchemaError, build, dump, rule
 
 
 class ConfigError(ValueError):
@@ -57,7 +57,7 @@ class RunConfig:
 class ModelConfig:
     path: str = rule("builtin:tiny", doc="local HF model directory, or builtin:tiny (built offline, cached), or "
                      "builtin:demo (the tiny model warmed up for the demo: built by `loraflow run` or `python -m "
-                     "deploy.demo_base --seed N`, then found in the cache by every role)")
+                     "loraflow.deploy.demo_base --seed N`, then found in the cache by every role)")
     cache_dir: str = rule("", doc="where builtin models are built; default ~/.cache/loraflow")
     dtype: str = rule("float32", choices=("float32", "bfloat16", "float16"), doc="weights dtype for generation")
     max_seq_len: int = rule(512, ge=8, le=1 << 20, unit="tokens", doc="prompt + completion limit")
@@ -140,7 +140,7 @@ class WorkerConfig:
                                     "run.max_staleness); 0 = moves to every new version")
     env: str = rule("", doc="environment: empty = the run's task, or package.module:Name")
     reward: str = rule("", doc="reward function replacing the environment's score: package.module:function, "
-                       "TRL-style (batched) or loraflow's per-sample signature (see rollout_worker.rewards)")
+                       "TRL-style (batched) or loraflow's per-sample signature (see loraflow.rollout_worker.rewards)")
     rewards: list[str] = rule(default_factory=list, max_len=64,
                               doc='several TRL-style reward functions, summed with reward_weights (as TRL\'s '
                               'GRPOTrainer); "loraflow:exact_match" and "loraflow:format" are built in')

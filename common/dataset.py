@@ -1,6 +1,6 @@
 """Dataset tasks: a run's prompts from files in the ecosystem's formats, read with Hugging Face ``datasets``.
 
-``run.task`` names the data; ``[data]`` says how to read it (:class:`common.config.DataConfig`)::
+``run.task`` names the data; ``[data]`` says how to read it (:class:`loraflow.common.config.DataConfig`)::
 
     prompts.jsonl / .json        one object per line / an array of objects   (load_dataset("json"))
     prompts.parquet / .csv       columns as the file has them                (load_dataset("parquet"/"csv"))
@@ -17,13 +17,13 @@ then becomes one user message). The answer column (``data.answer_column``; "" = 
 the held-out evaluation scores with (:meth:`DatasetTask.score`: exact match of the whole completion or of its
 extracted final answer, as the built-in ``exact_match`` reward extracts it). Every column but the prompt reaches the reward functions as a keyword
 argument (``solution``, ``ground_truth``, test cases, ...), and so does the answer, also under the name
-``answer`` (see :mod:`rollout_worker.rewards`).
+``answer`` (see :mod:`loraflow.rollout_worker.rewards`).
 
 Everything is checked at start-up, column-wise over Arrow batches (no Python loop over rows): an empty split, a
 missing column, a prompt that is neither a string nor a message list, a row without an answer, a column whose
 values cannot travel in a message (timestamps, decimals). A file the reader rejects is read again by a small
 checker that names the line (JSONL, CSV) or row (JSON) and the column. Every error is a :class:`DatasetError`,
-a :class:`~common.config.ConfigError`: the process exits 2 with one line before it connects to anything.
+a :class:`~loraflow.common.config.ConfigError`: the process exits 2 with one line before it connects to anything.
 
 Why the row travels in the lease (and not only its index). The broker reads row ``index`` when it grants a
 lease and sends its prompt, answer and other columns with it (:meth:`TaskItem.lease_fields`). The broker still
@@ -44,9 +44,9 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-from common.answers import is_correct
-from common.config import ConfigError, DataConfig
-from common.tasks import Prompt, Task, TaskItem
+from loraflow.common.answers import is_correct
+from loraflow.common.config import ConfigError, DataConfig
+from loraflow.common.tasks import Prompt, Task, TaskItem
 
 #: file suffix -> the ``datasets`` builder that reads it
 FILE_FORMATS = {".jsonl": "json", ".json": "json", ".parquet": "parquet", ".pq": "parquet", ".csv": "csv"}
@@ -400,7 +400,7 @@ class DatasetTask(Task):
 
     def score(self, completion: str, answer: str, *, finished: bool) -> float:
         """1.0 for a completion that ends its turn stating the reference answer, as a whole or as its final
-        answer (``\\boxed{}``, ``####``, the last number: :func:`common.answers.is_correct`), else 0.0."""
+        answer (``\\boxed{}``, ``####``, the last number: :func:`loraflow.common.answers.is_correct`), else 0.0."""
         return 1.0 if finished and is_correct(completion, answer) else 0.0
 
     def item(self, index: int, split: str = "train") -> TaskItem:

@@ -81,7 +81,7 @@ class VersionMismatch(FramingError):
 
 class TensorSpec(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     """Where one tensor's bytes are and how to read them. The constraints hold for specs decoded by
-    :mod:`common.protocol` (msgspec checks them in C); :func:`unpack` checks plain maps itself."""
+    :mod:`loraflow.common.protocol` (msgspec checks them in C); :func:`unpack` checks plain maps itself."""
 
     name: Annotated[str, msgspec.Meta(min_length=1, max_length=256)]
     dtype: Literal[tuple(DTYPE_SIZES)]  # type: ignore[valid-type]
@@ -100,7 +100,7 @@ class TensorSpec(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
 class Envelope:
     """A received message after framing checks: kind, header, tensor specs and the raw frames.
 
-    :func:`unpack` decodes the header into a plain map; :func:`common.protocol.decode_envelope` decodes it
+    :func:`unpack` decodes the header into a plain map; :func:`loraflow.common.protocol.decode_envelope` decodes it
     straight into the typed ``record`` (``error`` when that failed its validation) and decodes the plain
     ``header`` only if something asks for it (the Error reply to an invalid record names its ids)."""
 
@@ -109,8 +109,8 @@ class Envelope:
     specs: list[TensorSpec]
     frames: list[Any]  # zmq.Frame (or bytes); frames[i] holds the bytes of the spec with frame == i
     num_bytes: int
-    record: Any = None  # the typed message record (common.protocol)
-    error: Exception | None = None  # why the header is not a valid record (common.protocol.ProtocolError)
+    record: Any = None  # the typed message record (loraflow.common.protocol)
+    error: Exception | None = None  # why the header is not a valid record (loraflow.common.protocol.ProtocolError)
     unknown_fields: bool = False  # the header held fields this release does not know (ignored, counted)
     _header: dict[str, Any] | None = None
 

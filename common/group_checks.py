@@ -1,7 +1,7 @@
 """What the tensor frames of a RolloutGroup (alone, or in a Batch) must hold, checked without copying them.
 
 :func:`check_group_layout` and :func:`check_batch_layout` compare the tensor specs with what the record's
-lengths imply (run by :func:`common.protocol.decode_record`); :func:`check_group_values` reads the tensors'
+lengths imply (run by :func:`loraflow.common.protocol.decode_record`); :func:`check_group_values` reads the tensors'
 contents through numpy views of the received frames (the broker runs it on every group it may buffer).
 """
 
@@ -13,12 +13,12 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from common import framing
-from common.codes import ErrorCode, ProtocolError
-from common.framing import TensorSpec
+from loraflow.common import framing
+from loraflow.common.codes import ErrorCode, ProtocolError
+from loraflow.common.framing import TensorSpec
 
 if TYPE_CHECKING:
-    from common.protocol import Batch, RolloutGroup
+    from loraflow.common.protocol import Batch, RolloutGroup
 
 #: tensors of a rollout group: name -> (dtype, which length list sizes it)
 GROUP_TENSORS: dict[str, tuple[str, str]] = {

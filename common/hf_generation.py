@@ -3,14 +3,14 @@
 A model directory often ships a ``generation_config.json`` with its own sampling defaults (top_k, top_p,
 temperature, repetition_penalty, no_repeat_ngram_size, min_length, ...), and transformers merges them into every
 ``generate`` call whose own config leaves a field unset; unset, ``top_k`` is 50 even without one. Any of them
-would change which tokens are sampled while the behaviour log-probs (:mod:`common.logprobs`: log-softmax of the
+would change which tokens are sampled while the behaviour log-probs (:mod:`loraflow.common.logprobs`: log-softmax of the
 raw logits / temperature) say nothing about it, so the learner's importance ratios would be silently wrong.
 
 :func:`neutralise` replaces a loaded model's generation defaults with transformers' bare ones (keeping only its
 bos / eos / pad ids), and :func:`generation_config` builds the config of
 one call from loraflow's settings, with top-k switched off explicitly. The hf backend and the held-out
 evaluation both generate through these two. :func:`sampling_warpers` is the same sampling for a decode loop of
-one's own (the hf backend's KV-cached chunks, :mod:`rollout_worker.backends.hf_decode`): the warpers
+one's own (the hf backend's KV-cached chunks, :mod:`loraflow.rollout_worker.backends.hf_decode`): the warpers
 ``generate`` applies under :func:`generation_config`, in its order.
 """
 

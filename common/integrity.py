@@ -10,7 +10,7 @@ worker reports it: a client that fabricates log-probs can compute a correct cana
 engine whose generation path differs from its scoring path (an HTTP route that bypasses the adapter) passes.
 So the learner checks the very tokens it is about to train:
 
-1. *Evidence* (:class:`common.protocol.ServedAdapter`, one per version in a group): the engine's own name, int id
+1. *Evidence* (:class:`loraflow.common.protocol.ServedAdapter`, one per version in a group): the engine's own name, int id
    and the sha256 of the tensor bytes it loaded. The learner compares the sha256 with what it published for that
    version (``adapter_sha256``) and refuses an int id that named another version earlier in the same worker
    process (``lora_id_reused``). A version without evidence is ``no_evidence``. Cost: a dict lookup.
@@ -23,7 +23,7 @@ So the learner checks the very tokens it is about to train:
 
    - tokens of the version the parameters hold (the one the learner is about to train from): the training
      forward already computes their log-probs, at the sampling temperature, for the loss. Detached, they *are*
-     the check, at no extra forward (:class:`learner.integrity.TrainedCheck`). The step is optimistic: the
+     the check, at no extra forward (:class:`loraflow.learner.integrity.TrainedCheck`). The step is optimistic: the
      comparison runs after backward and before ``optimizer.step()``; a group that fails is dropped and
      forward/backward run again without it (failures are rare, a failing worker is quarantined within
      ``quarantine_after`` groups). Exact only when the training forward computes what an engine does: with
@@ -31,7 +31,7 @@ So the learner checks the very tokens it is about to train:
      re-scoring forward, fp32: 9.5e-7 nats at most (``tests/learner/test_integrity_free.py``);
    - tokens of older versions: one no-grad forward of the chosen samples of every older version together,
      before the step (failures are dropped before anything is trained): each LoRA module adds each row's own
-     version's delta from the history's tensors (:meth:`learner.integrity.AdapterHistory.scoring`), so the
+     version's delta from the history's tensors (:meth:`loraflow.learner.integrity.AdapterHistory.scoring`), so the
      parameters are never swapped and ``max_staleness = 2`` (the demo) costs one forward as 1 does.
 
    Cost: the free path is bookkeeping (~1-2 ms a step on the tiny model, ~1 % of the demo batch's
@@ -44,7 +44,7 @@ So the learner checks the very tokens it is about to train:
    step costs a forward nearly every step, 3-4 times the 2 % budget (measured: ``bench/integrity.py``,
    BENCHMARKS.md "Policy integrity").
 
-3. *Probation and audits* (:mod:`learner.trust`): who is re-scored when. A worker process starts on probation:
+3. *Probation and audits* (:mod:`loraflow.learner.trust`): who is re-scored when. A worker process starts on probation:
    every one of its groups is re-scored as above, until ``integrity.probation_groups`` of them passed in a row.
    After that its tokens of older versions are re-scored only on *audited* steps, drawn per step with
    probability ``integrity.audit_fraction`` from a keyed hash of the learner's secret seed (every rank draws
@@ -83,7 +83,7 @@ adapter served as the next version moves only a token or two of a short sample t
 **From a failed group to a quarantine.** A failed group is never trained (the learner drops it, reason
 ``policy_mismatch``, and leaves it out of its BatchAck, so the broker re-queues the prompt) and is reported in
 ``BatchAck.mismatches``. The broker quarantines a worker process once ``integrity.quarantine_after`` of its
-last ``integrity.quarantine_window`` checked groups failed (:mod:`broker.quarantine`).
+last ``integrity.quarantine_window`` checked groups failed (:mod:`loraflow.broker.quarantine`).
 """
 
 from __future__ import annotations

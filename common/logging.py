@@ -3,7 +3,7 @@
 Every process calls :func:`setup_logging` first thing. Log lines are short event names with key=value
 fields (``log.info("lease_granted", lease_id=..., worker=...)``); the role, client id, rank and policy
 version are bound into the context with :func:`bind` so that every line of a process carries them.
-Counts and rates go to :mod:`common.metrics`, not to log lines.
+Counts and rates go to :mod:`loraflow.common.metrics`, not to log lines.
 """
 
 from __future__ import annotations

@@ -24,7 +24,7 @@ Tokenizers are BPE models trained with ``tokenizers`` on a small corpus made her
 with each family's pre-tokenizer regex for Llama-3 and Qwen, SentencePiece-style for Gemma. Every model has
 hidden size 128 with 2 heads of head_dim 64 (which vLLM's CPU attention supports), 1 KV head, 2 layers.
 
-``python -m common.model_zoo qwen2 DIR`` writes one; :func:`build_model` is what tests and benches call.
+``python -m loraflow.common.model_zoo qwen2 DIR`` writes one; :func:`build_model` is what tests and benches call.
 """
 
 from __future__ import annotations
@@ -289,7 +289,7 @@ def build_model(family_name: str, directory: str | os.PathLike, *, seed: int = 0
 
 
 def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(prog="python -m common.model_zoo", description=__doc__.split("\n")[0])
+    parser = argparse.ArgumentParser(prog="python -m loraflow.common.model_zoo", description=__doc__.split("\n")[0])
     parser.add_argument("family", choices=sorted(FAMILIES))
     parser.add_argument("directory")
     parser.add_argument("--seed", type=int, default=0)

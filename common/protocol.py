@@ -9,8 +9,8 @@ Who sends what (all through the broker's one ROUTER socket; clients use DEALER s
     broker  -> learner  Welcome, Heartbeat (pong), AdapterAck, Batch, BatchSettled, Error
     anyone  -> broker   StatsRequest  ->  Stats
 
-Every record is a ``msgspec.Struct`` (:class:`common.wire.Record`) whose annotations carry their bounds; a
-header is decoded straight into its record and validated in C (:mod:`common.wire`): wrong types, missing
+Every record is a ``msgspec.Struct`` (:class:`loraflow.common.wire.Record`) whose annotations carry their bounds; a
+header is decoded straight into its record and validated in C (:mod:`loraflow.common.wire`): wrong types, missing
 fields and out-of-range values raise :class:`ProtocolError` naming the field. The three replies of kind ACK
 (:data:`Ack`) are told apart by ``ref_kind``, the kind of what they acknowledge. Codes, reasons and states are
 ``enum.StrEnum``: typed in the code, the same strings on the wire as ever (a raw msgpack client sends
@@ -21,9 +21,9 @@ log-probs, token ids in range) are checked by :func:`check_group_values`, which 
 Everything a peer sends is bounded at decode, so nothing it sends can fail later where it is re-encoded or
 shown: ``Heartbeat.counters`` and ``RolloutGroup.metrics`` hold at most 64 finite numbers under names of at most
 64 characters; other free-form values (``meta``, ``columns``, ``prompt_messages``, ``adapter_config``) nest at
-most :data:`common.wire.MAX_DEPTH` levels; every policy version is at most :data:`MAX_VERSION` (tokens carry
-versions as int32). A lease id is bound to the worker it was granted to (``broker.leases``); with security off a
-learner's Hello carries the run token (``Hello.token``, :mod:`common.run_token`).
+most :data:`loraflow.common.wire.MAX_DEPTH` levels; every policy version is at most :data:`MAX_VERSION` (tokens carry
+versions as int32). A lease id is bound to the worker it was granted to (``loraflow.broker.leases``); with security off a
+learner's Hello carries the run token (``Hello.token``, :mod:`loraflow.common.run_token`).
 
 Compatibility: new fields are appended with defaults. Within one protocol version a field the receiver does not
 know (a newer peer's) is ignored, and the decode says so (``Envelope.unknown_fields``; the broker counts
@@ -41,8 +41,8 @@ from typing import Annotated, Any, ClassVar
 import msgspec
 from msgspec import UNSET, Meta, UnsetType, field
 
-from common import framing
-from common.codes import (  # noqa: F401  (re-exported: the protocol's vocabulary)
+from loraflow.common import framing
+from loraflow.common.codes import (  # noqa: F401  (re-exported: the protocol's vocabulary)
     CLIENT_STATES,
     ENGINE_DTYPES,
     ERROR_CODES,
@@ -59,8 +59,8 @@ from common.codes import (  # noqa: F401  (re-exported: the protocol's vocabular
     ProtocolError,
     Role,
 )
-from common.framing import Envelope, FramingError, TensorSpec
-from common.group_checks import (  # noqa: F401  (re-exported)
+from loraflow.common.framing import Envelope, FramingError, TensorSpec
+from loraflow.common.group_checks import (  # noqa: F401  (re-exported)
     GROUP_TENSORS,
     GROUP_TENSORS_DTYPES,
     check_adapter_layout,
@@ -69,7 +69,7 @@ from common.group_checks import (  # noqa: F401  (re-exported)
     check_group_values,
     group_tensors,
 )
-from common.wire import FLOAT_MAX, MAX_KEY_LEN, Finite, Record, WireDecoder, WireError
+from loraflow.common.wire import FLOAT_MAX, MAX_KEY_LEN, Finite, Record, WireDecoder, WireError
 
 PROTOCOL_VERSION = 1
 
@@ -129,7 +129,7 @@ NonNegative = Annotated[float, Meta(ge=0, le=FLOAT_MAX)]  # finite
 Positive = Annotated[float, Meta(gt=0, le=FLOAT_MAX)]
 #: a map of finite numbers under names of at most MAX_KEY_LEN characters (counters, metrics)
 Numbers = Annotated[dict[Annotated[str, Meta(max_length=MAX_KEY_LEN)], int | Finite], Meta(max_length=MAX_COUNTERS)]
-FreeMap = Annotated[dict[str, Any], Meta(max_length=256)]  # nesting bounded after the decode (common.wire)
+FreeMap = Annotated[dict[str, Any], Meta(max_length=256)]  # nesting bounded after the decode (loraflow.common.wire)
 
 
 class Message(Record, kw_only=True):
@@ -259,7 +259,7 @@ class LeaseReturn(Message, kw_only=True):
 
 class ServedAdapter(Record, kw_only=True):
     """What the engine served one policy version with, as the engine reports it (the evidence of
-    :mod:`common.integrity`): read back from the engine after the load, never copied from what the worker meant
+    :mod:`loraflow.common.integrity`): read back from the engine after the load, never copied from what the worker meant
     to load. v0, the base model, is ``adapter=""``, ``lora_id=0``, ``sha256=""``."""
 
     version: Version
@@ -268,7 +268,7 @@ class ServedAdapter(Record, kw_only=True):
     #: versions in one worker process
     lora_id: Version = 0
     #: sha256 of the tensor bytes the engine loaded, computed as AdapterUpdate.sha256
-    #: (common.framing.frames_sha256 in the published tensor order)
+    #: (loraflow.common.framing.frames_sha256 in the published tensor order)
     sha256: text(64) = ""
     dtype: EngineDtype = EngineDtype.FLOAT32  # the engine's compute dtype (sets the tolerance)
 
@@ -278,7 +278,7 @@ class RolloutGroup(Message, kw_only=True):
 
     ``completion_*`` covers everything after the prompt: generated tokens (loss_mask 1) and, in multi-turn
     tasks, environment tokens (loss_mask 0, logprob 0). ``logprobs`` are the behaviour policy's log-probs of the
-    sampled tokens (see :mod:`common.logprobs`); ``versions`` the policy version that produced each token.
+    sampled tokens (see :mod:`loraflow.common.logprobs`); ``versions`` the policy version that produced each token.
     """
 
     KIND: ClassVar[Kind] = Kind.ROLLOUT_GROUP
@@ -466,7 +466,7 @@ def _lease_values(grant: LeaseGrant) -> Iterator[tuple[str, Any]]:
             yield f"leases[{i}].prompt_messages[{j}]", message
 
 
-#: where each kind keeps free-form values (their nesting is bounded after the decode, common.wire)
+#: where each kind keeps free-form values (their nesting is bounded after the decode, loraflow.common.wire)
 _FREE_FORM = {
     Kind.LEASE_GRANT: _lease_values,
     Kind.ADAPTER_UPDATE: lambda update: [("adapter_config", update.adapter_config)],

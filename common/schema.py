@@ -1,6 +1,6 @@
 """Typed records from untrusted mappings: the validator behind config files and the persisted broker state.
 
-(Wire messages are ``msgspec`` Structs decoded and validated in C, :mod:`common.wire`; config stays here
+(Wire messages are ``msgspec`` Structs decoded and validated in C, :mod:`loraflow.common.wire`; config stays here
 because its records carry a documentation, a unit and a range per field for the generated reference
 (:func:`describe`), and its errors name TOML paths and reject unknown keys, so that typos are caught.)
 
@@ -21,7 +21,7 @@ Supported annotations: ``int``, ``float``, ``str``, ``bool``, ``bytes``, ``list[
 ``T | None``, unions of those (``str | list[str]``: the first that fits) and nested record classes. ``bool`` is never accepted for ``int``; ``int`` is accepted for
 ``float``. ``dict[str, V]`` (``V`` not ``Any``) checks every key (at most :data:`MAX_KEY_LEN` characters) and
 value; a free-form value (``Any``, ``dict[str, Any]``) is walked without recursion and may nest at most
-``max_depth`` levels (default :data:`MAX_DEPTH`, :func:`common.wire.check_depth`).
+``max_depth`` levels (default :data:`MAX_DEPTH`, :func:`loraflow.common.wire.check_depth`).
 """
 
 from __future__ import annotations
@@ -34,7 +34,7 @@ from dataclasses import MISSING
 from functools import cache
 from typing import Any, TypeVar
 
-from common.wire import MAX_DEPTH, MAX_KEY_LEN, check_depth
+from loraflow.common.wire import MAX_DEPTH, MAX_KEY_LEN, check_depth
 
 T = TypeVar("T")
 

@@ -20,7 +20,7 @@ a pair made here whose authorisation was removed) and counted (``auth{refused}``
 (:class:`ClientSecurity`) needs the broker's public key and its own pair. All traffic, adapters included, is
 encrypted once CURVE is on.
 
-A key file that is missing is a config error (:class:`SecurityError` is a :class:`common.config.ConfigError`:
+A key file that is missing is a config error (:class:`SecurityError` is a :class:`loraflow.common.config.ConfigError`:
 exit code 2, not restarted), found at start-up by :func:`check_keys`; its message names the file, the setting
 and the command that makes it.
 """
@@ -38,8 +38,8 @@ import zmq.auth
 from zmq.auth.thread import ThreadAuthenticator
 from zmq.utils import z85
 
-from common.config import ConfigError
-from common.logging import get_logger
+from loraflow.common.config import ConfigError
+from loraflow.common.logging import get_logger
 
 KEY_ROLES = ("worker", "learner", "observer")
 BROKER_KEY = "broker"

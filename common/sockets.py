@@ -2,7 +2,7 @@
 
 Every socket gets high-water marks (a second line of backpressure behind the broker's credits), a short
 linger (a dying process never hangs on unsent data), TCP keepalive, and optionally CURVE security
-(:mod:`common.security`). The broker's ROUTER additionally gets ``ROUTER_MANDATORY`` (sending to a gone or
+(:mod:`loraflow.common.security`). The broker's ROUTER additionally gets ``ROUTER_MANDATORY`` (sending to a gone or
 full peer raises instead of dropping silently), ``ROUTER_HANDOVER`` (a worker reconnecting under the same
 identity takes over its old pipe) and ``MAXMSGSIZE`` (zmq disconnects a peer that sends an oversize frame
 before it is ever buffered).

@@ -1,15 +1,15 @@
 """Start-up checks of settings every role shares, run before a process connects to the broker or loads a model.
 
 A config-class failure (a setting that cannot work on this machine: restarting will not help) raises
-:class:`common.config.ConfigError` with one line naming the setting and the fix; :func:`common.cli.run_main`
+:class:`loraflow.common.config.ConfigError` with one line naming the setting and the fix; :func:`loraflow.common.cli.run_main`
 turns it into that line on stderr and exit code 2, which ``loraflow run``'s supervisor and the systemd units
 never restart. The checks are cheap (no torch, no network, nothing created) so ``loraflow config`` and
-``loraflow run`` run them too, before starting anything. Each role adds its own (``rollout_worker.startup``
+``loraflow run`` run them too, before starting anything. Each role adds its own (``loraflow.rollout_worker.startup``
 for the worker's reward and environment; the broker's bind address is checked where it binds).
 
 - :func:`resolve_model`: ``model.path`` is a Hugging Face model directory, ``builtin:tiny`` (built on first use
   by the roles that load it), or ``builtin:demo``, which is pinned to the demo base prepared on this machine
-  for ``run.seed`` (``python -m deploy.demo_base --seed N`` or ``loraflow run`` prepares it; a role never
+  for ``run.seed`` (``python -m loraflow.deploy.demo_base --seed N`` or ``loraflow run`` prepares it; a role never
   trains it itself: that is minutes of CPU, which every worker and the learner would race to spend);
 - :func:`check_writable`: a directory setting (``run.run_dir``, ...) can be created and written here;
 - :func:`check_task`: ``run.task`` names a built-in task or a dataset that reads;
@@ -25,9 +25,9 @@ import re
 import socket
 from pathlib import Path
 
-from common.config import Config, ConfigError
-from common.tasks import Task, load_task
-from common.tiny_model import find_demo_base
+from loraflow.common.config import Config, ConfigError
+from loraflow.common.tasks import Task, load_task
+from loraflow.common.tiny_model import find_demo_base
 
 BUILTIN_MODELS = ("builtin:tiny", "builtin:demo", "builtin:agent-demo")
 PREPARED_BY_CALLER = ("builtin:demo", "builtin:agent-demo")  # bases `loraflow run` builds (deploy/)
@@ -37,7 +37,7 @@ DEVICE = re.compile(r"auto|cpu|cuda(:\d+)?")
 def demo_base_command(config: Config) -> str:
     """The command that prepares ``builtin:demo`` for this config's seed and cache."""
     cache = f" --cache-dir {config.model.cache_dir}" if config.model.cache_dir else ""
-    return f"python -m deploy.demo_base --seed {config.run.seed}{cache}"
+    return f"python -m loraflow.deploy.demo_base --seed {config.run.seed}{cache}"
 
 
 def resolve_model(config: Config, *, demo_by_caller: bool = False) -> Config:
@@ -50,7 +50,7 @@ def resolve_model(config: Config, *, demo_by_caller: bool = False) -> Config:
         return config
     if path == "builtin:agent-demo":
         raise ConfigError(f"model.path = \"builtin:agent-demo\" is prepared by `loraflow run`; for a role started by "
-                          f"hand build it with `python -m deploy.agent_base --seed {config.run.seed}` and set "
+                          f"hand build it with `python -m loraflow.deploy.agent_base --seed {config.run.seed}` and set "
                           "model.path to the directory it prints")
     if path == "builtin:demo":
         directory = find_demo_base(config.run.seed, config.model.cache_dir or None)

@@ -9,9 +9,9 @@ held-out accuracy. Train and eval problems are disjoint (a hash of the problem p
   followed by end-of-sequence, else 0 (the recipe in FACTS.md).
 - ``calculator``: a multi-turn tool task, ``"a*b+c="``; the model may call ``<calc>expr</calc>`` and the
   environment answers ``=value``; reward 1 for the exact final answer (see rollout_worker/envs).
-- datasets (:mod:`common.dataset`): JSONL, JSON, Parquet and CSV files, ``save_to_disk`` directories and
+- datasets (:mod:`loraflow.common.dataset`): JSONL, JSON, Parquet and CSV files, ``save_to_disk`` directories and
   directories of data files, read with Hugging Face ``datasets``; held-out completions scored by the
-  answer they state (:mod:`common.answers`), training samples by the configured reward functions.
+  answer they state (:mod:`loraflow.common.answers`), training samples by the configured reward functions.
 
 A prompt is TRL's: a string, or a conversation (a list of ``{"role", "content"}`` messages). An item's
 ``columns`` are the keyword arguments its reward functions receive (the dataset row without its prompt; the
@@ -26,7 +26,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
-    from common.config import DataConfig
+    from loraflow.common.config import DataConfig
 
 SPLITS = ("train", "eval")
 
@@ -115,14 +115,14 @@ BUILTIN_TASKS = {"arith": ArithTask, "calculator": CalculatorTask}
 
 def load_task(spec: str, seed: int = 0, data: DataConfig | None = None) -> Task:
     """A built-in task by name, or a dataset by path (read as ``data`` says); raises a ConfigError naming the
-    setting (a :class:`common.dataset.DatasetError` for anything wrong with the data)."""
-    from common.config import ConfigError, DataConfig
+    setting (a :class:`loraflow.common.dataset.DatasetError` for anything wrong with the data)."""
+    from loraflow.common.config import ConfigError, DataConfig
 
     if spec in BUILTIN_TASKS:
         if data is not None and data != DataConfig():
             raise ConfigError(f"[data] settings apply to dataset tasks; run.task = {spec!r} is built in: remove them")
         return BUILTIN_TASKS[spec](seed)
-    from common.dataset import DatasetTask, is_dataset_spec
+    from loraflow.common.dataset import DatasetTask, is_dataset_spec
 
     if is_dataset_spec(spec):
         return DatasetTask(spec, data)

@@ -16,8 +16,8 @@ never runs on to the end of the plot. The alive lines come from a daemon thread 
 they say the process exists, not that it makes progress (its state says that).
 
 States are the protocol's ``CLIENT_STATES`` (idle, waiting, generating, scoring, training, publishing, ...)
-plus the two final marks. :func:`read_lives` parses a file; :mod:`deploy.rundir` adds the launcher's exit
-records and :mod:`deploy.plots` draws one lane per process.
+plus the two final marks. :func:`read_lives` parses a file; :mod:`loraflow.deploy.rundir` adds the launcher's exit
+records and :mod:`loraflow.deploy.plots` draws one lane per process.
 """
 
 from __future__ import annotations

@@ -34,7 +34,7 @@ clients (zmq keeps reconnecting and the Hello waits in the socket's queue).
 
 Heartbeats run independently of the caller, so a long generation or training step never looks like a dead
 client. Heartbeat pongs are consumed here and only update :attr:`BrokerLink.latest_version` and the interval: a
-broker whose fleet is larger than its heartbeat budget asks for a longer one (broker.peers), which the link
+broker whose fleet is larger than its heartbeat budget asks for a longer one (loraflow.broker.peers), which the link
 follows, stretching its silence timeout by the same factor (:meth:`BrokerLink._follow`).
 """
 
@@ -57,10 +57,10 @@ from typing import Any
 import zmq
 from zmq.utils.monitor import recv_monitor_message
 
-from common import framing, protocol, sockets
-from common.framing import Envelope
-from common.logging import get_logger
-from common.protocol import Error, Heartbeat, Hello, Kind, ProtocolError, Welcome
+from loraflow.common import framing, protocol, sockets
+from loraflow.common.framing import Envelope
+from loraflow.common.logging import get_logger
+from loraflow.common.protocol import Error, Heartbeat, Hello, Kind, ProtocolError, Welcome
 
 log = get_logger("transport")
 _link_ids = itertools.count()
@@ -396,7 +396,7 @@ class BrokerLink:
 
     def _follow(self, asked_s: float) -> None:
         """Beat at the interval the broker asks for when it is longer than our own (its heartbeat budget for a large
-        fleet, broker.peers), and wait for its answers longer by the same factor: it thins its pongs by it. 0 (an
+        fleet, loraflow.broker.peers), and wait for its answers longer by the same factor: it thins its pongs by it. 0 (an
         older broker's pong) asks for nothing."""
         if asked_s <= 0:
             return

@@ -1,4 +1,4 @@
-"""Decoding msgpack headers straight into the typed records of :mod:`common.protocol`, in C (msgspec).
+"""Decoding msgpack headers straight into the typed records of :mod:`loraflow.common.protocol`, in C (msgspec).
 
 A record is a ``msgspec.Struct`` whose field annotations carry their bounds (``Annotated[int, Meta(ge=1)]``):
 msgspec checks types, ranges, lengths and enum values while it decodes, so a valid header costs one C call and
@@ -33,7 +33,7 @@ from typing import Annotated, Any
 import msgpack
 import msgspec
 
-from common import framing
+from loraflow.common import framing
 
 MAX_DEPTH = 32  # levels a free-form value may nest (a map inside a list inside a map is 3)
 MAX_KEY_LEN = 64  # characters of each key of a map of numbers (Heartbeat.counters, RolloutGroup.metrics)
@@ -279,5 +279,5 @@ def explain(name: str, text: str) -> str:
     elif kind := _TYPE.fullmatch(detail):
         detail = f"expected {_TYPE_NAMES.get(kind['want'], kind['want'])}, got {kind['got']}"
     elif detail.startswith("Invalid enum value"):
-        detail = f"must be one of the allowed values (common.protocol), got {detail.removeprefix('Invalid enum value ')}"
+        detail = f"must be one of the allowed values (loraflow.common.protocol), got {detail.removeprefix('Invalid enum value ')}"
     return f"{name}{path}: {detail}"

@@ -20,7 +20,7 @@ checks (greedy, held-out eval split, first turn only, :func:`first_turn_accuracy
 problems handled (``min_trusted_accuracy``) and the overall share of correct tool calls in
 ``accuracy_window``; while not, the sloppy phase runs ``extra_steps`` more, at most ``max_extra_rounds`` times.
 
-The model is the built-in tiny Llama (:mod:`common.tiny_model`) with two additions a real chat model has:
+The model is the built-in tiny Llama (:mod:`loraflow.common.tiny_model`) with two additions a real chat model has:
 
 - a chat template (:data:`CHAT_TEMPLATE`): ``tools: calc`` when tools are given, then ``U:``/``T:``/``S:``
   lines for user, tool and system messages and ``A:`` + the assistant's text (its ``tool_calls`` written as
@@ -31,7 +31,7 @@ The model is the built-in tiny Llama (:mod:`common.tiny_model`) with two additio
 
 Seeded and single-threaded as the arithmetic demo's base, so a seed gives the same base on one machine; built
 in a temporary directory renamed into ``<cache>/agent-demo-s<seed>-<recipe hash>``.
-``python -m deploy.agent_base --seed 0`` builds ahead of time.
+``python -m loraflow.deploy.agent_base --seed 0`` builds ahead of time.
 """
 
 from __future__ import annotations
@@ -47,11 +47,11 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from common.logging import get_logger
-from common.tasks import CalculatorTask
-from common.tiny_model import build_tiny_model, default_cache_dir
-from deploy.agents.agent_demo import CALC, TOOL_NAME
-from deploy.demo_base import METADATA_FILE, DemoBaseError, Recipe, _WarmUp, build_into, read_metadata
+from loraflow.common.logging import get_logger
+from loraflow.common.tasks import CalculatorTask
+from loraflow.common.tiny_model import build_tiny_model, default_cache_dir
+from loraflow.deploy.agents.agent_demo import CALC, TOOL_NAME
+from loraflow.deploy.demo_base import METADATA_FILE, DemoBaseError, Recipe, _WarmUp, build_into, read_metadata
 
 log = get_logger("agent_base")
 
@@ -153,8 +153,8 @@ def first_turn_accuracy(model: Any, tokenizer: Any, task: CalculatorTask, recipe
                         ) -> dict[str, float]:
     """Greedy first turns on ``split``: the share that is the problem's exact tool call, overall and for trusted
     (small first factor) and other problems."""
-    from common.chat import ChatFormat
-    from deploy.evaluate import greedy_completions
+    from loraflow.common.chat import ChatFormat
+    from loraflow.deploy.evaluate import greedy_completions
 
     chat = ChatFormat(tokenizer)
     items = [task.item(i, split) for i in range(recipe.num_eval_prompts)]
@@ -240,7 +240,7 @@ class _AgentWarmUp(_WarmUp):
 
     def __init__(self, model: Any, tokenizer: Any, task: CalculatorTask, recipe: AgentRecipe,
                  rng: random.Random) -> None:
-        from common.chat import ChatFormat
+        from loraflow.common.chat import ChatFormat
 
         super().__init__(model, tokenizer, task, recipe, rng)  # type: ignore[arg-type]
         self.chat = ChatFormat(tokenizer)
@@ -310,11 +310,11 @@ class _AgentWarmUp(_WarmUp):
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m deploy.agent_base", description=__doc__.split("\n")[0])
+    parser = argparse.ArgumentParser(prog="python -m loraflow.deploy.agent_base", description=__doc__.split("\n")[0])
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--cache-dir", default="", help="default: $LORAFLOW_CACHE or ~/.cache/loraflow")
     args = parser.parse_args(argv)
-    from common.logging import setup_logging
+    from loraflow.common.logging import setup_logging
 
     setup_logging("agent_base")
     path = ensure_agent_base(args.seed, args.cache_dir or None)

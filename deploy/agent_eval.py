@@ -1,9 +1,9 @@
 """Held-out accuracy of an agent config: its own harness plays each eval prompt through a real gateway, greedily.
 
 A multi-turn agent is measured the way it is trained, not by one greedy completion of the prompt
-(:mod:`deploy.evaluate`, which runs no tools). The first ``num_prompts`` prompts of the task's ``eval`` split
+(:mod:`loraflow.deploy.evaluate`, which runs no tools). The first ``num_prompts`` prompts of the task's ``eval`` split
 become leases of one episode each; ``worker.agent``'s ``run_episode`` plays them with a real ``openai`` client
-against an in-process gateway: the same :class:`rollout_worker.gateway.episodes.AgentRollouts`, engine and HTTP
+against an in-process gateway: the same :class:`loraflow.rollout_worker.gateway.episodes.AgentRollouts`, engine and HTTP
 server a worker runs, over the hf backend with the base model (plus the adapter) decoding greedily. The
 accuracy is the share of episodes whose reward is >= 1; a harness that fails or times out
 (``worker.agent_timeout_s``) scores 0, as in training.
@@ -25,10 +25,10 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-from common.config import Config
-from common.protocol import PromptLease
-from common.tasks import TaskItem, load_task
-from deploy.evaluate import EvalResult
+from loraflow.common.config import Config
+from loraflow.common.protocol import PromptLease
+from loraflow.common.tasks import TaskItem, load_task
+from loraflow.deploy.evaluate import EvalResult
 
 MAX_EPISODES = 64
 IDLE_WAIT_S = 0.05
@@ -37,9 +37,9 @@ IDLE_WAIT_S = 0.05
 def greedy_backend(model_dir: str | os.PathLike, adapter_dir: str | os.PathLike | None, *, device: str,
                    config: Config) -> Any:
     """The hf backend on ``model_dir`` (plus the adapter as version 1), every generation greedy."""
-    from rollout_worker.adapters import ReceivedAdapter
-    from rollout_worker.backends.base import Sampling
-    from rollout_worker.backends.hf import HfBackend, resolve_device
+    from loraflow.rollout_worker.adapters import ReceivedAdapter
+    from loraflow.rollout_worker.backends.base import Sampling
+    from loraflow.rollout_worker.backends.hf import HfBackend, resolve_device
 
     class GreedyHfBackend(HfBackend):
         def _generate(self, requests: Any, greedy: bool) -> Any:
@@ -99,8 +99,8 @@ def worker_threads(config: Config) -> Iterator[None]:
 
 def _play(config: Config, adapter_dir: str | os.PathLike | None, items: list[TaskItem], *, device: str,
           start: float) -> EvalResult:
-    from common.metrics import Metrics
-    from rollout_worker.gateway.episodes import AgentRollouts
+    from loraflow.common.metrics import Metrics
+    from loraflow.rollout_worker.gateway.episodes import AgentRollouts
 
     num_prompts = len(items)
     backend = greedy_backend(config.model.path, adapter_dir, device=device, config=config)

@@ -9,7 +9,7 @@
     loraflow config  [config.toml] [...]   print the resolved config or the configuration reference
 
 A role is imported only for its own subcommand, so ``loraflow status`` starts in a fraction of a second and
-the broker never imports torch. Every subcommand runs under :func:`common.cli.run_main`: a config error is one
+the broker never imports torch. Every subcommand runs under :func:`loraflow.common.cli.run_main`: a config error is one
 line and exit code 2, and output cut off by its reader (``loraflow config | head``) ends quietly.
 """
 
@@ -18,16 +18,16 @@ from __future__ import annotations
 import importlib
 import sys
 
-from common.cli import run_main
+from loraflow.common.cli import run_main
 
 SUBCOMMANDS = {
-    "broker": ("broker.main", "the broker: rollout buffer, prompt leases, adapter relay"),
-    "worker": ("rollout_worker.main", "one rollout worker"),
-    "learner": ("learner.main", "the learner (LoRA on FSDP2; run under torchrun for several ranks)"),
-    "run": ("deploy.launcher", "a complete local run: broker, workers and learner, supervised"),
-    "status": ("deploy.status", "the live picture of a running broker"),
-    "keys": ("deploy.keys", "generate CURVE key pairs"),
-    "config": ("deploy.config_cmd", "print the resolved config or the configuration reference"),
+    "broker": ("loraflow.broker.main", "the broker: rollout buffer, prompt leases, adapter relay"),
+    "worker": ("loraflow.rollout_worker.main", "one rollout worker"),
+    "learner": ("loraflow.learner.main", "the learner (LoRA on FSDP2; run under torchrun for several ranks)"),
+    "run": ("loraflow.deploy.launcher", "a complete local run: broker, workers and learner, supervised"),
+    "status": ("loraflow.deploy.status", "the live picture of a running broker"),
+    "keys": ("loraflow.deploy.keys", "generate CURVE key pairs"),
+    "config": ("loraflow.deploy.config_cmd", "print the resolved config or the configuration reference"),
 }
 
 

@@ -5,9 +5,9 @@
                                                                   a failure is one line and exit code 2)
     loraflow config --reference [--markdown]                      every section and key: type, default, unit,
                                                                   range and meaning, generated from common/config.py
-    python -m deploy.config_cmd --update-readme README.md         rewrite the README's copy of the reference
+    python -m loraflow.deploy.config_cmd --update-readme README.md         rewrite the README's copy of the reference
 
-The reference comes from the field declarations themselves (:func:`common.schema.describe`), so it cannot
+The reference comes from the field declarations themselves (:func:`loraflow.common.schema.describe`), so it cannot
 drift from what the loader accepts; the README's configuration reference is this command's Markdown output.
 """
 
@@ -20,12 +20,12 @@ import typing
 from pathlib import Path
 from typing import Any
 
-from common.cli import config_from_args, config_parser, run_main
-from common.config import Config, to_toml
-from common.schema import Rule, describe
-from common.startup import demo_base_command
-from common.tiny_model import find_demo_base
-from deploy import preflight
+from loraflow.common.cli import config_from_args, config_parser, run_main
+from loraflow.common.config import Config, to_toml
+from loraflow.common.schema import Rule, describe
+from loraflow.common.startup import demo_base_command
+from loraflow.common.tiny_model import find_demo_base
+from loraflow.deploy import preflight
 
 
 def sections(cls: type = Config, prefix: str = "") -> list[tuple[str, type]]:

@@ -11,7 +11,7 @@ what the base already half knows. The recipe, in fp32 with AdamW on every weight
 2. ``sloppy``: ``sloppy_steps`` more steps where a fraction ``drop_fraction`` of labels drop every carry (each
    digit column summed mod 10: ``47+38=75``), the learning rate decaying linearly to 10 %.
 
-The result is checked on the held-out eval split (greedy, :mod:`deploy.evaluate`): carry-free problems must
+The result is checked on the held-out eval split (greedy, :mod:`loraflow.deploy.evaluate`): carry-free problems must
 be answered (``min_carry_free_accuracy``) and the overall accuracy must lie in ``accuracy_window`` (low
 enough to leave RL +50 points, high enough to give it a signal). While it does not, the sloppy phase runs
 ``extra_steps`` more, at most ``max_extra_rounds`` times; a base that still fails is an error.
@@ -23,7 +23,7 @@ always gives the same base. The build happens in a temporary directory renamed i
 ``loraflow_model.json`` records the recipe, the steps taken and the measured accuracies, and
 ``<cache>/demo-s<seed>`` is a symlink to the base last built or found for that seed: how the roles started by
 hand (which never import deploy/, nor build this themselves) resolve ``model.path = "builtin:demo"``.
-``python -m deploy.demo_base --seed 0`` builds ahead of time (and points the link).
+``python -m loraflow.deploy.demo_base --seed 0`` builds ahead of time (and points the link).
 """
 
 from __future__ import annotations
@@ -42,9 +42,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from common.logging import get_logger
-from common.tasks import ArithTask
-from common.tiny_model import build_tiny_model, default_cache_dir, demo_base_link
+from loraflow.common.logging import get_logger
+from loraflow.common.tasks import ArithTask
+from loraflow.common.tiny_model import build_tiny_model, default_cache_dir, demo_base_link
 
 log = get_logger("demo_base")
 
@@ -110,7 +110,7 @@ def read_metadata(directory: str | os.PathLike) -> dict[str, Any]:
 
 def ensure_demo_base(seed: int = 0, cache_dir: str | os.PathLike | None = None, recipe: Recipe = Recipe()) -> Path:
     """The cached demo base for ``seed``, built first if it is not there yet; ``<cache>/demo-s<seed>`` then
-    points at it, so every role finds ``builtin:demo`` (:func:`common.tiny_model.find_demo_base`)."""
+    points at it, so every role finds ``builtin:demo`` (:func:`loraflow.common.tiny_model.find_demo_base`)."""
     target = demo_base_dir(seed, cache_dir, recipe)
     if not (target / METADATA_FILE).is_file():
         build_into(target, lambda directory: build_demo_base(directory, seed=seed, recipe=recipe))
@@ -252,7 +252,7 @@ class _WarmUp:
         return input_ids, labels
 
     def measure(self, split: str) -> Any:
-        from deploy.evaluate import evaluate
+        from loraflow.deploy.evaluate import evaluate
 
         self.model.eval()
         try:
@@ -272,11 +272,11 @@ class _WarmUp:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m deploy.demo_base", description=__doc__.split("\n")[0])
+    parser = argparse.ArgumentParser(prog="python -m loraflow.deploy.demo_base", description=__doc__.split("\n")[0])
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--cache-dir", default="", help="default: $LORAFLOW_CACHE or ~/.cache/loraflow")
     args = parser.parse_args(argv)
-    from common.logging import setup_logging
+    from loraflow.common.logging import setup_logging
 
     setup_logging("demo_base")
     path = ensure_demo_base(args.seed, args.cache_dir or None)

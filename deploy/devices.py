@@ -46,7 +46,7 @@ from collections import Counter
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
-from common.config import Config, ConfigError
+from loraflow.common.config import Config, ConfigError
 
 #: an entry CUDA accepts in CUDA_VISIBLE_DEVICES: an index, or a GPU / MIG UUID; anything else ends the list
 CUDA_ID = re.compile(r"\d+|(GPU|MIG)-[\w.:/-]+")

@@ -4,16 +4,16 @@ One definition of "accuracy" serves the demo base check (``deploy/demo_base.py``
 ``base accuracy`` / ``final accuracy`` lines and its periodic measurements, and the time-to-accuracy benchmark:
 
 - prompts are the task's ``eval`` split, indices ``0 .. num_prompts-1`` (disjoint from training prompts);
-- a prompt is encoded exactly as the rollout workers encode it (:class:`common.chat.ChatFormat`: a string with
+- a prompt is encoded exactly as the rollout workers encode it (:class:`loraflow.common.chat.ChatFormat`: a string with
   the tokenizer, messages through the chat template with ``model.chat_template_kwargs``);
 - decoding is greedy, at most ``max_new_tokens`` tokens, stopping at any end-of-turn id
-  (:func:`common.chat.end_of_turn_ids`: the tokenizer's eos and every ``generation_config.eos_token_id``);
+  (:func:`loraflow.common.chat.end_of_turn_ids`: the tokenizer's eos and every ``generation_config.eos_token_id``);
 - the completion is scored by the task's own check (``Task.score``: the exact answer followed by EOS).
 
 Prompts of equal token length are batched together, so no padding (and no position-id subtlety) enters the
 measurement. This is a single-turn measurement: a multi-turn task's tools are not run, so it measures whether
 the model answers directly. A config with an agent harness (``worker.agent``) is measured by playing its
-episodes instead (:mod:`deploy.agent_eval`); :func:`evaluate_run` chooses, for the launcher.
+episodes instead (:mod:`loraflow.deploy.agent_eval`); :func:`evaluate_run` chooses, for the launcher.
 """
 
 from __future__ import annotations
@@ -26,10 +26,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from common.chat import ChatFormat, Prompt, end_of_turn_ids, pad_token_id, token_ids
-from common.config import Config, DataConfig
-from common.hf_generation import generation_config, neutralise
-from common.tasks import Task, load_task
+from loraflow.common.chat import ChatFormat, Prompt, end_of_turn_ids, pad_token_id, token_ids
+from loraflow.common.config import Config, DataConfig
+from loraflow.common.hf_generation import generation_config, neutralise
+from loraflow.common.tasks import Task, load_task
 
 
 @dataclass(slots=True, kw_only=True)
@@ -140,9 +140,9 @@ def evaluate_dir(model_dir: str | os.PathLike, adapter_dir: str | os.PathLike | 
 
 def evaluate_run(config: Config, adapter_dir: str | os.PathLike | None = None, *, device: str = "auto") -> EvalResult:
     """What ``loraflow run`` measures for ``config``: an in-process agent harness (``worker.agent``) playing its
-    episodes through a gateway (:mod:`deploy.agent_eval`), else the greedy single-turn accuracy above."""
+    episodes through a gateway (:mod:`loraflow.deploy.agent_eval`), else the greedy single-turn accuracy above."""
     if config.worker.agent and config.worker.agent != "external":
-        from deploy.agent_eval import evaluate_agent
+        from loraflow.deploy.agent_eval import evaluate_agent
 
         return evaluate_agent(config, adapter_dir, num_prompts=config.eval.num_prompts, device=device)
     return evaluate_dir(config.model.path, adapter_dir, task=config.run.task, seed=config.run.seed,

@@ -17,7 +17,7 @@ import argparse
 import sys
 from pathlib import Path
 
-from common.security import KEY_ROLES, SecurityError, authorized_keys, generate_keys
+from loraflow.common.security import KEY_ROLES, SecurityError, authorized_keys, generate_keys
 
 
 def main(argv: list[str]) -> int:

@@ -20,7 +20,7 @@ With no config it runs the built-in demo (``deploy/configs/demo.toml``)::
     finish    final accuracy of the newest adapter, <run_dir>/final_adapter (PEFT dir), summary.json, plots,
               and the two lines ``base accuracy: X%`` / ``final accuracy: Y%``
 
-Before ``prepare``, every role's start-up checks run here (:mod:`deploy.preflight`): a setting that cannot work
+Before ``prepare``, every role's start-up checks run here (:mod:`loraflow.deploy.preflight`): a setting that cannot work
 (a missing model directory, a ``worker.reward`` that does not import, a run dir that cannot be written) ends
 ``loraflow run`` at once with one line and exit code 2, before anything is created or started.
 
@@ -44,12 +44,12 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, TextIO
 
-from common.cli import EXIT_CONFIG_ERROR, config_from_args, config_parser, run_main
-from common.config import Config, write_resolved
-from common.logging import get_logger, setup_logging
-from deploy import devices, preflight, rundir
-from deploy.demo_base import DemoBaseError
-from deploy.processes import (
+from loraflow.common.cli import EXIT_CONFIG_ERROR, config_from_args, config_parser, run_main
+from loraflow.common.config import Config, write_resolved
+from loraflow.common.logging import get_logger, setup_logging
+from loraflow.deploy import devices, preflight, rundir
+from loraflow.deploy.demo_base import DemoBaseError
+from loraflow.deploy.processes import (
     ConfigClassExit,
     Managed,
     RestartPolicy,
@@ -57,7 +57,7 @@ from deploy.processes import (
     Unrecoverable,
     config_class_exit,
 )
-from deploy.progress import Display, Progress, render
+from loraflow.deploy.progress import Display, Progress, render
 
 log = get_logger("launcher")
 
@@ -94,7 +94,7 @@ class Summary:
     ``wall_s`` is the whole ``loraflow run``; ``base_build_s`` the demo base build in it (0 when cached);
     ``rl_s`` and ``target_reached_s`` count from starting the processes (the clock of the progress line).
     ``steps`` is the last committed learner step (not one a restart withdrew); ``busy_share`` each process's
-    busy share over the time it was alive (its timeline lane, :mod:`deploy.rundir`).
+    busy share over the time it was alive (its timeline lane, :mod:`loraflow.deploy.rundir`).
     """
 
     run_dir: str
@@ -145,11 +145,11 @@ class Launch:
 
     def prepare_model(self) -> None:
         """Resolve model.path to a directory (building the demo base if needed) and pin it in the config."""
-        from common.tiny_model import resolve_model
+        from loraflow.common.tiny_model import resolve_model
 
         model = self.config.model
         if model.path == "builtin:demo":
-            from deploy.demo_base import demo_base_dir, ensure_demo_base, read_metadata
+            from loraflow.deploy.demo_base import demo_base_dir, ensure_demo_base, read_metadata
 
             seed = self.config.run.seed
             if not (demo_base_dir(seed, model.cache_dir or None) / "loraflow_model.json").is_file():
@@ -173,7 +173,7 @@ class Launch:
 
     def prepare_agent_base(self) -> Path:
         """builtin:agent-demo: the agent demo's base (deploy/agent_base.py), built once per seed and cached."""
-        from deploy.agent_base import ensure_agent_base, is_built, read_metadata
+        from loraflow.deploy.agent_base import ensure_agent_base, is_built, read_metadata
 
         seed, cache_dir = self.config.run.seed, self.config.model.cache_dir or None
         if is_built(seed, cache_dir):
@@ -215,7 +215,7 @@ class Launch:
     def start_broker(self, bind: str) -> None:
         endpoint_file = Path(self.config.broker.endpoint_file)
         endpoint_file.unlink(missing_ok=True)
-        argv = self._module("broker", "--set", f"broker.bind={json.dumps(bind)}")
+        argv = self._module("loraflow.broker", "--set", f"broker.bind={json.dumps(bind)}")
         broker = self.supervisor.add(self._child("broker", argv))
         deadline = time.monotonic() + BROKER_START_TIMEOUT_S
         while not (endpoint_file.is_file() and endpoint_file.read_text().strip()):
@@ -230,7 +230,7 @@ class Launch:
             time.sleep(0.05)
         self.endpoint = endpoint_file.read_text().strip()
         # a restarted broker must come back on the same address, or the clients could not find it again
-        broker.argv = self._module("broker", "--set", f"broker.bind={json.dumps(self.endpoint)}")
+        broker.argv = self._module("loraflow.broker", "--set", f"broker.bind={json.dumps(self.endpoint)}")
 
     def _module(self, module: str, *args: str) -> list[str]:
         return [sys.executable, "-m", module, str(self.config_path), "--run-dir", str(self.run_dir), *args]
@@ -239,13 +239,13 @@ class Launch:
         ranks = self.config.launch.learner_ranks
         args = [str(self.config_path), "--run-dir", str(self.run_dir), "--endpoint", self.endpoint]
         if ranks == 1:
-            return [sys.executable, "-m", "learner", *args]
+            return [sys.executable, "-m", "loraflow.learner", *args]
         return [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={ranks}",
-                "-m", "learner", *args]
+                "-m", "loraflow.learner", *args]
 
     def worker_argv(self, worker_id: str) -> list[str]:
         port = devices.worker_metrics_port(self.config, int(worker_id))  # worker.metrics_port + index - 1
-        return self._module("rollout_worker", "--endpoint", self.endpoint, "--worker-id", worker_id,
+        return self._module("loraflow.rollout_worker", "--endpoint", self.endpoint, "--worker-id", worker_id,
                             *(("--set", f"worker.metrics_port={port}") if port else ()))
 
     def _child(self, name: str, argv: list[str]) -> Managed:
@@ -256,7 +256,7 @@ class Launch:
 
     def _client_security(self) -> Any:
         """The progress display's key (the ``observer`` pair unless security.client_key names one)."""
-        from common.security import client_security
+        from loraflow.common.security import client_security
 
         return client_security(self.config, "observer")
 
@@ -324,8 +324,8 @@ class Launch:
         On ``self.placement.eval_device`` (deploy/devices.py). When that GPU runs out of memory, evaluation stops
         for the rest of the run (training goes on), one event says which settings to change, and this and every
         later measurement is None."""
-        from common.cli import out_of_memory, out_of_memory_line
-        from deploy.evaluate import evaluate_run
+        from loraflow.common.cli import out_of_memory, out_of_memory_line
+        from loraflow.deploy.evaluate import evaluate_run
 
         config = self.config
         if self.eval_failed:
@@ -377,7 +377,7 @@ class Launch:
             summary.final_accuracy = (accuracy(self.measure(version, path, "final")) if path is not None
                                       else summary.base_accuracy)
         if self.config.run.report_to:  # the learner has stopped: the trackers get the evals it did not see
-            from learner.tracking import log_new_evals
+            from loraflow.learner.tracking import log_new_evals
 
             log_new_evals(self.config)
         if path is not None:
@@ -388,7 +388,7 @@ class Launch:
         summary.wall_s = round(time.monotonic() - self.started_s, 1)
         rundir.summary_path(self.run_dir).write_text(json.dumps(dataclasses.asdict(summary), indent=1) + "\n")
         try:
-            from deploy.plots import plot_run
+            from loraflow.deploy.plots import plot_run
 
             plot_run(self.run_dir)
         except Exception as exc:  # plots are a convenience: a broken plot never hides the run's result

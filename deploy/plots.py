@@ -7,11 +7,11 @@
   oldest token version), split into groups with a gradient and groups acknowledged without one (equal rewards);
 - ``timeline.png``: one lane per process (learner, broker, each worker), coloured by what it was doing while
   alive, so the overlap of generation and training (or the lack of it in synchronous mode) is visible at a
-  glance. A lane ends at its process's last sign of life (:mod:`common.timeline`); deaths, restarts and the
+  glance. A lane ends at its process's last sign of life (:mod:`loraflow.common.timeline`); deaths, restarts and the
   time down are marked, and the busy share counts only the time alive.
 
-Sources are the files listed in :mod:`deploy.rundir`; missing files give empty panels with a note rather than
-an error, so plots can be drawn for a run that was stopped early. ``python -m deploy.plots RUN_DIR``.
+Sources are the files listed in :mod:`loraflow.deploy.rundir`; missing files give empty panels with a note rather than
+an error, so plots can be drawn for a run that was stopped early. ``python -m loraflow.deploy.plots RUN_DIR``.
 """
 
 from __future__ import annotations
@@ -23,7 +23,7 @@ import os
 from pathlib import Path
 from typing import Any
 
-from deploy import rundir
+from loraflow.deploy import rundir
 
 STATE_COLORS = {
     "generating": "#1f77b4", "scoring": "#17becf", "training": "#ff7f0e", "publishing": "#9467bd",
@@ -262,7 +262,7 @@ def _save(fig: Any, path: Path, plt: Any) -> Path:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m deploy.plots", description="Draw a run directory's PNG plots.")
+    parser = argparse.ArgumentParser(prog="python -m loraflow.deploy.plots", description="Draw a run directory's PNG plots.")
     parser.add_argument("run_dir")
     args = parser.parse_args(argv)
     for path in plot_run(args.run_dir):

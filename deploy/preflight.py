@@ -1,7 +1,7 @@
 """The start-up checks of every role, run by ``loraflow run`` before it starts anything and by ``loraflow config``.
 
-Each role checks its own settings when it starts (:mod:`common.startup`, :mod:`rollout_worker.startup`, the
-broker's and the learner's ``main``); a failure is a :class:`common.config.ConfigError`, one line and exit code
+Each role checks its own settings when it starts (:mod:`loraflow.common.startup`, :mod:`loraflow.rollout_worker.startup`, the
+broker's and the learner's ``main``); a failure is a :class:`loraflow.common.config.ConfigError`, one line and exit code
 2. Running the same checks here means that ``loraflow run`` refuses a config that cannot work at once, before it
 creates a run directory, builds a model or starts a process (a worker's wrong ``worker.reward`` used to be found
 by each worker after the broker connection and the model load, then again after every restart), and that
@@ -25,11 +25,11 @@ import os
 import sys
 from collections.abc import Iterator
 
-from common.config import Config, ConfigError
-from common.security import authorized_keys, check_keys
-from common.startup import check_device, check_port_free, check_run_dir, check_task, resolve_model
-from deploy import devices
-from rollout_worker.startup import check_user_code
+from loraflow.common.config import Config, ConfigError
+from loraflow.common.security import authorized_keys, check_keys
+from loraflow.common.startup import check_device, check_port_free, check_run_dir, check_task, resolve_model
+from loraflow.deploy import devices
+from loraflow.rollout_worker.startup import check_user_code
 
 #: the roles ``loraflow run`` starts on this machine, by the key pair each uses (the observer: its progress line)
 RUN_ROLES = ("broker", "learner", "worker", "observer")
@@ -51,7 +51,7 @@ def check(config: Config, *, starting: bool = False) -> None:
 
     ``starting``: ``loraflow run`` is about to start every role on this machine, so every role's key files must
     be here, the metrics ports must be free and distinct (worker i serves ``worker.metrics_port + i - 1``), and
-    every process's GPUs must be there to give (:mod:`deploy.devices`)."""
+    every process's GPUs must be there to give (:mod:`loraflow.deploy.devices`)."""
     with children_module_path():
         check_user_code(config.worker)
     resolve_model(config, demo_by_caller=True)  # the learner loads the model whatever the workers' backend

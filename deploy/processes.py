@@ -15,7 +15,7 @@ Restart policy, checked by :meth:`Supervisor.check`:
   would repeat (an adapter the engine refuses, a reward failing on every sample: "stopped with a config-class
   error"); which of the two is told by the child's timeline (``<run_dir>/timeline/<name>.jsonl``: a state past
   ``starting`` in this incarnation's life). Exit code 4 is a learner fenced by the broker because another
-  learner process took over the run (``common.cli``). Restarting cannot help, so both are fatal at once;
+  learner process took over the run (``loraflow.common.cli``). Restarting cannot help, so both are fatal at once;
 - any other exit (a crash, a kill) is restarted after ``restart_backoff_s``, doubling up to ``max_backoff_s``;
   a child that then stays up for ``STABLE_S`` gets its backoff reset;
 - more than ``max_restarts`` consecutive failures is fatal: the run ends with an error naming the process,
@@ -33,10 +33,10 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from common.cli import EXIT_CONFIG_ERROR, EXIT_REPLACED
-from common.logging import get_logger
-from common.timeline import read_lives
-from deploy.rundir import append_jsonl
+from loraflow.common.cli import EXIT_CONFIG_ERROR, EXIT_REPLACED
+from loraflow.common.logging import get_logger
+from loraflow.common.timeline import read_lives
+from loraflow.deploy.rundir import append_jsonl
 
 log = get_logger("launcher")
 
@@ -81,7 +81,7 @@ class Managed:
     log_path: Path
     env: dict[str, str]
     cwd: Path | None = None
-    timeline_path: Path | None = None  # the child's timeline file (common.timeline), when it writes one
+    timeline_path: Path | None = None  # the child's timeline file (loraflow.common.timeline), when it writes one
     popen: subprocess.Popen | None = None
     started_s: float = 0.0
     started_unix: float = 0.0

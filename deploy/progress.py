@@ -3,7 +3,7 @@
     [  48s] step 41  v41  reward 0.63  acc 72.0% (v40)  1.9k tok/s  buffer 9/32  staleness 0:12 1:4
             learner busy 58%  workers 2  [reward failed 12]
 
-Sources: one ``StatsRequest`` to the broker (:func:`common.transport.fetch_stats`; versions, buffer depth,
+Sources: one ``StatsRequest`` to the broker (:func:`loraflow.common.transport.fetch_stats`; versions, buffer depth,
 token rate, learner busy share, workers, and the samples whose reward or environment failed, summed over the
 connected workers' heartbeat counters, shown only when there are any) and the new lines of
 ``<run_dir>/learner/metrics.jsonl`` (step, mean reward, staleness of what was trained), read incrementally. Held-out accuracy is fed in by whoever measures it
@@ -23,8 +23,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, TextIO
 
-from common.transport import BrokerUnavailable, fetch_stats
-from deploy import rundir
+from loraflow.common.transport import BrokerUnavailable, fetch_stats
+from loraflow.deploy import rundir
 
 
 @dataclass(slots=True, kw_only=True)

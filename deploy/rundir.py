@@ -28,7 +28,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from common.timeline import ALIVE_EVERY_S, Life, read_lives
+from loraflow.common.timeline import ALIVE_EVERY_S, Life, read_lives
 
 #: states during which a process does useful work (the rest is waiting, idle, starting, stopping)
 BUSY_STATES = frozenset({"generating", "scoring", "training", "publishing"})
@@ -218,7 +218,7 @@ class LearnerHistory:
 
 def learner_history(lines: list[dict[str, Any]]) -> LearnerHistory:
     """Cut the step lines back at every resume: a line of a new ``session`` says the step it resumed from
-    (``resumed_step``, see :mod:`learner.metrics_log`); every earlier line with a higher step is withdrawn.
+    (``resumed_step``, see :mod:`loraflow.learner.metrics_log`); every earlier line with a higher step is withdrawn.
     Files from before sessions were written are cut where the step number goes back."""
     history = LearnerHistory()
     session: str | None = None

@@ -21,10 +21,10 @@ import time
 from pathlib import Path
 from typing import Any
 
-from common.cli import config_from_args, config_parser
-from common.config import Config
-from common.transport import BrokerUnavailable, fetch_stats
-from deploy import rundir
+from loraflow.common.cli import config_from_args, config_parser
+from loraflow.common.config import Config
+from loraflow.common.transport import BrokerUnavailable, fetch_stats
+from loraflow.deploy import rundir
 
 
 def _bytes(n: float) -> str:
@@ -97,7 +97,7 @@ def integrity_lines(integrity: dict[str, Any], learner: dict[str, Any] | None = 
 
 
 def loop_line(loop: dict[str, Any]) -> str:
-    """The broker loop's busy share, slowest pass and slowest step (broker.loop_times) and its long passes."""
+    """The broker loop's busy share, slowest pass and slowest step (loraflow.broker.loop_times) and its long passes."""
     passes = loop.get("passes", {})
     over_20 = sum(v for k, v in passes.items() if k == "inf" or (k.isdigit() and int(k) > 20))
     step = loop.get("slowest_step") or "-"
@@ -233,7 +233,7 @@ def main(argv: list[str] | None = None) -> int:
     endpoint = resolve_endpoint(config, args.flag_endpoint)
     security = None
     if config.security.enabled:
-        from common.security import client_security
+        from loraflow.common.security import client_security
 
         security = client_security(config, role="observer")  # a key file missing: SecurityError, exit 2
     try:

@@ -1,7 +1,7 @@
-"""``python -m learner`` (or ``torchrun ... -m learner``): see :mod:`learner.main`."""
+"""``python -m loraflow.learner`` (or ``torchrun ... -m loraflow.learner``): see :mod:`loraflow.learner.main`."""
 
 import sys
 
-from learner.main import main
+from loraflow.learner.main import main
 
 sys.exit(main(sys.argv[1:]))

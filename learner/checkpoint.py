@@ -7,7 +7,7 @@ A checkpoint is a directory ``<run_dir>/learner/checkpoints/step_00000040/``:
   param groups with their lr), and each rank's torch RNG state (CPU, and CUDA when used) under its own key;
 - ``learner_state.json`` (rank 0): step, policy version, scheduler state, world size, the ids of every
   group trained so far (the learner never trains a group twice, across restarts too), and the version ranges
-  withdrawn by earlier resumes (never trained on, see :mod:`common.versions`).
+  withdrawn by earlier resumes (never trained on, see :mod:`loraflow.common.versions`).
 
 Crash safety: everything is written into ``step_XXXXXXXX.partial`` (DCP fsyncs its files), then rank 0
 writes ``learner_state.json``, fsyncs it and the directory, and renames the directory to its final name. Only
@@ -40,10 +40,10 @@ from torch.distributed.checkpoint.state_dict import (
     set_optimizer_state_dict,
 )
 
-from common.durable import fsync_path
-from common.logging import get_logger
-from learner.model import Policy
-from learner.parallel import Parallel
+from loraflow.common.durable import fsync_path
+from loraflow.common.logging import get_logger
+from loraflow.learner.model import Policy
+from loraflow.learner.parallel import Parallel
 
 log = get_logger("learner.checkpoint")
 

@@ -7,9 +7,9 @@
                                        rank 0: --refuse_groups--> the others skipped as policy_mismatch)
                 --assign_to_ranks--> this rank's samples (balanced by length)
                 --plan_micro_batches--> its micro-batches (token budget, longest first; a row longer than
-                                        the budget alone, cut into segments of <= budget: learner.segments)
+                                        the budget alone, cut into segments of <= budget: loraflow.learner.segments)
                 --collate--> MicroBatch tensors
-                --rank_pass_kinds--> every rank's forward passes, lined up by learner.segments.aligned (each
+                --rank_pass_kinds--> every rank's forward passes, lined up by loraflow.learner.segments.aligned (each
                                      forward is collective: a rank with nothing to run runs an empty pass)
 
 Rank 0 is the single authority on what is trained: it alone keeps the trained group ids and the policy
@@ -24,7 +24,7 @@ so no attention mask is needed and positions stay 0..L-1.
 The token budget (``learner.micro_batch_tokens``) bounds every forward pass: rows x longest row <= budget for
 packed rows (sorted by length, so padding stays small: the rows of a micro-batch are neighbours in length), and
 a longer row runs in segments of at most the budget, each attending to the earlier segments' keys and values
-(:mod:`learner.segments`: the same log-probs, loss and gradients as the unsplit row). What a long row still
+(:mod:`loraflow.learner.segments`: the same log-probs, loss and gradients as the unsplit row). What a long row still
 costs beside its segment's activations is its keys and values and their gradients, kept for the whole row: for
 the Qwen2-1.5B shape in bf16, 2 x 28 layers x 2 KV heads x 128 = 14,336 values per token, 8 bytes each (bf16,
 an fp32 gradient, the running segment's bf16 leaf gradient): 112 KiB per token, 3.5 GiB for one 32k-token
@@ -42,11 +42,11 @@ from typing import Any
 import numpy as np
 import torch
 
-from common import framing, protocol, versions
-from common.framing import TensorSpec
-from common.protocol import GROUP_TENSORS, Batch, BatchEntry, ProtocolError
-from learner.loss import group_advantages
-from learner.segments import pass_kinds, segment_bounds
+from loraflow.common import framing, protocol, versions
+from loraflow.common.framing import TensorSpec
+from loraflow.common.protocol import GROUP_TENSORS, Batch, BatchEntry, ProtocolError
+from loraflow.learner.loss import group_advantages
+from loraflow.learner.segments import pass_kinds, segment_bounds
 
 NUM_GROUP_TENSORS = len(GROUP_TENSORS)
 #: why a group of a batch is not trained; the first two are still acknowledged as trained
@@ -78,7 +78,7 @@ def select_groups(batch: Batch, specs: Sequence[TensorSpec], frames: Sequence[An
 
     - ``already_trained``: its id is in ``trained_group_ids`` or earlier in this batch (acknowledged again);
     - ``stale``: ``version - max_version > max_staleness``, no token within the bound (not acknowledged: the broker
-      re-queues the prompt; the older tokens of a group kept are masked, learner.train.mask_stale_tokens);
+      re-queues the prompt; the older tokens of a group kept are masked, loraflow.learner.train.mask_stale_tokens);
     - ``invalid``: tensor contents out of range or an empty prompt (not acknowledged);
     - ``withdrawn``: a token was generated under a version in ``withdrawn`` (rolled back when this learner
       resumed; the broker drops such groups too, this is the learner's own guard; not acknowledged);
@@ -137,7 +137,7 @@ def select_groups(batch: Batch, specs: Sequence[TensorSpec], frames: Sequence[An
 
 def refuse_groups(selection: Selection, batch: Batch, failed: Sequence[int], *, version: int) -> None:
     """Take the step batch's groups ``failed`` (indices into ``selection.train``) out of what rank 0 trains and
-    acknowledges: skipped as ``policy_mismatch`` (learner.integrity), so the broker re-queues their prompts."""
+    acknowledges: skipped as ``policy_mismatch`` (loraflow.learner.integrity), so the broker re-queues their prompts."""
     entries = [selection.train[k] for k in failed]
     refused = {batch.groups[i].group.group_id for i in entries}
     selection.train = [i for i in selection.train if i not in set(entries)]
@@ -348,8 +348,8 @@ def _num_segments(step: StepBatch, rows: Sequence[int], budget_tokens: int) -> i
 def rank_micro_batches(step: StepBatch, advantages: torch.Tensor, *, rank: int, world_size: int,
                        budget_tokens: int) -> list[MicroBatch]:
     """This rank's micro-batches of a step; a row longer than the budget is one micro-batch whose ``segments``
-    cut it into pieces of at most ``budget_tokens`` (:mod:`learner.segments`). The ranks may get different
-    numbers: :func:`rank_pass_kinds` and :func:`learner.segments.aligned` line their forward passes up."""
+    cut it into pieces of at most ``budget_tokens`` (:mod:`loraflow.learner.segments`). The ranks may get different
+    numbers: :func:`rank_pass_kinds` and :func:`loraflow.learner.segments.aligned` line their forward passes up."""
     out = []
     for mb in _rank_plans(step, world_size, budget_tokens)[rank]:
         micro = collate([step.samples[i] for i in mb], [float(advantages[i]) for i in mb])
@@ -359,6 +359,6 @@ def rank_micro_batches(step: StepBatch, advantages: torch.Tensor, *, rank: int, 
 
 
 def rank_pass_kinds(step: StepBatch, *, world_size: int, budget_tokens: int, with_reference: bool) -> list[list[str]]:
-    """Per rank, the kinds of the forward passes its micro-batches need (:func:`learner.segments.pass_kinds`)."""
+    """Per rank, the kinds of the forward passes its micro-batches need (:func:`loraflow.learner.segments.pass_kinds`)."""
     return [[kind for mb in plan for kind in pass_kinds(_num_segments(step, mb, budget_tokens), with_reference)]
             for plan in _rank_plans(step, world_size, budget_tokens)]

@@ -15,11 +15,11 @@ T selected hidden states and walks them in chunks of :func:`chunk_tokens` tokens
                                  dh_c = dz_c W                                  [c, H]
 
 so the peak is a few ``[chunk, V]`` fp32 tensors whatever T is. With several ranks W comes in pieces of V / R
-rows (:mod:`learner.vocab`: the head is row-sharded, never gathered whole); the logsumexp and the entropy are
+rows (:mod:`loraflow.learner.vocab`: the head is row-sharded, never gathered whole); the logsumexp and the entropy are
 merged piece by piece, and the backward walks the pieces again. The numbers are those of
-:func:`common.logprobs.token_logprobs` / :func:`common.logprobs.token_entropy` on full logits (the matmul runs in
+:func:`loraflow.common.logprobs.token_logprobs` / :func:`loraflow.common.logprobs.token_entropy` on full logits (the matmul runs in
 the compute dtype and is upcast, as ``logits.float()`` does), to rounding. W is frozen: loraflow never trains
-the output head (:mod:`common.lora_targets` refuses it), so no gradient is computed for it.
+the output head (:mod:`loraflow.common.lora_targets` refuses it), so no gradient is computed for it.
 """
 
 from __future__ import annotations
@@ -30,7 +30,7 @@ from collections.abc import Callable, Iterator
 import torch
 from torch.nn import functional as F
 
-from learner.vocab import VocabRows
+from loraflow.learner.vocab import VocabRows
 
 #: the [chunk, V] fp32 logits of one chunk stay under this (a few such tensors are alive at once)
 CHUNK_BYTES = 64 << 20
@@ -56,7 +56,7 @@ def _pieces(weight: torch.Tensor | VocabRows) -> Callable[[], Iterator[tuple[int
 class _TrainedLogprobs(torch.autograd.Function):
     """(hidden [T, H], targets [T]; the head's pieces) -> (logp [T] fp32 with gradient, entropy [T] fp32 detached).
 
-    The vocabulary comes in pieces (a rank's rows of the head, :class:`learner.vocab.VocabRows`; one piece, the
+    The vocabulary comes in pieces (a rank's rows of the head, :class:`loraflow.learner.vocab.VocabRows`; one piece, the
     whole head, on one rank): per token, the logsumexp and the entropy are merged piece by
     piece (``lse = logaddexp(lse, lse_piece)``), the target's logit comes from the piece that holds it."""
 
@@ -141,7 +141,7 @@ def trained_logprobs(hidden: torch.Tensor, weight: torch.Tensor | VocabRows, tar
     entropy [T] fp32 without; zeros when ``with_entropy`` is False).
     """
     if isinstance(weight, torch.Tensor):
-        assert not weight.requires_grad, "the output head is frozen (common.lora_targets refuses lm_head)"
+        assert not weight.requires_grad, "the output head is frozen (loraflow.common.lora_targets refuses lm_head)"
     vocab_size = weight.shape[0] if isinstance(weight, torch.Tensor) else weight.vocab_size
     chunk = chunk or chunk_tokens(vocab_size)
     return _TrainedLogprobs.apply(hidden, targets.long(), float(temperature), int(chunk), with_entropy,

@@ -1,8 +1,8 @@
 """The learner's policy check: before a batch's optimizer step, every group's evidence is checked and samples the
 learner chose are scored under the exact adapter version each token claims; a group that fails is not trained.
-Why this check and these tolerances: :mod:`common.integrity`.
+Why this check and these tolerances: :mod:`loraflow.common.integrity`.
 
-    every rank, in learner.step.checked_train_step, on the decoded step batch (learner.data.decode_step_batch):
+    every rank, in loraflow.learner.step.checked_train_step, on the decoded step batch (loraflow.learner.data.decode_step_batch):
     IntegrityCheck.run(step, defer_version=free_version)
       evidence   per group: a ServedAdapter for every version in its tokens (else no_evidence); its sha256 is the
                  one this learner published for that version while the history holds it (adapter_sha256; rank 0
@@ -12,7 +12,7 @@ Why this check and these tolerances: :mod:`common.integrity`.
                  drawn by rank 0 at start-up and broadcast, so every rank picks the same ones and no worker can know
                  which (samples with trained tokens first)
       re-score   on an audited step every group's, else those of groups from workers on probation
-                 (:class:`learner.trust.Trust`), and then every group's too (the forward runs anyway; the
+                 (:class:`loraflow.learner.trust.Trust`), and then every group's too (the forward runs anyway; the
                  others' tokens are counted unaudited): the chosen samples'
                  trained tokens of every claimed version u the history holds, except the
                  one the parameters hold (free_version), all versions together: one row per (sample, version),
@@ -20,10 +20,10 @@ Why this check and these tolerances: :mod:`common.integrity`.
                  micro-batch's rows sorted by version; one no-grad forward each in which every LoRA module adds
                  each block of rows' own version's delta from the history's tensors (:meth:`AdapterHistory.scoring`:
                  the parameters are never written), a row longer than the budget one forward per segment
-                 (:meth:`learner.segments.SplitRow.reference_pass`: each segment reads the earlier ones' keys and
+                 (:meth:`loraflow.learner.segments.SplitRow.reference_pass`: each segment reads the earlier ones' keys and
                  values); every rank runs as many forwards, each is an FSDP2 collective; log-probs of the trained
-                 tokens at worker.temperature (:meth:`learner.model.Policy.trained_logprobs`, the numbers of
-                 common.logprobs.token_logprobs) vs the behaviour ones (common.integrity.compare_rows, tolerance
+                 tokens at worker.temperature (:meth:`loraflow.learner.model.Policy.trained_logprobs`, the numbers of
+                 loraflow.common.logprobs.token_logprobs) vs the behaviour ones (loraflow.common.integrity.compare_rows, tolerance
                  by the served and the learner's dtypes); each rank's (sample, version) results summed over the ranks
       agree      all_reduce MAX of the per-group fail flags: every rank drops the same groups
     TrainedCheck(surviving groups, free_version)   the free path: no forward of its own
@@ -44,7 +44,7 @@ publishes holds no version, and every version is re-scored.
 
 The history (:class:`AdapterHistory`) holds the LoRA tensors (whole, gathered from the ranks' shards when
 recorded: a few MB a version) of the last ``run.max_staleness + 1`` versions, recorded at each publish, and v0
-(the zero-B start) on a fresh start; staler tokens never reach the check (:func:`learner.train.mask_stale_tokens` gives them loss mask 0 first, and a group
+(the zero-B start) on a fresh start; staler tokens never reach the check (:func:`loraflow.learner.train.mask_stale_tokens` gives them loss mask 0 first, and a group
 with no token within the bound is skipped as ``stale``). A version it does not hold can only be one from
 before a learner restart that its checkpoint does not cover (the resumed learner holds the checkpoint's weights
 under its version and the version it republishes them as): its tokens are counted ``unverifiable`` and pass, the
@@ -85,14 +85,14 @@ from peft.tuners.lora import LoraLayer
 from torch import nn
 from torch.distributed.tensor import DTensor, Shard
 
-from common import integrity
-from common.config import Config
-from common.logging import get_logger
-from common.protocol import PolicyMismatch, ServedAdapter
-from learner import data, segments
-from learner.model import Policy
-from learner.parallel import Parallel
-from learner.trust import Trust
+from loraflow.common import integrity
+from loraflow.common.config import Config
+from loraflow.common.logging import get_logger
+from loraflow.common.protocol import PolicyMismatch, ServedAdapter
+from loraflow.learner import data, segments
+from loraflow.learner.model import Policy
+from loraflow.learner.parallel import Parallel
+from loraflow.learner.trust import Trust
 
 log = get_logger("learner.integrity")
 
@@ -138,7 +138,7 @@ def _whole(params: Sequence[torch.Tensor]) -> list[torch.Tensor]:
 def lora_modules(model: nn.Module) -> list[tuple[str, LoraLinear]]:
     """(name, module) of every LoRA layer, each a plain peft ``lora.Linear`` of one adapter (what
     :meth:`AdapterHistory.scoring` computes); ValueError for any other kind (DoRA, a LoRA bias, merged weights,
-    another layer type), which the learner never builds (:func:`learner.model.lora_config_for`)."""
+    another layer type), which the learner never builds (:func:`loraflow.learner.model.lora_config_for`)."""
     found = []
     for name, module in model.named_modules():
         if not isinstance(module, LoraLayer):
@@ -414,7 +414,7 @@ class Verdict:
     free_seconds: float = 0.0  # the part of ``seconds`` those took (their comparison, and a redo)
     num_forwards: int = 0     # re-scoring forwards run on this rank (one per micro-batch of all versions' rows)
     redone: bool = False      # forward/backward ran again without a group the training forward failed
-    audited: bool = False     # an audited step: every worker's older versions re-scored (learner.trust)
+    audited: bool = False     # an audited step: every worker's older versions re-scored (loraflow.learner.trust)
     compared: set[str] = field(default_factory=set)  # ids of the groups whose samples were compared (any path)
     num_unaudited_tokens: int = 0  # chosen samples' tokens of older versions from trusted workers, not re-scored
 
@@ -530,7 +530,7 @@ class IntegrityCheck:
 
     def settle(self, step: data.StepBatch, verdict: Verdict) -> None:
         """After a step's verdict (alike on every rank): each group's worker process passed if the group was
-        compared and kept, and is on probation again if the group failed (:class:`learner.trust.Trust`)."""
+        compared and kept, and is on probation again if the group failed (:class:`loraflow.learner.trust.Trust`)."""
         if not self.enabled:
             return
         failed = {m.group_id for m in verdict.mismatches}

@@ -2,7 +2,7 @@
 
 Notation, per completion token t that is trained (loss mask 1) of a sample with advantage A::
 
-    logp_t   = log pi_theta(token)                  current policy, with gradient (common.logprobs, worker temperature)
+    logp_t   = log pi_theta(token)                  current policy, with gradient (loraflow.common.logprobs, worker temperature)
     behav_t  = log mu(token)                        behaviour log-prob the worker sent with the token
     rho_t    = exp(logp_t - behav_t)                importance ratio, current / behaviour (1 on fresh samples)
     s_t      = min(w_t * A, clip(rho_t, 1 - eps_low, 1 + eps_high) * A)          PPO-clip surrogate
@@ -55,7 +55,7 @@ class LossConfig:
 
     @classmethod
     def from_learner(cls, learner) -> LossConfig:
-        """From a :class:`common.config.LearnerConfig` (clip_eps_high 0 means the same as clip_eps)."""
+        """From a :class:`loraflow.common.config.LearnerConfig` (clip_eps_high 0 means the same as clip_eps)."""
         return cls(clip_low=learner.clip_eps, clip_high=learner.clip_eps_high or learner.clip_eps,
                    off_policy=learner.off_policy, tis_cap=learner.tis_cap, mask_low=learner.mask_low,
                    mask_high=learner.mask_high, kl_beta=learner.kl_beta)

@@ -6,12 +6,12 @@ One process::
 
 R ranks on one machine (rank 0 talks to the broker; every rank trains a shard)::
 
-    torchrun --nproc_per_node=R -m learner run.toml --endpoint tcp://broker-host:5555
+    torchrun --nproc_per_node=R -m loraflow.learner run.toml --endpoint tcp://broker-host:5555
 
 ``--resume`` (the default) continues from the newest complete checkpoint in ``<run_dir>/learner/checkpoints``;
 ``--no-resume`` starts from the base model even if checkpoints exist.
 
-Start-up checks (``model.path``, ``run.run_dir``; :mod:`common.startup`; rank 0: the key files) run before the model is loaded or the
+Start-up checks (``model.path``, ``run.run_dir``; :mod:`loraflow.common.startup`; rank 0: the key files) run before the model is loaded or the
 broker contacted. Exit codes: 0 stopped cleanly, 2 a configuration error (one line on stderr), 4 replaced by another learner (the broker fenced this
 one), 1 anything else. A SIGTERM or SIGINT while the model loads or the session starts (before the loop can finish a
 step on one) ends the process at once with 0: nothing was trained or published yet. torchrun reports any failed rank as 1, so a rank that stops with 2 or 4 also writes the
@@ -26,7 +26,7 @@ import os
 import signal
 from typing import Any
 
-from common.cli import (
+from loraflow.common.cli import (
     EXIT_CONFIG_ERROR,
     EXIT_REPLACED,
     config_from_args,
@@ -34,11 +34,11 @@ from common.cli import (
     out_of_memory,
     run_main,
 )
-from common.config import Config, ConfigError
-from common.logging import get_logger, setup_logging
-from common.security import check_keys
-from common.startup import check_device, check_port_free, check_run_dir, resolve_model
-from common.transport import BrokerRefused, BrokerUnavailable
+from loraflow.common.config import Config, ConfigError
+from loraflow.common.logging import get_logger, setup_logging
+from loraflow.common.security import check_keys
+from loraflow.common.startup import check_device, check_port_free, check_run_dir, resolve_model
+from loraflow.common.transport import BrokerRefused, BrokerUnavailable
 
 EXTRA_FLAGS = {
     "--device": ("learner.device", str, "auto, cpu, cuda or cuda:N"),
@@ -103,8 +103,8 @@ def _stop_during_startup(signum: int, _frame: Any) -> None:
 
 
 def _start_and_run(config: Config) -> int:
-    from learner.session import LearnerReplaced
-    from learner.train import SetupError, run  # torch is imported only now
+    from loraflow.learner.session import LearnerReplaced
+    from loraflow.learner.train import SetupError, run  # torch is imported only now
 
     try:
         return run(config)

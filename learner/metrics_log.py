@@ -10,7 +10,7 @@ start line); ``resumed_step`` the step of the checkpoint it resumed from (0 for 
 dies loses the steps after its newest checkpoint, and its successor trains those step numbers again. So a line
 of session S with step n is *withdrawn* when a later line belongs to another session whose ``resumed_step`` is
 below n: the file is append-only (a killed learner cannot mend it, and a fenced one may still be appending),
-and the mark is the successor's ``resumed_step``. :func:`deploy.rundir.learner_history` applies the rule and
+and the mark is the successor's ``resumed_step``. :func:`loraflow.deploy.rundir.learner_history` applies the rule and
 gives the committed history, each step once.
 
 Other sinks of a step's metrics (an experiment tracker) are callables taking the same dict, given as ``sinks``;

@@ -4,14 +4,14 @@ Built so that no rank ever holds the whole base model (the torchtitan recipe):
 
 1. the model and its adapter are built on the meta device from ``config.json`` (parameters only: buffers such
    as the rotary frequencies are computed for real), ``target_modules`` checked against it and
-   ``"all-linear"`` expanded (:mod:`common.lora_targets`: a name that selects nothing, an embedding or the
+   ``"all-linear"`` expanded (:mod:`loraflow.common.lora_targets`: a name that selects nothing, an embedding or the
    output head is a config error, exit 2); the adapter's size is checked against ``broker.max_message_bytes``
    here too, before any weight is read;
 2. the input embedding and the output head (frozen, tied or not) are replaced by row-sharded forms outside
-   FSDP2 (:mod:`learner.vocab`): a rank keeps V / R rows and a use walks the ranks' rows a piece at a time, so
+   FSDP2 (:mod:`loraflow.learner.vocab`): a rank keeps V / R rows and a use walks the ranks' rows a piece at a time, so
    the vocabulary matrix (467 MB at the 1.5B shape) is never gathered whole;
    ``fully_shard`` on each decoder layer (the classes the model lists in ``_no_split_modules``), then on the
-   root, over the 1-D mesh of :mod:`learner.parallel`; ``to_empty`` gives each rank storage for its shards
+   root, over the 1-D mesh of :mod:`loraflow.learner.parallel`; ``to_empty`` gives each rank storage for its shards
    only;
 3. rank 0 reads the safetensors files one decoder layer at a time and broadcasts them
    (``set_model_state_dict(full_state_dict=True, broadcast_from_rank0=True)``): every rank keeps only its
@@ -31,9 +31,9 @@ keeps only its input for backward and recomputes the rest. Module names do not c
 published adapters are the same either way.
 
 Logits only where they are trained: :meth:`Policy.trained_logprobs` runs the decoder once and applies the output
-head to the selected positions only, chunk by chunk (:mod:`learner.head`), inside the root module's FSDP2
+head to the selected positions only, chunk by chunk (:mod:`loraflow.learner.head`), inside the root module's FSDP2
 forward (``register_fsdp_forward_method``), where the root's parameters (the final norm) are gathered.
-With ``past`` (:func:`learner.segments.past_cache`) it runs one segment of a row longer than the token budget. The reference policy for the KL penalty is the same model with the adapter disabled
+With ``past`` (:func:`loraflow.learner.segments.past_cache`) it runs one segment of a row longer than the token budget. The reference policy for the KL penalty is the same model with the adapter disabled
 (:meth:`Policy.reference`), so no second copy of the base is held.
 """
 
@@ -56,10 +56,10 @@ from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard, register_fsdp_forward_method
 from torch.utils.checkpoint import checkpoint
 
-from common.config import ConfigError, LearnerConfig
-from common.lora_targets import resolve_target_modules
-from learner import head, vocab
-from learner.parallel import Parallel
+from loraflow.common.config import ConfigError, LearnerConfig
+from loraflow.common.lora_targets import resolve_target_modules
+from loraflow.learner import head, vocab
+from loraflow.learner.parallel import Parallel
 
 #: the bytes a message needs besides the tensors (header with every tensor's name and spec, adapter config)
 MESSAGE_OVERHEAD_BYTES = 64 << 10
@@ -91,7 +91,7 @@ class Policy:
                          past: Any = None) -> tuple[torch.Tensor, torch.Tensor]:
         """input_ids [B, L], select [B, L] bool, targets [T] (the selected positions' next tokens) ->
         (log p(target) [T] fp32 with gradient, entropy [T] fp32 detached) under softmax(logits / temperature).
-        ``past``: the keys and values of the row's earlier positions (:func:`learner.segments.past_cache`); the
+        ``past``: the keys and values of the row's earlier positions (:func:`loraflow.learner.segments.past_cache`); the
         input is then the row's next segment, at the positions after them."""
         return self.model.trained_logprobs(input_ids, select, targets, float(temperature), with_entropy, past)
 
@@ -147,7 +147,7 @@ def resolve_activation_checkpointing(setting: str, device: torch.device) -> bool
 
 
 def lora_config_for(learner: LearnerConfig, model_dir: Path, target_modules: list[str]) -> LoraConfig:
-    """The adapter's peft config; ``target_modules`` as :func:`common.lora_targets.resolve_target_modules` gave."""
+    """The adapter's peft config; ``target_modules`` as :func:`loraflow.common.lora_targets.resolve_target_modules` gave."""
     return LoraConfig(r=learner.lora_rank, lora_alpha=learner.lora_alpha, lora_dropout=learner.lora_dropout,
                       target_modules=target_modules, task_type="CAUSAL_LM", bias="none",
                       base_model_name_or_path=str(model_dir))
@@ -164,7 +164,7 @@ def decoder_layers(model: nn.Module) -> list[nn.Module]:
 
 
 def check_output_head(hf_config: Any) -> None:
-    """Refuse models whose logits are not ``lm_head(hidden)``: the chunked head (learner.head) computes only that."""
+    """Refuse models whose logits are not ``lm_head(hidden)``: the chunked head (loraflow.learner.head) computes only that."""
     for key in ("final_logit_softcapping", "logit_scale"):
         if getattr(hf_config, key, None):
             raise ValueError(f"model.path: {hf_config.model_type} models transform their logits ({key} = "

@@ -37,10 +37,10 @@ from peft import LoraConfig, get_peft_model_state_dict
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 from torch.distributed.tensor import DTensor, Shard
 
-from common.durable import fsync_path
-from common.framing import frames_sha256
-from common.protocol import AdapterUpdate
-from learner.model import Policy
+from loraflow.common.durable import fsync_path
+from loraflow.common.framing import frames_sha256
+from loraflow.common.protocol import AdapterUpdate
+from loraflow.learner.model import Policy
 
 ADAPTER_CONFIG = "adapter_config.json"
 ADAPTER_WEIGHTS = "adapter_model.safetensors"

@@ -1,13 +1,13 @@
 """Rows longer than the token budget, trained in segments of at most ``learner.micro_batch_tokens`` positions.
 
-A micro-batch packs rows (longest first) while rows x longest row fits the budget (:mod:`learner.data`); a single
+A micro-batch packs rows (longest first) while rows x longest row fits the budget (:mod:`loraflow.learner.data`); a single
 row longer than the budget is cut into n = ceil(L / budget) near-equal segments s_0 .. s_{n-1}. Causal attention
 lets segment i read the keys and values (K, V) of segments 0 .. i, which depend on the LoRA parameters, so the
 loss of segment i has gradients through the K, V of every earlier segment. The passes of such a row::
 
     pass 1 (no grad)   for i = 0 .. n-2:   forward s_i, past = K, V of s_0..s_{i-1}  ->  K_i, V_i kept (every layer)
     pass 2 (grad)      for i = n-1 .. 0:   forward s_i again, past = K, V of s_0..s_{i-1} as leaf tensors;
-                                           head on s_i's trained positions (learner.head), loss_i;
+                                           head on s_i's trained positions (loraflow.learner.head), loss_i;
                                            backward from loss_i and from s_i's own K_i, V_i with dK_i, dV_i
                                            (what the later segments sent back); the leaves' gradients are
                                            added to dK, dV of s_0..s_{i-1}

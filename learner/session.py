@@ -25,10 +25,10 @@ import collections
 import time
 from dataclasses import dataclass
 
-from common.config import Config
-from common.logging import get_logger
-from common.metrics import Metrics
-from common.protocol import (
+from loraflow.common.config import Config
+from loraflow.common.logging import get_logger
+from loraflow.common.metrics import Metrics
+from loraflow.common.protocol import (
     AdapterAck,
     Batch,
     BatchAck,
@@ -39,8 +39,8 @@ from common.protocol import (
     Kind,
     Welcome,
 )
-from common.transport import BrokerLink, BrokerUnavailable, Incoming, Reconnected
-from learner.publish import AdapterSnapshot
+from loraflow.common.transport import BrokerLink, BrokerUnavailable, Incoming, Reconnected
+from loraflow.learner.publish import AdapterSnapshot
 
 log = get_logger("learner.session")
 
@@ -64,7 +64,7 @@ class BrokerSession:
     """The learner's single connection to the broker (rank 0 only)."""
 
     def __init__(self, config: Config, *, version: int, metrics: Metrics, client_id: str = "learner") -> None:
-        from common.security import client_security
+        from loraflow.common.security import client_security
 
         broker = config.broker
         self._config = config
@@ -86,7 +86,10 @@ class BrokerSession:
     def start(self, timeout_s: float) -> Welcome:
         deadline = time.monotonic() + timeout_s
         if not self._config.security.enabled:  # read now, not at construction: a broker started at the same time
-            from common.run_token import learner_token, token_path  # as this learner has written it by then
+            from loraflow.common.run_token import (  # as this learner has written it by then
+                learner_token,
+                token_path,
+            )
 
             token = learner_token(self._config)
             if not token:  # a broker not started yet writes it on its first start: any start order works

@@ -1,16 +1,16 @@
 """One optimizer step on a step batch: this rank's micro-batches through the loss, backward, clip, AdamW.
 
-Every rank calls :func:`train_step` with the same :class:`learner.data.StepBatch`; each trains its share of the
+Every rank calls :func:`train_step` with the same :class:`loraflow.learner.data.StepBatch`; each trains its share of the
 samples (``data.rank_micro_batches``), and FSDP2 reduce-scatters the LoRA gradients once, in the last
 micro-batch's backward (:func:`sync_gradients`). Log-probs come from the trained positions only
-(:meth:`learner.model.Policy.trained_logprobs`: no ``[B, L, V]`` logits). Each trained token of the
+(:meth:`loraflow.learner.model.Policy.trained_logprobs`: no ``[B, L, V]`` logits). Each trained token of the
 batch weighs ``1 / N`` (N = trained tokens of the whole batch, known to every rank), and FSDP2 averages over
 the R ranks, so each rank scales its loss by ``R / N``: the gradient is that of one process on the whole batch.
 Statistics are summed over micro-batches and ranks, so every rank returns the same numbers. A row longer than
-``micro_batch_tokens`` runs in segments (:class:`learner.segments.SplitRow`: several passes), so the ranks'
-passes are lined up before they run (:func:`learner.segments.aligned`).
+``micro_batch_tokens`` runs in segments (:class:`loraflow.learner.segments.SplitRow`: several passes), so the ranks'
+passes are lined up before they run (:func:`loraflow.learner.segments.aligned`).
 
-The learner loop calls :func:`checked_train_step`: the policy check (:mod:`learner.integrity`) around the same
+The learner loop calls :func:`checked_train_step`: the policy check (:mod:`loraflow.learner.integrity`) around the same
 forward/backward (:func:`forward_backward`), whose log-probs check the tokens of the version the parameters
 hold before :func:`optimizer_step`; a group failing there costs one more forward/backward without it.
 """
@@ -26,11 +26,11 @@ from typing import Any
 
 import torch
 
-from common.config import Config, LearnerConfig
-from learner import data, integrity, segments
-from learner.loss import SUM_STATS, LossConfig, group_advantages, token_loss, token_stats
-from learner.model import Policy
-from learner.parallel import Parallel
+from loraflow.common.config import Config, LearnerConfig
+from loraflow.learner import data, integrity, segments
+from loraflow.learner.loss import SUM_STATS, LossConfig, group_advantages, token_loss, token_stats
+from loraflow.learner.model import Policy
+from loraflow.learner.parallel import Parallel
 
 
 @dataclass(slots=True, kw_only=True)
@@ -49,9 +49,9 @@ def forward_backward(policy: Policy, step: data.StepBatch, *, parallel: Parallel
     """This rank's micro-batches through the loss and backward: the gradients accumulate in the parameters
     (collective). ``observe(rows, logp)`` sees each micro-batch's sample indices and trained log-probs [T].
 
-    The passes of all ranks are lined up (:func:`learner.segments.aligned`): a micro-batch is one forward+backward
+    The passes of all ranks are lined up (:func:`loraflow.learner.segments.aligned`): a micro-batch is one forward+backward
     (after the KL reference's no-grad forward when ``kl_beta > 0``), a row longer than the budget the passes of
-    :class:`learner.segments.SplitRow`; a rank with nothing of a kind to run at a step runs an empty pass."""
+    :class:`loraflow.learner.segments.SplitRow`; a rank with nothing of a kind to run at a step runs an empty pass."""
     learner = config.learner
     budget = learner.micro_batch_tokens
     with_reference = loss_config.kl_beta > 0
@@ -175,11 +175,11 @@ def checked_train_step(policy: Policy, optimizer: torch.optim.Optimizer, schedul
 
     The check runs before the step (evidence, and the chosen samples re-scored under every version other than
     the one the parameters hold, for workers on probation or on an audited step,
-    :meth:`learner.integrity.IntegrityCheck.run`); the failures are dropped. The
+    :meth:`loraflow.learner.integrity.IntegrityCheck.run`); the failures are dropped. The
     tokens of the version the parameters hold are checked from the training forward itself
-    (:class:`learner.integrity.TrainedCheck`): optimistic, before ``optimizer.step()``; if a group fails there,
+    (:class:`loraflow.learner.integrity.TrainedCheck`): optimistic, before ``optimizer.step()``; if a group fails there,
     the gradients are thrown away and forward/backward run again without it (failures are rare). The verdict
-    then settles each worker's probation (:meth:`learner.integrity.IntegrityCheck.settle`)."""
+    then settles each worker's probation (:meth:`loraflow.learner.integrity.IntegrityCheck.settle`)."""
     version = check.free_version
     verdict = check.run(step, defer_version=version)
     trained = data.keep_groups(step, verdict.keep) if verdict.mismatches else step

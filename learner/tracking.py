@@ -5,7 +5,7 @@ Who writes what:
 
 - The learner's rank 0 owns a run's trackers (:func:`open_tracker`; the other ranks, and a run that reports to
   nothing, get :class:`NullTracker`). It logs the resolved config once, then every step's metrics: the dict
-  ``metrics.jsonl`` gets (it is a :class:`learner.metrics_log.MetricsLog` sink), its numbers under ``train/``
+  ``metrics.jsonl`` gets (it is a :class:`loraflow.learner.metrics_log.MetricsLog` sink), its numbers under ``train/``
   (nested tables flattened, ``train/staleness/0``) at the learner step; strings are left out.
 - Held-out evaluations are measured by the launcher (deploy/), not by the learner, and appended to
   ``<run_dir>/evals.jsonl``. The tracker *tails* that file: after each step and when it closes, it logs the lines
@@ -38,9 +38,9 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from common.config import Config, to_toml
-from common.logging import get_logger
-from common.schema import dump
+from loraflow.common.config import Config, to_toml
+from loraflow.common.logging import get_logger
+from loraflow.common.schema import dump
 
 log = get_logger("tracking")
 

@@ -6,24 +6,24 @@
              broadcast the batch's frames <-----------  select groups: skip trained / stale / invalid /
                                                         zero-variance ones (counted)
     mask     tokens older than version - max_staleness: loss mask 0 (mask_stale_tokens; a group is kept while its
-             newest token is within the bound, common.versions), counted as tokens_masked_stale
-    check    the policy check (learner.integrity): evidence, and chosen samples re-scored under the older
+             newest token is within the bound, loraflow.common.versions), counted as tokens_masked_stale
+    check    the policy check (loraflow.learner.integrity): evidence, and chosen samples re-scored under the older
              versions they claim (no-grad forwards, collective); all ranks drop the same failed groups
     compute  own micro-batches: forward, token loss, backward (FSDP2 reduce-scatters the LoRA grads); the
              forward's log-probs check the chosen samples' tokens of the version the parameters hold; a group
-             failing there: gradients dropped, forward/backward again without it (learner.step.checked_train_step)
+             failing there: gradients dropped, forward/backward again without it (loraflow.learner.step.checked_train_step)
              clip grad norm, AdamW step, LR schedule  ----> rank 0: failed groups skipped policy_mismatch, logged,
                                                         in the BatchAck's mismatches
     publish  gather LoRA tensors (collective) ------->  AdapterUpdate v+1 to the broker, PEFT dir every N;
                                                         ask for the next batch right away
     checkpoint every n steps (DCP, collective)
                                                         BatchAck(batch, step, group ids, checkpoint version);
-                                                        metrics line (learner.metrics_log); heartbeat state
+                                                        metrics line (loraflow.learner.metrics_log); heartbeat state
 
-Consumes: Batch messages (rank 0, through :class:`learner.session.BrokerSession`).
+Consumes: Batch messages (rank 0, through :class:`loraflow.learner.session.BrokerSession`).
 Produces: AdapterUpdate messages, BatchAcks, ``<run_dir>/learner/{metrics.jsonl, ledger.jsonl, adapters/,
 checkpoints/}`` (the ledger line of a step is written before its checkpoint and its BatchAck,
-:mod:`learner.ledger`).
+:mod:`loraflow.learner.ledger`).
 Blocks on: the broker's next batch (rank 0 polls in short slices; the other ranks wait in the ``agree``
 collective meanwhile) and on collectives with the other ranks.
 Unblocked by: a non-empty batch, a stop request on any rank (SIGTERM / SIGINT), or ``run.num_steps`` reached.
@@ -38,7 +38,7 @@ version this run's ledger says was sent, even one no broker received), the versi
 version ever names two sets of weights; workers move to it like to any new version), never trains a group
 holding a token of ``c+1..v`` (skipped ``withdrawn``, not acknowledged), and keeps the ranges in its
 checkpoints. The broker, seeing a learner of a new session, re-queues the groups trained after that checkpoint
-and withdraws the same versions on its side (:mod:`broker.history`).
+and withdraws the same versions on its side (:mod:`loraflow.broker.history`).
 """
 
 from __future__ import annotations
@@ -52,22 +52,22 @@ from typing import Any
 
 import torch
 
-from common import versions
-from common.config import Config, write_resolved
-from common.logging import bind, get_logger
-from common.metrics import Metrics, serve_prometheus
-from common.protocol import Batch, BatchAck, reward_means_of
-from common.timeline import Timeline
-from common.tiny_model import resolve_model
-from learner import data, integrity, publish, tracking
-from learner.checkpoint import Checkpointer, LearnerState
-from learner.ledger import Ledger, newest_published
-from learner.loss import LossConfig
-from learner.metrics_log import MetricsLog
-from learner.model import Policy, build_policy
-from learner.parallel import Parallel, init_parallel
-from learner.session import BrokerSession
-from learner.step import checked_train_step, make_optimizer
+from loraflow.common import versions
+from loraflow.common.config import Config, write_resolved
+from loraflow.common.logging import bind, get_logger
+from loraflow.common.metrics import Metrics, serve_prometheus
+from loraflow.common.protocol import Batch, BatchAck, reward_means_of
+from loraflow.common.timeline import Timeline
+from loraflow.common.tiny_model import resolve_model
+from loraflow.learner import data, integrity, publish, tracking
+from loraflow.learner.checkpoint import Checkpointer, LearnerState
+from loraflow.learner.ledger import Ledger, newest_published
+from loraflow.learner.loss import LossConfig
+from loraflow.learner.metrics_log import MetricsLog
+from loraflow.learner.model import Policy, build_policy
+from loraflow.learner.parallel import Parallel, init_parallel
+from loraflow.learner.session import BrokerSession
+from loraflow.learner.step import checked_train_step, make_optimizer
 
 log = get_logger("learner")
 
@@ -265,7 +265,7 @@ class Learner:
         return 0
 
     def refuse(self, received: Received | None, verdict: integrity.Verdict) -> None:
-        """Rank 0: the groups the policy check failed (learner.integrity) skipped as policy_mismatch, counted,
+        """Rank 0: the groups the policy check failed (loraflow.learner.integrity) skipped as policy_mismatch, counted,
         logged, left out of the BatchAck (their prompts are re-queued) and reported in its mismatches."""
         if received is None:
             return
@@ -278,7 +278,7 @@ class Learner:
         integrity.log_mismatches(verdict)
 
     def _record(self, received: Received, trained_version: int) -> None:
-        """The step's ledger line (before its checkpoint and BatchAck, see learner.ledger)."""
+        """The step's ledger line (before its checkpoint and BatchAck, see loraflow.learner.ledger)."""
         selection, groups = received.selection, received.batch.groups
         trained = [groups[i].group.group_id for i in selection.train]
         zero_variance = selection.skipped_ids.get("zero_variance", [])
@@ -368,7 +368,7 @@ class Learner:
 
 
 def mask_stale_tokens(step: data.StepBatch, version: int, max_staleness: int) -> int:
-    """Loss mask 0 on the completion tokens older than the bound (:func:`common.versions.stale_tokens`): a
+    """Loss mask 0 on the completion tokens older than the bound (:func:`loraflow.common.versions.stale_tokens`): a
     sample of ``continue`` spans versions and its early tokens may have aged past ``max_staleness`` while it
     generated; they stay in the context the model reads, and are not trained. Returns how many trained tokens
     were masked. Every rank calls it with the same batch and version, before the policy check: a masked token is

@@ -1,5 +1,5 @@
 """Which worker processes the learner's policy check re-scores every time, and which only when audited: the
-probation and audit rule of :class:`learner.integrity.IntegrityCheck` (why: :mod:`common.integrity`).
+probation and audit rule of :class:`loraflow.learner.integrity.IntegrityCheck` (why: :mod:`loraflow.common.integrity`).
 
     a worker process (worker id and Hello session: a restart is a new process) starts on probation
     on probation   every group's chosen samples are re-scored under every version they claim
@@ -10,7 +10,7 @@ probation and audit rule of :class:`learner.integrity.IntegrityCheck` (why: :mod
     audited step   drawn per step with probability integrity.audit_fraction from a keyed hash of (the learner's
                    secret seed, the step's group ids): every rank draws the same, no worker can know which
     a failure      (any reason, any group of the process) puts it back on probation with a count of 0; the broker
-                   quarantines it after integrity.quarantine_after failures (broker.quarantine)
+                   quarantines it after integrity.quarantine_after failures (loraflow.broker.quarantine)
 
 State: a count per process, the last :data:`MAX_WORKERS` processes seen (one forgotten is on probation again: the
 safe side). Every rank updates it from the same verdicts (agreed over the ranks), so every rank holds the same.
@@ -23,7 +23,7 @@ import collections
 import hashlib
 from collections.abc import Sequence
 
-from common.logging import get_logger
+from loraflow.common.logging import get_logger
 
 log = get_logger("learner.trust")
 

@@ -1,6 +1,6 @@
 """The input embedding and the output head, row-sharded over the ranks outside FSDP2 and never gathered whole.
 
-Both are frozen ``[V, H]`` matrices (loraflow never trains them, :mod:`common.lora_targets`), tied in many
+Both are frozen ``[V, H]`` matrices (loraflow never trains them, :mod:`loraflow.common.lora_targets`), tied in many
 small models, and the largest tensors of a model with a 151,936-token vocabulary: 467 MB in bf16 at the Qwen2-1.5B
 shape. In an FSDP2 group of their own or the root's, every forward all-gathers the whole matrix (and FSDP2's
 copy-out holds it twice for a moment), and the root keeps it gathered until the end of the backward: at 2 ranks
@@ -10,7 +10,7 @@ chunks: ceil(V / R) rows each) in :class:`VocabRows`, and a use walks the ranks'
     for r in 0 .. R-1:   piece = rank r's rows (broadcast from rank r; a rank's own are not copied)
                          embedding: the hidden rows of the ids in [start_r, start_r + n_r)
                          head:      logits over those vocabulary ids, merged into a running logsumexp
-                                    (learner.head; its backward walks the pieces again)
+                                    (loraflow.learner.head; its backward walks the pieces again)
 
 so a rank holds its own rows and one piece of another's (at most 64 MB) at a time. Every use is collective:
 the ranks run it in the same order (every forward of the learner is). On one rank the single piece is the whole
@@ -32,7 +32,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.nn import functional as F
 
-from learner.parallel import Parallel
+from loraflow.learner.parallel import Parallel
 
 #: the largest piece of another rank's rows held at a time
 PIECE_BYTES = 64 << 20
@@ -99,7 +99,7 @@ class ShardedEmbedding(nn.Module):
 
 class ShardedHead(nn.Module):
     """The output head over :class:`VocabRows`: full ``[.., V]`` logits (for tests and tools; the learner's
-    loss uses :func:`learner.head.trained_logprobs` on the trained positions only)."""
+    loss uses :func:`loraflow.learner.head.trained_logprobs` on the trained positions only)."""
 
     def __init__(self, rows: VocabRows) -> None:
         super().__init__()

@@ -1,6 +1,6 @@
 import sys
 
-from rollout_worker.main import main
+from loraflow.rollout_worker.main import main
 
 if __name__ == "__main__":
     sys.exit(main())

@@ -2,7 +2,7 @@
 
 An AdapterUpdate arrives as a header (version, sha256, PEFT ``adapter_config``) plus one raw frame per LoRA
 tensor under its PEFT name. :meth:`AdapterStore.receive` checks the sha256 over the frames
-(:func:`common.framing.frames_sha256`) and writes ``<adapter_dir>/v<version>/`` with ``adapter_config.json`` and
+(:func:`loraflow.common.framing.frames_sha256`) and writes ``<adapter_dir>/v<version>/`` with ``adapter_config.json`` and
 ``adapter_model.safetensors``, the layout ``PeftModel.from_pretrained`` and vLLM's ``LoRARequest`` load. The
 safetensors file is written straight from the received frames (an 8-byte header length, a JSON header, the raw
 bytes): no torch import and no tensor conversion, so bf16 stays bit-exact and a ``sim`` worker never loads torch.
@@ -10,7 +10,7 @@ bytes): no torch import and no tensor conversion, so bf16 stays bit-exact and a 
 What an engine loaded is checked against the same checksum: :func:`tensors_sha256` reads a safetensors file's
 tensor bytes in data-offset order (the order :func:`write_safetensors` writes the published tensors in), so the
 sha256 of the file a backend loads equals ``AdapterUpdate.sha256`` exactly when the file still holds the
-published tensors (the evidence of :mod:`common.integrity`); :func:`read_tensors` gives a backend that order, each
+published tensors (the evidence of :mod:`loraflow.common.integrity`); :func:`read_tensors` gives a backend that order, each
 tensor's shape and the data section as one buffer, so it can move an adapter in one copy and hash what it holds.
 
 Each directory is written under a temporary name and renamed into place, so a reader never sees half an adapter.
@@ -33,9 +33,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from common.framing import TensorSpec, frames_sha256
-from common.logging import get_logger
-from common.protocol import AdapterUpdate
+from loraflow.common.framing import TensorSpec, frames_sha256
+from loraflow.common.logging import get_logger
+from loraflow.common.protocol import AdapterUpdate
 
 log = get_logger("adapters")
 
@@ -126,7 +126,7 @@ def read_tensors(path: Path) -> tuple[list[StoredTensor], bytearray]:
 
 def tensors_sha256(path: Path) -> str:
     """sha256 of a safetensors file's tensor bytes in data-offset order, computed as ``AdapterUpdate.sha256``
-    (:func:`common.framing.frames_sha256`); raises ValueError for a truncated or malformed file."""
+    (:func:`loraflow.common.framing.frames_sha256`); raises ValueError for a truncated or malformed file."""
     tensors, data = read_tensors(path)
     view = memoryview(data)
     return frames_sha256([view[t.start:t.end] for t in tensors])

@@ -1,6 +1,6 @@
 """The worker's session with the broker: leases, submissions kept until acknowledged, adapter fetches.
 
-:class:`BrokerSession` sits on a :class:`common.transport.BrokerLink` (hello, heartbeats, reconnects in its I/O
+:class:`BrokerSession` sits on a :class:`loraflow.common.transport.BrokerLink` (hello, heartbeats, reconnects in its I/O
 thread) and adds a dispatcher thread that handles everything the broker sends, so that acks and adapters are
 processed while the worker loop is busy generating::
 
@@ -43,11 +43,11 @@ from typing import Any
 
 import structlog
 
-from common import protocol
-from common.config import Config
-from common.logging import bind, get_logger
-from common.metrics import Metrics
-from common.protocol import (
+from loraflow.common import protocol
+from loraflow.common.config import Config
+from loraflow.common.logging import bind, get_logger
+from loraflow.common.metrics import Metrics
+from loraflow.common.protocol import (
     AdapterFetch,
     AdapterNotice,
     AdapterUpdate,
@@ -59,9 +59,9 @@ from common.protocol import (
     LeaseReturn,
     Welcome,
 )
-from common.transport import BrokerLink, Incoming, MessageTooLarge, Reconnected
-from rollout_worker.adapters import AdapterRejected, AdapterStore, ReceivedAdapter
-from rollout_worker.rollout import FinishedGroup
+from loraflow.common.transport import BrokerLink, Incoming, MessageTooLarge, Reconnected
+from loraflow.rollout_worker.adapters import AdapterRejected, AdapterStore, ReceivedAdapter
+from loraflow.rollout_worker.rollout import FinishedGroup
 
 log = get_logger("client")
 

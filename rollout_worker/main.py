@@ -1,7 +1,7 @@
-"""``loraflow worker`` / ``python -m rollout_worker``: parse the config, check it, set up logging, run the worker.
+"""``loraflow worker`` / ``python -m loraflow.rollout_worker``: parse the config, check it, set up logging, run the worker.
 
-The start-up checks (:mod:`rollout_worker.startup`) run before the broker is contacted or a model loaded; a
-config-class failure is one line and exit code 2 (:func:`common.cli.run_main`). torch and vLLM are imported only
+The start-up checks (:mod:`loraflow.rollout_worker.startup`) run before the broker is contacted or a model loaded; a
+config-class failure is one line and exit code 2 (:func:`loraflow.common.cli.run_main`). torch and vLLM are imported only
 after logging is set up (and not at all by a ``sim`` worker).
 """
 
@@ -9,9 +9,9 @@ from __future__ import annotations
 
 import sys
 
-from common.cli import config_from_args, config_parser, run_main
-from common.logging import setup_logging
-from rollout_worker.startup import check
+from loraflow.common.cli import config_from_args, config_parser, run_main
+from loraflow.common.logging import setup_logging
+from loraflow.rollout_worker.startup import check
 
 EXTRA_FLAGS = {
     "--worker-id": ("worker.id", str, "worker id (default <host>-<pid>)"),
@@ -30,6 +30,6 @@ def _main(argv: list[str]) -> int:
                            "scored groups with the newest adapter, submits them.", EXTRA_FLAGS)
     config = check(config_from_args(parser.parse_args(argv)))
     setup_logging("worker", fmt=config.run.log_format, level=config.run.log_level)
-    from rollout_worker.worker import run
+    from loraflow.rollout_worker.worker import run
 
     return run(config)

@@ -1,7 +1,7 @@
 """User code named in config as ``package.module:Name`` (environments, reward functions).
 
-:func:`load_object` imports it; every failure is a :class:`common.config.ConfigError` naming the setting, so a
-worker refuses a wrong path at start-up (``rollout_worker.startup``), before it connects or loads a model.
+:func:`load_object` imports it; every failure is a :class:`loraflow.common.config.ConfigError` naming the setting, so a
+worker refuses a wrong path at start-up (``loraflow.rollout_worker.startup``), before it connects or loads a model.
 """
 
 from __future__ import annotations
@@ -9,7 +9,7 @@ from __future__ import annotations
 import importlib
 from typing import Any
 
-from common.config import ConfigError
+from loraflow.common.config import ConfigError
 
 
 def load_object(spec: str, setting: str) -> Any:

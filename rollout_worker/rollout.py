@@ -55,13 +55,13 @@ of a multi-turn sample starts under the newest version.
 
 A group's ``min_version`` is the oldest version of any of its tokens, ``max_version`` the newest: the staleness
 rule keeps a group while its newest token is within ``max_staleness`` and the learner masks the older tokens
-(:mod:`common.versions`), so a long ``continue`` sample is not dropped for having started early.
+(:mod:`loraflow.common.versions`), so a long ``continue`` sample is not dropped for having started early.
 
 Evidence. A group keeps, per version of its tokens, what the engine served that version with
-(:class:`common.protocol.ServedAdapter`): for generated tokens the backend's report of the very request
+(:class:`loraflow.common.protocol.ServedAdapter`): for generated tokens the backend's report of the very request
 (``GenOutput.served``), for environment tokens ``backend.served`` of the current version. The RolloutGroup's
 ``served`` lists exactly the distinct versions of its ``versions`` tensor (checked by the learner,
-:mod:`common.integrity`).
+:mod:`loraflow.common.integrity`).
 """
 
 from __future__ import annotations
@@ -74,14 +74,14 @@ from typing import Any
 
 import numpy as np
 
-from common.chat import Message, is_conversational
-from common.config import WorkerConfig
-from common.logging import get_logger
-from common.metrics import Metrics
-from common.protocol import PromptLease, RolloutGroup, ServedAdapter
-from rollout_worker.backends.base import Backend, GenRequest
-from rollout_worker.envs import Environment, EnvResolver, Episode, Step
-from rollout_worker.rewards import (
+from loraflow.common.chat import Message, is_conversational
+from loraflow.common.config import WorkerConfig
+from loraflow.common.logging import get_logger
+from loraflow.common.metrics import Metrics
+from loraflow.common.protocol import PromptLease, RolloutGroup, ServedAdapter
+from loraflow.rollout_worker.backends.base import Backend, GenRequest
+from loraflow.rollout_worker.envs import Environment, EnvResolver, Episode, Step
+from loraflow.rollout_worker.rewards import (
     Attributed,
     GuardedCall,
     InvalidReward,
@@ -90,7 +90,7 @@ from rollout_worker.rewards import (
     as_reward,
     call_guarded,
 )
-from rollout_worker.rewards.group import GroupScore, GroupScoring, inputs_for
+from loraflow.rollout_worker.rewards.group import GroupScore, GroupScoring, inputs_for
 
 log = get_logger("rollout")
 
@@ -184,7 +184,7 @@ class Rollouts:
     def __init__(self, backend: Backend, envs: EnvResolver, config: WorkerConfig, *, worker_id: str,
                  max_seq_len: int, metrics: Metrics | None = None, reward_fn: RewardFn | None = None,
                  rewards: RewardSet | None = None, wake: threading.Event | None = None, greedy: bool = False) -> None:
-        """``rewards``: worker.reward(s) resolved (:func:`rollout_worker.rewards.load_rewards`); ``reward_fn``
+        """``rewards``: worker.reward(s) resolved (:func:`loraflow.rollout_worker.rewards.load_rewards`); ``reward_fn``
         alone is a per-sample reward (loraflow's signature)."""
         self.backend = backend
         self.envs = envs

@@ -1,25 +1,31 @@
 """What a rollout worker checks before it connects to the broker or loads a model.
 
-Everything here is a config-class failure (:class:`common.config.ConfigError`: one line, exit 2, never
-restarted, see :func:`common.cli.run_main`) found in a fraction of a second, where it used to surface only after
+Everything here is a config-class failure (:class:`loraflow.common.config.ConfigError`: one line, exit 2, never
+restarted, see :func:`loraflow.common.cli.run_main`) found in a fraction of a second, where it used to surface only after
 the connection and the model load, and then again at every restart:
 
 - ``worker.reward``, ``worker.rewards`` and ``worker.env`` import and are a callable / an Environment;
-- ``model.path`` (:func:`common.startup.resolve_model`) and the form of ``worker.device`` (not for the
+- ``model.path`` (:func:`loraflow.common.startup.resolve_model`) and the form of ``worker.device`` (not for the
   ``sim`` backend, which loads no model);
 - ``run.run_dir`` and ``worker.adapter_dir`` can be written, ``worker.metrics_port`` is free;
-- the key files of ``security.client_key`` (:func:`common.security.check_keys`).
+- the key files of ``security.client_key`` (:func:`loraflow.common.security.check_keys`).
 
 ``loraflow config`` and ``loraflow run`` call :func:`check_user_code` too, before they start anything.
 """
 
 from __future__ import annotations
 
-from common.config import Config, WorkerConfig
-from common.security import check_keys
-from common.startup import check_device, check_port_free, check_run_dir, check_writable, resolve_model
-from rollout_worker.envs import check_env
-from rollout_worker.rewards import load_rewards
+from loraflow.common.config import Config, WorkerConfig
+from loraflow.common.security import check_keys
+from loraflow.common.startup import (
+    check_device,
+    check_port_free,
+    check_run_dir,
+    check_writable,
+    resolve_model,
+)
+from loraflow.rollout_worker.envs import check_env
+from loraflow.rollout_worker.rewards import load_rewards
 
 
 def check_user_code(worker: WorkerConfig) -> None:

@@ -63,21 +63,21 @@ import time
 from pathlib import Path
 from typing import Any, NoReturn
 
-from common.cli import EXIT_CONFIG_ERROR, EXIT_USER_CODE_STUCK, out_of_memory
-from common.config import Config
-from common.logging import bind, get_logger
-from common.metrics import Metrics, serve_prometheus
-from common.protocol import LeaseGrant
-from common.security import client_security
-from common.timeline import Timeline
-from common.transport import BrokerRefused, BrokerUnavailable
-from rollout_worker.adapters import AdapterStore
-from rollout_worker.backends import Backend, make_backend
-from rollout_worker.client import LEASE_WAIT_MS, BrokerSession
-from rollout_worker.envs import EnvResolver
-from rollout_worker.rewards import load_rewards
-from rollout_worker.rewards.guard import RunawayWatch
-from rollout_worker.rollout import FinishedGroup, Rollouts
+from loraflow.common.cli import EXIT_CONFIG_ERROR, EXIT_USER_CODE_STUCK, out_of_memory
+from loraflow.common.config import Config
+from loraflow.common.logging import bind, get_logger
+from loraflow.common.metrics import Metrics, serve_prometheus
+from loraflow.common.protocol import LeaseGrant
+from loraflow.common.security import client_security
+from loraflow.common.timeline import Timeline
+from loraflow.common.transport import BrokerRefused, BrokerUnavailable
+from loraflow.rollout_worker.adapters import AdapterStore
+from loraflow.rollout_worker.backends import Backend, make_backend
+from loraflow.rollout_worker.client import LEASE_WAIT_MS, BrokerSession
+from loraflow.rollout_worker.envs import EnvResolver
+from loraflow.rollout_worker.rewards import load_rewards
+from loraflow.rollout_worker.rewards.guard import RunawayWatch
+from loraflow.rollout_worker.rollout import FinishedGroup, Rollouts
 
 log = get_logger("worker")
 
@@ -110,7 +110,7 @@ class Worker:
         self.stop = stop
         self.timeline = timeline
         if config.worker.agent:  # an agent harness through the OpenAI-compatible gateway (rollout_worker/gateway)
-            from rollout_worker.gateway.episodes import AgentRollouts
+            from loraflow.rollout_worker.gateway.episodes import AgentRollouts
             self.rollouts = AgentRollouts(config, backend, worker_id=worker_id, metrics=metrics, wake=wake,
                                           info_path=config.run_dir / "workers" / worker_id / "gateway.json")
         else:
@@ -397,5 +397,5 @@ def _join_and_generate(config: Config, worker_id: str, *, stop: threading.Event,
         if backend is not None:
             backend.close()
     if code == 0:
-        timeline.close()  # the final mark of a clean stop; otherwise "exited" at exit (common.timeline)
+        timeline.close()  # the final mark of a clean stop; otherwise "exited" at exit (loraflow.common.timeline)
     return code

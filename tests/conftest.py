@@ -123,15 +123,15 @@ def pytest_terminal_summary(terminalreporter: Any) -> None:
 @pytest.fixture(scope="session")
 def tiny_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """A random-init tiny Llama + byte tokenizer, built offline once per test session."""
-    from common.tiny_model import build_tiny_model
+    from loraflow.common.tiny_model import build_tiny_model
 
     return build_tiny_model(tmp_path_factory.mktemp("tiny-model"), seed=0)
 
 
 @pytest.fixture(scope="session")
 def zoo_model(tmp_path_factory: pytest.TempPathFactory):
-    """``zoo_model(family)``: a common.model_zoo model directory (llama3, qwen2, qwen3, gemma), built once per session."""
-    from common.model_zoo import build_model
+    """``zoo_model(family)``: a loraflow.common.model_zoo model directory (llama3, qwen2, qwen3, gemma), built once per session."""
+    from loraflow.common.model_zoo import build_model
 
     built: dict[str, Path] = {}
 

@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from common.transport import fetch_stats
+from loraflow.common.transport import fetch_stats
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -144,7 +144,7 @@ class BrokerHandle:
 
 def start_broker(procs: Processes, *overrides: str, name: str = "broker", run_dir: Path | None = None,
                  config: Path | None = None, timeout_s: float = 30.0) -> BrokerHandle:
-    """Start ``python -m broker`` on an ephemeral loopback port and wait until it has bound."""
+    """Start ``python -m loraflow.broker`` on an ephemeral loopback port and wait until it has bound."""
     run_dir = run_dir or procs.tmp_path / "run"
     endpoint_file = run_dir / f"{name}.endpoint"
     endpoint_file.unlink(missing_ok=True)
@@ -153,7 +153,7 @@ def start_broker(procs: Processes, *overrides: str, name: str = "broker", run_di
              "--set", f"broker.endpoint_file=\"{endpoint_file}\""]
     for override in overrides:
         args += ["--set", override]
-    proc = procs.python(name, "broker", *args)
+    proc = procs.python(name, "loraflow.broker", *args)
     wait_for(lambda: endpoint_file.is_file() and endpoint_file.read_text().strip() or not proc.alive(),
              timeout_s, "the broker to bind", procs)
     if not proc.alive():

@@ -1,6 +1,6 @@
 """The agent demo's harness: calculator problems solved through a tool that is as slow as real tools are.
 
-``worker.agent = "deploy.agents.agent_demo:run_episode"`` (``deploy/configs/agent-demo.toml``), written against
+``worker.agent = "loraflow.deploy.agents.agent_demo:run_episode"`` (``deploy/configs/agent-demo.toml``), written against
 the ``openai`` client like any agent. Each episode sends the row's problem (``"47*23+512="``, the built-in
 ``calculator`` task) as the user message with one tool, ``calc``; each tool call the model makes (Hermes
 ``<tool_call>{"name": "calc", "arguments": {"expression": "..."}}</tool_call>``, parsed by the gateway into
@@ -28,7 +28,7 @@ from typing import Any
 
 import openai
 
-from deploy.agents.calculator_agent import calculate, score
+from loraflow.deploy.agents.calculator_agent import calculate, score
 
 MAX_TURNS = 3
 MAX_TOKENS = 40  # a calc call is ~27 tokens on the demo base's tokenizer, an answer ~5

@@ -1,6 +1,6 @@
 """A calculator-tool agent written against the ``openai`` client: loraflow trains it through the worker's gateway.
 
-``worker.agent = "deploy.agents.calculator_agent:run_episode"`` (chat models with a template), or
+``worker.agent = "loraflow.deploy.agents.calculator_agent:run_episode"`` (chat models with a template), or
 ``...:run_text_episode`` for a model without one (plain completions). Each episode asks the row's problem, runs
 every ``calculator`` tool call the model makes and hands back the result, nudges a model that answered without
 the tool, and stops after ``MAX_TURNS`` model turns. Reward 1 when the last reply's last number is the row's

@@ -14,5 +14,5 @@ source "$(dirname "${BASH_SOURCE[0]}")/common.sh"
 : "${LORAFLOW_BIND:=tcp://0.0.0.0:5555}"
 loraflow_check
 loraflow_common_args ""
-loraflow_exec "$LORAFLOW_PYTHON" -m broker "${LORAFLOW_ARGS[@]}" \
+loraflow_exec "$LORAFLOW_PYTHON" -m loraflow.broker "${LORAFLOW_ARGS[@]}" \
     --set "broker.bind=\"$LORAFLOW_BIND\"" --set "broker.endpoint_file=\"$LORAFLOW_RUN_DIR/broker/endpoint\""

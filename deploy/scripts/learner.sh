@@ -27,14 +27,14 @@ loraflow_check
 loraflow_common_args "${LORAFLOW_LEARNER_KEY:-learner}"
 args=("${LORAFLOW_ARGS[@]}" --endpoint "$LORAFLOW_ENDPOINT")
 if [ "$LORAFLOW_LEARNER_NPROC" = 1 ] && [ "$LORAFLOW_LEARNER_NNODES" = 1 ]; then
-    loraflow_exec "$LORAFLOW_PYTHON" -m learner "${args[@]}"
+    loraflow_exec "$LORAFLOW_PYTHON" -m loraflow.learner "${args[@]}"
 fi
 if [ "$LORAFLOW_LEARNER_NNODES" = 1 ]; then
     loraflow_exec_keeping_exit_code "$LORAFLOW_PYTHON" -m torch.distributed.run --standalone \
-        --nproc_per_node="$LORAFLOW_LEARNER_NPROC" -m learner "${args[@]}"
+        --nproc_per_node="$LORAFLOW_LEARNER_NPROC" -m loraflow.learner "${args[@]}"
 fi
 [ -n "$LORAFLOW_RDZV_ENDPOINT" ] || loraflow_die "LORAFLOW_LEARNER_NNODES=$LORAFLOW_LEARNER_NNODES needs LORAFLOW_RDZV_ENDPOINT (host:port of node 0)"
 loraflow_exec_keeping_exit_code "$LORAFLOW_PYTHON" -m torch.distributed.run --nnodes="$LORAFLOW_LEARNER_NNODES" \
     --nproc_per_node="$LORAFLOW_LEARNER_NPROC" --node_rank="$LORAFLOW_LEARNER_NODE_RANK" \
     --rdzv_backend=c10d --rdzv_endpoint="$LORAFLOW_RDZV_ENDPOINT" --rdzv_id=loraflow-learner \
-    -m learner "${args[@]}"
+    -m loraflow.learner "${args[@]}"

@@ -23,4 +23,4 @@ if [ -n "${LORAFLOW_WORKER_GPUS:-}" ]; then
     IFS=, read -r -a gpus <<< "$LORAFLOW_WORKER_GPUS"
     export CUDA_VISIBLE_DEVICES="${gpus[$(( ($1 - 1) % ${#gpus[@]} ))]}"
 fi
-loraflow_exec "$LORAFLOW_PYTHON" -m rollout_worker "${LORAFLOW_ARGS[@]}" "${args[@]}"
+loraflow_exec "$LORAFLOW_PYTHON" -m loraflow.rollout_worker "${LORAFLOW_ARGS[@]}" "${args[@]}"

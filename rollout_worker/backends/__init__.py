@@ -8,8 +8,8 @@ from __future__ import annotations
 
 import zlib
 
-from common.config import Config
-from rollout_worker.backends.base import Backend, GenOutput, GenRequest, Sampling
+from loraflow.common.config import Config
+from loraflow.rollout_worker.backends.base import Backend, GenOutput, GenRequest, Sampling
 
 __all__ = ["Backend", "GenOutput", "GenRequest", "Sampling", "make_backend", "resident_count"]
 
@@ -25,23 +25,23 @@ def make_backend(config: Config, *, worker_id: str, max_staleness: int) -> Backe
     sampling = Sampling(temperature=worker.temperature, top_p=worker.top_p)
     seed = (config.run.seed * 1_000_003 + zlib.crc32(worker_id.encode())) % (2**31)
     if worker.backend == "sim":
-        from rollout_worker.backends.sim import SimBackend
+        from loraflow.rollout_worker.backends.sim import SimBackend
 
         return SimBackend(worker.sim, sampling=sampling, seed=seed)
     if worker.num_threads:
         import torch
 
         torch.set_num_threads(worker.num_threads)
-    from common.tiny_model import resolve_model
+    from loraflow.common.tiny_model import resolve_model
 
     model_dir = resolve_model(config.model.path, config.model.cache_dir)
     tokens = {"chat_template_kwargs": config.model.chat_template_kwargs, "stop_token_ids": worker.stop_token_ids}
     if worker.backend == "hf":
-        from rollout_worker.backends.hf import HfBackend
+        from loraflow.rollout_worker.backends.hf import HfBackend
 
         return HfBackend(model_dir, sampling=sampling, device=worker.device, dtype=config.model.dtype, seed=seed,
                          **tokens)
-    from rollout_worker.backends.vllm import VllmBackend
+    from loraflow.rollout_worker.backends.vllm import VllmBackend
 
     vllm = worker.vllm
     return VllmBackend(model_dir, sampling=sampling, max_loras=resident_count(config, max_staleness),

@@ -25,14 +25,14 @@ their behaviour log-probs and whether the chunk ended the turn with one of the m
 (``eos_token_ids``: the tokenizer's eos, every id of ``generation_config.eos_token_id`` and
 ``worker.stop_token_ids``; the id is included).
 Because every chunk is a fresh continuation of the sequence, the next chunk of a sample may run under another
-version: that is how partial rollouts swap adapters (see :mod:`rollout_worker.rollout`).
+version: that is how partial rollouts swap adapters (see :mod:`loraflow.rollout_worker.rollout`).
 
-Behaviour log-probs mean exactly what :mod:`common.logprobs` says: ``log_softmax(logits / temperature)`` of
+Behaviour log-probs mean exactly what :mod:`loraflow.common.logprobs` says: ``log_softmax(logits / temperature)`` of
 the sampled token in float32, before top-p. Greedy decoding (evaluation and tests only) reports them at
 temperature 1. Every version keeps its own adapter slot, never reused for a different version while that
 version is resident, so a new version can never be served by the weights of the previous one.
 
-Evidence (:class:`common.protocol.ServedAdapter`, checked by the learner: :mod:`common.integrity`). Each backend
+Evidence (:class:`loraflow.common.protocol.ServedAdapter`, checked by the learner: :mod:`loraflow.common.integrity`). Each backend
 records at load time what its engine holds, read back from the engine and never copied from the
 :class:`ReceivedAdapter` it was asked to load: the engine's name for the adapter, an int id that no other load
 in this process gets (:meth:`Backend.new_lora_id`), the sha256 of the tensor bytes the engine loaded (computed
@@ -51,9 +51,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, ClassVar
 
-from common.chat import ChatFormat, Prompt, end_of_turn_ids, pad_token_id
-from common.protocol import ServedAdapter
-from rollout_worker.adapters import ReceivedAdapter
+from loraflow.common.chat import ChatFormat, Prompt, end_of_turn_ids, pad_token_id
+from loraflow.common.protocol import ServedAdapter
+from loraflow.rollout_worker.adapters import ReceivedAdapter
 
 
 @dataclass(slots=True, kw_only=True)
@@ -104,7 +104,7 @@ class Backend(abc.ABC):
     eos_token_ids: tuple[int, ...]  # every id that ends a turn
     vocab_size: int  # the model's (may exceed the tokenizer's: a padded vocabulary)
     chat: ChatFormat | None = None  # prompt rendering; None: the backend has no tokenizer (sim)
-    engine_dtype: str = "float32"  # the engine's compute dtype, one of common.protocol.ENGINE_DTYPES
+    engine_dtype: str = "float32"  # the engine's compute dtype, one of loraflow.common.protocol.ENGINE_DTYPES
 
     def __init__(self, sampling: Sampling) -> None:
         self.sampling = sampling
@@ -120,7 +120,7 @@ class Backend(abc.ABC):
     @abc.abstractmethod
     def encode(self, prompt: Prompt) -> list[int]:
         """Token ids of a prompt: a string with the tokenizer's own special tokens, messages through the chat
-        template (:mod:`common.chat`)."""
+        template (:mod:`loraflow.common.chat`)."""
 
     @abc.abstractmethod
     def encode_continuation(self, text: str) -> list[int]:
@@ -290,7 +290,7 @@ class Backend(abc.ABC):
 
 
 class TokenizerMixin:
-    """The token methods of a backend over a Hugging Face tokenizer: hf and vllm, both through :mod:`common.chat`."""
+    """The token methods of a backend over a Hugging Face tokenizer: hf and vllm, both through :mod:`loraflow.common.chat`."""
 
     chat: ChatFormat
     eos_token_id: int

@@ -17,11 +17,11 @@ the published weights (when the slot's dtype is narrower than the file's, holdin
 tensors rounded to it; the file's bytes are then hashed); its id is a load number. Each generation reports the slot its LoRA layers have active
 (read from a layer, as the forward pass does), or none when they are disabled.
 
-Prompts, end-of-turn ids and the pad id come from :mod:`common.chat` (``TokenizerMixin``): a row stops at any of
+Prompts, end-of-turn ids and the pad id come from :mod:`loraflow.common.chat` (``TokenizerMixin``): a row stops at any of
 ``eos_token_ids``. Requests are grouped by version; each group is left-padded into one batch and decoded by
 :mod:`.hf_decode`, which keeps each generation's KV cache from one chunk to the next (a chunk reads only its new
 tokens; a prefix computed under another version, or no longer the start of the request, is read again) and
-takes the behaviour log-prob (:func:`common.logprobs.token_logprobs` of the raw fp32 logits) of each step's
+takes the behaviour log-prob (:func:`loraflow.common.logprobs.token_logprobs` of the raw fp32 logits) of each step's
 sampled token, never keeping a chunk's logits. ``kv_cache=False`` is the reference path: transformers'
 ``generate`` over the whole sequence every chunk with ``output_logits=True`` (batch x chunk x vocab fp32
 logits); for the same requests and seed both give the same tokens, and log-probs equal to float rounding.
@@ -42,20 +42,27 @@ import torch
 from msgspec.structs import replace
 from transformers import AutoModelForCausalLM, AutoTokenizer, GenerationConfig
 
-from common.framing import frames_sha256
-from common.hf_generation import generation_config, neutralise
-from common.logging import get_logger
-from common.logprobs import token_logprobs
-from common.protocol import ServedAdapter
-from rollout_worker.adapters import (
+from loraflow.common.framing import frames_sha256
+from loraflow.common.hf_generation import generation_config, neutralise
+from loraflow.common.logging import get_logger
+from loraflow.common.logprobs import token_logprobs
+from loraflow.common.protocol import ServedAdapter
+from loraflow.rollout_worker.adapters import (
     SAFETENSORS_DTYPES,
     WEIGHTS_FILE,
     ReceivedAdapter,
     StoredTensor,
     read_tensors,
 )
-from rollout_worker.backends.base import Backend, GenOutput, GenRequest, Sampling, TokenizerMixin, cut_at_eos
-from rollout_worker.backends.hf_decode import DecodeSettings, Prefix, Row, decode
+from loraflow.rollout_worker.backends.base import (
+    Backend,
+    GenOutput,
+    GenRequest,
+    Sampling,
+    TokenizerMixin,
+    cut_at_eos,
+)
+from loraflow.rollout_worker.backends.hf_decode import DecodeSettings, Prefix, Row, decode
 
 log = get_logger("backend.hf")
 

@@ -26,10 +26,10 @@ would have alone. When a few rows feed many new tokens (a prompt, a prefix re-re
 that feed one, that padding would make every row pay for the longest: past ``MAX_PADDED_POSITIONS`` padded
 positions the long rows are read first in a forward of their own, all but their last tokens
 (:func:`_read_long_rows_first`), and join the round with that as their held prefix. Sampling is ``generate``'s
-own (:func:`common.hf_generation.sampling_warpers`, ``torch.multinomial`` over the warped softmax for the whole
+own (:func:`loraflow.common.hf_generation.sampling_warpers`, ``torch.multinomial`` over the warped softmax for the whole
 batch every step, pad fed to rows that ended, stop when every row ended or after the largest ``max_tokens``), so
 for the same requests and seed the tokens are
-those ``generate`` draws, and the log-probs (:func:`common.logprobs.token_logprobs` of the sampled token, from
+those ``generate`` draws, and the log-probs (:func:`loraflow.common.logprobs.token_logprobs` of the sampled token, from
 the step's fp32 logits of the last position only) equal the uncached path's to float rounding. Nothing of size
 ``[B, chunk, V]`` is kept: each step's ``[B, V]`` logits are dropped once its token and log-prob are taken.
 """
@@ -43,8 +43,8 @@ from typing import Any
 import torch
 from transformers import DynamicCache
 
-from common.hf_generation import sampling_warpers
-from common.logprobs import token_logprobs
+from loraflow.common.hf_generation import sampling_warpers
+from loraflow.common.logprobs import token_logprobs
 
 
 @dataclass(slots=True, kw_only=True)

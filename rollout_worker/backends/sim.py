@@ -23,11 +23,11 @@ import random
 import time
 from collections.abc import Sequence
 
-from common.chat import Prompt
-from common.config import SimConfig
-from common.protocol import ServedAdapter
-from rollout_worker.adapters import WEIGHTS_FILE, ReceivedAdapter, tensors_sha256
-from rollout_worker.backends.base import Backend, GenOutput, GenRequest, Sampling
+from loraflow.common.chat import Prompt
+from loraflow.common.config import SimConfig
+from loraflow.common.protocol import ServedAdapter
+from loraflow.rollout_worker.adapters import WEIGHTS_FILE, ReceivedAdapter, tensors_sha256
+from loraflow.rollout_worker.backends.base import Backend, GenOutput, GenRequest, Sampling
 
 BASE_DIGEST = "base"
 

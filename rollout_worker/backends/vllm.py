@@ -1,6 +1,6 @@
 """The vLLM backend: one ``LLM`` engine with LoRA enabled; every policy version is its own LoRA adapter.
 
-Adapters are loaded by path from the PEFT directories :mod:`rollout_worker.adapters` writes. Each version gets
+Adapters are loaded by path from the PEFT directories :mod:`loraflow.rollout_worker.adapters` writes. Each version gets
 a fresh ``LoRARequest(name, int id, path)`` with an id never used before in this process: vLLM caches adapters
 by int id, and re-using an id for new weights serves the old ones (FACTS.md, FIELD.md). Versions are added
 with the engine core's ``add_lora`` as they arrive (so the first token under them does not pay the load) and
@@ -20,7 +20,7 @@ Evidence (:mod:`.base`): a load records the ``LoRARequest``'s name and int id on
 after ``add_lora`` returned (vLLM reads the file inside the call). Each generation reports the ``lora_request``
 the engine's ``RequestOutput`` names: the load that id belongs to (whatever version it was loaded for), or none.
 
-Behaviour log-probs (:mod:`common.logprobs`) come from vLLM's sampler with ``SamplingParams(logprobs=0)``, the
+Behaviour log-probs (:mod:`loraflow.common.logprobs`) come from vLLM's sampler with ``SamplingParams(logprobs=0)``, the
 log-prob of each sampled token. Which of vLLM's ``logprobs_mode`` gives them depends on the sampling settings,
 fixed when the engine starts:
 
@@ -29,7 +29,7 @@ fixed when the engine starts:
 - temperature != 1 and top_p < 1: ``raw_logprobs`` of the whole vocabulary (``logprobs=-1``), rescored here
   with the temperature (:func:`rescale_logprob`). Exact but slow for large vocabularies.
 
-Every end-of-turn id (:func:`common.chat.end_of_turn_ids`) is passed as ``stop_token_ids``, and a completion whose
+Every end-of-turn id (:func:`loraflow.common.chat.end_of_turn_ids`) is passed as ``stop_token_ids``, and a completion whose
 ``finish_reason`` is ``"stop"`` ended its turn (the stop id is its last token). Each request continues from its
 full token sequence (``prompt_token_ids``), so a later one may run under another adapter; vLLM's prefix cache
 is keyed by adapter, never mixing versions.
@@ -56,10 +56,17 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-from common.logging import get_logger
-from common.protocol import ServedAdapter
-from rollout_worker.adapters import WEIGHTS_FILE, ReceivedAdapter, tensors_sha256
-from rollout_worker.backends.base import Backend, GenDelta, GenOutput, GenRequest, Sampling, TokenizerMixin
+from loraflow.common.logging import get_logger
+from loraflow.common.protocol import ServedAdapter
+from loraflow.rollout_worker.adapters import WEIGHTS_FILE, ReceivedAdapter, tensors_sha256
+from loraflow.rollout_worker.backends.base import (
+    Backend,
+    GenDelta,
+    GenOutput,
+    GenRequest,
+    Sampling,
+    TokenizerMixin,
+)
 
 log = get_logger("backend.vllm")
 
@@ -70,14 +77,14 @@ log = get_logger("backend.vllm")
 CPU_STEP_TOKENS = 1024
 
 #: vLLM's worker_extension_cls on the CPU platform: LoRA as one GEMM per adapter in a step (vllm_lora_cpu)
-GROUPED_LORA_EXTENSION = "rollout_worker.backends.vllm_lora_cpu.WorkerExtension"
+GROUPED_LORA_EXTENSION = "loraflow.rollout_worker.backends.vllm_lora_cpu.WorkerExtension"
 
 #: LoRA ranks vLLM accepts for max_lora_rank
 VLLM_LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)
 
 
 def logprobs_plan(sampling: Sampling) -> tuple[str, int]:
-    """(vLLM logprobs_mode, SamplingParams.logprobs) that yield common.logprobs' definition."""
+    """(vLLM logprobs_mode, SamplingParams.logprobs) that yield loraflow.common.logprobs' definition."""
     if sampling.temperature == 1.0:
         return "raw_logprobs", 0
     if sampling.top_p == 1.0:

@@ -2,17 +2,17 @@
 
 :class:`EnvResolver` picks the environment for each lease: ``worker.env`` when set (a user environment for every
 task), else the built-in one for the lease's task (``calculator`` -> :class:`CalculatorEnv`, anything else ->
-:class:`SingleTurnEnv` with the exact-answer score of :mod:`common.tasks`).
+:class:`SingleTurnEnv` with the exact-answer score of :mod:`loraflow.common.tasks`).
 """
 
 from __future__ import annotations
 
-from common.config import ConfigError
-from common.tasks import BUILTIN_TASKS, Task
-from rollout_worker.envs.base import Environment, Episode, Step
-from rollout_worker.envs.calculator import CalculatorEnv
-from rollout_worker.envs.single_turn import SingleTurnEnv
-from rollout_worker.plugins import load_object
+from loraflow.common.config import ConfigError
+from loraflow.common.tasks import BUILTIN_TASKS, Task
+from loraflow.rollout_worker.envs.base import Environment, Episode, Step
+from loraflow.rollout_worker.envs.calculator import CalculatorEnv
+from loraflow.rollout_worker.envs.single_turn import SingleTurnEnv
+from loraflow.rollout_worker.plugins import load_object
 
 __all__ = ["CalculatorEnv", "EnvResolver", "Environment", "Episode", "SingleTurnEnv", "Step", "check_env",
            "load_env"]
@@ -22,7 +22,7 @@ def check_env(spec: str) -> object:
     """The class or instance ``worker.env`` names, checked to be an Environment without instantiating it."""
     obj = load_object(spec, "worker.env")
     if not (issubclass(obj, Environment) if isinstance(obj, type) else isinstance(obj, Environment)):
-        raise ConfigError(f"worker.env = {spec!r} is not an Environment (subclass rollout_worker.envs.Environment)")
+        raise ConfigError(f"worker.env = {spec!r} is not an Environment (subclass loraflow.rollout_worker.envs.Environment)")
     return obj
 
 

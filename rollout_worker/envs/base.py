@@ -8,7 +8,7 @@ An episode is one sample of a group. The model speaks a turn (until end-of-seque
                                      model speaks again, up to ``max_turns`` model turns
 
 A single-turn task is an environment whose first step is done. Each step runs in a guarded thread of its own
-(:mod:`rollout_worker.rewards.guard`): a slow tool call of one sample never holds up the generation of the other
+(:mod:`loraflow.rollout_worker.rewards.guard`): a slow tool call of one sample never holds up the generation of the other
 samples, and a step that raises, hangs past ``worker.reward_timeout_s`` or returns a non-finite reward scores 0.
 
 User environments are named in config as ``worker.env = "package.module:Name"``: a subclass of
@@ -22,7 +22,7 @@ import abc
 from dataclasses import dataclass, field
 from typing import Any
 
-from common.tasks import Prompt
+from loraflow.common.tasks import Prompt
 
 
 @dataclass(slots=True, kw_only=True)

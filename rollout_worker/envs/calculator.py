@@ -1,6 +1,6 @@
 """A multi-turn tool task: the model may ask a calculator before it answers.
 
-Prompts come from ``common.tasks.CalculatorTask`` (``"a*b+c="``). In any turn the model may write
+Prompts come from ``loraflow.common.tasks.CalculatorTask`` (``"a*b+c="``). In any turn the model may write
 ``<calc>expression</calc>``; the turn ends there (a stop string) and the environment replies ``=value`` (or
 ``=error``), which joins the sequence as environment tokens. A turn that ends with end-of-sequence is the final
 answer: reward 1 if its text is exactly the answer, else 0. Running out of turns scores 0.
@@ -16,8 +16,8 @@ import operator
 import re
 from typing import Any
 
-from common.tasks import CalculatorTask
-from rollout_worker.envs.base import Environment, Episode, Step
+from loraflow.common.tasks import CalculatorTask
+from loraflow.rollout_worker.envs.base import Environment, Episode, Step
 
 CALL = re.compile(r"<calc>(.*?)</calc>\s*$", re.DOTALL)
 MAX_EXPRESSION_CHARS = 200

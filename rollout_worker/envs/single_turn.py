@@ -1,11 +1,11 @@
-"""Single-turn tasks: prompt -> completion -> exact-answer reward (common.tasks' scoring rule)."""
+"""Single-turn tasks: prompt -> completion -> exact-answer reward (loraflow.common.tasks' scoring rule)."""
 
 from __future__ import annotations
 
 from typing import Any
 
-from common.tasks import Task
-from rollout_worker.envs.base import Environment, Episode, Step
+from loraflow.common.tasks import Task
+from loraflow.rollout_worker.envs.base import Environment, Episode, Step
 
 
 class SingleTurnEnv(Environment):

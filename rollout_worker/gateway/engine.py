@@ -32,7 +32,7 @@ and by the room left under ``model.max_seq_len``.
 Evidence (issue 14): each chunk's ``GenOutput.served`` (or each step's ``GenDelta.served``: the engine's report of
 that very request) is kept per call and in the session's ``served`` (its group's evidence) as the report comes,
 with ``Backend.keep_served``; a call's record keeps its report; context tokens a call adds are stamped with the
-version it runs under and noted with ``backend.served`` of it, as :mod:`rollout_worker.rollout` notes
+version it runs under and noted with ``backend.served`` of it, as :mod:`loraflow.rollout_worker.rollout` notes
 environment tokens.
 """
 
@@ -47,15 +47,15 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from common.config import WorkerConfig
-from common.logging import get_logger
-from common.metrics import Metrics
-from common.protocol import ServedAdapter
-from rollout_worker.backends.base import Backend, GenDelta, GenRequest
-from rollout_worker.gateway import openai_api as api
-from rollout_worker.gateway.session import ACTIVE, FINISHED, PrefixDivergence, Session
-from rollout_worker.gateway.stream_text import TextStream, byte_fallback_ids
-from rollout_worker.gateway.tools import PARSERS, template_messages
+from loraflow.common.config import WorkerConfig
+from loraflow.common.logging import get_logger
+from loraflow.common.metrics import Metrics
+from loraflow.common.protocol import ServedAdapter
+from loraflow.rollout_worker.backends.base import Backend, GenDelta, GenRequest
+from loraflow.rollout_worker.gateway import openai_api as api
+from loraflow.rollout_worker.gateway.session import ACTIVE, FINISHED, PrefixDivergence, Session
+from loraflow.rollout_worker.gateway.stream_text import TextStream, byte_fallback_ids
+from loraflow.rollout_worker.gateway.tools import PARSERS, template_messages
 
 log = get_logger("gateway")
 

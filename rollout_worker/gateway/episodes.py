@@ -9,7 +9,7 @@
 ``worker.agent = "external"``: a harness in another process (any language) takes episodes with
 ``POST /sessions/claim`` and finishes each with ``POST /sessions/<id>/finish`` ``{"reward": float}``.
 
-:class:`AgentRollouts` stands in for :class:`rollout_worker.rollout.Rollouts` in the worker loop (the same
+:class:`AgentRollouts` stands in for :class:`loraflow.rollout_worker.rollout.Rollouts` in the worker loop (the same
 methods: add, remove, step, poll, has_ready, next_deadline, versions_in_use): the loop stays the engine's only
 caller, taking one engine step (vllm: calls stream through the running engine) or one chunk round (hf) for
 every call in flight whenever there is one (engine.py).
@@ -19,12 +19,12 @@ that raises, blocks, or hangs past ``worker.agent_timeout_s`` costs only its own
 (``agent_failures{reason}`` and ``reward_failures{reason}``) and logged, and its session is closed (later
 calls get ``session_finished``). An episode that never called the model scores 0 too (reason ``no_calls``).
 A group is submitted when all its episodes are done; its samples are the sessions' trajectories, each with its
-own prompt (the first call's prompt tokens). Its ``served`` evidence (:mod:`common.integrity`) is built as the
-worker's own path builds it (:mod:`rollout_worker.rollout`): for generated tokens the backend's report of the very
+own prompt (the first call's prompt tokens). Its ``served`` evidence (:mod:`loraflow.common.integrity`) is built as the
+worker's own path builds it (:mod:`loraflow.rollout_worker.rollout`): for generated tokens the backend's report of the very
 engine calls that produced them (``GenOutput.served``, also kept per call in the session's records), for context
 tokens ``backend.served`` of the version they were stamped with. The engine keeps each report, when it comes, in
 the group's evidence (one dict shared by the group's sessions) with ``Backend.keep_served``, so a report that
-disagrees with the load record stays the group's evidence and the learner's check (:mod:`learner.integrity`)
+disagrees with the load record stays the group's evidence and the learner's check (:mod:`loraflow.learner.integrity`)
 fails the group.
 """
 
@@ -44,17 +44,17 @@ from typing import Any
 
 import numpy as np
 
-from common.config import Config, ConfigError
-from common.logging import get_logger
-from common.metrics import Metrics
-from common.protocol import PromptLease, RolloutGroup, ServedAdapter
-from rollout_worker.backends.base import Backend
-from rollout_worker.gateway.engine import GatewayEngine
-from rollout_worker.gateway.server import GatewayServer
-from rollout_worker.gateway.session import Session
-from rollout_worker.plugins import load_object
-from rollout_worker.rewards import GuardedCall, InvalidReward, as_reward
-from rollout_worker.rollout import FinishedGroup
+from loraflow.common.config import Config, ConfigError
+from loraflow.common.logging import get_logger
+from loraflow.common.metrics import Metrics
+from loraflow.common.protocol import PromptLease, RolloutGroup, ServedAdapter
+from loraflow.rollout_worker.backends.base import Backend
+from loraflow.rollout_worker.gateway.engine import GatewayEngine
+from loraflow.rollout_worker.gateway.server import GatewayServer
+from loraflow.rollout_worker.gateway.session import Session
+from loraflow.rollout_worker.plugins import load_object
+from loraflow.rollout_worker.rewards import GuardedCall, InvalidReward, as_reward
+from loraflow.rollout_worker.rollout import FinishedGroup
 
 log = get_logger("gateway")
 

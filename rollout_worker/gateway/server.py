@@ -32,10 +32,10 @@ from typing import Any
 import msgspec
 from aiohttp import web
 
-from common.logging import get_logger
-from common.metrics import Metrics
-from rollout_worker.gateway import openai_api as api
-from rollout_worker.gateway.engine import GatewayEngine, Job
+from loraflow.common.logging import get_logger
+from loraflow.common.metrics import Metrics
+from loraflow.rollout_worker.gateway import openai_api as api
+from loraflow.rollout_worker.gateway.engine import GatewayEngine, Job
 
 log = get_logger("gateway")
 

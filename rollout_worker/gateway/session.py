@@ -7,7 +7,7 @@ context token a later call added (tool results, user turns, the template's turn 
 
 The prefix rule, applied to every call after the first (:meth:`Session.context`):
 
-1. The call's messages are rendered through the chat template (:class:`common.chat.ChatFormat`), with each
+1. The call's messages are rendered through the chat template (:class:`loraflow.common.chat.ChatFormat`), with each
    assistant message the session itself produced replaced by the text the model really generated (so a
    harness that sends back parsed ``tool_calls`` with ``content: null``, or trims whitespace, re-renders the
    generated turn, not its own paraphrase).
@@ -23,7 +23,7 @@ The prefix rule, applied to every call after the first (:meth:`Session.context`)
 The engine is fed exactly the held tokens plus the new context, so what the model saw is what is trained.
 Each call's record keeps the engine's report of what served it (``CallRecord.served``), and ``Session.served``
 the evidence of every version in the trajectory (kept by the engine; see its docstring).
-A session is owned by the worker's thread (see :mod:`rollout_worker.gateway.engine`); nothing else touches it.
+A session is owned by the worker's thread (see :mod:`loraflow.rollout_worker.gateway.engine`); nothing else touches it.
 """
 
 from __future__ import annotations
@@ -33,8 +33,8 @@ from typing import Any
 
 import msgspec
 
-from common.chat import ChatFormat
-from common.protocol import ServedAdapter
+from loraflow.common.chat import ChatFormat
+from loraflow.common.protocol import ServedAdapter
 
 ACTIVE, FINISHED = "active", "finished"
 

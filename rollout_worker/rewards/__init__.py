@@ -40,10 +40,10 @@ import sys
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from common.config import ConfigError, WorkerConfig
-from rollout_worker.plugins import load_object
-from rollout_worker.rewards.builtin import BUILTIN_REWARDS
-from rollout_worker.rewards.guard import (
+from loraflow.common.config import ConfigError, WorkerConfig
+from loraflow.rollout_worker.plugins import load_object
+from loraflow.rollout_worker.rewards.builtin import BUILTIN_REWARDS
+from loraflow.rollout_worker.rewards.guard import (
     FAILURE_REASONS,
     Attributed,
     GuardedCall,

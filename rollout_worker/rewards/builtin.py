@@ -4,7 +4,7 @@ Both take what TRL's GRPOTrainer passes (``prompts``, ``completions``, ``complet
 columns as keyword arguments) and return one float per completion, or None where they do not apply. A
 completion is text, or TRL's conversational form ``[{"role": "assistant", "content": ...}]``.
 
-Answers are extracted and compared by :mod:`common.answers` (``\\boxed{}``, then ``####``, then the last number;
+Answers are extracted and compared by :mod:`loraflow.common.answers` (``\\boxed{}``, then ``####``, then the last number;
 numbers compare as numbers), the same rules the held-out evaluation of a dataset task scores with.
 :func:`exact_match` is 1.0 when the completion's final answer equals the reference ``answer``.
 :func:`format_reward` is 1.0 when the completion ends its reasoning with a final answer in one of the
@@ -16,7 +16,13 @@ from __future__ import annotations
 import re
 from typing import Any
 
-from common.answers import answers_match, completion_text, extract_answer, last_boxed, reference_answer
+from loraflow.common.answers import (
+    answers_match,
+    completion_text,
+    extract_answer,
+    last_boxed,
+    reference_answer,
+)
 
 _FINAL_LINE = re.compile(r"####\s*\S[^\n]*\s*$")
 

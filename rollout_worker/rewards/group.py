@@ -23,9 +23,9 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from common.chat import completion_for
-from rollout_worker.rewards import RewardFunction
-from rollout_worker.rewards.guard import GuardedCall, InvalidReward, as_reward
+from loraflow.common.chat import completion_for
+from loraflow.rollout_worker.rewards import RewardFunction
+from loraflow.rollout_worker.rewards.guard import GuardedCall, InvalidReward, as_reward
 
 #: argument names of the call; dataset columns of these names are not passed (TRL leaves out the same three)
 RESERVED = ("prompts", "completions", "completion_ids")

@@ -9,7 +9,7 @@ from pathlib import Path
 import torch
 
 from bench.single_process import SingleProcess
-from common.config import load_config
+from loraflow.common.config import load_config
 
 
 def test_reference_loop_trains_and_serves_each_version(tiny_model_dir: Path, tmp_path: Path) -> None:
@@ -29,7 +29,7 @@ def test_reference_loop_trains_and_serves_each_version(tiny_model_dir: Path, tmp
         second = loop.step()
         assert second.version == 2 and loop.cursor == 4  # each step leases new prompts
         # the backend serves what was trained: version 2, the learner's own bytes; v1 was unloaded
-        from learner import publish
+        from loraflow.learner import publish
 
         snap = publish.snapshot(loop.policy, version=2, step=2, is_main=True)
         assert loop.backend.newest_version == 2 and sorted(loop.backend.adapters) == [2]

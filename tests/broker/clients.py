@@ -1,6 +1,6 @@
 """Scripted clients for broker integration tests: a worker and a learner over BrokerLink, groups and adapters.
 
-They speak the real protocol through :class:`common.transport.BrokerLink` (hello, heartbeats and reconnects
+They speak the real protocol through :class:`loraflow.common.transport.BrokerLink` (hello, heartbeats and reconnects
 in its I/O thread) and wait with bounded timeouts for the reply they expect, failing with what arrived instead.
 """
 
@@ -12,7 +12,7 @@ from typing import Any
 
 import numpy as np
 
-from common.protocol import (
+from loraflow.common.protocol import (
     AdapterFetch,
     AdapterUpdate,
     BatchAck,
@@ -24,7 +24,7 @@ from common.protocol import (
     PromptLease,
     RolloutGroup,
 )
-from common.transport import BrokerLink, Incoming, Reconnected
+from loraflow.common.transport import BrokerLink, Incoming, Reconnected
 
 FAST = dict(heartbeat_interval_s=0.1, heartbeat_timeout_s=1.0)
 

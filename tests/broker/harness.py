@@ -11,12 +11,12 @@ import time
 from pathlib import Path
 from typing import Any
 
-from broker.core import BrokerCore
-from broker.snapshot import build_snapshot
-from common import protocol
-from common.config import load_config
-from common.protocol import Hello, LeaseRequest, PromptLease
-from common.tasks import load_task
+from loraflow.broker.core import BrokerCore
+from loraflow.broker.snapshot import build_snapshot
+from loraflow.common import protocol
+from loraflow.common.config import load_config
+from loraflow.common.protocol import Hello, LeaseRequest, PromptLease
+from loraflow.common.tasks import load_task
 from tests.broker.clients import make_adapter, make_group
 
 W1, W2, LEARNER = b"worker/w1", b"worker/w2", b"learner/learner"

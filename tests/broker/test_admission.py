@@ -8,8 +8,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from broker.admission import AdmissionInputs, credit, decide
-from common import versions
+from loraflow.broker.admission import AdmissionInputs, credit, decide
+from loraflow.common import versions
 
 BASE = AdmissionInputs(requested=4, worker_version=0, latest_version=0, max_staleness=1, groups_per_step=4,
                        capacity_groups=8, num_leased=0, num_stored=0, num_trained_groups=0, base_version=0,

@@ -9,8 +9,8 @@ from pathlib import Path
 import msgpack
 import zmq
 
-from common import framing, protocol, sockets
-from common.protocol import (
+from loraflow.common import framing, protocol, sockets
+from loraflow.common.protocol import (
     AdapterUpdate,
     BatchAck,
     BatchRequest,

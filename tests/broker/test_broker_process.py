@@ -14,8 +14,8 @@ import numpy as np
 import pytest
 import zmq
 
-from common import protocol, sockets
-from common.protocol import Hello, Kind, LeaseRequest
+from loraflow.common import protocol, sockets
+from loraflow.common.protocol import Hello, Kind, LeaseRequest
 from tests.broker.clients import Learner, Worker, adapter_tensors
 from tests.support import Processes, start_broker, wait_for
 

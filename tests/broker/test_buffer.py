@@ -6,7 +6,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from broker.buffer import RolloutBuffer, StoredGroup
+from loraflow.broker.buffer import RolloutBuffer, StoredGroup
 
 
 def group(index: int, num_bytes: int = 100, min_version: int = 0) -> StoredGroup:

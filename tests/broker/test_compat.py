@@ -8,8 +8,8 @@ from __future__ import annotations
 import msgpack
 import numpy as np
 
-from common import framing, protocol
-from common.protocol import PROTOCOL_VERSION, AdapterAck, Error, GroupAck, Kind
+from loraflow.common import framing, protocol
+from loraflow.common.protocol import PROTOCOL_VERSION, AdapterAck, Error, GroupAck, Kind
 from tests.broker.clients import group_tensors
 from tests.broker.harness import LEARNER, W1, Harness
 

@@ -5,8 +5,8 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from common import framing
-from common.protocol import (
+from loraflow.common import framing
+from loraflow.common.protocol import (
     AdapterFetch,
     BatchAck,
     BatchRequest,

@@ -8,8 +8,8 @@ from __future__ import annotations
 from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
-from common import protocol
-from common.protocol import BatchAck, BatchRequest, Bye, Heartbeat, Kind, LeaseReturn, PolicyMismatch
+from loraflow.common import protocol
+from loraflow.common.protocol import BatchAck, BatchRequest, Bye, Heartbeat, Kind, LeaseReturn, PolicyMismatch
 from tests.broker.clients import make_group
 from tests.broker.harness import LEARNER, W1, W2, Harness
 

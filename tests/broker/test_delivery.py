@@ -18,7 +18,7 @@ from pathlib import Path
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from common.protocol import AdapterFetch, BatchAck, BatchRequest, Kind, LeaseRequest
+from loraflow.common.protocol import AdapterFetch, BatchAck, BatchRequest, Kind, LeaseRequest
 from tests.broker.clients import make_adapter, make_group
 from tests.broker.harness import LEARNER, W1, Harness
 

@@ -15,15 +15,15 @@ import msgpack
 import pytest
 import zmq
 
-from broker import server as server_module
-from broker.core import BrokerCore
-from broker.notices import NOTICE_BATCH, NOTICE_SPACING_S
-from broker.peers import PeerRegistry
-from broker.server import BrokerServer
-from common import framing, protocol, sockets
-from common.config import load_config
-from common.protocol import Heartbeat, Hello, Kind, LeaseRequest, LeaseReturn
-from common.tasks import load_task
+from loraflow.broker import server as server_module
+from loraflow.broker.core import BrokerCore
+from loraflow.broker.notices import NOTICE_BATCH, NOTICE_SPACING_S
+from loraflow.broker.peers import PeerRegistry
+from loraflow.broker.server import BrokerServer
+from loraflow.common import framing, protocol, sockets
+from loraflow.common.config import load_config
+from loraflow.common.protocol import Heartbeat, Hello, Kind, LeaseRequest, LeaseReturn
+from loraflow.common.tasks import load_task
 from tests.broker.clients import make_adapter
 from tests.broker.harness import LEARNER, W1, Harness
 
@@ -322,7 +322,7 @@ def test_a_real_link_with_thinned_pongs_never_rejoins(procs) -> None:
     """A real broker process and a real client link at the same settings (beats every 0.25 s, 12 misses: a 3-s
     timeout, roomy on a loaded machine): the broker answers about every fourth beat, the link hears it well inside
     its timeout and never says hello again."""
-    from common.transport import BrokerLink, fetch_stats
+    from loraflow.common.transport import BrokerLink, fetch_stats
     from tests.support import start_broker, wait_for
 
     broker = start_broker(procs, "broker.heartbeat_interval_s=0.25", "broker.heartbeat_misses=12")
@@ -403,7 +403,7 @@ def test_real_links_follow_the_interval_the_broker_asks_for(procs) -> None:
     """A real broker process whose budget is 2 beats a second and three real links configured to beat every 0.25 s
     (8 misses: 2 s): the broker asks for 1.5 s; the links beat at it (far fewer beats than 12 a second), never
     rejoin, and are never declared dead although they are silent 6x their own timeout's interval."""
-    from common.transport import BrokerLink, fetch_stats
+    from loraflow.common.transport import BrokerLink, fetch_stats
     from tests.support import start_broker, wait_for
 
     broker = start_broker(procs, "broker.heartbeat_interval_s=0.25", "broker.heartbeat_misses=8",
@@ -429,7 +429,7 @@ def test_real_links_follow_the_interval_the_broker_asks_for(procs) -> None:
 
 
 def test_a_stop_before_the_loop_starts_is_kept() -> None:
-    """A SIGTERM between the handler's install and serve() (broker.main collects garbage there) stops the
+    """A SIGTERM between the handler's install and serve() (loraflow.broker.main collects garbage there) stops the
     broker: serve() returns at once instead of running until it is killed."""
     config = load_config(None, ["broker.bind=tcp://127.0.0.1:0", "run.group_size=2"])
     core = BrokerCore(config, task=load_task(config.run.task, config.run.seed), vocab_size=200)

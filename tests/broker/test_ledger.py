@@ -10,10 +10,10 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from broker.buffer import RolloutBuffer, StoredGroup
-from broker.leases import LeaseTable
-from broker.ledger import LEASE_ENDINGS, RULES, GroupLedger, Reason, State
-from broker.prompts import PromptSource, group_id_of
+from loraflow.broker.buffer import RolloutBuffer, StoredGroup
+from loraflow.broker.leases import LeaseTable
+from loraflow.broker.ledger import LEASE_ENDINGS, RULES, GroupLedger, Reason, State
+from loraflow.broker.prompts import PromptSource, group_id_of
 from tests.broker.test_prompts import ListTask
 
 W1, W2 = b"worker/w1", b"worker/w2"

@@ -1,4 +1,4 @@
-"""The broker loop's pass times (broker.loop_times): buckets, windows, the slowest step, and a real broker's Stats."""
+"""The broker loop's pass times (loraflow.broker.loop_times): buckets, windows, the slowest step, and a real broker's Stats."""
 
 from __future__ import annotations
 
@@ -7,11 +7,11 @@ import time
 
 import zmq
 
-from broker.loop_times import BUCKET_LABELS, LoopTimes, pass_quantile
-from broker.stats import BrokerStats
-from common import protocol
-from common.protocol import Hello, LeaseRequest
-from deploy import status
+from loraflow.broker.loop_times import BUCKET_LABELS, LoopTimes, pass_quantile
+from loraflow.broker.stats import BrokerStats
+from loraflow.common import protocol
+from loraflow.common.protocol import Hello, LeaseRequest
+from loraflow.deploy import status
 from tests.support import Processes, start_broker
 
 
@@ -101,6 +101,6 @@ def test_a_real_broker_reports_its_loop_in_stats_and_status(procs: Processes) ->
     assert loop["slowest_step"] in {"hello", "lease_request", "stats_request", "tick", "flush"}
     assert 0 < loop["slowest_pass_ms"] < 1000 and 0 <= loop["slowest_pass_cpu_ms"] <= loop["slowest_pass_ms"] + 1
     assert {"gc_collections", "slowest_gc_ms", "slowest_gc_generation"} <= set(loop)
-    assert loop["gc_frozen"] > 10_000  # startup's objects are out of the collector's walks (broker.main)
+    assert loop["gc_frozen"] > 10_000  # startup's objects are out of the collector's walks (loraflow.broker.main)
     line = status.loop_line(loop)
     assert line.startswith("loop      busy ") and "slowest step" in line

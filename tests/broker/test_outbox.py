@@ -2,10 +2,10 @@
 
 from __future__ import annotations
 
-from broker.outbox import Outbox
-from broker.stats import BrokerStats
-from common import protocol
-from common.protocol import AdapterAck, BatchSettled, Heartbeat, Kind
+from loraflow.broker.outbox import Outbox
+from loraflow.broker.stats import BrokerStats
+from loraflow.common import protocol
+from loraflow.common.protocol import AdapterAck, BatchSettled, Heartbeat, Kind
 
 A, B = b"worker/a", b"learner/b"
 

@@ -7,11 +7,11 @@ import hashlib
 import numpy as np
 import pytest
 
-from broker.adapters import AdapterCache
-from broker.peers import ClientIdTaken, PeerRegistry, RegistryFull
-from broker.stats import BrokerStats
-from common import protocol
-from common.protocol import AdapterUpdate, Heartbeat, Hello, ProtocolError
+from loraflow.broker.adapters import AdapterCache
+from loraflow.broker.peers import ClientIdTaken, PeerRegistry, RegistryFull
+from loraflow.broker.stats import BrokerStats
+from loraflow.common import protocol
+from loraflow.common.protocol import AdapterUpdate, Heartbeat, Hello, ProtocolError
 
 
 def registry(max_workers: int = 2) -> PeerRegistry:

@@ -6,8 +6,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from broker.prompts import PromptSource, group_id_of, parse_group_id
-from common.tasks import ArithTask, Task, TaskItem
+from loraflow.broker.prompts import PromptSource, group_id_of, parse_group_id
+from loraflow.common.tasks import ArithTask, Task, TaskItem
 
 
 class ListTask(Task):

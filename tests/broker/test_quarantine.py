@@ -6,9 +6,9 @@ from __future__ import annotations
 import pytest
 from structlog.testing import capture_logs
 
-from broker.quarantine import Quarantine, Status, Transition
-from common.protocol import BatchAck, BatchRequest, Kind, LeaseRequest, PolicyMismatch
-from deploy import status
+from loraflow.broker.quarantine import Quarantine, Status, Transition
+from loraflow.common.protocol import BatchAck, BatchRequest, Kind, LeaseRequest, PolicyMismatch
+from loraflow.deploy import status
 from tests.broker.harness import LEARNER, W1, W2, Harness
 
 

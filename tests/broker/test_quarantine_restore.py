@@ -10,11 +10,11 @@ from pathlib import Path
 import pytest
 from structlog.testing import capture_logs
 
-from broker.quarantine import MAX_PERSISTED, Quarantine, Status
-from broker.state import EvidenceEntry, QuarantineEntry, QuarantineState, load_state, save_state
-from common.protocol import BatchAck, BatchRequest, Kind, LeaseRequest, PolicyMismatch
-from common.schema import dump
-from deploy import status
+from loraflow.broker.quarantine import MAX_PERSISTED, Quarantine, Status
+from loraflow.broker.state import EvidenceEntry, QuarantineEntry, QuarantineState, load_state, save_state
+from loraflow.common.protocol import BatchAck, BatchRequest, Kind, LeaseRequest, PolicyMismatch
+from loraflow.common.schema import dump
+from loraflow.deploy import status
 from tests.broker.clients import Learner, Worker
 from tests.broker.harness import LEARNER, W1, W2, Harness
 from tests.broker.test_quarantine import grant_of, mismatch, quarantine_w1

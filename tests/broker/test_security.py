@@ -7,10 +7,10 @@ from pathlib import Path
 
 import zmq
 
-from common import protocol, sockets
-from common.protocol import Error, Hello
-from common.security import ClientSecurity, generate_keys
-from common.transport import fetch_stats
+from loraflow.common import protocol, sockets
+from loraflow.common.protocol import Error, Hello
+from loraflow.common.security import ClientSecurity, generate_keys
+from loraflow.common.transport import fetch_stats
 from tests.broker.clients import Worker, make_group
 from tests.support import Processes, start_broker
 

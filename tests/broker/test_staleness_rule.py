@@ -10,10 +10,10 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from broker.buffer import RolloutBuffer, StoredGroup
-from common import versions
-from common.protocol import Batch, BatchRequest, PromptLease
-from common.versions import StalenessRule
+from loraflow.broker.buffer import RolloutBuffer, StoredGroup
+from loraflow.common import versions
+from loraflow.common.protocol import Batch, BatchRequest, PromptLease
+from loraflow.common.versions import StalenessRule
 from tests.broker.clients import make_group
 from tests.broker.harness import LEARNER, W1, Harness
 

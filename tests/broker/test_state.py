@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from broker.state import (
+from loraflow.broker.state import (
     StateWriter,
     check_matches,
     load_adapter,

@@ -7,8 +7,8 @@ from pathlib import Path
 
 import pytest
 
-from common.protocol import BatchRequest, Heartbeat
-from deploy import rundir, status
+from loraflow.common.protocol import BatchRequest, Heartbeat
+from loraflow.deploy import rundir, status
 from tests.broker.harness import LEARNER, W1, W2, Harness
 from tests.support import Processes, start_broker
 

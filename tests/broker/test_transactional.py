@@ -11,15 +11,15 @@ from types import SimpleNamespace
 import pytest
 import zmq
 
-from broker import core as core_module
-from broker.core import BrokerCore
-from broker.dispatch import HalfApplied
-from broker.server import BrokerServer
-from broker.state import load_state
-from common import protocol, sockets
-from common.config import load_config
-from common.protocol import Error, Hello, Kind, LeaseGrant, LeaseRequest, StatsRequest
-from common.tasks import load_task
+from loraflow.broker import core as core_module
+from loraflow.broker.core import BrokerCore
+from loraflow.broker.dispatch import HalfApplied
+from loraflow.broker.server import BrokerServer
+from loraflow.broker.state import load_state
+from loraflow.common import protocol, sockets
+from loraflow.common.config import load_config
+from loraflow.common.protocol import Error, Hello, Kind, LeaseGrant, LeaseRequest, StatsRequest
+from loraflow.common.tasks import load_task
 from tests.broker.clients import make_group
 from tests.broker.harness import W1, Harness
 

@@ -1,4 +1,4 @@
-"""common.chat on the model zoo's four families: rendering equals apply_chat_template, end-of-turn ids, the pad
+"""loraflow.common.chat on the model zoo's four families: rendering equals apply_chat_template, end-of-turn ids, the pad
 fallback, tool turns appended by suffix with the prefix checked, and the errors a user sees."""
 
 from __future__ import annotations
@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 from transformers import AutoTokenizer
 
-from common.chat import (
+from loraflow.common.chat import (
     MISMATCH_TEXT,
     MISMATCH_TOKENS,
     ChatFormat,
@@ -19,8 +19,8 @@ from common.chat import (
     end_of_turn_ids,
     pad_token_id,
 )
-from common.model_zoo import FAMILIES
-from rollout_worker.backends.base import cut_at_eos
+from loraflow.common.model_zoo import FAMILIES
+from loraflow.rollout_worker.backends.base import cut_at_eos
 
 CONVERSATIONS = [
     [{"role": "user", "content": "47+38="}],

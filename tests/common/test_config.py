@@ -6,8 +6,8 @@ from pathlib import Path
 
 import pytest
 
-from common.config import Config, ConfigError, load_config, to_toml, write_resolved
-from common.schema import describe
+from loraflow.common.config import Config, ConfigError, load_config, to_toml, write_resolved
+from loraflow.common.schema import describe
 
 
 def test_defaults_are_valid_and_derived_values_follow() -> None:
@@ -76,7 +76,7 @@ def test_resolved_config_reloads_identically(tmp_path: Path) -> None:
 
 
 def test_every_field_is_documented_or_self_explanatory() -> None:
-    from common import config as config_module
+    from loraflow.common import config as config_module
 
     for section in (config_module.RunConfig, config_module.BrokerConfig, config_module.WorkerConfig,
                     config_module.LearnerConfig, config_module.ModelConfig):

@@ -9,9 +9,9 @@ from typing import Any
 
 import pytest
 
-from common.config import ConfigError, DataConfig
-from common.dataset import DatasetError, DatasetTask
-from common.tasks import load_task
+from loraflow.common.config import ConfigError, DataConfig
+from loraflow.common.dataset import DatasetError, DatasetTask
+from loraflow.common.tasks import load_task
 
 ROWS = [{"prompt": f"What is {i} + {i}?", "answer": str(2 * i), "level": i % 3, "tests": [i, i + 1]}
         for i in range(12)]
@@ -182,9 +182,9 @@ def test_data_settings_with_a_builtin_task_are_refused() -> None:
 
 
 def test_the_gsm8k_example_is_what_its_generator_writes_and_loads_as_its_config_says() -> None:
-    from common.config import load_config
-    from deploy.data import make_gsm8k_mini
-    from rollout_worker.rewards.builtin import exact_match, format_reward
+    from loraflow.common.config import load_config
+    from loraflow.deploy.data import make_gsm8k_mini
+    from loraflow.rollout_worker.rewards.builtin import exact_match, format_reward
 
     assert make_gsm8k_mini.PATH.read_text() == make_gsm8k_mini.text()  # regenerate after changing the generator
     config = load_config(Path(__file__).resolve().parents[2] / "deploy" / "configs" / "gsm8k.toml")

@@ -12,8 +12,8 @@ import zmq
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from common import framing
-from common.framing import FramingError, TensorSpec, VersionMismatch
+from loraflow.common import framing
+from loraflow.common.framing import FramingError, TensorSpec, VersionMismatch
 
 KINDS = frozenset({1, 2, 3})
 

@@ -7,7 +7,7 @@ import math
 import numpy as np
 import pytest
 
-from common.integrity import (
+from loraflow.common.integrity import (
     FP32_TOLERANCE,
     LOW_PRECISION_TOLERANCE,
     compare,

@@ -6,8 +6,8 @@ import ast
 import urllib.request
 from pathlib import Path
 
-from common.metrics import Metrics, serve_prometheus
-from common.timeline import Timeline, read_timeline
+from loraflow.common.metrics import Metrics, serve_prometheus
+from loraflow.common.timeline import Timeline, read_timeline
 
 REPO = Path(__file__).resolve().parents[2]
 ROLES = ("broker", "rollout_worker", "learner")

@@ -11,8 +11,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from common import framing, protocol
-from common.protocol import (
+from loraflow.common import framing, protocol
+from loraflow.common.protocol import (
     PROTOCOL_VERSION,
     Batch,
     BatchEntry,

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import pytest
 
-from common.config import ConfigError, load_config
+from loraflow.common.config import ConfigError, load_config
 
 
 @pytest.mark.parametrize(("backend", "temperature", "top_p"), [

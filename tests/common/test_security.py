@@ -8,9 +8,9 @@ from pathlib import Path
 import pytest
 import zmq
 
-from common import protocol, sockets
-from common.security import ClientSecurity, SecurityError, ServerSecurity, generate_keys, role_of
-from common.transport import watched_dealer
+from loraflow.common import protocol, sockets
+from loraflow.common.security import ClientSecurity, SecurityError, ServerSecurity, generate_keys, role_of
+from loraflow.common.transport import watched_dealer
 from tests.support import wait_for
 
 
@@ -99,7 +99,7 @@ def test_key_errors_say_what_to_do(tmp_path: Path, keys: Path) -> None:
 
 
 def test_keys_command_makes_a_usable_layout(tmp_path: Path) -> None:
-    from deploy.cli import main
+    from loraflow.deploy.cli import main
 
     assert main(["keys", str(tmp_path / "k")]) == 0
     for role in ("worker", "learner", "observer"):

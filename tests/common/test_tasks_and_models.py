@@ -7,8 +7,8 @@ from pathlib import Path
 
 import pytest
 
-from common.tasks import ArithTask, CalculatorTask, load_task
-from common.tiny_model import model_vocab_size, resolve_model
+from loraflow.common.tasks import ArithTask, CalculatorTask, load_task
+from loraflow.common.tiny_model import model_vocab_size, resolve_model
 
 
 @pytest.mark.parametrize("task_cls", [ArithTask, CalculatorTask])

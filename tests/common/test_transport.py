@@ -7,9 +7,9 @@ import time
 import pytest
 import zmq
 
-from common import protocol
-from common.protocol import Hello, Kind, Welcome
-from common.transport import BrokerLink, BrokerUnavailable, Incoming, Reconnected, fetch_stats
+from loraflow.common import protocol
+from loraflow.common.protocol import Hello, Kind, Welcome
+from loraflow.common.transport import BrokerLink, BrokerUnavailable, Incoming, Reconnected, fetch_stats
 
 
 def welcome(broker_id: str = "b1", latest_version: int = 0) -> Welcome:

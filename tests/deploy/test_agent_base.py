@@ -15,9 +15,9 @@ from typing import Any
 
 import pytest
 
-from common.chat import ChatFormat
-from common.tasks import CalculatorTask
-from deploy.agent_base import (
+from loraflow.common.chat import ChatFormat
+from loraflow.common.tasks import CalculatorTask
+from loraflow.deploy.agent_base import (
     ADDED_TOKENS,
     AgentRecipe,
     _AgentWarmUp,
@@ -30,9 +30,9 @@ from deploy.agent_base import (
     tool_call_text,
     trusted,
 )
-from deploy.agents.agent_demo import CALC, TOOL_NAME
-from deploy.demo_base import METADATA_FILE
-from rollout_worker.gateway.tools import parse_hermes
+from loraflow.deploy.agents.agent_demo import CALC, TOOL_NAME
+from loraflow.deploy.demo_base import METADATA_FILE
+from loraflow.rollout_worker.gateway.tools import parse_hermes
 
 
 @pytest.fixture(scope="module")

@@ -1,6 +1,6 @@
 """deploy/README.md's by-hand recipe, run as written: its fenced bash blocks (each after a ``<!-- by-hand recipe:
 NAME -->`` line) go through one bash process in order, and only two of the recipe's own variables differ
-(``RUN_DIR`` in tmp, ``PORT`` a free one). Its ``MODEL=$(python -m deploy.demo_base --seed 0 ...)`` line runs as
+(``RUN_DIR`` in tmp, ``PORT`` a free one). Its ``MODEL=$(python -m loraflow.deploy.demo_base --seed 0 ...)`` line runs as
 written against a cache (``LORAFLOW_CACHE``) in which a quickly warmed-up base stands where the demo base of seed 0
 is kept. Between starting and stopping the test waits for a few learner steps. Then: every process exited 0 in the documented stop order, the learner trained steps,
 every issued prompt was trained once or is still owed by the broker (tests/e2e/accounting.py), the plots exist.
@@ -20,10 +20,10 @@ from pathlib import Path
 
 import pytest
 
-from common.config import load_config
-from common.timeline import STOPPED, read_lives
-from deploy import rundir
-from deploy.demo_base import demo_base_dir
+from loraflow.common.config import load_config
+from loraflow.common.timeline import STOPPED, read_lives
+from loraflow.deploy import rundir
+from loraflow.deploy.demo_base import demo_base_dir
 from tests.e2e.accounting import check_exactly_once, read_run
 from tests.e2e.conftest import quick_base_dir  # noqa: F401  (the session fixture: a base that earns rewards)
 from tests.support import REPO, child_env
@@ -166,7 +166,7 @@ def test_a_learner_whose_broker_never_comes_waits_the_timeout_and_says_why(tmp_p
     """Past run.connect_timeout_s a learner started first gives up with one line (exit 1): with security off it
     was still waiting for the run token the broker writes into the run directory on its first start."""
     run_dir = tmp_path / "alone"
-    learner = subprocess.run([sys.executable, "-m", "learner", "--model", str(tiny_model_dir), "--run-dir",
+    learner = subprocess.run([sys.executable, "-m", "loraflow.learner", "--model", str(tiny_model_dir), "--run-dir",
                               str(run_dir), "--endpoint", f"tcp://127.0.0.1:{free_port()}", "--set",
                               "run.connect_timeout_s=3"], env=child_env(), capture_output=True, text=True, timeout=120)
     assert learner.returncode == 1, learner.stderr

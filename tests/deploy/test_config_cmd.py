@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import dataclasses
 
-from common.config import Config, load_config
-from deploy import config_cmd
+from loraflow.common.config import Config, load_config
+from loraflow.deploy import config_cmd
 from tests.support import REPO
 
 START, END = "<!-- config-reference:start -->", "<!-- config-reference:end -->"
@@ -32,7 +32,7 @@ def test_reference_lists_every_setting() -> None:
 def test_readme_reference_is_generated_from_the_code() -> None:
     assert readme_reference() == config_cmd.reference_markdown().strip(), (
         "README.md's configuration reference is out of date: run "
-        "`.venv/bin/python -m deploy.config_cmd --update-readme README.md`")
+        "`.venv/bin/python -m loraflow.deploy.config_cmd --update-readme README.md`")
 
 
 def test_resolved_config_round_trips(tmp_path, capsys) -> None:

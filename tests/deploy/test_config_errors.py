@@ -18,10 +18,10 @@ from pathlib import Path
 
 import pytest
 
-from common.config import load_config
-from common.tiny_model import demo_base_link
-from deploy.launcher import DEMO_CONFIG, Launch
-from deploy.progress import Display
+from loraflow.common.config import load_config
+from loraflow.common.tiny_model import demo_base_link
+from loraflow.deploy.launcher import DEMO_CONFIG, Launch
+from loraflow.deploy.progress import Display
 from tests.support import child_env, start_broker, wait_for
 
 LORAFLOW = str(Path(sys.executable).with_name("loraflow"))
@@ -58,15 +58,15 @@ CASES = [
     ("learner", ["--model", "{tmp}/absent"], "model.path"),
     ("broker", ["--model", "{tmp}/absent"], "model.path"),
     ("worker", ["--model", "{tmp}"], "model.path"),  # a directory, but no config.json
-    ("worker", ["--model", "builtin:demo", "--seed", "7"], "python -m deploy.demo_base --seed 7"),
-    ("learner", ["--model", "builtin:demo"], "python -m deploy.demo_base --seed 0"),
-    ("broker", ["--model", "builtin:demo"], "python -m deploy.demo_base --seed 0"),
+    ("worker", ["--model", "builtin:demo", "--seed", "7"], "python -m loraflow.deploy.demo_base --seed 7"),
+    ("learner", ["--model", "builtin:demo"], "python -m loraflow.deploy.demo_base --seed 0"),
+    ("broker", ["--model", "builtin:demo"], "python -m loraflow.deploy.demo_base --seed 0"),
     ("learner", ["--model", "builtin:huge"], "model.path"),
-    ("worker", ["--model", "builtin:agent-demo", "--seed", "2"], "python -m deploy.agent_base --seed 2"),
+    ("worker", ["--model", "builtin:agent-demo", "--seed", "2"], "python -m loraflow.deploy.agent_base --seed 2"),
     ("worker", ["--backend", "sim", "--set", 'worker.reward="no_such_module:score"'], "worker.reward"),
-    ("worker", ["--backend", "sim", "--set", 'worker.reward="common.tasks:NO_SUCH_NAME"'], "worker.reward"),
+    ("worker", ["--backend", "sim", "--set", 'worker.reward="loraflow.common.tasks:NO_SUCH_NAME"'], "worker.reward"),
     ("worker", ["--backend", "sim", "--set", 'worker.env="no_such_module:Env"'], "worker.env"),
-    ("worker", ["--backend", "sim", "--set", 'worker.env="common.tasks:ArithTask"'], "worker.env"),
+    ("worker", ["--backend", "sim", "--set", 'worker.env="loraflow.common.tasks:ArithTask"'], "worker.env"),
     ("worker", ["--backend", "sim", "--run-dir", "{tmp}/a_file/run"], "run.run_dir"),
     ("learner", ["--run-dir", "{tmp}/a_file/run"], "run.run_dir"),
     ("broker", ["--set", 'broker.state_path="{tmp}/a_file/state.json"'], "broker.state_path"),
@@ -156,7 +156,7 @@ def test_loraflow_run_exits_2_when_its_broker_cannot_bind(tmp_path: Path, tiny_m
 
 
 def fake_demo_base(cache: Path, seed: int, vocab_size: int) -> Path:
-    """What deploy.demo_base leaves in the cache (the files a broker reads): a base dir and the seed's link."""
+    """What loraflow.deploy.demo_base leaves in the cache (the files a broker reads): a base dir and the seed's link."""
     base = cache / f"demo-s{seed}-0123abcd"
     base.mkdir(parents=True)
     (base / "config.json").write_text(json.dumps({"vocab_size": vocab_size}))
@@ -210,9 +210,9 @@ def test_the_launcher_checks_user_code_as_its_children_import_it(tmp_path: Path)
 
 
 def test_run_main_maps_config_error_classes_only(capsys: pytest.CaptureFixture[str]) -> None:
-    from common.cli import run_main
-    from common.config import ConfigError
-    from common.security import SecurityError
+    from loraflow.common.cli import run_main
+    from loraflow.common.config import ConfigError
+    from loraflow.common.security import SecurityError
 
     def raising(exc: BaseException):
         def body() -> int:

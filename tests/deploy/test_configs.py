@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from common.config import load_config
+from loraflow.common.config import load_config
 
 CONFIGS = Path(__file__).resolve().parents[2] / "deploy" / "configs"
 ALL_PROJECTIONS = {"q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"}

@@ -7,8 +7,8 @@ from pathlib import Path
 
 import pytest
 
-from common.tiny_model import find_demo_base
-from deploy.demo_base import (
+from loraflow.common.tiny_model import find_demo_base
+from loraflow.deploy.demo_base import (
     DemoBaseError,
     Recipe,
     build_demo_base,

@@ -18,13 +18,13 @@ from hypothesis import strategies as st
 
 from bench.join_time import adapter_message, lora_layout
 from bench.join_time import worker_argv as join_time_worker_argv
-from common.cli import EXIT_OUT_OF_MEMORY, run_main
-from common.config import Config, ConfigError, load_config
-from deploy import devices
-from deploy.devices import Placement, plan, visible_devices
-from deploy.launcher import DEMO_CONFIG, Launch
-from deploy.processes import Managed, RestartPolicy, Supervisor, Unrecoverable
-from deploy.progress import Display
+from loraflow.common.cli import EXIT_OUT_OF_MEMORY, run_main
+from loraflow.common.config import Config, ConfigError, load_config
+from loraflow.deploy import devices
+from loraflow.deploy.devices import Placement, plan, visible_devices
+from loraflow.deploy.launcher import DEMO_CONFIG, Launch
+from loraflow.deploy.processes import Managed, RestartPolicy, Supervisor, Unrecoverable
+from loraflow.deploy.progress import Display
 from tests.support import REPO, Processes, child_env, start_broker, wait_for
 from tests.worker.test_adapter_refused import publish
 
@@ -295,8 +295,8 @@ OOM_CHILD = textwrap.dedent("""
 
 
 def oom_child_argv(role: str, tmp_path: Path, model_dir: Path) -> list[str]:
-    module, run_module = {"learner": ("learner.main", "learner.train"),
-                          "worker": ("rollout_worker.main", "rollout_worker.worker")}[role]
+    module, run_module = {"learner": ("loraflow.learner.main", "loraflow.learner.train"),
+                          "worker": ("loraflow.rollout_worker.main", "loraflow.rollout_worker.worker")}[role]
     code = OOM_CHILD.format(module=module, run_module=run_module, message=CUDA_OOM)
     return [sys.executable, "-c", code, "--run-dir", str(tmp_path / "run"), "--model", str(model_dir),
             "--endpoint", "tcp://127.0.0.1:1", "--set", "learner.device=\"cpu\""]
@@ -325,15 +325,15 @@ def test_a_worker_out_of_memory_loading_an_adapter_is_not_a_refused_adapter(proc
     wait_for(lambda: broker.stats()["latest_version"] == 1, 30, "the broker to hold v1", procs)
     code = textwrap.dedent(f"""
         import sys, torch
-        from rollout_worker.backends.hf import HfBackend
+        from loraflow.rollout_worker.backends.hf import HfBackend
         def add_adapter(self, adapter):
             raise torch.OutOfMemoryError({CUDA_OOM!r})
         HfBackend.add_adapter = add_adapter
-        from rollout_worker.main import main
+        from loraflow.rollout_worker.main import main
         sys.exit(main(sys.argv[1:]))
     """)
     argv = join_time_worker_argv(broker.endpoint, broker.run_dir, "w1", tiny_model_dir)
-    assert argv[1:3] == ["-m", "rollout_worker"]
+    assert argv[1:3] == ["-m", "loraflow.rollout_worker"]
     worker = procs.spawn("worker", [argv[0], "-c", code, *argv[3:]], env=child_env())
     assert worker.popen.wait(timeout=120) == EXIT_OUT_OF_MEMORY, worker.log()[-3000:]
     log_text = worker.log()
@@ -364,12 +364,12 @@ def test_an_evaluation_out_of_memory_stops_evaluating_not_the_run(tmp_path: Path
                                                                   capsys: pytest.CaptureFixture[str]) -> None:
     import torch
 
-    import deploy.evaluate
+    import loraflow.deploy.evaluate
 
     def evaluate_dir(*args: object, **kwargs: object) -> object:
         raise torch.OutOfMemoryError(CUDA_OOM)
 
-    monkeypatch.setattr(deploy.evaluate, "evaluate_dir", evaluate_dir)  # the evaluator's GPU is full
+    monkeypatch.setattr(loraflow.deploy.evaluate, "evaluate_dir", evaluate_dir)  # the evaluator's GPU is full
     launch = Launch(config(f'run.run_dir="{tmp_path / "run"}"', path=DEMO_CONFIG),
                     Display(every_s=1e9, interactive=False), started_s=0.0)
     launch.pending_eval = launch.evaluator.submit(launch.measure, 0, None, "base")

@@ -7,8 +7,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from common.tasks import ArithTask, load_task
-from deploy.evaluate import evaluate, evaluate_dir, greedy_completions, load_model
+from loraflow.common.tasks import ArithTask, load_task
+from loraflow.deploy.evaluate import evaluate, evaluate_dir, greedy_completions, load_model
 
 
 def argmax_decode(model, tokenizer, prompt: str, max_new_tokens: int) -> tuple[str, bool]:
@@ -102,7 +102,7 @@ def test_the_model_directory_sampling_defaults_do_not_apply(tiny_model_dir: Path
     backend's sampling: loraflow samples from log_softmax(logits / T) and nothing else."""
     from transformers import GenerationConfig
 
-    from common.hf_generation import generation_config, neutralise
+    from loraflow.common.hf_generation import generation_config, neutralise
 
     model, tokenizer = load_model(tiny_model_dir)
     expected = greedy_completions(model, tokenizer, ["12+34=", "7*8+100="], max_new_tokens=5)

@@ -14,8 +14,8 @@ from typing import Any
 import pytest
 import yaml
 
-from common.config import load_config
-from common.security import ClientSecurity, ServerSecurity, authorized_keys, generate_keys
+from loraflow.common.config import load_config
+from loraflow.common.security import ClientSecurity, ServerSecurity, authorized_keys, generate_keys
 from tests.support import REPO
 
 kubernetes_validate = pytest.importorskip("kubernetes_validate", reason="kubernetes-validate (the dev extra)")

@@ -11,9 +11,9 @@ from pathlib import Path
 
 import pytest
 
-from common.config import load_config
-from deploy import rundir
-from deploy.launcher import DEMO_CONFIG, choose_run_dir, version_step
+from loraflow.common.config import load_config
+from loraflow.deploy import rundir
+from loraflow.deploy.launcher import DEMO_CONFIG, choose_run_dir, version_step
 from tests.support import child_env
 
 
@@ -33,7 +33,7 @@ def test_version_step_reads_the_learner_metrics(tmp_path: Path) -> None:
 
 
 def run(tmp_path: Path, *args: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "deploy.cli", "run", "--run-dir", str(tmp_path / "run"), *args],
+    return subprocess.run([sys.executable, "-m", "loraflow.deploy.cli", "run", "--run-dir", str(tmp_path / "run"), *args],
                           env=child_env(), capture_output=True, text=True, timeout=300, cwd=tmp_path)
 
 
@@ -69,7 +69,7 @@ def test_a_missing_key_file_stops_the_run_at_once(tmp_path: Path, tiny_model_dir
     """Every role of `loraflow run` runs here, so every role's key files are checked before anything starts: the
     learner's, the workers', the broker's and the observer pair of the progress line."""
     keys = tmp_path / "keys"
-    made = subprocess.run([sys.executable, "-m", "deploy.cli", "keys", str(keys)], env=child_env(),
+    made = subprocess.run([sys.executable, "-m", "loraflow.deploy.cli", "keys", str(keys)], env=child_env(),
                           capture_output=True, text=True, timeout=60)
     assert made.returncode == 0, made.stderr
     (keys / missing).unlink()
@@ -82,7 +82,7 @@ def test_a_missing_key_file_stops_the_run_at_once(tmp_path: Path, tiny_model_dir
     assert line.startswith("loraflow run: ") and str(keys / missing) in line and "loraflow keys" in line
     assert not (tmp_path / "run").exists()
     # loraflow config does not know which roles this machine runs (a client's holds no broker secret): no key checks
-    described = subprocess.run([sys.executable, "-m", "deploy.cli", "config", "--model", str(tiny_model_dir), "--set",
+    described = subprocess.run([sys.executable, "-m", "loraflow.deploy.cli", "config", "--model", str(tiny_model_dir), "--set",
                                 "security.enabled=true", "--set", f"security.keys_dir={json.dumps(str(keys))}"],
                                env=child_env(), capture_output=True, text=True, timeout=60, cwd=tmp_path)
     assert described.returncode == 0 and "enabled = true" in described.stdout, described.stderr
@@ -118,7 +118,7 @@ def test_a_key_the_broker_would_refuse_stops_the_run_at_once(tmp_path: Path, tin
     (the broker would answer its hello with `forbidden`, and the learner would be restarted into it) is a config
     error before anything starts."""
     keys = tmp_path / "keys"
-    made = subprocess.run([sys.executable, "-m", "deploy.cli", "keys", str(keys), *keys_args], env=child_env(),
+    made = subprocess.run([sys.executable, "-m", "loraflow.deploy.cli", "keys", str(keys), *keys_args], env=child_env(),
                           capture_output=True, text=True, timeout=60)
     assert made.returncode == 0, made.stderr
     if removed:

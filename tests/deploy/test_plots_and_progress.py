@@ -6,9 +6,9 @@ import io
 import json
 from pathlib import Path
 
-from deploy import rundir
-from deploy.plots import plot_run
-from deploy.progress import Display, MetricsTail, Progress, Snapshot, render
+from loraflow.deploy import rundir
+from loraflow.deploy.plots import plot_run
+from loraflow.deploy.progress import Display, MetricsTail, Progress, Snapshot, render
 from tests.support import Processes, start_broker
 
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"

@@ -17,14 +17,14 @@ from pathlib import Path
 
 import pytest
 
-from common.timeline import ALIVE_EVERY_S, Timeline, read_lives
-from deploy import plots, rundir
-from learner.metrics_log import MetricsLog
+from loraflow.common.timeline import ALIVE_EVERY_S, Timeline, read_lives
+from loraflow.deploy import plots, rundir
+from loraflow.learner.metrics_log import MetricsLog
 from tests.support import Processes, wait_for
 
 CHILD = r"""
 import signal, sys, time
-from common.timeline import Timeline
+from loraflow.common.timeline import Timeline
 run_dir, name, how = sys.argv[1:4]
 stop = []
 signal.signal(signal.SIGTERM, lambda *_: stop.append(1))

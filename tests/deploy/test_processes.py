@@ -11,9 +11,9 @@ from pathlib import Path
 
 import pytest
 
-from common.timeline import Timeline
-from deploy import rundir
-from deploy.processes import ConfigClassExit, Managed, RestartPolicy, Supervisor, Unrecoverable
+from loraflow.common.timeline import Timeline
+from loraflow.deploy import rundir
+from loraflow.deploy.processes import ConfigClassExit, Managed, RestartPolicy, Supervisor, Unrecoverable
 from tests.support import child_env, wait_for
 
 # a child that counts its starts in a file and exits with the code given for that start (default: runs on)
@@ -142,10 +142,10 @@ def test_a_pending_restart_is_cancelled_by_stop(tmp_path: Path) -> None:
     assert starts(tmp_path, "worker-4") == 1
 
 
-# a child that marks its timeline as a role does (common.timeline), says one last line and exits 2
+# a child that marks its timeline as a role does (loraflow.common.timeline), says one last line and exits 2
 CONFIG_CLASS = """
 import sys
-from common.timeline import Timeline
+from loraflow.common.timeline import Timeline
 timeline = Timeline(sys.argv[1])
 for state in sys.argv[2].split(","):
     timeline.mark(state)

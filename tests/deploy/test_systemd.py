@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from common.transport import fetch_stats
+from loraflow.common.transport import fetch_stats
 from tests.support import REPO, Processes, child_env, wait_for
 
 SYSTEMD = REPO / "deploy" / "systemd"
@@ -41,7 +41,7 @@ def test_unit_structure(name: str) -> None:
     service = unit["Service"]
     assert service["EnvironmentFile"] == "/etc/loraflow/loraflow.env"
     assert service["KillSignal"] == "SIGTERM" and service["Restart"] in ("on-failure", "always")
-    assert "2" in service["RestartPreventExitStatus"].split()  # a config error (common.cli) is never restarted
+    assert "2" in service["RestartPreventExitStatus"].split()  # a config error (loraflow.common.cli) is never restarted
     command = service["ExecStart"].split()
     script = SCRIPTS / Path(command[0]).name
     assert command[0] == f"/opt/loraflow/deploy/scripts/{script.name}"
@@ -97,9 +97,9 @@ def test_scripts_explain_themselves(script: str) -> None:
 
 def test_learner_script_chooses_plain_torchrun_or_multinode(tmp_path: Path) -> None:
     single = dry_run(tmp_path, "learner.sh", LORAFLOW_ENDPOINT="tcp://b:5555")
-    assert single.returncode == 0 and " -m learner " in single.stdout and "torch.distributed.run" not in single.stdout
+    assert single.returncode == 0 and " -m loraflow.learner " in single.stdout and "torch.distributed.run" not in single.stdout
     local = dry_run(tmp_path, "learner.sh", LORAFLOW_LEARNER_NPROC="2")
-    assert "torch.distributed.run --standalone --nproc_per_node=2 -m learner" in local.stdout
+    assert "torch.distributed.run --standalone --nproc_per_node=2 -m loraflow.learner" in local.stdout
     missing = dry_run(tmp_path, "learner.sh", LORAFLOW_LEARNER_NNODES="2")
     assert missing.returncode == 2 and "LORAFLOW_RDZV_ENDPOINT" in missing.stderr
     multi = dry_run(tmp_path, "learner.sh", LORAFLOW_LEARNER_NNODES="2", LORAFLOW_LEARNER_NODE_RANK="1",

@@ -7,7 +7,7 @@ import math
 from dataclasses import dataclass
 from pathlib import Path
 
-from deploy import rundir
+from loraflow.deploy import rundir
 
 
 @dataclass

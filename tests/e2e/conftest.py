@@ -19,7 +19,7 @@ QUICK_STEPS = 150
 
 @pytest.fixture(scope="session")
 def quick_base_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    from deploy.demo_base import Recipe, build_demo_base
+    from loraflow.deploy.demo_base import Recipe, build_demo_base
 
     recipe = Recipe(lr=2e-3, min_correct_steps=QUICK_STEPS, max_correct_steps=QUICK_STEPS, sloppy_steps=0,
                     max_extra_rounds=0, min_carry_free_accuracy=0.0, accuracy_window=(0.0, 1.0),

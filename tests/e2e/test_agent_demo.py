@@ -21,8 +21,8 @@ from typing import Any
 
 import pytest
 
-from deploy import rundir
-from deploy.agents.agent_demo import run_episode
+from loraflow.deploy import rundir
+from loraflow.deploy.agents.agent_demo import run_episode
 from tests.e2e.accounting import check_exactly_once, read_run
 from tests.support import REPO, Processes, child_env, wait_for
 
@@ -46,7 +46,7 @@ async def recording_episode(client: Any, row: dict[str, Any]) -> dict[str, float
 
 @pytest.fixture(scope="module")
 def quick_agent_base(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    from deploy.agent_base import AgentRecipe, build_agent_base
+    from loraflow.deploy.agent_base import AgentRecipe, build_agent_base
 
     recipe = AgentRecipe(min_correct_steps=150, max_correct_steps=150, sloppy_steps=0, max_extra_rounds=0,
                          min_trusted_accuracy=0.0, accuracy_window=(0.0, 1.0), num_eval_prompts=20)
@@ -57,7 +57,7 @@ def quick_agent_base(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 def test_the_agent_demo_trains_on_tool_turns(procs: Processes, tmp_path: Path, quick_agent_base: Path) -> None:
     run_dir, episodes = tmp_path / "run", tmp_path / "episodes.jsonl"
-    argv = [sys.executable, "-m", "deploy.cli", "run", str(REPO / "deploy/configs/agent-demo.toml"),
+    argv = [sys.executable, "-m", "loraflow.deploy.cli", "run", str(REPO / "deploy/configs/agent-demo.toml"),
             "--model", str(quick_agent_base), "--run-dir", str(run_dir), "--num-steps", str(NUM_STEPS),
             "--set", "worker.agent=\"tests.e2e.test_agent_demo:recording_episode\"", "--set", "eval.num_prompts=8",
             "--set", "eval.every_s=0", "--set", "run.groups_per_step=4", "--set", "launch.progress_every_s=1"]

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from deploy import rundir
+from loraflow.deploy import rundir
 from tests.e2e.accounting import check_exactly_once, read_run
 from tests.support import REPO, Processes, wait_for
 
@@ -23,7 +23,7 @@ NUM_STEPS = 3
 
 def test_the_calculator_agent_config_trains_through_the_gateway(procs: Processes, tmp_path: Path, zoo_model) -> None:
     run_dir = tmp_path / "run"
-    argv = [sys.executable, "-m", "deploy.cli", "run", str(REPO / "deploy/configs/calculator-agent.toml"),
+    argv = [sys.executable, "-m", "loraflow.deploy.cli", "run", str(REPO / "deploy/configs/calculator-agent.toml"),
             "--model", str(zoo_model("qwen2")), "--run-dir", str(run_dir), "--num-steps", str(NUM_STEPS),
             "--set", "worker.max_new_tokens=16", "--set", "worker.chunk_tokens=16", "--set", "eval.num_prompts=2",
             "--set", "launch.progress_every_s=1"]

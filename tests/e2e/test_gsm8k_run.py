@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from deploy import rundir
+from loraflow.deploy import rundir
 from tests.e2e.accounting import check_exactly_once, read_run
 from tests.support import REPO, Processes, wait_for
 
@@ -27,7 +27,7 @@ NUM_STEPS = 3
 def test_the_gsm8k_example_config_runs_on_an_instruct_model(procs: Processes, tmp_path: Path, zoo_model) -> None:
     model_dir = zoo_model("qwen2")
     run_dir = tmp_path / "run"
-    argv = [sys.executable, "-m", "deploy.cli", "run", str(REPO / "deploy/configs/gsm8k.toml"), "--model", str(model_dir),
+    argv = [sys.executable, "-m", "loraflow.deploy.cli", "run", str(REPO / "deploy/configs/gsm8k.toml"), "--model", str(model_dir),
             "--run-dir", str(run_dir), "--num-steps", str(NUM_STEPS),
             # shorter than the example's 160 tokens, and fewer held-out prompts: the plumbing, in seconds
             "--set", "worker.max_new_tokens=12", "--set", "worker.chunk_tokens=12", "--set", "eval.num_prompts=4",

@@ -21,7 +21,7 @@ from pathlib import Path
 
 import pytest
 
-from deploy import rundir
+from loraflow.deploy import rundir
 from tests.e2e.accounting import check_exactly_once, check_steps, read_run
 from tests.fault.ledger import audit_run
 from tests.support import Processes, child_env, wait_for
@@ -30,7 +30,7 @@ RUN_TIMEOUT_S = 300
 
 
 def start_run(procs: Processes, run_dir: Path, model_dir: Path, *args: str):
-    argv = [sys.executable, "-m", "deploy.cli", "run", "--model", str(model_dir), "--run-dir", str(run_dir),
+    argv = [sys.executable, "-m", "loraflow.deploy.cli", "run", "--model", str(model_dir), "--run-dir", str(run_dir),
             "--set", "eval.num_prompts=40", "--set", "eval.every_s=0", "--set", "launch.progress_every_s=1",
             "--set", "learner.checkpoint_every=5", "--set", "learner.save_adapter_every=4",
             "--set", "broker.heartbeat_interval_s=0.2", *args]
@@ -81,7 +81,7 @@ def test_a_secured_run_stops_every_process_cleanly_on_ctrl_c_and_keeps_the_newes
     """With security.enabled every child connects with its role's CURVE key (made by `loraflow keys`); SIGINT to
     the launcher mid-run stops every process with SIGTERM (clean exits) and the newest adapter is kept."""
     keys = tmp_path / "keys"
-    subprocess.run([sys.executable, "-m", "deploy.cli", "keys", str(keys)], check=True, capture_output=True,
+    subprocess.run([sys.executable, "-m", "loraflow.deploy.cli", "keys", str(keys)], check=True, capture_output=True,
                    env=child_env())
     run_dir = tmp_path / "run"
     launcher = start_run(procs, run_dir, quick_base_dir, "--num-steps", "0",

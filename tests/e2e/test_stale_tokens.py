@@ -13,7 +13,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from learner.ledger import read as read_ledger
+from loraflow.learner.ledger import read as read_ledger
 from tests.fault.system import HEARTBEAT_S, System
 from tests.support import Processes, wait_for
 

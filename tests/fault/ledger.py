@@ -8,7 +8,7 @@ The invariant: after any single process is killed at any moment and the system r
 
 Sources, none of them trusted to agree with another unless checked here:
 
-- the learner's ledger (``learner/ledger.jsonl``, :mod:`learner.ledger`): start, publish and step lines of
+- the learner's ledger (``learner/ledger.jsonl``, :mod:`loraflow.learner.ledger`): start, publish and step lines of
   every learner process, killed ones included;
 - the workers' JSON logs: ``lease_granted``, ``group_submitted``, ``group_acked`` (leased, submitted and
   acknowledged group ids, every incarnation);
@@ -27,7 +27,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from learner.ledger import read as read_ledger
+from loraflow.learner.ledger import read as read_ledger
 
 
 @dataclass

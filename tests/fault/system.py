@@ -1,6 +1,6 @@
 """A whole loraflow system as real processes on one run directory, each role killable and restartable.
 
-:class:`System` starts ``python -m broker``, N ``python -m rollout_worker`` and ``python -m learner`` (under
+:class:`System` starts ``python -m loraflow.broker``, N ``python -m loraflow.rollout_worker`` and ``python -m loraflow.learner`` (under
 ``torchrun`` for several ranks) from one TOML file, the way an operator would, with fast heartbeats and JSON
 logs (the workers' logs are part of the ledger). The broker binds an ephemeral port once; a restarted broker
 binds the same endpoint, so clients reconnect to it as they would to a supervised broker on a fixed port.
@@ -22,8 +22,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from common.transport import BrokerUnavailable, fetch_stats
-from learner.ledger import read as read_ledger
+from loraflow.common.transport import BrokerUnavailable, fetch_stats
+from loraflow.learner.ledger import read as read_ledger
 from tests.support import Proc, Processes, wait_for
 
 HEARTBEAT_S = 0.2
@@ -103,7 +103,7 @@ class System:
         endpoint_file = self.run_dir / "broker.endpoint"
         endpoint_file.unlink(missing_ok=True)
         bind = self.endpoint or "tcp://127.0.0.1:0"
-        self.broker = self.procs.python(self._name("broker"), "broker", str(self.config), "--set", f'broker.bind="{bind}"',
+        self.broker = self.procs.python(self._name("broker"), "loraflow.broker", str(self.config), "--set", f'broker.bind="{bind}"',
                                         "--set", f'broker.endpoint_file="{endpoint_file}"')
         wait_for(lambda: endpoint_file.is_file() and endpoint_file.read_text().strip() or not self.broker.alive(), 30,
                  "the broker to bind", self.procs)
@@ -111,17 +111,17 @@ class System:
         self.endpoint = endpoint_file.read_text().strip()
 
     def start_worker(self, index: int) -> None:
-        self.workers[index] = self.procs.python(self._name(f"worker-{index}"), "rollout_worker", str(self.config),
+        self.workers[index] = self.procs.python(self._name(f"worker-{index}"), "loraflow.rollout_worker", str(self.config),
                                                 "--endpoint", self.endpoint, "--worker-id", f"w{index}")
 
     def start_learner(self) -> None:
         args = [str(self.config), "--endpoint", self.endpoint]
         if self.learner_ranks == 1:
-            self.learner = self.procs.python(self._name("learner"), "learner", *args)
+            self.learner = self.procs.python(self._name("learner"), "loraflow.learner", *args)
         else:
             self.learner = self.procs.spawn(self._name("learner"), [
                 sys.executable, "-m", "torch.distributed.run", "--standalone",
-                f"--nproc_per_node={self.learner_ranks}", "-m", "learner", *args])
+                f"--nproc_per_node={self.learner_ranks}", "-m", "loraflow.learner", *args])
 
     # -- killing -----------------------------------------------------------------------------------------------
 

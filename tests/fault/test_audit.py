@@ -10,10 +10,10 @@ from typing import Any
 import numpy as np
 import pytest
 
-from common import protocol
-from common.protocol import Batch, BatchEntry
-from learner import data
-from learner.ledger import Ledger, newest_published, read
+from loraflow.common import protocol
+from loraflow.common.protocol import Batch, BatchEntry
+from loraflow.learner import data
+from loraflow.learner.ledger import Ledger, newest_published, read
 from tests.fault.ledger import audit_learner
 from tests.learner.scripted import make_group
 

@@ -11,8 +11,8 @@ from pathlib import Path
 
 import pytest
 
-from broker.history import TrainingHistory
-from common.protocol import AdapterFetch, BatchAck, BatchRequest, Kind, LeaseRequest
+from loraflow.broker.history import TrainingHistory
+from loraflow.common.protocol import AdapterFetch, BatchAck, BatchRequest, Kind, LeaseRequest
 from tests.broker.clients import adapter_tensors, make_group
 from tests.broker.harness import LEARNER, W1, W2, Harness
 

@@ -2,7 +2,7 @@
 [worker args]``.
 
 Each fault is a bug class seen in the field that leaves every report green (see common/integrity.py). The fault
-is patched into the worker's own classes before :func:`rollout_worker.main.main` runs, so everything else (the
+is patched into the worker's own classes before :func:`loraflow.rollout_worker.main.main` runs, so everything else (the
 broker session, leases, evidence, submission) is the production code path; nothing in the project itself has a
 switch for it. ``LORAFLOW_FAULT_AFTER_VERSION`` N (default 0) keeps the worker healthy until the backend holds a
 newer version than N (``stale_lora_id``: for its first N adapter loads), so a test can let it contribute good
@@ -29,7 +29,7 @@ import shutil
 import sys
 from typing import Any
 
-from common.logging import get_logger
+from loraflow.common.logging import get_logger
 
 FAULTS = ("base_model", "stale_lora_id", "swapped_files", "temperature")
 FAULT_TEMPERATURE = 0.6
@@ -49,7 +49,7 @@ def _turned() -> bool:
 def inject_base_model() -> None:
     import contextlib
 
-    from rollout_worker.backends.hf import HfBackend
+    from loraflow.rollout_worker.backends.hf import HfBackend
 
     healthy = HfBackend._using
 
@@ -66,7 +66,7 @@ def inject_base_model() -> None:
 
 
 def inject_stale_lora_id() -> None:
-    from rollout_worker.backends.vllm import VllmBackend
+    from loraflow.rollout_worker.backends.vllm import VllmBackend
 
     healthy_id = VllmBackend.new_lora_id
     healthy_unload = VllmBackend._unload
@@ -88,7 +88,7 @@ def inject_stale_lora_id() -> None:
 
 
 def inject_swapped_files() -> None:
-    from rollout_worker import adapters
+    from loraflow.rollout_worker import adapters
 
     healthy = adapters.AdapterStore.receive
 
@@ -103,7 +103,7 @@ def inject_swapped_files() -> None:
 
 
 def inject_temperature() -> None:
-    from rollout_worker import worker
+    from loraflow.rollout_worker import worker
 
     healthy = worker.make_backend
 
@@ -137,8 +137,8 @@ def main(argv: list[str]) -> int:
         print(f"usage: python -m tests.integrity.faulty_worker {{{','.join(FAULTS)}}} [worker args]", file=sys.stderr)
         return 2
     INJECT[argv[0]]()
-    import rollout_worker.worker  # noqa: F401  (the imports a start costs, done before the gate)
-    from rollout_worker.main import main as worker_main
+    import loraflow.rollout_worker.worker  # noqa: F401  (the imports a start costs, done before the gate)
+    from loraflow.rollout_worker.main import main as worker_main
     from tests.integrity import gate
 
     gate.wait()

@@ -18,9 +18,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from common.security import ClientSecurity
-from common.transport import BrokerUnavailable, fetch_stats
-from learner.ledger import read as read_ledger
+from loraflow.common.security import ClientSecurity
+from loraflow.common.transport import BrokerUnavailable, fetch_stats
+from loraflow.learner.ledger import read as read_ledger
 from tests.fault.ledger import committed_chain, read_json_lines
 from tests.fault.system import System, write_config
 from tests.integrity.faulty_worker import TURN_ENV
@@ -32,7 +32,7 @@ GOOD = "good"
 
 
 def make_keys(directory: Path) -> Path:
-    done = subprocess.run([sys.executable, "-m", "deploy.cli", "keys", str(directory)], cwd=REPO, env=child_env(),
+    done = subprocess.run([sys.executable, "-m", "loraflow.deploy.cli", "keys", str(directory)], cwd=REPO, env=child_env(),
                           capture_output=True, text=True, timeout=60)
     assert done.returncode == 0, done.stderr
     return directory
@@ -55,7 +55,7 @@ class IntegrityRun(System):
             return None
 
     def start_worker(self, index: int, *, backend: str = "hf") -> None:
-        self.workers[index] = self.procs.python(self._name(GOOD), "rollout_worker", str(self.config),
+        self.workers[index] = self.procs.python(self._name(GOOD), "loraflow.rollout_worker", str(self.config),
                                                 "--endpoint", self.endpoint, "--worker-id", GOOD,
                                                 "--backend", backend)
 

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from learner.ledger import read as read_ledger
+from loraflow.learner.ledger import read as read_ledger
 from tests.fault.ledger import committed_chain, read_json_lines
 from tests.integrity.run import GOOD, IntegrityRun, audit, quarantined, run_late_fault, start_run
 from tests.support import Processes, wait_for

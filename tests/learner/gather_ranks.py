@@ -1,7 +1,7 @@
 """Run under torchrun by tests/learner/test_gather.py: the one-collective LoRA gather against torch's own.
 
 Every rank shards a module whose trainable parameters have row counts that do not divide by the rank count
-(and one with fewer rows than ranks), then rank 0 checks that :func:`learner.publish.gather_trainable` returns
+(and one with fewer rows than ranks), then rank 0 checks that :func:`loraflow.learner.publish.gather_trainable` returns
 exactly what ``get_model_state_dict(full_state_dict=True)`` does, names and values, and prints ``gather ok``.
 """
 
@@ -17,7 +17,7 @@ from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import fully_shard
 
-from learner.publish import gather_trainable
+from loraflow.learner.publish import gather_trainable
 
 SHAPES = {"lora_A": (3, 5), "lora_B": (7, 3), "tiny": (1, 4), "vector": (5,)}
 

@@ -20,13 +20,13 @@ import torch
 import torch.distributed as dist
 from torch.distributed.tensor import Shard, distribute_tensor
 
-from common.config import load_config
-from learner import data, integrity, publish
-from learner.integrity import IntegrityCheck
-from learner.loss import LossConfig
-from learner.model import build_policy
-from learner.parallel import init_parallel
-from learner.step import make_optimizer, train_step
+from loraflow.common.config import load_config
+from loraflow.learner import data, integrity, publish
+from loraflow.learner.integrity import IntegrityCheck
+from loraflow.learner.loss import LossConfig
+from loraflow.learner.model import build_policy
+from loraflow.learner.parallel import init_parallel
+from loraflow.learner.step import make_optimizer, train_step
 from tests.learner.scripted import (
     VOCAB,
     Sampled,

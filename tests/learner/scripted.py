@@ -17,7 +17,7 @@ Its groups are random tokens with made-up log-probs and no evidence (``RolloutGr
 learner's policy check would refuse: learners fed by it run with ``integrity.check = false``. Groups that pass
 the check come from :class:`Scorer`: tokens sampled from a reference Hugging Face model (the base, or the base
 with a published adapter loaded through peft, as the hf backend loads one) and their log-probs as
-:mod:`common.logprobs` defines them; :func:`encode_groups` makes a Batch of them.
+:mod:`loraflow.common.logprobs` defines them; :func:`encode_groups` makes a Batch of them.
 """
 
 from __future__ import annotations
@@ -31,8 +31,8 @@ from typing import Any
 import numpy as np
 import zmq
 
-from common import framing, protocol
-from common.protocol import (
+from loraflow.common import framing, protocol
+from loraflow.common.protocol import (
     AdapterAck,
     AdapterNotice,
     AdapterUpdate,
@@ -52,7 +52,7 @@ from common.protocol import (
     ServedAdapter,
     Welcome,
 )
-from common.transport import BrokerLink, Incoming, Reconnected
+from loraflow.common.transport import BrokerLink, Incoming, Reconnected
 
 VOCAB = 259  # the tiny model's
 
@@ -313,7 +313,7 @@ class Scorer:
         """Behaviour log-probs of ``completion`` after ``prompt`` (int arrays) at ``temperature``."""
         import torch
 
-        from common.logprobs import token_logprobs
+        from loraflow.common.logprobs import token_logprobs
 
         tokens = torch.as_tensor(np.concatenate([prompt, completion]), dtype=torch.int64)[None]
         with torch.no_grad():

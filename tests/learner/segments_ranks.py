@@ -8,10 +8,8 @@ from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
-
-from learner.parallel import init_parallel  # noqa: E402
-from tests.learner.test_segments import per_row, run, step_batch  # noqa: E402
+from loraflow.learner.parallel import init_parallel
+from tests.learner.test_segments import per_row, run, step_batch
 
 
 def main() -> None:

@@ -1,4 +1,4 @@
-"""learner.data: group selection, re-encoded batches, micro-batch planning, rank assignment, collation."""
+"""loraflow.learner.data: group selection, re-encoded batches, micro-batch planning, rank assignment, collation."""
 
 from __future__ import annotations
 
@@ -6,9 +6,9 @@ import numpy as np
 import pytest
 import torch
 
-from common import protocol
-from common.protocol import Batch, BatchEntry
-from learner import data, segments
+from loraflow.common import protocol
+from loraflow.common.protocol import Batch, BatchEntry
+from loraflow.learner import data, segments
 from tests.learner.scripted import make_batch, make_group
 
 

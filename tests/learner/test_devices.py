@@ -1,14 +1,14 @@
 """learner.device under several ranks: ranks take the GPU of their LOCAL_RANK; an explicit cuda:N for several
 ranks is a config error, at config load (launch.learner_ranks) and in each rank (WORLD_SIZE; exit 2 through
-learner.train.SetupError)."""
+loraflow.learner.train.SetupError)."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
-from common.config import ConfigError, load_config
-from learner.parallel import init_parallel, resolve_device
+from loraflow.common.config import ConfigError, load_config
+from loraflow.learner.parallel import init_parallel, resolve_device
 
 
 def test_explicit_gpu_for_several_ranks_is_refused_naming_the_fix() -> None:

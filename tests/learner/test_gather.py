@@ -18,7 +18,7 @@ def test_parameters_that_are_not_row_shards_take_torchs_gather() -> None:
     publish path falls back to get_model_state_dict."""
     from torch import nn
 
-    from learner.publish import gather_trainable
+    from loraflow.learner.publish import gather_trainable
 
     assert gather_trainable(nn.Linear(3, 2), is_main=True) is None
     frozen = nn.Linear(3, 2).requires_grad_(False)

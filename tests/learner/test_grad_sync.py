@@ -12,12 +12,12 @@ from pathlib import Path
 import pytest
 from torch.distributed.fsdp._fully_shard import _fsdp_param_group
 
-from common.config import load_config
-from learner import data
-from learner.loss import LossConfig
-from learner.model import build_policy
-from learner.parallel import init_parallel
-from learner.step import make_optimizer, train_step
+from loraflow.common.config import load_config
+from loraflow.learner import data
+from loraflow.learner.loss import LossConfig
+from loraflow.learner.model import build_policy
+from loraflow.learner.parallel import init_parallel
+from loraflow.learner.step import make_optimizer, train_step
 from tests.learner.scripted import make_batch
 
 

@@ -18,13 +18,13 @@ import numpy as np
 import pytest
 import torch
 
-from common.config import load_config
-from learner import data, publish
-from learner.integrity import IntegrityCheck, LoraIds, TrainedCheck
-from learner.loss import LossConfig
-from learner.model import build_policy
-from learner.parallel import init_parallel
-from learner.step import make_optimizer, train_step
+from loraflow.common.config import load_config
+from loraflow.learner import data, publish
+from loraflow.learner.integrity import IntegrityCheck, LoraIds, TrainedCheck
+from loraflow.learner.loss import LossConfig
+from loraflow.learner.model import build_policy
+from loraflow.learner.parallel import init_parallel
+from loraflow.learner.step import make_optimizer, train_step
 from tests.learner.scripted import (
     Sampled,
     Scorer,
@@ -125,10 +125,10 @@ def test_correct_groups_pass(world: World) -> None:
 
 def test_groups_the_hf_backend_generates_pass(world: World, tiny_model_dir: Path, tmp_path: Path) -> None:
     """The worker's own engine (left-padded batches through generate, adapters in peft slots) and its evidence."""
-    from common import protocol
-    from rollout_worker.adapters import AdapterStore
-    from rollout_worker.backends.base import GenRequest, Sampling
-    from rollout_worker.backends.hf import HfBackend
+    from loraflow.common import protocol
+    from loraflow.rollout_worker.adapters import AdapterStore
+    from loraflow.rollout_worker.backends.base import GenRequest, Sampling
+    from loraflow.rollout_worker.backends.hf import HfBackend
 
     backend = HfBackend(tiny_model_dir, sampling=Sampling(temperature=1.0), device="cpu", seed=0)
     store = AdapterStore(tmp_path / "adapters")
@@ -364,7 +364,7 @@ def test_a_resumed_learner_checks_the_version_of_its_checkpoint(tiny_model_dir: 
     assert [(m.group_id, m.reason) for m in broker.acks[-1].mismatches] == [("1:2", "adapter_sha256")]
 
 
-# -- probation and audits (learner.trust) ---------------------------------------------------------------------
+# -- probation and audits (loraflow.learner.trust) ---------------------------------------------------------------------
 
 
 def trusting_check(world: World, *, probation: int, audit_fraction: float) -> IntegrityCheck:

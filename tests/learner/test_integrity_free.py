@@ -13,13 +13,13 @@ import numpy as np
 import pytest
 import torch
 
-from common.config import load_config
-from learner import data, integrity, publish
-from learner.integrity import IntegrityCheck, eval_mode
-from learner.loss import LossConfig
-from learner.model import build_policy
-from learner.parallel import init_parallel
-from learner.step import checked_train_step, forward_backward, make_optimizer, train_step
+from loraflow.common.config import load_config
+from loraflow.learner import data, integrity, publish
+from loraflow.learner.integrity import IntegrityCheck, eval_mode
+from loraflow.learner.loss import LossConfig
+from loraflow.learner.model import build_policy
+from loraflow.learner.parallel import init_parallel
+from loraflow.learner.step import checked_train_step, forward_backward, make_optimizer, train_step
 from tests.learner.scripted import Scorer, encode_groups, rollout_group, sample_group, served_for
 
 OVERRIDES = ["learner.lora_rank=8", "learner.lr=0.05", "learner.warmup_steps=0", "learner.grad_clip=0",

@@ -25,7 +25,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from deploy import rundir
+from loraflow.deploy import rundir
 from tests.learner.scripted import ScriptedBroker
 from tests.support import Processes, wait_for
 
@@ -45,9 +45,9 @@ def learner_argv(run_dir: Path, endpoint: str, model_dir: Path, *overrides: str,
     for override in (*COMMON, *overrides):
         args += ["--set", override]
     if ranks == 1:
-        return [sys.executable, "-m", "learner", *args]
+        return [sys.executable, "-m", "loraflow.learner", *args]
     return [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={ranks}",
-            "-m", "learner", *args]
+            "-m", "loraflow.learner", *args]
 
 
 def metrics_lines(run_dir: Path) -> list[dict]:

@@ -1,4 +1,4 @@
-"""learner.loss against hand-computed values, edge cases, and a loop-based reference on random inputs."""
+"""loraflow.learner.loss against hand-computed values, edge cases, and a loop-based reference on random inputs."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from learner.loss import SUM_STATS, LossConfig, group_advantages, token_loss, token_stats
+from loraflow.learner.loss import SUM_STATS, LossConfig, group_advantages, token_loss, token_stats
 
 PPO = LossConfig(clip_low=0.2, clip_high=0.2, off_policy="none")
 

@@ -20,15 +20,15 @@ from peft import LoraConfig, PeftModel, get_peft_model, set_peft_model_state_dic
 from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM
 
-from common import framing, protocol
-from common.config import load_config
-from common.logprobs import token_logprobs
-from learner import data, publish
-from learner.checkpoint import Checkpointer, LearnerState
-from learner.loss import LossConfig
-from learner.model import build_policy
-from learner.parallel import init_parallel
-from learner.step import make_optimizer, train_step
+from loraflow.common import framing, protocol
+from loraflow.common.config import load_config
+from loraflow.common.logprobs import token_logprobs
+from loraflow.learner import data, publish
+from loraflow.learner.checkpoint import Checkpointer, LearnerState
+from loraflow.learner.loss import LossConfig
+from loraflow.learner.model import build_policy
+from loraflow.learner.parallel import init_parallel
+from loraflow.learner.step import make_optimizer, train_step
 from tests.learner.scripted import make_batch
 from tests.support import child_env
 

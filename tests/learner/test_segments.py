@@ -16,12 +16,12 @@ from pathlib import Path
 import pytest
 import torch
 
-from common.config import load_config
-from learner import data, segments
-from learner.loss import LossConfig
-from learner.model import build_policy
-from learner.parallel import init_parallel
-from learner.step import forward_backward
+from loraflow.common.config import load_config
+from loraflow.learner import data, segments
+from loraflow.learner.loss import LossConfig
+from loraflow.learner.model import build_policy
+from loraflow.learner.parallel import init_parallel
+from loraflow.learner.step import forward_backward
 from tests.support import run_ranks
 
 

@@ -7,11 +7,11 @@ import time
 import pytest
 import torch
 
-from common.config import load_config
-from common.metrics import Metrics
-from common.protocol import BatchAck
-from learner.publish import AdapterSnapshot, tensors_sha256
-from learner.session import BatchRequestRefused, BrokerSession
+from loraflow.common.config import load_config
+from loraflow.common.metrics import Metrics
+from loraflow.common.protocol import BatchAck
+from loraflow.learner.publish import AdapterSnapshot, tensors_sha256
+from loraflow.learner.session import BatchRequestRefused, BrokerSession
 from tests.learner.scripted import ScriptedBroker
 
 

@@ -8,7 +8,7 @@ from types import SimpleNamespace
 
 import pytest
 
-from learner import train
+from loraflow.learner import train
 from tests.support import NoLogging, restored_signal_handlers
 
 

@@ -6,10 +6,10 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from common import protocol
-from common.protocol import Batch, BatchEntry
-from learner import data, integrity
-from learner.train import mask_stale_tokens
+from loraflow.common import protocol
+from loraflow.common.protocol import Batch, BatchEntry
+from loraflow.learner import data, integrity
+from loraflow.learner.train import mask_stale_tokens
 from tests.learner.scripted import make_group
 
 VOCAB = 259

@@ -11,7 +11,7 @@ from tests.support import Processes, wait_for
 
 
 def test_sigterm_while_connecting_exits_0(procs: Processes, tmp_path: Path, tiny_model_dir: Path) -> None:
-    learner = procs.python("learner", "learner", "--endpoint", "tcp://127.0.0.1:9", "--run-dir", str(tmp_path / "run"),
+    learner = procs.python("learner", "loraflow.learner", "--endpoint", "tcp://127.0.0.1:9", "--run-dir", str(tmp_path / "run"),
                            "--set", f'model.path="{tiny_model_dir}"', "--set", "run.connect_timeout_s=120")
     resolved = tmp_path / "run" / "learner" / "config.toml"  # written before the model is built
     wait_for(lambda: resolved.is_file() or not learner.alive(), 120, "the learner to start up", procs)

@@ -1,6 +1,6 @@
 """learner.target_modules: "all-linear" or a list; names checked against the model's own modules at start-up.
 
-The checks read the model on the meta device (:mod:`common.lora_targets`), so the table below runs on config
+The checks read the model on the meta device (:mod:`loraflow.common.lora_targets`), so the table below runs on config
 files alone: Llama (untied head), Qwen2 (attention bias, tied embeddings) and GPT-2 (transformers' Conv1D
 layers, a tied head named lm_head). One real learner process trains with "all-linear" against the scripted
 broker, and one is refused for a target vLLM cannot serve.
@@ -13,8 +13,8 @@ from pathlib import Path
 
 import pytest
 
-from common.config import ConfigError, load_config, to_toml
-from common.lora_targets import (
+from loraflow.common.config import ConfigError, load_config, to_toml
+from loraflow.common.lora_targets import (
     ALL_LINEAR,
     TargetModulesError,
     check_model_dir,

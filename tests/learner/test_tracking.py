@@ -2,7 +2,7 @@
 
 A real learner process trains against the scripted broker with ``report_to = ["wandb", "tensorboard"]`` and
 ``WANDB_MODE=offline``, while evals.jsonl already holds the launcher's base measurement and gets a periodic one;
-after it stops, a "final" line is appended and :func:`learner.tracking.log_new_evals` runs, as the launcher does.
+after it stops, a "final" line is appended and :func:`loraflow.learner.tracking.log_new_evals` runs, as the launcher does.
 Everything is read back from disk: the TensorBoard event files with TensorBoard's own reader, the W&B offline
 run files (``run-<id>.wandb``: a LevelDB-style record log of protobuf ``Record`` messages) with the small reader
 below. A missing package is a config error at start-up (exit 2, one line with the pip command).
@@ -16,8 +16,8 @@ from pathlib import Path
 
 import pytest
 
-from common.config import load_config
-from learner import tracking
+from loraflow.common.config import load_config
+from loraflow.learner import tracking
 from tests.learner.scripted import ScriptedBroker
 from tests.learner.test_learner_runs import learner_argv, metrics_lines
 from tests.support import Processes, child_env

@@ -18,11 +18,11 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
-from common.config import ConfigError, load_config
-from common.logprobs import token_entropy, token_logprobs
-from learner import head
-from learner.model import adapter_message_bytes, build_policy
-from learner.parallel import init_parallel
+from loraflow.common.config import ConfigError, load_config
+from loraflow.common.logprobs import token_entropy, token_logprobs
+from loraflow.learner import head
+from loraflow.learner.model import adapter_message_bytes, build_policy
+from loraflow.learner.parallel import init_parallel
 
 
 @pytest.fixture(scope="module")
@@ -121,7 +121,7 @@ def test_meta_build_loads_the_checkpoint_weights_in_the_compute_dtype(tiny_model
     for setting, dtype in (("fp32", torch.float32), ("bf16", torch.bfloat16)):
         policy = build_policy(tiny_model_dir, learner_config(mixed_precision=setting), parallel, seed=0)
         frozen = {n: p for n, p in policy.model.named_parameters() if not p.requires_grad}
-        base = policy.model.get_base_model()  # the embedding and the head: row-sharded (learner.vocab), untied here
+        base = policy.model.get_base_model()  # the embedding and the head: row-sharded (loraflow.learner.vocab), untied here
         rows = {"model.embed_tokens.weight": base.get_input_embeddings().vocab_rows,
                 "lm_head.weight": base.get_output_embeddings().vocab_rows}
         assert len(frozen) + len(rows) == len(reference)

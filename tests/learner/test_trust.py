@@ -1,10 +1,10 @@
-"""learner.trust: probation counts and the secret per-step audit draw."""
+"""loraflow.learner.trust: probation counts and the secret per-step audit draw."""
 
 from __future__ import annotations
 
 import secrets
 
-from learner.trust import Trust
+from loraflow.learner.trust import Trust
 
 
 def test_probation_needs_passes_in_a_row_and_a_failure_starts_it_again() -> None:

@@ -28,7 +28,7 @@ def test_learner_trains_with_the_real_broker(tiny_model_dir: Path, procs: Proces
     args = ["--run-dir", str(run_dir), "--endpoint", broker.endpoint, "--num-steps", str(NUM_STEPS)]
     for override in (*RUN, model, "learner.lora_rank=4", "learner.save_adapter_every=0"):
         args += ["--set", override]
-    learner = procs.python("learner", "learner", *args)
+    learner = procs.python("learner", "loraflow.learner", *args)
     try:
         assert learner.popen.wait(timeout=120) == 0, procs.logs()
         wait_for(lambda: producer.notices[-1:] == [NUM_STEPS], 10, "the last adapter notice", procs)
@@ -54,10 +54,10 @@ def test_a_learner_replaced_by_another_is_fenced_and_exits_4(tiny_model_dir: Pat
     """Two learners against one broker: the newest wins, the first is refused from then on and stops with
     EXIT_REPLACED (which the supervisor and the systemd unit do not restart), naming its successor. Under
     torchrun (2 ranks, started by the systemd unit's script) the script passes rank 0's 4 on, not torchrun's 1."""
-    from common.cli import EXIT_REPLACED
-    from common.config import load_config
-    from common.metrics import Metrics
-    from learner.session import BrokerSession
+    from loraflow.common.cli import EXIT_REPLACED
+    from loraflow.common.config import load_config
+    from loraflow.common.metrics import Metrics
+    from loraflow.learner.session import BrokerSession
 
     run_dir = tmp_path / "run"
     model = f"model.path=\"{tiny_model_dir}\""
@@ -69,7 +69,7 @@ def test_a_learner_replaced_by_another_is_fenced_and_exits_4(tiny_model_dir: Pat
     for override in overrides:
         args += ["--set", override]
     if how == "process":
-        learner = procs.python("learner", "learner", *args)
+        learner = procs.python("learner", "loraflow.learner", *args)
     else:
         config = tmp_path / "run.toml"
         config.touch()

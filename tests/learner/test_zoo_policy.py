@@ -8,9 +8,9 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
-from common.config import load_config
-from learner.model import build_policy
-from learner.parallel import init_parallel
+from loraflow.common.config import load_config
+from loraflow.learner.model import build_policy
+from loraflow.learner.parallel import init_parallel
 
 
 @pytest.fixture(scope="module")

@@ -3,17 +3,12 @@ rows sent by rank 0, embedding lookups, full logits, and the chunked head's log-
 
 from __future__ import annotations
 
-import sys
-from pathlib import Path
-
 import torch
 from torch.nn import functional as F
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
-
-from common.logprobs import token_entropy, token_logprobs  # noqa: E402
-from learner import head, vocab  # noqa: E402
-from learner.parallel import init_parallel  # noqa: E402
+from loraflow.common.logprobs import token_entropy, token_logprobs
+from loraflow.learner import head, vocab
+from loraflow.learner.parallel import init_parallel
 
 
 def main() -> None:

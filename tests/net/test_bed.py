@@ -98,13 +98,12 @@ def test_a_bed_whose_creator_was_killed_is_swept(root_and_ip: None) -> None:
     """A creator SIGKILLed before its teardown leaves its namespaces; the next bed's create() removes them."""
     code = textwrap.dedent("""
         import os, signal, sys
-        sys.path.insert(0, sys.argv[1])
         from bench.netbed import Network
         net = Network(["a"], prefix="10.231.11").create()
         print(net.ns("a"), net.switch, flush=True)
         os.kill(os.getpid(), signal.SIGKILL)
     """)
-    done = subprocess.run([sys.executable, "-c", code, str(Path(__file__).resolve().parents[2])], capture_output=True,
+    done = subprocess.run([sys.executable, "-c", code], cwd=Path(__file__).resolve().parents[2], capture_output=True,
                           text=True, timeout=60)
     assert done.returncode == -9, done.stderr
     names = done.stdout.split()

@@ -20,10 +20,10 @@ from pathlib import Path
 import pytest
 import zmq
 
-from common import protocol, sockets
-from common.protocol import BatchAck, BatchRequest, Error, Hello, Kind
-from common.security import ClientSecurity, generate_keys
-from common.transport import fetch_stats
+from loraflow.common import protocol, sockets
+from loraflow.common.protocol import BatchAck, BatchRequest, Error, Hello, Kind
+from loraflow.common.security import ClientSecurity, generate_keys
+from loraflow.common.transport import fetch_stats
 from tests.broker.clients import make_adapter
 from tests.fault.system import System, write_config
 from tests.support import REPO, Processes, child_env, wait_for
@@ -32,7 +32,7 @@ NUM_PROMPTS = 4096  # more than the run gets through: it is stopped, not finishe
 
 
 def make_keys(directory: Path) -> None:
-    done = subprocess.run([sys.executable, "-m", "deploy.cli", "keys", str(directory)], cwd=REPO, env=child_env(),
+    done = subprocess.run([sys.executable, "-m", "loraflow.deploy.cli", "keys", str(directory)], cwd=REPO, env=child_env(),
                           capture_output=True, text=True, timeout=60)
     assert done.returncode == 0, done.stderr
     assert {p.name for p in (directory / "authorized").iterdir()} == {"worker", "learner", "observer"}

@@ -2,7 +2,7 @@
 crashes, never corrupts its buffer, and its counters account for every message and every refusal.
 
 tests/common fuzzes each decoder in-process and tests/broker/test_bad_input.py sends a fixed barrage; here
-hypothesis drives a real ``python -m broker`` through raw DEALER sockets (no client-side checks in the way):
+hypothesis drives a real ``python -m loraflow.broker`` through raw DEALER sockets (no client-side checks in the way):
 
 - random frames, with and without a valid preamble, from registered and unregistered identities;
 - valid messages of every kind a client sends, truncated (frames dropped, a frame cut short);
@@ -30,8 +30,8 @@ import zmq
 from hypothesis import HealthCheck, assume, given, settings
 from hypothesis import strategies as st
 
-from common import framing, protocol, sockets
-from common.protocol import (
+from loraflow.common import framing, protocol, sockets
+from loraflow.common.protocol import (
     BatchAck,
     BatchRequest,
     Error,
@@ -41,7 +41,7 @@ from common.protocol import (
     LeaseReturn,
     PromptLease,
 )
-from common.transport import fetch_stats
+from loraflow.common.transport import fetch_stats
 from tests.broker.clients import Learner, Worker, make_adapter, make_group
 from tests.support import Processes, start_broker
 

@@ -2,7 +2,7 @@
 which setting to change, and the broker serving on:
 
 - ``broker.max_message_bytes``: a client never sends a message over the limit its Welcome announced
-  (:class:`common.transport.MessageTooLarge`); a worker whose group is too large returns the lease, counts and
+  (:class:`loraflow.common.transport.MessageTooLarge`); a worker whose group is too large returns the lease, counts and
   logs it and goes on. (A message over the limit sent anyway is refused with ``oversize``, and a single frame
   over it makes zmq drop the connection: tests/broker/test_bad_input.py.)
 - ``broker.max_workers``: one worker too many is refused at its Hello; the worker process exits 1 saying so.
@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from common.transport import MessageTooLarge
+from loraflow.common.transport import MessageTooLarge
 from tests.broker.clients import Worker, make_group
 from tests.fault.ledger import read_json_lines
 from tests.support import Processes, start_broker, wait_for
@@ -44,7 +44,7 @@ def test_a_message_over_the_size_limit_is_never_sent(procs: Processes) -> None:
 def test_a_worker_with_groups_too_large_returns_their_leases(procs: Processes, tmp_path: Path) -> None:
     broker = start_broker(procs, "run.group_size=4", f"broker.max_message_bytes={LIMIT}", "broker.prompt_limit=4",
                           "broker.num_epochs=1")
-    worker = procs.python("worker", "rollout_worker", "--endpoint", broker.endpoint, "--backend", "sim",
+    worker = procs.python("worker", "loraflow.rollout_worker", "--endpoint", broker.endpoint, "--backend", "sim",
                           "--worker-id", "big", "--log-format", "json", "--set", "worker.max_new_tokens=4096",
                           "--set", "worker.chunk_tokens=4096", "--set", "worker.sim.mean_tokens=2000",
                           "--set", "worker.sim.length_sigma=0", "--set", "worker.sim.tokens_per_s=1e6",
@@ -66,9 +66,9 @@ def test_one_worker_too_many_is_refused_and_told_why(procs: Processes) -> None:
     broker = start_broker(procs, "broker.max_workers=2")
     sim = ["--endpoint", broker.endpoint, "--backend", "sim", "--log-format", "json",
            "--set", "worker.sim.tokens_per_s=50"]
-    first, second = (procs.python(f"worker-{i}", "rollout_worker", *sim, "--worker-id", f"w{i}") for i in (1, 2))
+    first, second = (procs.python(f"worker-{i}", "loraflow.rollout_worker", *sim, "--worker-id", f"w{i}") for i in (1, 2))
     wait_for(lambda: len(broker.stats()["workers"]) == 2, 30, "two workers registered", procs)
-    third = procs.python("worker-3", "rollout_worker", *sim, "--worker-id", "w3")
+    third = procs.python("worker-3", "loraflow.rollout_worker", *sim, "--worker-id", "w3")
     assert third.popen.wait(timeout=30) == 1
     refusal, = [line for line in read_json_lines(third.log_path) if line.get("event") == "broker_refused"]
     assert "(limit): 2 workers are registered (broker.max_workers)" in refusal["error"]

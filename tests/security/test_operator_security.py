@@ -24,8 +24,8 @@ from pathlib import Path
 
 import pytest
 
-from common.security import ClientSecurity, generate_keys
-from common.transport import fetch_stats
+from loraflow.common.security import ClientSecurity, generate_keys
+from loraflow.common.transport import fetch_stats
 from tests.fault.system import write_config
 from tests.support import REPO, BrokerHandle, Processes, child_env, start_broker, wait_for
 
@@ -34,7 +34,7 @@ CONNECT_TIMEOUT_S = 60  # the configured wait in the failure cases: each must fa
 
 
 def loraflow(*args: str, timeout_s: float = 60) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "deploy.cli", *args], cwd=REPO, env=child_env(),
+    return subprocess.run([sys.executable, "-m", "loraflow.deploy.cli", *args], cwd=REPO, env=child_env(),
                           capture_output=True, text=True, timeout=timeout_s)
 
 
@@ -136,8 +136,8 @@ def test_wrong_keys_fail_fast_with_the_cause_and_are_counted(curve_run, procs: P
         args = [str(config), "--endpoint", broker.endpoint, "--set", f"run.connect_timeout_s={CONNECT_TIMEOUT_S}"]
         for override in overrides:
             args += ["--set", override]
-        clients[name] = (procs.python(name, "learner", *args) if name == "learner" else
-                         procs.python(name, "rollout_worker", *args, "--worker-id", name))
+        clients[name] = (procs.python(name, "loraflow.learner", *args) if name == "learner" else
+                         procs.python(name, "loraflow.rollout_worker", *args, "--worker-id", name))
     for name, (_, cause) in cases.items():
         client = clients[name]
         code = client.popen.wait(timeout=CONNECT_TIMEOUT_S + 30)
@@ -174,7 +174,7 @@ def test_a_worker_started_before_the_broker_joins_within_the_wait(procs: Process
     config = write_config(tmp_path / "run.toml", run_dir=tmp_path / "run", model_dir=tiny_model_dir, backend="sim",
                           num_prompts=64, extra=f'[security]\nenabled = true\nkeys_dir = "{keys}"\n')
     endpoint = f"tcp://127.0.0.1:{free_port()}"
-    worker = procs.python("worker", "rollout_worker", str(config), "--endpoint", endpoint, "--worker-id", "early",
+    worker = procs.python("worker", "loraflow.rollout_worker", str(config), "--endpoint", endpoint, "--worker-id", "early",
                           "--set", 'security.client_key="gpu-1"', "--set", "run.connect_timeout_s=60")
     time.sleep(3)  # the scenario, not a synchronisation: the broker comes up a while after its worker
     assert worker.alive(), worker.log()
@@ -191,7 +191,7 @@ def test_no_broker_at_all_ends_after_the_connect_timeout_naming_it(procs: Proces
     config = write_config(tmp_path / "run.toml", run_dir=tmp_path / "run", model_dir=tiny_model_dir, backend="sim",
                           num_prompts=64)
     started = time.monotonic()
-    worker = procs.python("worker", "rollout_worker", str(config), "--endpoint", f"tcp://127.0.0.1:{free_port()}",
+    worker = procs.python("worker", "loraflow.rollout_worker", str(config), "--endpoint", f"tcp://127.0.0.1:{free_port()}",
                           "--set", "run.connect_timeout_s=2")
     assert worker.popen.wait(timeout=60) == 1
     assert time.monotonic() - started >= 2

@@ -3,7 +3,7 @@ client by role and id (its old leases are reclaimed at once), and never shows th
 
 from __future__ import annotations
 
-from common.protocol import Hello, LeaseRequest
+from loraflow.common.protocol import Hello, LeaseRequest
 from tests.broker.harness import Harness
 
 OLD, NEW = b"worker/w1/" + b"a" * 32, b"worker/w1/" + b"b" * 32

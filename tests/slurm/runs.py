@@ -9,7 +9,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from learner.ledger import read as read_ledger
+from loraflow.learner.ledger import read as read_ledger
 from tests.fault.ledger import committed_chain, read_json_lines
 from tests.slurm.cluster import SlurmCluster, free_port
 from tests.support import REPO, wait_for

@@ -11,9 +11,9 @@ from pathlib import Path
 
 import pytest
 
-from common.config import SimConfig
-from rollout_worker.adapters import AdapterStore
-from rollout_worker.backends.base import Backend, Sampling
+from loraflow.common.config import SimConfig
+from loraflow.rollout_worker.adapters import AdapterStore
+from loraflow.rollout_worker.backends.base import Backend, Sampling
 from tests.worker.helpers import Adapter, Reference, make_adapter
 
 BACKENDS = ["hf", "sim", pytest.param("vllm", marks=pytest.mark.vllm)]
@@ -40,14 +40,14 @@ def reference(tiny_model_dir: Path) -> Reference:
 
 @pytest.fixture(scope="session")
 def hf_session_backend(tiny_model_dir: Path) -> Backend:
-    from rollout_worker.backends.hf import HfBackend
+    from loraflow.rollout_worker.backends.hf import HfBackend
 
     return HfBackend(tiny_model_dir, sampling=Sampling(), device="cpu", seed=0)
 
 
 @pytest.fixture(scope="session")
 def sim_session_backend() -> Backend:
-    from rollout_worker.backends.sim import SimBackend
+    from loraflow.rollout_worker.backends.sim import SimBackend
 
     return SimBackend(SimConfig(tokens_per_s=1e6, mean_tokens=1000, length_sigma=0.0, vocab_size=259),
                       sampling=Sampling(), seed=0)
@@ -55,7 +55,7 @@ def sim_session_backend() -> Backend:
 
 @pytest.fixture(scope="session")
 def vllm_session_backend(tiny_model_dir: Path) -> Iterator[Backend]:
-    from rollout_worker.backends.vllm import VllmBackend
+    from loraflow.rollout_worker.backends.vllm import VllmBackend
 
     backend = VllmBackend(tiny_model_dir, sampling=Sampling(), max_loras=3, max_lora_rank=8, max_model_len=256,
                           max_num_seqs=16, kv_cache_gib=1, seed=0)

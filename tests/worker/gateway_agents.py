@@ -7,8 +7,8 @@ import itertools
 import time
 from typing import Any
 
-from deploy.agents.calculator_agent import run_episode as calculator  # noqa: F401 - loaded by name
-from deploy.agents.calculator_agent import run_text_episode as calculator_text  # noqa: F401
+from loraflow.deploy.agents.calculator_agent import run_episode as calculator  # noqa: F401 - loaded by name
+from loraflow.deploy.agents.calculator_agent import run_text_episode as calculator_text  # noqa: F401
 
 _episodes = itertools.count()
 

@@ -13,13 +13,13 @@ import time
 from pathlib import Path
 from typing import Any
 
-from common.config import Config, load_config
-from common.metrics import Metrics
-from common.protocol import PromptLease
-from rollout_worker.adapters import ReceivedAdapter
-from rollout_worker.backends.base import Backend, GenDelta, GenOutput, GenRequest
-from rollout_worker.gateway.episodes import AgentRollouts
-from rollout_worker.rollout import FinishedGroup
+from loraflow.common.config import Config, load_config
+from loraflow.common.metrics import Metrics
+from loraflow.common.protocol import PromptLease
+from loraflow.rollout_worker.adapters import ReceivedAdapter
+from loraflow.rollout_worker.backends.base import Backend, GenDelta, GenOutput, GenRequest
+from loraflow.rollout_worker.gateway.episodes import AgentRollouts
+from loraflow.rollout_worker.rollout import FinishedGroup
 
 
 class Spy:

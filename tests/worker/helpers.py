@@ -12,11 +12,11 @@ from typing import Any
 import torch
 from msgspec.structs import replace
 
-from common import protocol
-from common.framing import Envelope, frames_sha256
-from common.logprobs import token_logprobs
-from common.protocol import AdapterUpdate, PromptLease
-from rollout_worker.adapters import AdapterStore, ReceivedAdapter
+from loraflow.common import protocol
+from loraflow.common.framing import Envelope, frames_sha256
+from loraflow.common.logprobs import token_logprobs
+from loraflow.common.protocol import AdapterUpdate, PromptLease
+from loraflow.rollout_worker.adapters import AdapterStore, ReceivedAdapter
 
 
 @dataclass

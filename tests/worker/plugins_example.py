@@ -6,7 +6,7 @@ import itertools
 import time
 from typing import Any
 
-from rollout_worker.envs import Environment, Episode, Step
+from loraflow.rollout_worker.envs import Environment, Episode, Step
 
 _calls = itertools.count()
 

@@ -13,8 +13,8 @@ import time
 from pathlib import Path
 
 from bench.join_time import adapter_message, lora_layout, worker_argv
-from common.protocol import Ack, Error, Hello, Kind
-from common.transport import BrokerLink, Incoming
+from loraflow.common.protocol import Ack, Error, Hello, Kind
+from loraflow.common.transport import BrokerLink, Incoming
 from tests.support import Processes, child_env, start_broker, wait_for
 
 

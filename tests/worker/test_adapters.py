@@ -11,9 +11,9 @@ import torch
 from msgspec.structs import replace
 from safetensors.torch import load_file
 
-from common import protocol
-from common.framing import frames_sha256
-from rollout_worker.adapters import CONFIG_FILE, WEIGHTS_FILE, AdapterRejected, AdapterStore
+from loraflow.common import protocol
+from loraflow.common.framing import frames_sha256
+from loraflow.rollout_worker.adapters import CONFIG_FILE, WEIGHTS_FILE, AdapterRejected, AdapterStore
 from tests.worker.helpers import Adapter, Reference, make_adapter, receive
 
 

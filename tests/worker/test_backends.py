@@ -19,14 +19,14 @@ from pathlib import Path
 import pytest
 import torch
 
-from common.config import WorkerConfig
-from common.logprobs import token_logprobs
-from rollout_worker.adapters import AdapterStore
-from rollout_worker.backends.base import Backend, GenRequest, Sampling
-from rollout_worker.backends.hf import HfBackend
-from rollout_worker.backends.vllm import logprobs_plan, lora_rank_cap, rescale_logprob
-from rollout_worker.envs import EnvResolver
-from rollout_worker.rollout import Rollouts
+from loraflow.common.config import WorkerConfig
+from loraflow.common.logprobs import token_logprobs
+from loraflow.rollout_worker.adapters import AdapterStore
+from loraflow.rollout_worker.backends.base import Backend, GenRequest, Sampling
+from loraflow.rollout_worker.backends.hf import HfBackend
+from loraflow.rollout_worker.backends.vllm import logprobs_plan, lora_rank_cap, rescale_logprob
+from loraflow.rollout_worker.envs import EnvResolver
+from loraflow.rollout_worker.rollout import Rollouts
 from tests.worker.helpers import Adapter, Reference, lease, receive
 
 PROMPTS = ["12+34=", "7+8=", "99+1="]
@@ -140,7 +140,7 @@ def test_token_versions_across_a_mid_generation_swap(backend: Backend, store: Ad
 
 def test_hf_logprobs_use_the_temperature_and_ignore_top_p(tiny_model_dir: Path, store: AdapterStore,
                                                          adapters: list[Adapter], reference: Reference) -> None:
-    """common.logprobs: log_softmax(logits / temperature) of the sampled token, before top-p truncation."""
+    """loraflow.common.logprobs: log_softmax(logits / temperature) of the sampled token, before top-p truncation."""
     backend = HfBackend(tiny_model_dir, sampling=Sampling(temperature=0.7, top_p=0.9), device="cpu", seed=1)
     backend.add_adapter(receive(store, adapters[0]))
     prompt = backend.encode(PROMPTS[0])

@@ -12,13 +12,13 @@ import numpy as np
 import pytest
 import zmq
 
-from common import protocol
-from common.config import load_config
-from common.metrics import Metrics
-from common.protocol import Error, GroupAck, Kind, LeaseGrant, Welcome
-from rollout_worker.adapters import AdapterStore
-from rollout_worker.client import BrokerSession
-from rollout_worker.rollout import FinishedGroup
+from loraflow.common import protocol
+from loraflow.common.config import load_config
+from loraflow.common.metrics import Metrics
+from loraflow.common.protocol import Error, GroupAck, Kind, LeaseGrant, Welcome
+from loraflow.rollout_worker.adapters import AdapterStore
+from loraflow.rollout_worker.client import BrokerSession
+from loraflow.rollout_worker.rollout import FinishedGroup
 from tests.support import wait_for
 from tests.worker.helpers import Adapter, lease
 

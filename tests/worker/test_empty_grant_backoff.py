@@ -13,8 +13,8 @@ from types import SimpleNamespace
 
 import pytest
 
-from common.protocol import LeaseGrant
-from rollout_worker.worker import EMPTY_GRANT_BACKOFF_S, Worker
+from loraflow.common.protocol import LeaseGrant
+from loraflow.rollout_worker.worker import EMPTY_GRANT_BACKOFF_S, Worker
 
 
 class _Metrics:

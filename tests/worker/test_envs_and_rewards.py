@@ -7,11 +7,11 @@ import time
 
 import pytest
 
-from common.tasks import ArithTask
-from rollout_worker.envs import CalculatorEnv, EnvResolver, Episode, SingleTurnEnv, Step
-from rollout_worker.envs.calculator import calculate
-from rollout_worker.plugins import load_object
-from rollout_worker.rewards import GuardedCall, as_reward, call_guarded, load_reward
+from loraflow.common.tasks import ArithTask
+from loraflow.rollout_worker.envs import CalculatorEnv, EnvResolver, Episode, SingleTurnEnv, Step
+from loraflow.rollout_worker.envs.calculator import calculate
+from loraflow.rollout_worker.plugins import load_object
+from loraflow.rollout_worker.rewards import GuardedCall, as_reward, call_guarded, load_reward
 
 EPISODE = Episode(prompt="12+34=", answer="46", task="arith")
 
@@ -75,7 +75,7 @@ def test_user_reward_loading() -> None:
     assert fn("abc", "", finished=True) == 3.5
     with pytest.raises(ValueError, match="not callable"):
         load_reward("tests.worker.plugins_example:not_an_env")
-    assert load_object("common.tasks:ArithTask.name", "x") == "arith"
+    assert load_object("loraflow.common.tasks:ArithTask.name", "x") == "arith"
 
 
 @pytest.mark.parametrize(("value", "reason"), [(float("nan"), "nan"), (float("inf"), "nan"), ("1", "type"),

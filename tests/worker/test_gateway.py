@@ -19,10 +19,10 @@ import openai
 import pytest
 from transformers import AutoTokenizer
 
-from common import protocol
-from rollout_worker.adapters import AdapterStore, ReceivedAdapter
-from rollout_worker.backends.base import Backend, GenOutput, GenRequest, Sampling, TokenizerMixin
-from rollout_worker.gateway.tools import parse_hermes
+from loraflow.common import protocol
+from loraflow.rollout_worker.adapters import AdapterStore, ReceivedAdapter
+from loraflow.rollout_worker.backends.base import Backend, GenOutput, GenRequest, Sampling, TokenizerMixin
+from loraflow.rollout_worker.gateway.tools import parse_hermes
 from tests.worker.gateway_support import Driver, Spy, check_exact, gateway_config, lease, sample_arrays
 from tests.worker.helpers import receive
 
@@ -31,7 +31,7 @@ QUESTION = [{"role": "system", "content": "Use the calculator."}, {"role": "user
 
 @pytest.fixture(scope="module")
 def qwen2_backend(zoo_model) -> Backend:
-    from rollout_worker.backends.hf import HfBackend
+    from loraflow.rollout_worker.backends.hf import HfBackend
 
     return HfBackend(zoo_model("qwen2"), sampling=Sampling(), device="cpu", seed=0)
 
@@ -383,7 +383,7 @@ def test_a_rewritten_history_is_counted_or_refused(qwen2_backend, zoo_model, tmp
     (['worker.agent="m:f"', "worker.agent_timeout_s=400"], "broker.lease_timeout_s"),
 ])
 def test_gateway_config_errors_name_the_setting(overrides: list[str], words: str) -> None:
-    from common.config import ConfigError, load_config
+    from loraflow.common.config import ConfigError, load_config
 
     with pytest.raises(ConfigError, match=words):
         load_config(None, overrides)
@@ -391,8 +391,8 @@ def test_gateway_config_errors_name_the_setting(overrides: list[str], words: str
 
 def test_a_harness_that_is_not_async_is_a_config_error(tiny_model_dir: Path, hf_session_backend,
                                                        tmp_path: Path) -> None:
-    from common.config import ConfigError
+    from loraflow.common.config import ConfigError
 
-    config = gateway_config(tiny_model_dir, tmp_path, "deploy.agents.calculator_agent:calculate")
+    config = gateway_config(tiny_model_dir, tmp_path, "loraflow.deploy.agents.calculator_agent:calculate")
     with pytest.raises(ConfigError, match="async function"):
         Driver(config, hf_session_backend)

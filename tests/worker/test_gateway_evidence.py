@@ -1,10 +1,10 @@
-"""The served-adapter evidence of agent groups (issue 14 through the gateway, :mod:`rollout_worker.gateway`).
+"""The served-adapter evidence of agent groups (issue 14 through the gateway, :mod:`loraflow.rollout_worker.gateway`).
 
 - an agent group's ``served`` is the engine's own report of the calls that generated its tokens (the
   ``GenOutput.served`` of every gateway chunk, seen by a spy on the real hf backend), and each recorded call
   keeps its report;
 - an episode whose calls the engine served with another version's slot (a routing fault inside the hf engine)
-  carries that slot's evidence, and the learner's evidence check (:func:`learner.integrity.check_evidence`)
+  carries that slot's evidence, and the learner's evidence check (:func:`loraflow.learner.integrity.check_evidence`)
   fails the group, while the same episode served honestly passes it.
 """
 
@@ -15,13 +15,13 @@ from pathlib import Path
 import pytest
 import torch
 
-from common.protocol import ServedAdapter
-from learner.integrity import AdapterHistory, LoraIds, check_evidence
-from rollout_worker.adapters import AdapterStore
-from rollout_worker.backends.base import Backend
-from rollout_worker.gateway.engine import GatewayEngine
-from rollout_worker.gateway.session import Session
-from rollout_worker.rollout import FinishedGroup
+from loraflow.common.protocol import ServedAdapter
+from loraflow.learner.integrity import AdapterHistory, LoraIds, check_evidence
+from loraflow.rollout_worker.adapters import AdapterStore
+from loraflow.rollout_worker.backends.base import Backend
+from loraflow.rollout_worker.gateway.engine import GatewayEngine
+from loraflow.rollout_worker.gateway.session import Session
+from loraflow.rollout_worker.rollout import FinishedGroup
 from tests.worker import gateway_support
 from tests.worker.helpers import Adapter, receive
 

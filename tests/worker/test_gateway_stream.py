@@ -19,12 +19,12 @@ from typing import Any
 
 import pytest
 
-from common.config import WorkerConfig
-from common.metrics import Metrics
-from rollout_worker.backends.base import Backend
-from rollout_worker.gateway import openai_api as api
-from rollout_worker.gateway.engine import GatewayEngine, Job
-from rollout_worker.gateway.session import Session
+from loraflow.common.config import WorkerConfig
+from loraflow.common.metrics import Metrics
+from loraflow.rollout_worker.backends.base import Backend
+from loraflow.rollout_worker.gateway import openai_api as api
+from loraflow.rollout_worker.gateway.engine import GatewayEngine, Job
+from loraflow.rollout_worker.gateway.session import Session
 from tests.worker.gateway_support import Spy
 
 pytestmark = pytest.mark.vllm

@@ -16,8 +16,8 @@ from pathlib import Path
 import pytest
 from transformers import AutoTokenizer
 
-from common.chat import ChatFormat
-from rollout_worker.gateway.stream_text import TextStream, byte_fallback_ids
+from loraflow.common.chat import ChatFormat
+from loraflow.rollout_worker.gateway.stream_text import TextStream, byte_fallback_ids
 
 TEXT = "héllo wörld, naïve café 世界 🎉🎉 the end\n\n  x = 3 ≥ 2 «ok» Ωmega 𝔘nicode\t!"
 
@@ -26,11 +26,11 @@ TEXT = "héllo wörld, naïve café 世界 🎉🎉 the end\n\n  x = 3 ≥ 2 «o
 def chat(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> ChatFormat:
     directory = tmp_path_factory.mktemp(f"tok-{request.param}")
     if request.param == "tiny":
-        from common.tiny_model import build_tiny_model
+        from loraflow.common.tiny_model import build_tiny_model
 
         build_tiny_model(directory, seed=0)
     else:
-        from common.model_zoo import FAMILIES, build_tokenizer
+        from loraflow.common.model_zoo import FAMILIES, build_tokenizer
 
         build_tokenizer(FAMILIES[request.param], directory)
     return ChatFormat(AutoTokenizer.from_pretrained(str(directory)))
@@ -87,7 +87,7 @@ def test_a_push_decodes_a_window_not_the_whole_turn(chat: ChatFormat) -> None:
 
 
 def test_a_split_character_waits_for_its_bytes(tmp_path: Path) -> None:
-    from common.model_zoo import FAMILIES, build_tokenizer
+    from loraflow.common.model_zoo import FAMILIES, build_tokenizer
 
     build_tokenizer(FAMILIES["qwen2"], tmp_path)
     chat = ChatFormat(AutoTokenizer.from_pretrained(str(tmp_path)))

@@ -15,10 +15,10 @@ from pathlib import Path
 import pytest
 import torch
 
-from rollout_worker.adapters import AdapterStore
-from rollout_worker.backends import hf_decode
-from rollout_worker.backends.base import GenRequest, Sampling
-from rollout_worker.backends.hf import HfBackend
+from loraflow.rollout_worker.adapters import AdapterStore
+from loraflow.rollout_worker.backends import hf_decode
+from loraflow.rollout_worker.backends.base import GenRequest, Sampling
+from loraflow.rollout_worker.backends.hf import HfBackend
 from tests.worker.helpers import Adapter, receive
 
 PROMPTS = ["12+34=", "7+8=", "99+1=", "a much longer prompt: 123456789"]

@@ -17,7 +17,7 @@ from typing import Any
 
 import pytest
 
-from common.protocol import Ack, Kind
+from loraflow.common.protocol import Ack, Kind
 from tests.broker.clients import Learner
 from tests.support import BrokerHandle, Proc, Processes, start_broker, wait_for
 from tests.worker.helpers import make_adapter
@@ -37,7 +37,7 @@ def start_worker(procs: Processes, broker: BrokerHandle, worker_id: str, *overri
             "--backend", backend, "--log-format", "json"]
     for override in (*FAST, *overrides):
         args += ["--set", override]
-    return procs.python(worker_id, "rollout_worker", *args)
+    return procs.python(worker_id, "loraflow.rollout_worker", *args)
 
 
 def events(proc: Proc, name: str | None = None) -> list[dict[str, Any]]:
@@ -186,7 +186,7 @@ def test_elastic_scale_out_and_kill_every_prompt_is_acknowledged_once(procs: Pro
 
 
 def test_sigterm_while_waiting_for_the_broker_exits_at_once(procs: Processes, tmp_path: Path) -> None:
-    worker = procs.python("early", "rollout_worker", "--endpoint", "tcp://127.0.0.1:9", "--backend", "sim",
+    worker = procs.python("early", "loraflow.rollout_worker", "--endpoint", "tcp://127.0.0.1:9", "--backend", "sim",
                           "--run-dir", str(tmp_path / "run"), "--log-format", "json")
     wait_for(lambda: (tmp_path / "run" / "timeline").is_dir(), 10, "the worker to start", procs)
     worker.signal(signal.SIGTERM)

@@ -22,7 +22,7 @@ GENERATION_S = 10.0  # 30 tokens at 3 tokens/s: well past the lease timeout
 
 
 def worker_argv(broker: BrokerHandle, worker_id: str) -> list[str]:
-    argv = [sys.executable, "-m", "rollout_worker", "--endpoint", broker.endpoint, "--run-dir", str(broker.run_dir),
+    argv = [sys.executable, "-m", "loraflow.rollout_worker", "--endpoint", broker.endpoint, "--run-dir", str(broker.run_dir),
             "--worker-id", worker_id, "--backend", "sim", "--log-format", "json"]
     for override in ("worker.sim.tokens_per_s=3", "worker.sim.mean_tokens=30", "worker.sim.length_sigma=0",
                      "worker.max_new_tokens=32", "worker.chunk_tokens=4", "worker.capacity=1"):

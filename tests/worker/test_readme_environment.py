@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from rollout_worker.envs import check_env
+from loraflow.rollout_worker.envs import check_env
 from tests.support import REPO
 from tests.worker.helpers import lease
 from tests.worker.test_rollout import EOS, ScriptedBackend, make_rollouts, run_to_end, samples

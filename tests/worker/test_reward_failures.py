@@ -11,9 +11,9 @@ from typing import Any
 
 import pytest
 
-from deploy import status
-from deploy.processes import Managed, RestartPolicy, Supervisor, Unrecoverable
-from deploy.progress import Progress, render
+from loraflow.deploy import status
+from loraflow.deploy.processes import Managed, RestartPolicy, Supervisor, Unrecoverable
+from loraflow.deploy.progress import Progress, render
 from tests.support import BrokerHandle, Processes, child_env, start_broker, wait_for
 
 pytestmark = pytest.mark.slow
@@ -27,7 +27,7 @@ def always_raises(completion: str, answer: str, **info: Any) -> float:
 
 
 def worker_argv(broker: BrokerHandle, worker_id: str, *overrides: str) -> list[str]:
-    argv = [sys.executable, "-m", "rollout_worker", "--endpoint", broker.endpoint, "--run-dir", str(broker.run_dir),
+    argv = [sys.executable, "-m", "loraflow.rollout_worker", "--endpoint", broker.endpoint, "--run-dir", str(broker.run_dir),
             "--worker-id", worker_id, "--backend", "sim", "--log-format", "json"]
     for override in (f'worker.reward="{REWARD}"', "worker.sim.tokens_per_s=5000", *overrides):
         argv += ["--set", override]

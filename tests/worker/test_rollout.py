@@ -14,13 +14,13 @@ from typing import Any
 
 import pytest
 
-from common import protocol
-from common.config import WorkerConfig
-from common.metrics import Metrics
-from rollout_worker.adapters import ReceivedAdapter
-from rollout_worker.backends.base import Backend, GenOutput, GenRequest, Sampling
-from rollout_worker.envs import Environment, EnvResolver, Episode, Step
-from rollout_worker.rollout import DONE, IN_ENV, FinishedGroup, Rollouts
+from loraflow.common import protocol
+from loraflow.common.config import WorkerConfig
+from loraflow.common.metrics import Metrics
+from loraflow.rollout_worker.adapters import ReceivedAdapter
+from loraflow.rollout_worker.backends.base import Backend, GenOutput, GenRequest, Sampling
+from loraflow.rollout_worker.envs import Environment, EnvResolver, Episode, Step
+from loraflow.rollout_worker.rollout import DONE, IN_ENV, FinishedGroup, Rollouts
 from tests.support import wait_for
 from tests.worker.helpers import lease
 

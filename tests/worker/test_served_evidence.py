@@ -1,4 +1,4 @@
-"""The served-adapter evidence a worker sends (``RolloutGroup.served``, :mod:`common.integrity`), on real backends.
+"""The served-adapter evidence a worker sends (``RolloutGroup.served``, :mod:`loraflow.common.integrity`), on real backends.
 
 - a group generated across v0 -> v1 -> v2 carries one entry per version of its tokens: v0 the base entry, v1 and
   v2 with the published sha256 and distinct engine ids; it survives the wire;
@@ -19,13 +19,13 @@ from typing import Any
 
 import pytest
 
-from common import protocol
-from common.config import WorkerConfig
-from common.protocol import ServedAdapter
-from rollout_worker.adapters import WEIGHTS_FILE, AdapterStore
-from rollout_worker.backends.base import Backend, GenRequest
-from rollout_worker.envs import Environment, EnvResolver, Episode, Step
-from rollout_worker.rollout import FinishedGroup, Rollouts
+from loraflow.common import protocol
+from loraflow.common.config import WorkerConfig
+from loraflow.common.protocol import ServedAdapter
+from loraflow.rollout_worker.adapters import WEIGHTS_FILE, AdapterStore
+from loraflow.rollout_worker.backends.base import Backend, GenRequest
+from loraflow.rollout_worker.envs import Environment, EnvResolver, Episode, Step
+from loraflow.rollout_worker.rollout import FinishedGroup, Rollouts
 from tests.support import wait_for
 from tests.worker import gateway_support
 from tests.worker.helpers import Adapter, lease, receive
@@ -186,8 +186,8 @@ def test_a_bf16_hf_engine_holding_an_fp32_adapter_reports_the_published_checksum
         tiny_model_dir: Path, store: AdapterStore, adapters: list[Adapter]) -> None:
     """A narrower engine rounds the adapter on the copy; holding the published weights as it rounds them is a
     faithful load (else every group of a bf16 hf worker under an fp32 learner would fail the check)."""
-    from rollout_worker.backends.base import Sampling
-    from rollout_worker.backends.hf import HfBackend
+    from loraflow.rollout_worker.backends.base import Sampling
+    from loraflow.rollout_worker.backends.hf import HfBackend
 
     engine = HfBackend(tiny_model_dir, sampling=Sampling(), device="cpu", dtype="bfloat16", seed=0)
     engine.add_adapter(receive(store, adapters[0]))
@@ -201,7 +201,7 @@ def _reordered(adapter: Adapter, order: list[str], state: dict[str, Any] | None 
 
     from msgspec.structs import replace as replace_record
 
-    from common.framing import frames_sha256
+    from loraflow.common.framing import frames_sha256
 
     state = state if state is not None else adapter.state
     tensors = [(name, state[name]) for name in order]

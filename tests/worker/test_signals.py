@@ -8,8 +8,8 @@ import threading
 
 import pytest
 
-from rollout_worker import worker as worker_module
-from rollout_worker.worker import StoppedWhileStarting, install_stop_handlers
+from loraflow.rollout_worker import worker as worker_module
+from loraflow.rollout_worker.worker import StoppedWhileStarting, install_stop_handlers
 from tests.support import NoLogging, restored_signal_handlers
 
 

@@ -12,14 +12,14 @@ from typing import Any
 import msgspec
 import pytest
 
-from common.config import ConfigError, WorkerConfig
-from common.metrics import Metrics
-from common.protocol import Kind, RolloutGroup, reward_means_of
-from rollout_worker.envs import EnvResolver
-from rollout_worker.rewards import RewardFunction, is_batched, load_reward, load_rewards
-from rollout_worker.rewards.builtin import exact_match, extract_answer, format_reward
-from rollout_worker.rewards.group import GroupInputs, GroupScoring
-from rollout_worker.rollout import Rollouts
+from loraflow.common.config import ConfigError, WorkerConfig
+from loraflow.common.metrics import Metrics
+from loraflow.common.protocol import Kind, RolloutGroup, reward_means_of
+from loraflow.rollout_worker.envs import EnvResolver
+from loraflow.rollout_worker.rewards import RewardFunction, is_batched, load_reward, load_rewards
+from loraflow.rollout_worker.rewards.builtin import exact_match, extract_answer, format_reward
+from loraflow.rollout_worker.rewards.group import GroupInputs, GroupScoring
+from loraflow.rollout_worker.rollout import Rollouts
 from tests.support import REPO, Processes, child_env, start_broker, wait_for
 from tests.worker import trl_rewards_example as examples
 from tests.worker.helpers import lease
@@ -188,7 +188,7 @@ def test_an_abandoned_call_that_keeps_computing_is_named_and_one_that_sleeps_is_
     that hangs asleep costs nothing and is not."""
     import time
 
-    from rollout_worker.rewards import guard
+    from loraflow.rollout_worker.rewards import guard
 
     watch = guard.RunawayWatch()
     sleeping = guard.GuardedCall(examples.hangs, [], [], timeout_s=0.1)
@@ -264,7 +264,7 @@ def test_a_reward_that_keeps_computing_past_its_timeout_restarts_the_worker(proc
     """A TRL reward that runs away in pure Python: the group scores 0 at worker.reward_timeout_s, and since the
     abandoned thread keeps a core busy the worker stops with EXIT_USER_CODE_STUCK (restarted like a crash), naming
     the function, after submitting what it scored and returning the leases it held."""
-    from common.cli import EXIT_USER_CODE_STUCK
+    from loraflow.common.cli import EXIT_USER_CODE_STUCK
 
     broker = start_broker(procs, f'model.path="{tiny_model_dir}"', "run.group_size=2", *FAST)
     args = [str(Path(sys.executable).parent / "loraflow"), "worker", "--endpoint", broker.endpoint, "--run-dir",
@@ -290,13 +290,13 @@ def test_a_conversational_dataset_row_reaches_a_trl_reward_through_the_chat_temp
     the hf backend renders it with the model's template, and the reward gets TRL's conversational inputs."""
     from transformers import AutoTokenizer
 
-    from common import protocol
-    from common.config import DataConfig
-    from common.protocol import LeaseGrant, PromptLease
-    from common.tasks import load_task
-    from rollout_worker.backends.base import Sampling
-    from rollout_worker.backends.hf import HfBackend
-    from rollout_worker.rewards import RewardSet
+    from loraflow.common import protocol
+    from loraflow.common.config import DataConfig
+    from loraflow.common.protocol import LeaseGrant, PromptLease
+    from loraflow.common.tasks import load_task
+    from loraflow.rollout_worker.backends.base import Sampling
+    from loraflow.rollout_worker.backends.hf import HfBackend
+    from loraflow.rollout_worker.rewards import RewardSet
 
     model_dir = zoo_model("qwen2")
     path = tmp_path / "chat.jsonl"

@@ -14,7 +14,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from rollout_worker.backends import vllm_lora_cpu as grouped
+from loraflow.rollout_worker.backends import vllm_lora_cpu as grouped
 
 pytestmark = pytest.mark.vllm
 

@@ -24,13 +24,13 @@ from pathlib import Path
 
 import pytest
 
-from common.config import WorkerConfig
-from rollout_worker import rollout
-from rollout_worker.adapters import AdapterStore
-from rollout_worker.backends.base import Backend, GenRequest
-from rollout_worker.backends.vllm import private_rpc_dir
-from rollout_worker.envs import EnvResolver
-from rollout_worker.rollout import DONE, GENERATING, READY, Rollouts
+from loraflow.common.config import WorkerConfig
+from loraflow.rollout_worker import rollout
+from loraflow.rollout_worker.adapters import AdapterStore
+from loraflow.rollout_worker.backends.base import Backend, GenRequest
+from loraflow.rollout_worker.backends.vllm import private_rpc_dir
+from loraflow.rollout_worker.envs import EnvResolver
+from loraflow.rollout_worker.rollout import DONE, GENERATING, READY, Rollouts
 from tests.worker.helpers import Adapter, Reference, lease, receive
 
 pytestmark = pytest.mark.vllm
@@ -243,11 +243,11 @@ def test_the_private_socket_directory_is_removed_at_exit(tmp_path: Path, preset:
     env = {k: v for k, v in os.environ.items() if k != "VLLM_RPC_BASE_PATH"} | {"TMPDIR": str(tmp_path)}
     if preset:
         env["VLLM_RPC_BASE_PATH"] = preset
-    code = ("import os, sys\nfrom rollout_worker.backends.vllm import private_rpc_dir\n"
+    code = ("import os, sys\nfrom loraflow.rollout_worker.backends.vllm import private_rpc_dir\n"
             "path = private_rpc_dir()\nassert private_rpc_dir() == path\n"
             "print(path, os.environ['VLLM_RPC_BASE_PATH'], flush=True)\n"
             "if path: open(os.path.join(path, 'socket'), 'w').close()\n"
-            "from rollout_worker.worker import end_process\nend_process(0)\n")
+            "from loraflow.rollout_worker.worker import end_process\nend_process(0)\n")
     done = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=60,
                           cwd=Path(__file__).resolve().parents[2])
     assert done.returncode == 0, done.stderr
