@@ -380,13 +380,22 @@ def test_a_rewritten_history_is_counted_or_refused(qwen2_backend, zoo_model, tmp
     (['worker.agent="m:f"', 'worker.backend="sim"'], "worker.backend"),
     (['worker.agent="m:f"', 'worker.gateway_bind="0.0.0.0:8000"'], "security.enabled"),
     (['worker.agent="m:f"', 'worker.tool_parser="xml"'], "tool_parser"),
-    (['worker.agent="m:f"', "worker.agent_timeout_s=400"], "broker.lease_timeout_s"),
 ])
 def test_gateway_config_errors_name_the_setting(overrides: list[str], words: str) -> None:
     from loraflow.common.config import ConfigError, load_config
 
     with pytest.raises(ConfigError, match=words):
         load_config(None, overrides)
+
+
+def test_an_episode_timeout_beyond_the_lease_timeout_is_valid() -> None:
+    """Heartbeats renew the lease of a group whose episodes still run, so the two settings are independent: the
+    defaults of ``loraflow run --set worker.agent=...`` (agent 120 s, the demo's lease 30 s) load as they are."""
+    from loraflow.common.config import load_config
+    from loraflow.deploy.launcher import DEMO_CONFIG
+
+    config = load_config(DEMO_CONFIG, ['worker.agent="m:f"'])
+    assert config.worker.agent_timeout_s > config.broker.lease_timeout_s
 
 
 def test_a_harness_that_is_not_async_is_a_config_error(tiny_model_dir: Path, hf_session_backend,
