@@ -1,0 +1,209 @@
+"""The demo to its held-out target: ``loraflow run`` against TRL's GRPOTrainer in one process, same base and data.
+
+Needs TRL (``pip install -e '.[peer]'``); installs nothing itself. For each seed, on the cached demo base of that
+seed (deploy/demo_base.py; built before either side starts, so neither pays for it):
+
+- loraflow: ``loraflow run`` on the demo config (2 hf workers, the learner, the broker), a PEFT adapter every
+  ``--adapter-every`` versions, no evaluation during the run;
+- TRL: ``GRPOTrainer`` in its own process with the demo's recipe: LoRA r16 alpha 32 on every projection, 16 prompts
+  x 8 samples a step, the same learning rate, AdamW settings and gradient clip, temperature 1, top_k off, the
+  same max new tokens, no KL (beta 0), a constant schedule, PPO clip 0.2, token-level loss, group-std scaled
+  advantages, one update per generation; the reward is the demo task's score, which needs the end-of-sequence
+  token (a completion cut off at max new tokens scores 0, as in loraflow). Its adapter is saved every
+  ``--adapter-every`` steps from a callback (on its clock, as loraflow's adapter writes are on loraflow's).
+
+Afterwards one greedy held-out evaluation (deploy/evaluate.py, ``--num-prompts`` prompts) scores both sides'
+adapters in order, off both clocks. Per seed and as the median: training wall to the first adapter at
+``--target`` (from the side's pipeline being up: loraflow's learner and a worker past start-up, TRL's first
+step), samples to it, and start-up apart (process start to that point). loraflow's step timeline (learner wait /
+compute / publish, adapter publish -> loaded in a worker, worker busy shares) is printed beside it.
+
+Last line: value = loraflow's median training seconds, reference = TRL's, ``ratio`` = median over seeds of
+loraflow / TRL (< 1: loraflow is faster), ``samples_ratio``, ``startup_s_loraflow``, ``startup_s_trl``.
+
+    .venv/bin/python -m bench.vs_trl [--seeds 0,1,2] [--target 0.9] [--max-steps 100] [--quick]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+from bench.report import report
+from bench.time_to_accuracy import (
+    Side,
+    describe,
+    loraflow_breakdown,
+    loraflow_side,
+    make_evaluate,
+    run_demo,
+    step_s,
+)
+from loraflow.common.config import Config, load_config
+from loraflow.deploy.demo_base import ensure_demo_base
+from loraflow.deploy.launcher import DEMO_CONFIG
+from tests.support import REPO, child_env
+
+
+def trl_child(config_path: Path, base: Path, out: Path, steps: int, adapter_every: int) -> None:
+    """GRPOTrainer on the resolved loraflow config's recipe; writes ``out/result.json`` (times, samples, adapters)."""
+    started_unix = time.time()
+    import torch
+    from datasets import Dataset
+    from peft import LoraConfig
+    from transformers import AutoModelForCausalLM, AutoTokenizer, TrainerCallback
+    from trl import GRPOConfig, GRPOTrainer
+
+    from loraflow.common.tasks import load_task
+
+    config = load_config(config_path)
+    run, learner, worker = config.run, config.learner, config.worker
+    torch.manual_seed(run.seed)
+    task = load_task(run.task, run.seed, config.data)
+    items = [task.item(i, "train") for i in range(steps * run.groups_per_step)]
+    dataset = Dataset.from_list([{"prompt": item.prompt, "answer": item.answer} for item in items])
+    tokenizer = AutoTokenizer.from_pretrained(base)
+    model = AutoModelForCausalLM.from_pretrained(base, dtype=torch.float32)
+    eos_ids = {tokenizer.eos_token_id, *([model.generation_config.eos_token_id] if isinstance(
+        model.generation_config.eos_token_id, int) else model.generation_config.eos_token_id or [])}
+
+    def task_reward(completions: list[str], completion_ids: list[list[int]], answer: list[str],
+                    **_: object) -> list[float]:
+        return [task.score(text, want, finished=bool(ids) and ids[-1] in eos_ids)
+                for text, ids, want in zip(completions, completion_ids, answer, strict=True)]
+
+    samples_per_step = run.groups_per_step * run.group_size
+    args = GRPOConfig(
+        output_dir=str(out / "trainer"), use_cpu=True, bf16=False, seed=run.seed, max_steps=steps,
+        per_device_train_batch_size=samples_per_step, gradient_accumulation_steps=1, num_generations=run.group_size,
+        learning_rate=learner.lr, weight_decay=learner.weight_decay, adam_epsilon=learner.adam_eps,
+        max_grad_norm=learner.grad_clip or 1e9, lr_scheduler_type="constant", warmup_steps=0,
+        temperature=worker.temperature, top_k=0, top_p=1.0, max_completion_length=worker.max_new_tokens,
+        beta=0.0, epsilon=learner.clip_eps, loss_type="dapo", num_iterations=1,
+        scale_rewards="group" if learner.scale_by_std else "none", logging_steps=1, save_strategy="no",
+        report_to="none", remove_unused_columns=False, dataloader_num_workers=0, disable_tqdm=True)
+    lora = LoraConfig(r=learner.lora_rank, lora_alpha=learner.lora_alpha, lora_dropout=learner.lora_dropout,
+                      target_modules=list(learner.target_modules), task_type="CAUSAL_LM")
+    record: dict[str, object] = {"steps": [], "adapters": {}}
+
+    class Timeline(TrainerCallback):
+        def on_step_begin(self, args, state, control, **kwargs):  # noqa: ANN001, ANN201
+            record.setdefault("first_step_unix", time.time())
+
+        def on_step_end(self, args, state, control, model=None, **kwargs):  # noqa: ANN001, ANN201
+            version = state.global_step
+            if version % adapter_every == 0:
+                path = out / "adapters" / f"v{version}"
+                model.save_pretrained(path)
+                record["adapters"][str(version)] = str(path)
+            record["steps"].append({"version": version, "time_unix": time.time(), "num_samples": samples_per_step})
+
+    trainer = GRPOTrainer(model=model, reward_funcs=task_reward, args=args, train_dataset=dataset,
+                          processing_class=tokenizer, peft_config=lora, callbacks=[Timeline()])
+    trainer.train()
+    first = record.pop("first_step_unix")
+    record.update(started_unix=first, startup_s=first - started_unix, torch_threads=torch.get_num_threads())
+    (out / "result.json").write_text(json.dumps(record))
+
+
+def trl_side(config_path: Path, base: Path, out: Path, args: argparse.Namespace) -> Side:
+    command = [sys.executable, "-m", "bench.vs_trl", "--trl-child", str(config_path), str(base), str(out),
+               "--max-steps", str(args.max_steps), "--adapter-every", str(args.adapter_every)]
+    done = subprocess.run(command, env=child_env(), cwd=REPO, capture_output=True, text=True,
+                          timeout=args.max_duration + 600)
+    if done.returncode != 0:
+        raise SystemExit(f"the TRL side failed:\n{done.stdout[-3000:]}\n{done.stderr[-5000:]}")
+    ref = json.loads((out / "result.json").read_text())
+    made_at, samples_at, total = {}, {}, 0
+    for s in ref["steps"]:
+        total += s["num_samples"]
+        made_at[s["version"]] = s["time_unix"]
+        samples_at[s["version"]] = total
+    return Side(name="TRL GRPOTrainer", startup_s=ref["startup_s"], train_start_unix=ref["started_unix"],
+                made_at=made_at, samples_at=samples_at,
+                adapters=sorted((int(v), Path(p)) for v, p in ref["adapters"].items()),
+                seconds_per_step=step_s([s["time_unix"] for s in ref["steps"]]))
+
+
+def one_seed(seed: int, tmp: Path, args: argparse.Namespace) -> tuple[Side, Side, dict[str, float]]:
+    base = ensure_demo_base(seed)
+    print(f"seed {seed}: demo base {base}; load average {os.getloadavg()[0]:.1f}", flush=True)
+    run_dir = tmp / f"loraflow-{seed}"
+    run_demo(run_dir, args, seed)
+    config: Config = load_config(run_dir / "config.toml")
+    ours = loraflow_side(run_dir, config)
+    peer = trl_side(run_dir / "config.toml", base, tmp / f"trl-{seed}", args)
+    evaluate = make_evaluate(config, args.num_prompts)
+    for side in (ours, peer):
+        side.reach(args.target, evaluate)
+        print(f"seed {seed} {describe(side)}", flush=True)
+    if ours.seconds_to_target is None or peer.seconds_to_target is None:
+        raise SystemExit("a side did not reach the target; raise --max-steps or lower --target")
+    timeline = loraflow_breakdown(run_dir, ours)
+    print(f"seed {seed} loraflow's step timeline: " + json.dumps(timeline), flush=True)
+    return ours, peer, timeline
+
+
+def main() -> None:
+    demo = load_config(DEMO_CONFIG)
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--seeds", default="0,1,2", help="comma-separated run.seed values (each its own base)")
+    parser.add_argument("--target", type=float, default=demo.eval.target_accuracy)
+    parser.add_argument("--max-steps", type=int, default=100, help="learner steps of each side")
+    parser.add_argument("--max-duration", type=float, default=240.0, help="per loraflow run, seconds")
+    parser.add_argument("--adapter-every", type=int, default=2, help="save a PEFT adapter every N versions/steps")
+    parser.add_argument("--num-prompts", type=int, default=demo.eval.num_prompts, help="held-out prompts")
+    parser.add_argument("--max-staleness", type=int, default=None, help="loraflow's (default: the demo's)")
+    parser.add_argument("--set", action="append", default=[], help="a config override for both sides")
+    parser.add_argument("--quick", action="store_true", help="seed 0, 4 steps, target 0: the pipeline, not a figure")
+    parser.add_argument("--trl-child", nargs=3, metavar=("CONFIG", "BASE", "OUT"), help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.trl_child:
+        trl_child(Path(args.trl_child[0]), Path(args.trl_child[1]), Path(args.trl_child[2]), args.max_steps,
+                  args.adapter_every)
+        return
+    try:
+        import trl  # noqa: F401
+    except ImportError:
+        raise SystemExit("bench/vs_trl.py needs TRL: pip install -e '.[peer]'") from None
+    if args.quick:
+        args.seeds, args.max_steps, args.target, args.adapter_every, args.num_prompts = "0", 4, 0.0, 2, 20
+    seeds = [int(s) for s in args.seeds.split(",")]
+    rows = []
+    with tempfile.TemporaryDirectory(prefix="bench-vs-trl-") as tmp:
+        for seed in seeds:
+            rows.append((seed, *one_seed(seed, Path(tmp), args)))
+    print("\n| seed | loraflow start-up | loraflow training to target | samples | TRL start-up | TRL training | "
+          "samples | ratio | samples ratio |\n|---|---|---|---|---|---|---|---|---|")
+    for seed, ours, peer, _ in rows:
+        print(f"| {seed} | {ours.startup_s:.1f} s | {ours.seconds_to_target:.1f} s (v{ours.version_at_target}) | "
+              f"{ours.samples_to_target} | {peer.startup_s:.1f} s | {peer.seconds_to_target:.1f} s "
+              f"(v{peer.version_at_target}) | {peer.samples_to_target} | "
+              f"{ours.seconds_to_target / max(peer.seconds_to_target, 1e-9):.2f} | "
+              f"{ours.samples_to_target / peer.samples_to_target:.2f} |")
+    median = statistics.median
+    timeline = {key: round(median(t.get(key, 0.0) for *_, t in rows), 4) for key in rows[0][3]}
+    report("vs_trl", f"training_s_to_{args.target:.2f}", median(o.seconds_to_target for _, o, _, _ in rows), "s",
+           median(p.seconds_to_target for _, _, p, _ in rows),
+           ratio=median(o.seconds_to_target / max(p.seconds_to_target, 1e-9) for _, o, p, _ in rows),
+           samples_ratio=round(median(o.samples_to_target / p.samples_to_target for _, o, p, _ in rows), 4),
+           startup_s_loraflow=round(median(o.startup_s for _, o, _, _ in rows), 2),
+           startup_s_trl=round(median(p.startup_s for _, _, p, _ in rows), 2),
+           seeds=seeds, loraflow_s=[round(o.seconds_to_target, 2) for _, o, _, _ in rows],
+           trl_s=[round(p.seconds_to_target, 2) for _, _, p, _ in rows],
+           loraflow_samples=[o.samples_to_target for _, o, _, _ in rows],
+           trl_samples=[p.samples_to_target for _, _, p, _ in rows],
+           loraflow_s_per_step=round(median(o.seconds_per_step for _, o, _, _ in rows), 4),
+           trl_s_per_step=round(median(p.seconds_per_step for _, _, p, _ in rows), 4),
+           load_average=round(os.getloadavg()[0], 2), loraflow_timeline=timeline)
+
+
+if __name__ == "__main__":
+    main()
