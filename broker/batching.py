@@ -15,7 +15,7 @@ Policy integrity (:mod:`loraflow.broker.quarantine`): a BatchAck's ``mismatches`
 passed ones, each counted against the worker process that submitted the group (the buffer's record, never the
 group's own ``worker_id``); a failed group is re-queued like any unlisted one (``dropped{policy_mismatch}``).
 A process that is quarantined loses its leases and buffered groups at once (prompts re-queued); what else the
-status means is :mod:`loraflow.broker.leasing`'s (no leases; one at a time on probation) and :mod:`loraflow.broker.intake`'s (its
+status means is :mod:`loraflow.broker.leasing`'s (no leases; one at a time on probation) and :mod:`loraflow.broker.groups`'s (its
 groups refused).
 """
 
@@ -24,16 +24,14 @@ from __future__ import annotations
 from collections.abc import Callable
 
 from loraflow.broker.buffer import StoredGroup
-from loraflow.broker.history import TrainingHistory
-from loraflow.broker.intake import holds_withdrawn
+from loraflow.broker.groups import holds_withdrawn
+from loraflow.broker.history import RunProgress, TrainingHistory
 from loraflow.broker.ledger import GroupLedger, Reason
-from loraflow.broker.outbox import Outbox
+from loraflow.broker.outbox import Outbox, Waiter, WaiterQueue
 from loraflow.broker.peers import PeerRegistry
-from loraflow.broker.progress import RunProgress
 from loraflow.broker.prompts import parse_group_id
 from loraflow.broker.quarantine import Quarantine, Transition, WorkerKey
 from loraflow.broker.stats import BrokerStats
-from loraflow.broker.waiters import Waiter, WaiterQueue
 from loraflow.common import protocol, versions
 from loraflow.common.framing import TensorSpec
 from loraflow.common.logging import get_logger
@@ -62,7 +60,7 @@ class BatchDesk:
     def request(self, identity: bytes, request: protocol.BatchRequest, now_s: float) -> None:
         self.progress.learner["learner_version"] = request.learner_version
         self.drop_stale()
-        self.waiters.remove(identity)  # a newer request replaces a parked one (loraflow.broker.waiters)
+        self.waiters.remove(identity)  # a newer request replaces a parked one (loraflow.broker.outbox.WaiterQueue)
         if not self.try_serve(identity, request, final=request.wait_ms == 0):
             self.waiters.park(Waiter(identity=identity, request=request, deadline_s=now_s + request.wait_ms / 1000))
 

@@ -4,16 +4,19 @@
 (``handle(identity, frames, now_s)``), calls ``tick`` for timers and ``flush`` for what to send. The state is
 held by its parts, each the one owner of its piece::
 
-    ledger    every prompt's and group's state, its lease and its frames      loraflow.broker.ledger
+    ledger    every prompt's and group's state, its lease and its frames     loraflow.broker.ledger
     outbox    every reply until zmq takes it (now, after durable, batched)   loraflow.broker.outbox
     leasing   admission, grants, parked LeaseRequests                        loraflow.broker.leasing
     groups    verdicts on RolloutGroups and what they do                     loraflow.broker.groups
     batching  Batches, BatchAcks, parked BatchRequests, quarantine hooks     loraflow.broker.batching
-    progress  latest version and trained counts                             loraflow.broker.progress
-    peers / adapters / history / quarantine / stats                         their modules
+    relay     kept adapters, AdapterUpdates, fetches; notices (paced)        loraflow.broker.adapters
+    progress  latest version and trained counts; history: what a restarted
+              learner is reconciled with                                     loraflow.broker.history
+    peers     the client registry, liveness, the heartbeat fast path         loraflow.broker.peers
+    quarantine / stats and loop times / the state file                       their modules
 
 Handlers validate first, then apply (:mod:`loraflow.broker.dispatch`: the order of the checks and why an exception
-once a handler sets ``_applying`` ends the process); a RolloutGroup's checks are :func:`loraflow.broker.intake.judge`.
+once a handler sets ``_applying`` ends the process); a RolloutGroup's checks are :func:`loraflow.broker.groups.judge`.
 
 Semantics (the contract between roles, see the team plan), each told where it is kept:
 
@@ -24,7 +27,7 @@ Semantics (the contract between roles, see the team plan), each told where it is
   prompts re-queued at once (:mod:`loraflow.broker.groups`). BatchAck: the listed groups trained, the rest re-queued;
   its Ack only after the state write (:mod:`loraflow.broker.batching`, :mod:`loraflow.broker.outbox`).
 - AdapterUpdate: the version advances (or restores) the latest; Ack after the state write, then notices to
-  every worker (:mod:`loraflow.broker.relay`).
+  every worker (:mod:`loraflow.broker.adapters`).
 - Hello: the run token for a learner (security off), one learner at a time, a restarted learner's rollback
   before its Welcome (:mod:`loraflow.broker.registration`).
 """
@@ -37,8 +40,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from loraflow.broker import intake
-from loraflow.broker.adapters import AdapterCache
+from loraflow.broker.adapters import AdapterCache, AdapterRelay, NoticePacer
 from loraflow.broker.batching import BatchDesk
 from loraflow.broker.dispatch import (
     KIND_NAMES,
@@ -49,21 +51,17 @@ from loraflow.broker.dispatch import (
     peek_kind,
     refusal,
 )
-from loraflow.broker.groups import GroupDesk
-from loraflow.broker.heartbeats import HeartbeatPath
+from loraflow.broker.groups import UNKNOWN, GroupDesk
 from loraflow.broker.leasing import LeaseDesk
-from loraflow.broker.loop_times import LoopTimes
-from loraflow.broker.notices import NoticePacer
 from loraflow.broker.outbox import Outbox, Outgoing
-from loraflow.broker.peers import Peer, PeerRegistry, display_name
+from loraflow.broker.peers import HeartbeatPath, Peer, PeerRegistry, display_name
 from loraflow.broker.prompts import group_id_of
 from loraflow.broker.quarantine import Quarantine
 from loraflow.broker.registration import Registrar
-from loraflow.broker.relay import AdapterRelay
 from loraflow.broker.restore import StateKeeper, restore, state_of
 from loraflow.broker.snapshot import StatsReply, set_gauges
 from loraflow.broker.state import StateWriter
-from loraflow.broker.stats import BrokerStats
+from loraflow.broker.stats import BrokerStats, LoopTimes
 from loraflow.common import framing, protocol
 from loraflow.common.config import Config
 from loraflow.common.logging import get_logger
@@ -129,7 +127,7 @@ class BrokerCore:
             kind: getattr(self, f"_on_{KIND_NAMES[kind]}") for kind in SENDERS if kind != Kind.HELLO}
         self._applying = False  # inside a handler's apply half (loraflow.broker.dispatch)
         self._beats = HeartbeatPath(broker.max_message_bytes)  # the common heartbeat's fast path
-        self.notices = NoticePacer()  # AdapterNotices not yet handed out (loraflow.broker.notices)
+        self.notices = NoticePacer()  # AdapterNotices not yet handed out (loraflow.broker.adapters)
         self._reconsider = False  # a peer or version changed: a parked long-poll may be answerable (ledger: its own)
         self._changes_seen = 0
         self._num_changes = 0  # messages (other than StatsRequest) and ticks handled: what a Stats reply is of
@@ -190,7 +188,7 @@ class BrokerCore:
         self.handled_kind = ""  # set where the message is counted in messages_in (internal_error reads it)
         peer = self.peers.get(identity)
         if peer is not None and (beat := self._beats.decode(frames, peer, authenticated_role)) is not None:
-            self._num_changes += 1  # the common heartbeat, accepted as the path below would (loraflow.broker.heartbeats)
+            self._num_changes += 1  # the common heartbeat, accepted as the path below would (HeartbeatPath)
             self.handled_kind = "heartbeat"
             self.stats.bytes_in += len(frames[0]) + len(frames[1])
             self.stats.count("messages_in", "heartbeat")
@@ -304,7 +302,7 @@ class BrokerCore:
     def _on_rollout_group(self, identity: bytes, peer: Peer, group: protocol.RolloutGroup,
                           envelope: framing.Envelope, _frames: Any, now_s: float) -> None:
         verdict = self.groups.judge(identity, peer, group, envelope)
-        if verdict.outcome == intake.UNKNOWN:
+        if verdict.outcome == UNKNOWN:
             self.groups.reject(identity, peer, verdict, group.group_id)
             return
         self._applying = True  # validated: the apply half (loraflow.broker.dispatch)

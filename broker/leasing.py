@@ -2,7 +2,7 @@
 
     LeaseRequest -> quarantined? -> admission.decide -> GroupLedger.grant x n -> LeaseGrant (or park / wait)
 
-A request that cannot be granted anything now is parked (:class:`loraflow.broker.waiters.WaiterQueue`, one per worker)
+A request that cannot be granted anything now is parked (:class:`loraflow.broker.outbox.WaiterQueue`, one per worker)
 and answered when the state changes (the core calls :meth:`LeaseDesk.serve_waiters` after every ledger
 transition or change of version) or, empty with the reason, at its deadline. Some reasons are answered at
 once, never parked: ``stale_adapter`` (fetch the newest adapter first) and ``draining``. A process that is
@@ -13,15 +13,12 @@ probation holds one lease at a time. A LeaseGrant zmq refuses to send ends its l
 from __future__ import annotations
 
 from loraflow.broker import admission
-from loraflow.broker.history import TrainingHistory
-from loraflow.broker.leases import Lease
+from loraflow.broker.history import RunProgress, TrainingHistory
 from loraflow.broker.ledger import GroupLedger, Reason
-from loraflow.broker.outbox import Outbox
+from loraflow.broker.outbox import Outbox, Waiter, WaiterQueue
 from loraflow.broker.peers import Peer, PeerRegistry
-from loraflow.broker.progress import RunProgress
-from loraflow.broker.prompts import group_id_of
+from loraflow.broker.prompts import Lease, group_id_of
 from loraflow.broker.quarantine import Quarantine, Status
-from loraflow.broker.waiters import Waiter, WaiterQueue
 from loraflow.common import protocol, versions
 from loraflow.common.config import Config
 
@@ -77,7 +74,7 @@ class LeaseDesk:
     def request(self, identity: bytes, peer: Peer, request: protocol.LeaseRequest, now_s: float) -> None:
         """A LeaseRequest: granted now, or parked until something can be granted or its deadline."""
         peer.adapter_version = request.adapter_version
-        self.waiters.remove(identity)  # a newer request replaces a parked one (loraflow.broker.waiters)
+        self.waiters.remove(identity)  # a newer request replaces a parked one (loraflow.broker.outbox.WaiterQueue)
         if not self.try_grant(identity, peer, request, now_s, final=request.wait_ms == 0):
             self.waiters.park(Waiter(identity=identity, request=request, deadline_s=now_s + request.wait_ms / 1000))
 

@@ -14,7 +14,7 @@ Each prompt key ``(epoch, index)`` is in exactly one state, and every change of 
 
 What a state holds lives in one store each, and only the ledger writes to them: the state table, the cursor
 and the re-queue order (:class:`loraflow.broker.prompts.PromptSource`), the lease of a leased prompt
-(:class:`loraflow.broker.leases.LeaseTable`) and the frames of a buffered or training group
+(:class:`loraflow.broker.prompts.LeaseTable`) and the frames of a buffered or training group
 (:class:`loraflow.broker.buffer.RolloutBuffer`, which enforces the capacity and byte bounds). Everything else the
 broker reports or persists is read from here: lease counts, buffer contents and bytes, the prompt counts of a
 Stats reply, and the persisted ``cursor`` / ``reserved_until`` / ``pending`` (:meth:`GroupLedger.restored`
@@ -33,8 +33,7 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
 from loraflow.broker.buffer import RolloutBuffer, StoredGroup
-from loraflow.broker.leases import Lease, LeaseTable
-from loraflow.broker.prompts import PromptKey, PromptSource, group_id_of
+from loraflow.broker.prompts import Lease, LeaseTable, PromptKey, PromptSource, group_id_of
 from loraflow.common.versions import StalenessRule
 
 
@@ -121,7 +120,7 @@ class GroupLedger:
         self.leases = leases  # the lease of each leased prompt
         self._count = count
         self.num_changes = 0  # transitions so far: a change means parked long-polls may be answerable
-        # which token of a group decides that it is too stale, on arrival (loraflow.broker.intake) and in the buffer
+        # which token of a group decides that it is too stale, on arrival (loraflow.broker.groups) and in the buffer
         self.staleness_rule = StalenessRule.NEWEST_TOKEN
 
     @classmethod

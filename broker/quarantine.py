@@ -18,7 +18,7 @@ a group or a mismatch claims. Each process keeps the last :data:`MAX_EVIDENCE` f
 :class:`loraflow.common.protocol.PolicyMismatch` records) so that ``loraflow status`` can say why.
 
 What the statuses mean for the broker is :mod:`loraflow.broker.batching`'s (its hooks, on each BatchAck),
-:mod:`loraflow.broker.leasing`'s and :mod:`loraflow.broker.intake`'s part: a quarantined process gets no leases
+:mod:`loraflow.broker.leasing`'s and :mod:`loraflow.broker.groups`'s part: a quarantined process gets no leases
 (``LeaseGrant.reason = "quarantined"``), its leases and buffered groups are taken back (prompts re-queued), and
 its groups are refused (Error ``quarantined``); a process on probation holds one lease at a time.
 

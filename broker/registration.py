@@ -19,15 +19,14 @@ from __future__ import annotations
 
 import hmac
 
+from loraflow.broker.adapters import AdapterRelay
 from loraflow.broker.batching import BatchDesk
-from loraflow.broker.history import TrainingHistory
+from loraflow.broker.history import RunProgress, TrainingHistory
 from loraflow.broker.leasing import LeaseDesk
 from loraflow.broker.ledger import GroupLedger, Reason
 from loraflow.broker.outbox import Outbox
 from loraflow.broker.peers import ClientIdTaken, Peer, PeerRegistry, RegistryFull
-from loraflow.broker.progress import RunProgress
 from loraflow.broker.quarantine import Quarantine
-from loraflow.broker.relay import AdapterRelay
 from loraflow.broker.stats import BrokerStats
 from loraflow.common import protocol
 from loraflow.common.config import Config

@@ -2,7 +2,7 @@
 
 :func:`restore` reads ``state.json`` (:mod:`loraflow.broker.state`) and ``adapter.bin`` and returns the parts the core
 runs on: the group ledger (every pending key and the reserved block re-queued, the cursor after the block:
-:meth:`loraflow.broker.ledger.GroupLedger.restored`), where the run stands (:class:`loraflow.broker.progress.RunProgress`), the
+:meth:`loraflow.broker.ledger.GroupLedger.restored`), where the run stands (:class:`loraflow.broker.history.RunProgress`), the
 training history and the lease secret (so that leases granted before the restart still verify), and it puts
 the flagged worker processes back into the quarantine (a quarantined process stays out across the restart).
 :func:`state_of` is the inverse: the state to write, read off the same parts, and :class:`StateKeeper` writes it.
@@ -24,11 +24,9 @@ from typing import Any
 
 from loraflow.broker.adapters import AdapterCache
 from loraflow.broker.buffer import RolloutBuffer
-from loraflow.broker.history import TrainingHistory
-from loraflow.broker.leases import LeaseTable
+from loraflow.broker.history import RunProgress, TrainingHistory
 from loraflow.broker.ledger import GroupLedger
-from loraflow.broker.progress import RunProgress
-from loraflow.broker.prompts import PromptSource
+from loraflow.broker.prompts import LeaseTable, PromptSource
 from loraflow.broker.quarantine import MAX_EVIDENCE, Evidence, Quarantine, Record, Status
 from loraflow.broker.state import (
     BrokerState,

@@ -44,10 +44,10 @@ Up to ``MAX_DRAIN`` messages, for at most ``MAX_DRAIN_S``, are received per wake
 run, which amortises the poll and the state-file write over a burst without letting a burst (thousands of
 heartbeats after a stall) hold up the reply to a LeaseRequest queued behind it; tensor frames are received with
 ``copy=False`` and forwarded as the same ``zmq.Frame`` objects. The common heartbeat takes a fast path
-(:mod:`loraflow.broker.heartbeats`), and a publish's AdapterNotices to every worker are handed out in paced batches
-(:data:`loraflow.broker.notices.NOTICE_BATCH` every :data:`loraflow.broker.notices.NOTICE_SPACING_S`), so neither a large idle fleet
-nor a fan-out stalls the loop or the replies queued behind it in zmq's I/O thread. Each pass's
-time and its slowest step are kept by :class:`loraflow.broker.loop_times.LoopTimes` (Stats ``loop``).
+(:class:`loraflow.broker.peers.HeartbeatPath`), and a publish's AdapterNotices to every worker are handed out in
+paced batches (:data:`loraflow.broker.adapters.NOTICE_BATCH` every :data:`loraflow.broker.adapters.NOTICE_SPACING_S`),
+so neither a large idle fleet nor a fan-out stalls the loop or the replies queued behind it in zmq's I/O thread.
+Each pass's time and its slowest step are kept by :class:`loraflow.broker.stats.LoopTimes` (Stats ``loop``).
 """
 
 from __future__ import annotations

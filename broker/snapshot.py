@@ -1,4 +1,4 @@
-"""The live picture a Stats reply carries, assembled from the broker core's parts.
+"""The live picture a Stats reply carries, read off the broker core's parts (:class:`BrokerParts`).
 
 ``loraflow status`` (deploy/status.py) renders it; tests assert on it. Top-level keys:
 
@@ -29,23 +29,48 @@
 Every dict key is a string (msgpack maps decode with string keys only). The reply is bounded whatever the
 fleet sends: at most MAX_WORKERS_LISTED worker rows and MAX_LEASES_LISTED leases, and each row's counters are
 at most 64 numbers (``Heartbeat.counters``, checked at decode), so a Stats reply stays under ~2 MB for anyone
-who asks (a StatsRequest needs no Hello).
+who asks (a StatsRequest needs no Hello). :class:`StatsReply` owns the encoded reply of the latest state.
 """
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
-from loraflow.broker.quarantine import Status
+from loraflow.broker.adapters import AdapterRelay
+from loraflow.broker.batching import BatchDesk
+from loraflow.broker.history import RunProgress, TrainingHistory
+from loraflow.broker.leasing import LeaseDesk
+from loraflow.broker.ledger import GroupLedger
+from loraflow.broker.peers import Peer, PeerRegistry
+from loraflow.broker.quarantine import Quarantine, Status
+from loraflow.broker.stats import BrokerStats, LoopTimes
 from loraflow.common import protocol
-
-if TYPE_CHECKING:
-    from loraflow.broker.core import BrokerCore
-    from loraflow.broker.peers import Peer
+from loraflow.common.config import Config
 
 MAX_LEASES_LISTED = 200
 MAX_WORKERS_LISTED = 256
 MAX_FLAGGED_LISTED = 64  # quarantined (and probation) worker processes listed, each with up to 4 evidence records
+
+
+class BrokerParts(Protocol):
+    """The parts a snapshot is read off (:class:`loraflow.broker.core.BrokerCore` has each of them)."""
+
+    config: Config
+    broker_id: str
+    vocab_size: int
+    capacity_groups: int
+    started_s: float  # the core's start on its monotonic clock ...
+    started_unix: float  # ... and on the wall clock
+    ledger: GroupLedger
+    peers: PeerRegistry
+    progress: RunProgress
+    history: TrainingHistory
+    quarantine: Quarantine
+    leasing: LeaseDesk
+    batching: BatchDesk
+    relay: AdapterRelay
+    loop_times: LoopTimes
+    stats: BrokerStats
 
 
 def _busy_share_from_counters(counters: dict[str, Any]) -> float | None:
@@ -56,13 +81,13 @@ def _busy_share_from_counters(counters: dict[str, Any]) -> float | None:
     return round(busy / (busy + idle), 4)
 
 
-def _peer_row(core: BrokerCore, peer: Peer, now_s: float) -> dict[str, Any]:
+def _peer_row(parts: BrokerParts, peer: Peer, now_s: float) -> dict[str, Any]:
     share = peer.busy_share(now_s)
-    integrity = {"integrity": str(core.quarantine.status((peer.client_id, peer.session)))} if peer.role == "worker" \
+    integrity = {"integrity": str(parts.quarantine.status((peer.client_id, peer.session)))} if peer.role == "worker" \
         else {}
     return {
         "id": peer.client_id, "identity": peer.name, "role": peer.role, "state": peer.state,
-        "adapter_version": peer.adapter_version, "leases": core.ledger.leases.count(peer.identity),
+        "adapter_version": peer.adapter_version, "leases": parts.ledger.leases.count(peer.identity),
         "capacity": peer.capacity, "backend": peer.backend, "host": peer.host, "pid": peer.pid,
         "session": peer.session, "last_seen_s": round(now_s - peer.last_seen_s, 3),
         "uptime_s": round(now_s - peer.registered_s, 1), "groups_accepted": peer.num_groups_accepted,
@@ -72,69 +97,69 @@ def _peer_row(core: BrokerCore, peer: Peer, now_s: float) -> dict[str, Any]:
     }
 
 
-def _integrity(core: BrokerCore, now_s: float) -> dict[str, Any]:
-    integrity = core.config.integrity
-    now_unix = core.started_unix + (now_s - core.started_s)
+def _integrity(parts: BrokerParts, now_s: float) -> dict[str, Any]:
+    integrity = parts.config.integrity
+    now_unix = parts.started_unix + (now_s - parts.started_s)
     return {"quarantine_after": integrity.quarantine_after, "quarantine_window": integrity.quarantine_window,
-            "policy_mismatches": core.stats.family("policy_mismatches"),
-            "events": core.stats.family("quarantines"),
-            **core.quarantine.snapshot(now_s, now_unix, limit=MAX_FLAGGED_LISTED)}
+            "policy_mismatches": parts.stats.family("policy_mismatches"),
+            "events": parts.stats.family("quarantines"),
+            **parts.quarantine.snapshot(now_s, now_unix, limit=MAX_FLAGGED_LISTED)}
 
 
-def build_snapshot(core: BrokerCore, now_s: float) -> dict[str, Any]:
-    ledger = core.ledger
+def build_snapshot(parts: BrokerParts, now_s: float) -> dict[str, Any]:
+    ledger = parts.ledger
     buffer = ledger.buffer
     buffered = buffer.buffered()
-    all_workers = core.peers.of_role("worker")
-    workers = [_peer_row(core, p, now_s) for p in all_workers[:MAX_WORKERS_LISTED]]
-    learners = core.peers.of_role("learner")
+    all_workers = parts.peers.of_role("worker")
+    workers = [_peer_row(parts, p, now_s) for p in all_workers[:MAX_WORKERS_LISTED]]
+    learners = parts.peers.of_role("learner")
     learner = None
     learner_share = None
     if learners:
-        learner = {**_peer_row(core, learners[0], now_s), **core.progress.learner,
+        learner = {**_peer_row(parts, learners[0], now_s), **parts.progress.learner,
                    "batches_in_flight": len(buffer.batch_ids())}
         learner_share = _busy_share_from_counters(learners[0].counters)
         if learner_share is None:
             learner_share = learner["busy_share"]
-    credit = core.leasing.credit()
-    broker = core.config.broker
+    credit = parts.leasing.credit()
+    broker = parts.config.broker
     return {
-        "broker_id": core.broker_id,
-        "uptime_s": round(now_s - core.started_s, 3),
-        "latest_version": core.latest_version,
-        "vocab_size": core.vocab_size,
+        "broker_id": parts.broker_id,
+        "uptime_s": round(now_s - parts.started_s, 3),
+        "latest_version": parts.progress.latest_version,
+        "vocab_size": parts.vocab_size,
         "settings": {
-            "task": core.config.run.task, "group_size": core.config.run.group_size,
-            "groups_per_step": core.config.run.groups_per_step, "max_staleness": core.config.run.max_staleness,
-            "capacity_groups": core.capacity_groups, "max_buffer_bytes": broker.max_buffer_bytes,
+            "task": parts.config.run.task, "group_size": parts.config.run.group_size,
+            "groups_per_step": parts.config.run.groups_per_step, "max_staleness": parts.config.run.max_staleness,
+            "capacity_groups": parts.capacity_groups, "max_buffer_bytes": broker.max_buffer_bytes,
             "lease_timeout_s": broker.lease_timeout_s, "heartbeat_interval_s": broker.heartbeat_interval_s,
             "heartbeat_misses": broker.heartbeat_misses, "max_heartbeats_per_second": broker.max_heartbeats_per_second,
-            "heartbeat_interval_asked_s": core.peers.interval_s, "heartbeat_timeout_s": core.peers.timeout_s,
+            "heartbeat_interval_asked_s": parts.peers.interval_s, "heartbeat_timeout_s": parts.peers.timeout_s,
         },
-        "prompts": {**ledger.snapshot(), "trained_total": core.progress.num_trained_total,
+        "prompts": {**ledger.snapshot(), "trained_total": parts.progress.num_trained_total,
                     "exhausted": ledger.source.exhausted()},
         "buffer": {
             "groups": buffer.num_buffered, "bytes": buffer.buffered_bytes,
             "training_groups": buffer.num_training, "training_bytes": buffer.training_bytes,
             "max_groups": buffer.max_groups, "max_bytes": buffer.max_bytes,
             "memory_bytes": buffer.memory_bytes,
-            "staleness": {str(k): v for k, v in buffer.staleness_histogram(core.latest_version).items()},
+            "staleness": {str(k): v for k, v in buffer.staleness_histogram(parts.progress.latest_version).items()},
             "oldest_age_s": round(now_s - buffered[0].received_s, 3) if buffered else 0.0,
-            "mean_group_bytes": round(core.progress.mean_group_bytes, 1),
+            "mean_group_bytes": round(parts.progress.mean_group_bytes, 1),
         },
         "credit": credit,
         "leases": {"outstanding": ledger.num_leased,
                    "list": ledger.leases.snapshot(now_s)[:MAX_LEASES_LISTED]},
-        "waiting": {"lease_requests": len(core.leasing.waiters), "batch_requests": len(core.batching.waiters)},
+        "waiting": {"lease_requests": len(parts.leasing.waiters), "batch_requests": len(parts.batching.waiters)},
         "workers": workers,
         "num_workers": len(all_workers),
         "learner": learner,
         "learner_busy_share": learner_share,
-        "adapters": core.relay.adapters.snapshot(),
-        "history": core.history.snapshot(),
-        "integrity": _integrity(core, now_s),
-        "loop": core.loop_times.snapshot(),
-        **core.stats.snapshot(now_s),
+        "adapters": parts.relay.adapters.snapshot(),
+        "history": parts.history.snapshot(),
+        "integrity": _integrity(parts, now_s),
+        "loop": parts.loop_times.snapshot(),
+        **parts.stats.snapshot(now_s),
     }
 
 
@@ -145,22 +170,22 @@ class StatsReply:
     def __init__(self) -> None:
         self._cached: tuple[int, list[Any]] | None = None  # (the core's change count, frames)
 
-    def frames(self, core: BrokerCore, num_changes: int, now_s: float) -> list[Any]:
+    def frames(self, parts: BrokerParts, num_changes: int, now_s: float) -> list[Any]:
         if self._cached is None or self._cached[0] != num_changes:
-            self._cached = (num_changes, protocol.encode(protocol.Stats(snapshot=build_snapshot(core, now_s))))
+            self._cached = (num_changes, protocol.encode(protocol.Stats(snapshot=build_snapshot(parts, now_s))))
         return self._cached[1]
 
 
-def set_gauges(core: BrokerCore) -> None:
+def set_gauges(parts: BrokerParts) -> None:
     """The Prometheus gauges (``loraflow_broker_<name>``), set once per stats tick."""
-    ledger = core.ledger
+    ledger = parts.ledger
     buffer = ledger.buffer
-    for name, value in (("latest_version", core.latest_version), ("buffer_groups", buffer.num_buffered),
+    for name, value in (("latest_version", parts.progress.latest_version), ("buffer_groups", buffer.num_buffered),
                         ("buffer_bytes", buffer.buffered_bytes), ("training_groups", buffer.num_training),
                         ("training_bytes", buffer.training_bytes), ("leases_outstanding", ledger.num_leased),
-                        ("workers", core.peers.num_workers()), ("prompts_queued", ledger.num_queued),
-                        ("heartbeat_interval_s", core.peers.interval_s),
-                        ("lease_waiters", len(core.leasing.waiters)), ("batch_waiters", len(core.batching.waiters)),
-                        ("quarantined_workers", core.quarantine.count(Status.QUARANTINED)),
-                        ("probation_workers", core.quarantine.count(Status.PROBATION))):
-        core.stats.metrics.set(name, value)
+                        ("workers", parts.peers.num_workers()), ("prompts_queued", ledger.num_queued),
+                        ("heartbeat_interval_s", parts.peers.interval_s),
+                        ("lease_waiters", len(parts.leasing.waiters)), ("batch_waiters", len(parts.batching.waiters)),
+                        ("quarantined_workers", parts.quarantine.count(Status.QUARANTINED)),
+                        ("probation_workers", parts.quarantine.count(Status.PROBATION))):
+        parts.stats.metrics.set(name, value)

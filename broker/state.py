@@ -121,7 +121,7 @@ class BrokerState:
                                         doc="[epoch, index, trained_version] trained after the learner's checkpoint")
     withdrawn: list[list[int]] = rule(default_factory=list, doc="[lo, hi] version ranges rolled back")
     lease_secret: str = rule("", max_len=64, doc="hex key of the MACs that bind lease ids to their holder "
-                             "(loraflow.broker.leases); kept so that groups re-sent after a restart still verify")
+                             "(loraflow.broker.prompts.LeaseTable); kept so that groups re-sent after a restart still verify")
     quarantine: QuarantineState = rule(default_factory=QuarantineState, doc="flagged worker processes")
 
     @property

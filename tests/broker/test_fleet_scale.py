@@ -16,8 +16,8 @@ import pytest
 import zmq
 
 from loraflow.broker import server as server_module
+from loraflow.broker.adapters import NOTICE_BATCH, NOTICE_SPACING_S
 from loraflow.broker.core import BrokerCore
-from loraflow.broker.notices import NOTICE_BATCH, NOTICE_SPACING_S
 from loraflow.broker.peers import PeerRegistry
 from loraflow.broker.server import BrokerServer
 from loraflow.common import framing, protocol, sockets

@@ -6,7 +6,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from loraflow.broker.leases import LeaseTable
+from loraflow.broker.prompts import LeaseTable
 
 A, B = b"worker/a", b"worker/b"
 

@@ -11,9 +11,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from loraflow.broker.buffer import RolloutBuffer, StoredGroup
-from loraflow.broker.leases import LeaseTable
 from loraflow.broker.ledger import LEASE_ENDINGS, RULES, GroupLedger, Reason, State
-from loraflow.broker.prompts import PromptSource, group_id_of
+from loraflow.broker.prompts import LeaseTable, PromptSource, group_id_of
 from tests.broker.test_prompts import ListTask
 
 W1, W2 = b"worker/w1", b"worker/w2"

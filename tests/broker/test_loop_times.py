@@ -1,4 +1,4 @@
-"""The broker loop's pass times (loraflow.broker.loop_times): buckets, windows, the slowest step, and a real broker's Stats."""
+"""The broker loop's pass times (loraflow.broker.stats.LoopTimes): buckets, windows, the slowest step, and a real broker's Stats."""
 
 from __future__ import annotations
 
@@ -7,8 +7,7 @@ import time
 
 import zmq
 
-from loraflow.broker.loop_times import BUCKET_LABELS, LoopTimes, pass_quantile
-from loraflow.broker.stats import BrokerStats
+from loraflow.broker.stats import BUCKET_LABELS, BrokerStats, LoopTimes, pass_quantile
 from loraflow.common import protocol
 from loraflow.common.protocol import Hello, LeaseRequest
 from loraflow.deploy import status

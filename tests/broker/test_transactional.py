@@ -12,6 +12,7 @@ import pytest
 import zmq
 
 from loraflow.broker import core as core_module
+from loraflow.broker import groups as groups_module
 from loraflow.broker.core import BrokerCore
 from loraflow.broker.dispatch import HalfApplied
 from loraflow.broker.server import BrokerServer
@@ -32,7 +33,7 @@ def test_a_bug_in_validation_changes_nothing_and_one_in_apply_is_half_applied(mo
     h = Harness()
     h.hello(W1)
     lease, other = h.lease(W1, 2)
-    monkeypatch.setattr(core_module.intake, "judge", _boom)
+    monkeypatch.setattr(groups_module, "judge", _boom)
     record, tensors = make_group(lease, "w1")
     changes = h.core.ledger.num_changes
     with pytest.raises(RuntimeError, match="injected") as caught:
@@ -81,7 +82,7 @@ def test_the_loop_answers_internal_for_a_validation_bug_and_ends_on_an_apply_bug
         assert isinstance(grant, LeaseGrant) and len(grant.leases) == 1
         record, tensors = make_group(grant.leases[0], "w1")
 
-        monkeypatch.setattr(core_module.intake, "judge", _boom)
+        monkeypatch.setattr(groups_module, "judge", _boom)
         sock.send_multipart(protocol.encode(record, tensors))
         error = _reply(sock, Kind.ERROR)
         assert isinstance(error, Error) and error.code == "internal"

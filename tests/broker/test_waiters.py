@@ -7,7 +7,7 @@ import time
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from loraflow.broker.waiters import Waiter, WaiterQueue
+from loraflow.broker.outbox import Waiter, WaiterQueue
 
 
 def waiter(identity: bytes, deadline_s: float, request: object = None) -> Waiter:
