@@ -66,7 +66,7 @@ from loraflow.common import framing, protocol
 from loraflow.common.config import Config
 from loraflow.common.logging import get_logger
 from loraflow.common.protocol import Kind, ProtocolError
-from loraflow.common.tasks import Task
+from loraflow.common.task_base import Task
 
 log = get_logger("broker")
 

@@ -27,7 +27,7 @@ from loraflow.common.config import Config, ConfigError, write_resolved
 from loraflow.common.logging import get_logger, setup_logging
 from loraflow.common.metrics import serve_prometheus
 from loraflow.common.startup import check_port_free, check_run_dir, check_task, check_writable, resolve_model
-from loraflow.common.tasks import Task
+from loraflow.common.task_base import Task
 from loraflow.common.tiny_model import default_cache_dir, model_vocab_size
 
 log = get_logger("broker")

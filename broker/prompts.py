@@ -54,7 +54,7 @@ from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 
 from loraflow.broker.peers import display_name
-from loraflow.common.tasks import Task, TaskItem
+from loraflow.common.task_base import Task, TaskItem
 
 PromptKey = tuple[int, int]
 

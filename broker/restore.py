@@ -43,7 +43,7 @@ from loraflow.broker.stats import BrokerStats
 from loraflow.common import protocol
 from loraflow.common.config import Config
 from loraflow.common.logging import get_logger
-from loraflow.common.tasks import Task
+from loraflow.common.task_base import Task
 
 log = get_logger("broker")
 

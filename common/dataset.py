@@ -46,7 +46,7 @@ from typing import Any
 
 from loraflow.common.answers import is_correct
 from loraflow.common.config import ConfigError, DataConfig
-from loraflow.common.tasks import Prompt, Task, TaskItem
+from loraflow.common.task_base import Prompt, Task, TaskItem
 
 #: file suffix -> the ``datasets`` builder that reads it
 FILE_FORMATS = {".jsonl": "json", ".json": "json", ".parquet": "parquet", ".pq": "parquet", ".csv": "csv"}

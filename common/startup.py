@@ -26,7 +26,8 @@ import socket
 from pathlib import Path
 
 from loraflow.common.config import Config, ConfigError
-from loraflow.common.tasks import Task, load_task
+from loraflow.common.task_base import Task
+from loraflow.common.tasks import load_task
 from loraflow.common.tiny_model import find_demo_base
 
 BUILTIN_MODELS = ("builtin:tiny", "builtin:demo", "builtin:agent-demo")

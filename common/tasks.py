@@ -1,9 +1,7 @@
-"""Built-in tasks: deterministic prompt sets and their exact-answer checks.
+"""Built-in tasks (deterministic prompt sets with exact-answer checks) and :func:`load_task`, which names a task.
 
-A task turns an index into a prompt (with its reference answer) and scores a completion. The broker uses
-:meth:`Task.item` to lease prompts (the index is the dataset cursor, so a re-queued prompt is regenerated
-identically), workers' environments use :meth:`Task.score`, and the launcher uses the ``eval`` split for
-held-out accuracy. Train and eval problems are disjoint (a hash of the problem picks its split).
+Each task implements :class:`loraflow.common.task_base.Task`. Train and eval problems are disjoint (a hash of
+the problem picks its split).
 
 - ``arith``: two-digit addition, prompt ``"a+b="``, answer ``str(a+b)``; reward 1 for exactly the answer
   followed by end-of-sequence, else 0 (the recipe in FACTS.md).
@@ -12,56 +10,17 @@ held-out accuracy. Train and eval problems are disjoint (a hash of the problem p
 - datasets (:mod:`loraflow.common.dataset`): JSONL, JSON, Parquet and CSV files, ``save_to_disk`` directories and
   directories of data files, read with Hugging Face ``datasets``; held-out completions scored by the
   answer they state (:mod:`loraflow.common.answers`), training samples by the configured reward functions.
-
-A prompt is TRL's: a string, or a conversation (a list of ``{"role", "content"}`` messages). An item's
-``columns`` are the keyword arguments its reward functions receive (the dataset row without its prompt; the
-built-in tasks send their answer).
 """
 
 from __future__ import annotations
 
 import random
 import zlib
-from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
-if TYPE_CHECKING:
-    from loraflow.common.config import DataConfig
-
-SPLITS = ("train", "eval")
-
-#: a prompt: a string, or chat messages ``[{"role": ..., "content": ...}]`` (TRL's conversational format)
-Prompt = str | list[dict[str, str]]
-
-
-@dataclass(frozen=True, slots=True)
-class TaskItem:
-    prompt: Prompt
-    answer: str
-    meta: dict[str, Any] = field(default_factory=dict)
-    #: keyword arguments of the reward functions: every column of the row but the prompt
-    columns: dict[str, Any] = field(default_factory=dict)
-
-    def lease_fields(self) -> dict[str, Any]:
-        """The PromptLease fields that carry this item (a conversation goes in ``prompt_messages``)."""
-        text = self.prompt if isinstance(self.prompt, str) else ""
-        messages = None if isinstance(self.prompt, str) else self.prompt
-        return {"prompt": text, "answer": self.answer, "meta": self.meta, "prompt_messages": messages,
-                "columns": self.columns or None}
-
-
-class Task:
-    """A prompt set: ``item(index, split)`` is deterministic; ``size`` is None for generated tasks."""
-
-    name = "task"
-    size: int | None = None
-
-    def item(self, index: int, split: str = "train") -> TaskItem:
-        raise NotImplementedError
-
-    def score(self, completion: str, answer: str, *, finished: bool) -> float:
-        """1.0 for exactly the answer (and a proper end, ``finished``), else 0.0."""
-        return 1.0 if finished and completion.strip() == answer else 0.0
+from loraflow.common.config import ConfigError, DataConfig
+from loraflow.common.dataset import DatasetTask, is_dataset_spec
+from loraflow.common.task_base import Task, TaskItem
 
 
 def _split_of(key: str) -> str:
@@ -116,14 +75,10 @@ BUILTIN_TASKS = {"arith": ArithTask, "calculator": CalculatorTask}
 def load_task(spec: str, seed: int = 0, data: DataConfig | None = None) -> Task:
     """A built-in task by name, or a dataset by path (read as ``data`` says); raises a ConfigError naming the
     setting (a :class:`loraflow.common.dataset.DatasetError` for anything wrong with the data)."""
-    from loraflow.common.config import ConfigError, DataConfig
-
     if spec in BUILTIN_TASKS:
         if data is not None and data != DataConfig():
             raise ConfigError(f"[data] settings apply to dataset tasks; run.task = {spec!r} is built in: remove them")
         return BUILTIN_TASKS[spec](seed)
-    from loraflow.common.dataset import DatasetTask, is_dataset_spec
-
     if is_dataset_spec(spec):
         return DatasetTask(spec, data)
     raise ConfigError(f"run.task: unknown task {spec!r}; built-in: {sorted(BUILTIN_TASKS)}, or a dataset (a .jsonl, "

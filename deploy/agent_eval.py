@@ -27,7 +27,8 @@ from typing import Any
 
 from loraflow.common.config import Config
 from loraflow.common.protocol import PromptLease
-from loraflow.common.tasks import TaskItem, load_task
+from loraflow.common.task_base import TaskItem
+from loraflow.common.tasks import load_task
 from loraflow.deploy.evaluate import EvalResult
 
 MAX_EPISODES = 64

@@ -29,7 +29,8 @@ from typing import Any
 from loraflow.common.chat import ChatFormat, Prompt, end_of_turn_ids, pad_token_id, token_ids
 from loraflow.common.config import Config, DataConfig
 from loraflow.common.hf_generation import generation_config, neutralise
-from loraflow.common.tasks import Task, load_task
+from loraflow.common.task_base import Task
+from loraflow.common.tasks import load_task
 
 
 @dataclass(slots=True, kw_only=True)

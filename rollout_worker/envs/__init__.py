@@ -8,7 +8,8 @@ task), else the built-in one for the lease's task (``calculator`` -> :class:`Cal
 from __future__ import annotations
 
 from loraflow.common.config import ConfigError
-from loraflow.common.tasks import BUILTIN_TASKS, Task
+from loraflow.common.task_base import Task
+from loraflow.common.tasks import BUILTIN_TASKS
 from loraflow.rollout_worker.envs.base import Environment, Episode, Step
 from loraflow.rollout_worker.envs.calculator import CalculatorEnv
 from loraflow.rollout_worker.envs.single_turn import SingleTurnEnv

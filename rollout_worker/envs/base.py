@@ -22,7 +22,7 @@ import abc
 from dataclasses import dataclass, field
 from typing import Any
 
-from loraflow.common.tasks import Prompt
+from loraflow.common.task_base import Prompt
 
 
 @dataclass(slots=True, kw_only=True)

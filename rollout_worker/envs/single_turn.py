@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from loraflow.common.tasks import Task
+from loraflow.common.task_base import Task
 from loraflow.rollout_worker.envs.base import Environment, Episode, Step
 
 

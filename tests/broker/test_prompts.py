@@ -7,7 +7,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from loraflow.broker.prompts import PromptSource, group_id_of, parse_group_id
-from loraflow.common.tasks import ArithTask, Task, TaskItem
+from loraflow.common.task_base import Task, TaskItem
+from loraflow.common.tasks import ArithTask
 
 
 class ListTask(Task):
