@@ -44,10 +44,11 @@ from loraflow.broker.history import RunProgress, TrainingHistory
 from loraflow.broker.outbox import Outbox, Outgoing
 from loraflow.broker.peers import Peer, PeerRegistry
 from loraflow.broker.stats import BrokerStats
-from loraflow.common import framing, protocol
+from loraflow.common import codec, framing, protocol
+from loraflow.common.codes import ProtocolError
 from loraflow.common.framing import TensorSpec
 from loraflow.common.logging import get_logger
-from loraflow.common.protocol import AdapterNotice, AdapterUpdate, Kind, ProtocolError
+from loraflow.common.protocol import AdapterNotice, AdapterUpdate, Kind
 
 log = get_logger("broker")
 
@@ -171,7 +172,7 @@ class AdapterRelay:
         peer.adapter_version = update.version
         self._unsaved = (update.version, stored.message)
         self.outbox.send_record(identity, protocol.AdapterAck(version=update.version), after_durable=True)
-        notice = protocol.encode(stored.notice())  # encoded once for every worker (the core paces the sends)
+        notice = codec.encode(stored.notice())  # encoded once for every worker (the core paces the sends)
         self.outbox.send_to_all([worker.identity for worker in self.peers.of_role("worker")], Kind.ADAPTER_NOTICE,
                                 notice)
         self.stats.count("adapters", "restored" if restoring else "published")

@@ -32,7 +32,7 @@ from loraflow.broker.peers import PeerRegistry
 from loraflow.broker.prompts import parse_group_id
 from loraflow.broker.quarantine import Quarantine, Transition, WorkerKey
 from loraflow.broker.stats import BrokerStats
-from loraflow.common import protocol, versions
+from loraflow.common import codec, protocol, versions
 from loraflow.common.framing import TensorSpec
 from loraflow.common.logging import get_logger
 from loraflow.common.protocol import Kind
@@ -87,7 +87,7 @@ class BatchDesk:
             specs.extend(TensorSpec(s.name, s.dtype, s.shape, base + s.frame) for s in group.wire_specs)
             frames.extend(group.frames)
         batch = protocol.Batch(batch_id=batch_id, groups=entries, latest_version=latest)
-        message = protocol.encode_with_frames(batch, specs, frames)
+        message = codec.encode_with_frames(batch, specs, frames)
         self.outbox.send(identity, Kind.BATCH, message, on_fail=lambda: self.unserve(batch_id),
                          num_bytes=sum(g.num_bytes for g in groups))
         return True

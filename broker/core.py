@@ -62,10 +62,11 @@ from loraflow.broker.restore import StateKeeper, restore, state_of
 from loraflow.broker.snapshot import StatsReply, set_gauges
 from loraflow.broker.state import StateWriter
 from loraflow.broker.stats import BrokerStats, LoopTimes
-from loraflow.common import framing, protocol
+from loraflow.common import codec, framing, protocol
+from loraflow.common.codes import ProtocolError
 from loraflow.common.config import Config
 from loraflow.common.logging import get_logger
-from loraflow.common.protocol import Kind, ProtocolError
+from loraflow.common.protocol import Kind
 from loraflow.common.task_base import Task
 
 log = get_logger("broker")
@@ -201,7 +202,7 @@ class BrokerCore:
                 self._applying = False
             return
         try:
-            envelope = protocol.decode_envelope(frames, self.config.broker.max_message_bytes)
+            envelope = codec.decode_envelope(frames, self.config.broker.max_message_bytes)
         except ProtocolError as exc:
             self.stats.bytes_in += num_bytes(frames)
             self.stats.count("messages_in", "undecodable")
@@ -226,7 +227,7 @@ class BrokerCore:
             self._reject(identity, *refused, ref_kind=kind)
             return
         try:
-            record, malformed = protocol.decode_record(envelope), None
+            record, malformed = codec.decode_record(envelope), None
         except ProtocolError as exc:
             record, malformed = None, exc
         try:

@@ -47,10 +47,11 @@ from loraflow.broker.peers import Peer
 from loraflow.broker.prompts import PromptKey, parse_group_id
 from loraflow.broker.quarantine import Quarantine, Status
 from loraflow.broker.stats import BrokerStats
-from loraflow.common import framing, protocol, versions
+from loraflow.common import framing, group_checks, protocol, versions
+from loraflow.common.codes import ProtocolError
 from loraflow.common.config import Config
 from loraflow.common.logging import get_logger
-from loraflow.common.protocol import Kind, ProtocolError
+from loraflow.common.protocol import Kind
 from loraflow.common.versions import VersionRange
 
 log = get_logger("broker")
@@ -109,7 +110,7 @@ def judge(group: protocol.RolloutGroup, envelope: framing.Envelope, identity: by
         if group.num_samples != group_size:
             raise ProtocolError(f"RolloutGroup {gid}: {group.num_samples} samples, the run's group_size is "
                                 f"{group_size} (groups travel whole)", code="invalid_group")
-        protocol.check_group_values(group, envelope.specs, envelope.frames, vocab_size=vocab_size,
+        group_checks.check_group_values(group, envelope.specs, envelope.frames, vocab_size=vocab_size,
                                     latest_version=latest_version)
     except ProtocolError as exc:
         return Verdict(REFUSE, key, exc.code, str(exc))

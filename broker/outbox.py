@@ -48,7 +48,7 @@ from typing import Any
 from loraflow.broker.dispatch import KIND_NAMES
 from loraflow.broker.peers import display_name
 from loraflow.broker.stats import BrokerStats
-from loraflow.common import protocol
+from loraflow.common import codec, protocol
 from loraflow.common.logging import get_logger
 from loraflow.common.protocol import Kind
 
@@ -88,7 +88,7 @@ class Outbox:
 
     def send_record(self, identity: bytes, record: Any, *, on_fail: Callable[[], None] | None = None,
                     after_durable: bool = False) -> None:
-        self.send(identity, int(record.KIND), protocol.encode(record), on_fail=on_fail, after_durable=after_durable)
+        self.send(identity, int(record.KIND), codec.encode(record), on_fail=on_fail, after_durable=after_durable)
 
     def reject(self, identity: bytes, code: str, message: str, *, ref_kind: int = 0, ref_id: str = "",
                ref_version: int = 0, reason: str | None = None) -> None:

@@ -41,7 +41,7 @@ which the stats derive busy shares (the learner's idle share is the headline num
 The heartbeat fast path (:class:`HeartbeatPath`, which owns a strict decoder and the encoded pong): what a
 connected fleet costs the broker when it only says "still here". At 4,096 workers beating every second,
 heartbeats are most of the broker's messages, and nearly all of them say what the previous one said. The
-general path (:func:`loraflow.common.protocol.decode_envelope`, role checks, the typed record, a freshly encoded
+general path (:func:`loraflow.common.codec.decode_envelope`, role checks, the typed record, a freshly encoded
 pong) costs ~12 us of Python per beat before the sockets; this one costs a few:
 
     frames == [the Heartbeat preamble, header]      (8 bytes compared: magic, protocol version, kind)
@@ -72,7 +72,7 @@ from typing import Any
 import msgspec
 
 from loraflow.broker.dispatch import SENDERS
-from loraflow.common import framing, protocol
+from loraflow.common import codec, framing
 from loraflow.common.protocol import PROTOCOL_VERSION, Heartbeat, Hello, Kind, Numbers
 
 MAX_FENCED = 64  # replaced learners remembered (the oldest are forgotten; each is one learner restart)
@@ -394,6 +394,6 @@ class HeartbeatPath:
         per (version, interval): (frames, bytes)."""
         of = self._pong_of  # (compared field by field: this runs for every answered beat)
         if of[0] != latest_version or of[1] != interval_s:
-            frames = protocol.encode(Heartbeat(latest_version=latest_version, state="idle", interval_s=interval_s))
+            frames = codec.encode(Heartbeat(latest_version=latest_version, state="idle", interval_s=interval_s))
             self._pong_of, self._pong = (latest_version, interval_s), (frames, sum(len(f) for f in frames))
         return self._pong

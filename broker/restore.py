@@ -40,7 +40,7 @@ from loraflow.broker.state import (
     make_state,
 )
 from loraflow.broker.stats import BrokerStats
-from loraflow.common import protocol
+from loraflow.common import codec, protocol
 from loraflow.common.config import Config
 from loraflow.common.logging import get_logger
 from loraflow.common.task_base import Task
@@ -102,7 +102,7 @@ def _restore_adapter(path: Path, adapters: AdapterCache, progress: RunProgress, 
     frames = load_adapter(path)
     if frames is None:
         return
-    update, envelope = protocol.decode(frames)
+    update, envelope = codec.decode(frames)
     if not isinstance(update, protocol.AdapterUpdate):
         raise ValueError(f"{path} holds a {type(update).__name__}, not an AdapterUpdate; move it away")
     if history.is_withdrawn(update.version) or update.version < progress.latest_version:

@@ -44,7 +44,7 @@ from loraflow.broker.ledger import GroupLedger
 from loraflow.broker.peers import Peer, PeerRegistry
 from loraflow.broker.quarantine import Quarantine, Status
 from loraflow.broker.stats import BrokerStats, LoopTimes
-from loraflow.common import protocol
+from loraflow.common import codec, protocol
 from loraflow.common.config import Config
 
 MAX_LEASES_LISTED = 200
@@ -172,7 +172,7 @@ class StatsReply:
 
     def frames(self, parts: BrokerParts, num_changes: int, now_s: float) -> list[Any]:
         if self._cached is None or self._cached[0] != num_changes:
-            self._cached = (num_changes, protocol.encode(protocol.Stats(snapshot=build_snapshot(parts, now_s))))
+            self._cached = (num_changes, codec.encode(protocol.Stats(snapshot=build_snapshot(parts, now_s))))
         return self._cached[1]
 
 

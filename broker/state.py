@@ -59,7 +59,8 @@ from typing import Any
 
 from loraflow.broker.prompts import PromptKey
 from loraflow.broker.quarantine import MAX_EVIDENCE, MAX_PERSISTED, Status
-from loraflow.common.protocol import MAX_ID_LEN, MAX_VERSION, MISMATCH_REASONS
+from loraflow.common.codes import MISMATCH_REASONS
+from loraflow.common.protocol import MAX_ID_LEN, MAX_VERSION
 from loraflow.common.schema import SchemaError, build, dump, rule
 
 STATE_FORMAT = 1

@@ -100,7 +100,7 @@ class TensorSpec(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
 class Envelope:
     """A received message after framing checks: kind, header, tensor specs and the raw frames.
 
-    :func:`unpack` decodes the header into a plain map; :func:`loraflow.common.protocol.decode_envelope` decodes it
+    :func:`unpack` decodes the header into a plain map; :func:`loraflow.common.codec.decode_envelope` decodes it
     straight into the typed ``record`` (``error`` when that failed its validation) and decodes the plain
     ``header`` only if something asks for it (the Error reply to an invalid record names its ids)."""
 
@@ -110,7 +110,7 @@ class Envelope:
     frames: list[Any]  # zmq.Frame (or bytes); frames[i] holds the bytes of the spec with frame == i
     num_bytes: int
     record: Any = None  # the typed message record (loraflow.common.protocol)
-    error: Exception | None = None  # why the header is not a valid record (loraflow.common.protocol.ProtocolError)
+    error: Exception | None = None  # why the header is not a valid record (loraflow.common.codes.ProtocolError)
     unknown_fields: bool = False  # the header held fields this release does not know (ignored, counted)
     _header: dict[str, Any] | None = None
 

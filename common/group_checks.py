@@ -1,24 +1,24 @@
-"""What the tensor frames of a RolloutGroup (alone, or in a Batch) must hold, checked without copying them.
+"""What the tensor frames of a RolloutGroup (alone, or in a Batch) and of an AdapterUpdate must hold, checked
+without copying them.
 
-:func:`check_group_layout` and :func:`check_batch_layout` compare the tensor specs with what the record's
-lengths imply (run by :func:`loraflow.common.protocol.decode_record`); :func:`check_group_values` reads the tensors'
-contents through numpy views of the received frames (the broker runs it on every group it may buffer).
+:func:`check_group_layout`, :func:`check_batch_layout` and :func:`check_adapter_layout` compare the tensor specs
+with what the record implies (run by :func:`loraflow.common.codec.decode_record`); :func:`check_group_values` reads
+a group's tensor contents through numpy views of the received frames (the broker runs it on every group it may
+buffer); :func:`group_tensors` gives a checked group's tensors as torch views of its frames.
 """
 
 from __future__ import annotations
 
 import math
 from collections.abc import Sequence
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import numpy as np
 
 from loraflow.common import framing
 from loraflow.common.codes import ErrorCode, ProtocolError
 from loraflow.common.framing import TensorSpec
-
-if TYPE_CHECKING:
-    from loraflow.common.protocol import Batch, RolloutGroup
+from loraflow.common.protocol import Batch, RolloutGroup
 
 #: tensors of a rollout group: name -> (dtype, which length list sizes it)
 GROUP_TENSORS: dict[str, tuple[str, str]] = {

@@ -1,4 +1,4 @@
-"""The wire protocol: message kinds, typed message records and their validating encode/decode.
+"""The wire protocol: message kinds, the protocol version and the typed message records, with their bounds.
 
 Who sends what (all through the broker's one ROUTER socket; clients use DEALER sockets)::
 
@@ -9,21 +9,18 @@ Who sends what (all through the broker's one ROUTER socket; clients use DEALER s
     broker  -> learner  Welcome, Heartbeat (pong), AdapterAck, Batch, BatchSettled, Error
     anyone  -> broker   StatsRequest  ->  Stats
 
-Every record is a ``msgspec.Struct`` (:class:`loraflow.common.wire.Record`) whose annotations carry their bounds; a
-header is decoded straight into its record and validated in C (:mod:`loraflow.common.wire`): wrong types, missing
-fields and out-of-range values raise :class:`ProtocolError` naming the field. The three replies of kind ACK
-(:data:`Ack`) are told apart by ``ref_kind``, the kind of what they acknowledge. Codes, reasons and states are
-``enum.StrEnum``: typed in the code, the same strings on the wire as ever (a raw msgpack client sends
-``"stop"`` and reads ``"accepted"``). Messages with tensors (RolloutGroup, AdapterUpdate, Batch) also check
-that the tensor frames have the names, dtypes and shapes the header implies. Contents of tensors (finite
-log-probs, token ids in range) are checked by :func:`check_group_values`, which only reads numpy views.
+Every record is a ``msgspec.Struct`` (:class:`loraflow.common.wire.Record`) whose annotations carry their bounds;
+:mod:`loraflow.common.codec` encodes a record with its tensor frames and decodes frames back into a checked
+record. The three replies of kind ACK (:data:`Ack`) are told apart by ``ref_kind``, the kind of what they
+acknowledge. Codes, reasons and states are ``enum.StrEnum`` (:mod:`loraflow.common.codes`): typed in the code, the
+same strings on the wire as ever (a raw msgpack client sends ``"stop"`` and reads ``"accepted"``).
 
 Everything a peer sends is bounded at decode, so nothing it sends can fail later where it is re-encoded or
 shown: ``Heartbeat.counters`` and ``RolloutGroup.metrics`` hold at most 64 finite numbers under names of at most
 64 characters; other free-form values (``meta``, ``columns``, ``prompt_messages``, ``adapter_config``) nest at
 most :data:`loraflow.common.wire.MAX_DEPTH` levels; every policy version is at most :data:`MAX_VERSION` (tokens carry
-versions as int32). A lease id is bound to the worker it was granted to (``loraflow.broker.leases``); with security off a
-learner's Hello carries the run token (``Hello.token``, :mod:`loraflow.common.run_token`).
+versions as int32). A lease id is bound to the worker it was granted to (:mod:`loraflow.broker.prompts`); with
+security off a learner's Hello carries the run token (``Hello.token``, :mod:`loraflow.common.run_token`).
 
 Compatibility: new fields are appended with defaults. Within one protocol version a field the receiver does not
 know (a newer peer's) is ignored, and the decode says so (``Envelope.unknown_fields``; the broker counts
@@ -35,20 +32,12 @@ refused with an Error naming both versions.
 from __future__ import annotations
 
 import enum
-from collections.abc import Iterator, Sequence
+from collections.abc import Sequence
 from typing import Annotated, Any, ClassVar
 
-import msgspec
 from msgspec import UNSET, Meta, UnsetType, field
 
-from loraflow.common import framing
-from loraflow.common.codes import (  # noqa: F401  (re-exported: the protocol's vocabulary)
-    CLIENT_STATES,
-    ENGINE_DTYPES,
-    ERROR_CODES,
-    FINISH_REASONS,
-    MISMATCH_REASONS,
-    ROLES,
+from loraflow.common.codes import (
     AckStatus,
     ClientState,
     EngineDtype,
@@ -56,20 +45,10 @@ from loraflow.common.codes import (  # noqa: F401  (re-exported: the protocol's 
     FinishReason,
     GrantReason,
     MismatchReason,
-    ProtocolError,
     Role,
 )
-from loraflow.common.framing import Envelope, FramingError, TensorSpec
-from loraflow.common.group_checks import (  # noqa: F401  (re-exported)
-    GROUP_TENSORS,
-    GROUP_TENSORS_DTYPES,
-    check_adapter_layout,
-    check_batch_layout,
-    check_group_layout,
-    check_group_values,
-    group_tensors,
-)
-from loraflow.common.wire import FLOAT_MAX, MAX_KEY_LEN, Finite, Record, WireDecoder, WireError
+from loraflow.common.framing import TensorSpec
+from loraflow.common.wire import FLOAT_MAX, MAX_KEY_LEN, Finite, Record
 
 PROTOCOL_VERSION = 1
 
@@ -133,8 +112,9 @@ FreeMap = Annotated[dict[str, Any], Meta(max_length=256)]  # nesting bounded aft
 
 
 class Message(Record, kw_only=True):
-    """A record sent as a whole message. ``tensors`` is the header's tensor specs: set by :func:`encode`, moved
-    to ``Envelope.specs`` by :func:`decode` (a record in hand never holds them; unset ones are not encoded)."""
+    """A record sent as a whole message. ``tensors`` is the header's tensor specs: set by
+    :func:`loraflow.common.codec.encode`, moved to ``Envelope.specs`` by :func:`loraflow.common.codec.decode` (a
+    record in hand never holds them; unset ones are not encoded)."""
 
     KIND: ClassVar[Kind]
     tensors: list[TensorSpec] | UnsetType = UNSET
@@ -455,103 +435,3 @@ MESSAGES: dict[int, Any] = {
 }
 MESSAGES[Kind.ACK] = Ack
 assert set(MESSAGES) == KNOWN_KINDS
-
-
-def _lease_values(grant: LeaseGrant) -> Iterator[tuple[str, Any]]:
-    for i, lease in enumerate(grant.leases):
-        yield f"leases[{i}].meta", lease.meta
-        if lease.columns is not None:
-            yield f"leases[{i}].columns", lease.columns
-        for j, message in enumerate(lease.prompt_messages or ()):
-            yield f"leases[{i}].prompt_messages[{j}]", message
-
-
-#: where each kind keeps free-form values (their nesting is bounded after the decode, loraflow.common.wire)
-_FREE_FORM = {
-    Kind.LEASE_GRANT: _lease_values,
-    Kind.ADAPTER_UPDATE: lambda update: [("adapter_config", update.adapter_config)],
-    Kind.STATS: lambda stats: [("snapshot", stats.snapshot)],
-}
-_DECODERS = {kind: WireDecoder("Ack" if kind == Kind.ACK else cls.__name__, cls, _FREE_FORM.get(kind))
-             for kind, cls in MESSAGES.items()}
-_encode_header = msgspec.msgpack.Encoder().encode
-_NO_SPECS: list[TensorSpec] = []
-
-
-# -- encode / decode -----------------------------------------------------------------------------------------
-
-
-def encode(message: Message, tensors: Sequence[tuple[str, Any]] = ()) -> list[Any]:
-    """Frames of a message record plus its tensors ((name, array) pairs, sent zero-copy)."""
-    specs, buffers = [], []
-    for index, (name, array) in enumerate(tensors):
-        dtype, shape, buffer = framing.wire_array(array)
-        specs.append(TensorSpec(name, dtype, shape, index))
-        buffers.append(buffer)
-    return encode_with_frames(message, specs, buffers)
-
-
-def encode_with_frames(message: Message, specs: Sequence[TensorSpec], frames: Sequence[Any]) -> list[Any]:
-    """Frames of a message whose tensor frames were received earlier and are forwarded untouched."""
-    header = _encode_header(msgspec.structs.replace(message, tensors=list(specs)))
-    return [framing.PREAMBLE.pack(framing.MAGIC, PROTOCOL_VERSION, message.KIND), header, *frames]
-
-
-def decode_envelope(frames: Sequence[Any], max_bytes: int) -> Envelope:
-    """Framing checks and the header decoded into its record: raises ProtocolError when the message's shape is
-    wrong (preamble, version, size, not msgpack, tensor specs and frames); a header whose *fields* are invalid
-    gives an envelope whose ``error`` :func:`decode_record` raises (the broker checks who sent it first)."""
-    try:
-        kind, header_bytes, sizes = framing.split(frames, version=PROTOCOL_VERSION, known_kinds=KNOWN_KINDS,
-                                                  max_bytes=max_bytes)
-    except framing.VersionMismatch as exc:
-        raise ProtocolError(str(exc), code=ErrorCode.PROTOCOL_VERSION) from None
-    except framing.Oversize as exc:
-        raise ProtocolError(str(exc), code=ErrorCode.OVERSIZE) from None
-    except FramingError as exc:
-        raise ProtocolError(str(exc)) from None
-    envelope = Envelope(kind=kind, header_bytes=header_bytes, specs=_NO_SPECS, frames=list(frames[2:]),
-                        num_bytes=sum(sizes))
-    try:
-        record, envelope.unknown_fields = _DECODERS[kind].decode(header_bytes)
-    except WireError as exc:
-        if exc.framing:
-            raise ProtocolError(str(exc)) from None
-        envelope.error = ProtocolError(str(exc))
-        return envelope
-    specs = record.tensors
-    if specs is not UNSET:
-        record.tensors = UNSET
-        envelope.specs = specs
-    try:
-        framing.check_frames(envelope.specs, sizes[2:])
-    except FramingError as exc:
-        raise ProtocolError(str(exc)) from None
-    envelope.record = record
-    return envelope
-
-
-def decode_record(envelope: Envelope) -> Any:
-    """The typed record of an envelope, with the tensor layout its kind requires checked."""
-    if envelope.error is not None:
-        raise envelope.error
-    record, kind = envelope.record, envelope.kind
-    if kind == Kind.ROLLOUT_GROUP:
-        check_group_layout(record, envelope.specs)
-    elif kind == Kind.ADAPTER_UPDATE:
-        check_adapter_layout(envelope.specs)
-    elif kind == Kind.BATCH:
-        check_batch_layout(record, envelope.specs)
-    elif envelope.specs:
-        raise ProtocolError(f"{type(record).__name__} carries no tensors, got {len(envelope.specs)}")
-    return record
-
-
-def decode(frames: Sequence[Any], max_bytes: int = 1 << 31) -> tuple[Any, Envelope]:
-    """(record, envelope) of a received multipart message; raises ProtocolError on any bad input."""
-    envelope = decode_envelope(frames, max_bytes)
-    return decode_record(envelope), envelope
-
-
-def error_reply(exc: ProtocolError, ref_kind: int = 0, ref_id: str = "") -> Error:
-    return Error(code=exc.code, message=str(exc)[:4000], ref_kind=ref_kind, ref_id=ref_id[:MAX_ID_LEN])

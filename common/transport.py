@@ -57,10 +57,11 @@ from typing import Any
 import zmq
 from zmq.utils.monitor import recv_monitor_message
 
-from loraflow.common import framing, protocol, sockets
+from loraflow.common import codec, framing, protocol, sockets
+from loraflow.common.codes import ProtocolError
 from loraflow.common.framing import Envelope
 from loraflow.common.logging import get_logger
-from loraflow.common.protocol import Error, Heartbeat, Hello, Kind, ProtocolError, Welcome
+from loraflow.common.protocol import Error, Heartbeat, Hello, Kind, Welcome
 
 log = get_logger("transport")
 _link_ids = itertools.count()
@@ -254,7 +255,7 @@ class BrokerLink:
 
     def send(self, message: Any, tensors: Iterable[tuple[str, Any]] = ()) -> None:
         """Queue a message for the broker (thread-safe; tensors are sent zero-copy, do not mutate them)."""
-        self.send_frames(protocol.encode(message, list(tensors)))
+        self.send_frames(codec.encode(message, list(tensors)))
 
     def send_frames(self, frames: list[Any]) -> None:
         """Queue encoded frames; raises MessageTooLarge (nothing sent) when the broker would refuse the size."""
@@ -337,7 +338,7 @@ class BrokerLink:
             """A hello or heartbeat: dropped when zmq has no connection to queue it for (after a failed
             handshake zmq may drop the pipe; a blocking send would hang this thread and close())."""
             with contextlib.suppress(zmq.Again):
-                dealer.send_multipart(protocol.encode(message), flags=zmq.NOBLOCK)
+                dealer.send_multipart(codec.encode(message), flags=zmq.NOBLOCK)
 
         send_own(self.hello)
         try:
@@ -417,7 +418,7 @@ class BrokerLink:
     def _handle(self, frames: list[Any]) -> bool:
         """Route one message from the broker; returns True when a hello must be sent again."""
         try:
-            record, envelope = protocol.decode(frames, self._max_bytes)
+            record, envelope = codec.decode(frames, self._max_bytes)
         except ProtocolError as exc:
             self.num_decode_errors += 1
             log.warning("bad_message_from_broker", error=str(exc))
@@ -458,7 +459,7 @@ def fetch_stats(endpoint: str, *, timeout_s: float = 5.0, ctx: zmq.Context | Non
     sock, watch = watched_dealer(ctx, endpoint, identity=f"observer/{uuid.uuid4().hex[:8]}".encode(),
                                  security=security, role="observer")
     try:
-        sock.send_multipart(protocol.encode(protocol.StatsRequest()))
+        sock.send_multipart(codec.encode(protocol.StatsRequest()))
         poller = zmq.Poller()
         poller.register(sock, zmq.POLLIN)
         poller.register(watch.monitor, zmq.POLLIN)
@@ -471,7 +472,7 @@ def fetch_stats(endpoint: str, *, timeout_s: float = 5.0, ctx: zmq.Context | Non
                 raise BrokerUnavailable(f"no stats from the broker at {endpoint} within {timeout_s:g} s (is it "
                                         "running? raise --timeout if it is busy; the keys may not match or "
                                         "security.enabled may differ from the broker's)")
-        record, _ = protocol.decode(sock.recv_multipart(copy=False))
+        record, _ = codec.decode(sock.recv_multipart(copy=False))
         if isinstance(record, Error):
             raise ProtocolError(f"broker refused the stats request: {record.message}", code=record.code)
         if not isinstance(record, protocol.Stats):

@@ -42,9 +42,11 @@ from typing import Any
 import numpy as np
 import torch
 
-from loraflow.common import framing, protocol, versions
+from loraflow.common import codec, framing, group_checks, protocol, versions
+from loraflow.common.codes import ProtocolError
 from loraflow.common.framing import TensorSpec
-from loraflow.common.protocol import GROUP_TENSORS, Batch, BatchEntry, ProtocolError
+from loraflow.common.group_checks import GROUP_TENSORS
+from loraflow.common.protocol import Batch, BatchEntry
 from loraflow.learner.loss import group_advantages
 from loraflow.learner.segments import pass_kinds, segment_bounds
 
@@ -104,7 +106,7 @@ def select_groups(batch: Batch, specs: Sequence[TensorSpec], frames: Sequence[An
             continue
         group_specs = specs[entry.first_tensor:entry.first_tensor + NUM_GROUP_TENSORS]
         try:
-            protocol.check_group_values(group, group_specs, frames, vocab_size=vocab_size,
+            group_checks.check_group_values(group, group_specs, frames, vocab_size=vocab_size,
                                         latest_version=max(version, group.max_version))
             if min(group.prompt_lens) < 1:
                 raise ProtocolError(f"RolloutGroup {group.group_id}: a sample has an empty prompt", "invalid_group")
@@ -164,7 +166,7 @@ def trainable_frames(batch: Batch, specs: Sequence[TensorSpec], frames: Sequence
             new_specs.append(TensorSpec(spec.name, spec.dtype, spec.shape, len(new_frames)))
             new_frames.append(frames[spec.frame])
     record = Batch(batch_id=batch.batch_id, groups=entries, latest_version=batch.latest_version)
-    return protocol.encode_with_frames(record, new_specs, new_frames)
+    return codec.encode_with_frames(record, new_specs, new_frames)
 
 
 # -- every rank: samples and micro-batches ---------------------------------------------------------------------
@@ -212,13 +214,13 @@ class StepBatch:
 
 def decode_step_batch(frames: Sequence[Any]) -> StepBatch:
     """The samples of a (filtered) Batch message, copied out of the frames."""
-    batch, envelope = protocol.decode(frames)
+    batch, envelope = codec.decode(frames)
     assert isinstance(batch, Batch), f"expected a Batch, got {type(batch).__name__}"
     samples: list[Sample] = []
     rewards: list[float] = []
     for g, entry in enumerate(batch.groups):
         group = entry.group
-        tensors = protocol.group_tensors(envelope.specs[entry.first_tensor:entry.first_tensor + NUM_GROUP_TENSORS],
+        tensors = group_checks.group_tensors(envelope.specs[entry.first_tensor:entry.first_tensor + NUM_GROUP_TENSORS],
                                          envelope.frames)
         prompts = tensors["prompt_ids"].long().split(group.prompt_lens)
         completions = tensors["completion_ids"].long().split(group.completion_lens)

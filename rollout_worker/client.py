@@ -43,7 +43,7 @@ from typing import Any
 
 import structlog
 
-from loraflow.common import protocol
+from loraflow.common import codec, protocol
 from loraflow.common.config import Config
 from loraflow.common.logging import bind, get_logger
 from loraflow.common.metrics import Metrics
@@ -153,7 +153,7 @@ class BrokerSession:
     def submit(self, finished: FinishedGroup) -> None:
         """Send a group and keep it until the broker acknowledges it. A group larger than the broker accepts
         is dropped, its lease returned (the prompt is generated again) and the reason logged and counted."""
-        frames = protocol.encode(finished.group, finished.tensors)
+        frames = codec.encode(finished.group, finished.tensors)
         group_id = finished.group.group_id
         with self._lock:
             self._unacked[group_id] = PendingGroup(group_id, frames, time.monotonic())

@@ -104,7 +104,7 @@ class Backend(abc.ABC):
     eos_token_ids: tuple[int, ...]  # every id that ends a turn
     vocab_size: int  # the model's (may exceed the tokenizer's: a padded vocabulary)
     chat: ChatFormat | None = None  # prompt rendering; None: the backend has no tokenizer (sim)
-    engine_dtype: str = "float32"  # the engine's compute dtype, one of loraflow.common.protocol.ENGINE_DTYPES
+    engine_dtype: str = "float32"  # the engine's compute dtype, one of loraflow.common.codes.ENGINE_DTYPES
 
     def __init__(self, sampling: Sampling) -> None:
         self.sampling = sampling

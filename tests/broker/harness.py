@@ -13,7 +13,7 @@ from typing import Any
 
 from loraflow.broker.core import BrokerCore
 from loraflow.broker.snapshot import build_snapshot
-from loraflow.common import protocol
+from loraflow.common import codec, protocol
 from loraflow.common.config import load_config
 from loraflow.common.protocol import Hello, LeaseRequest, PromptLease
 from loraflow.common.tasks import load_task
@@ -51,7 +51,7 @@ class Harness:
                 if out.identity in self.failing:
                     self.core.send_failed(out, "unreachable")
                     continue
-                record, envelope = protocol.decode(out.frames)
+                record, envelope = codec.decode(out.frames)
                 replies.append((out.identity, record, envelope))
             if not self.core.outbox.num_awaiting and not self.core.has_work(self.now):
                 return replies
@@ -59,7 +59,7 @@ class Harness:
             time.sleep(0.001)
 
     def send(self, identity: bytes, record: Any, tensors: Any = ()) -> list[tuple[bytes, Any, Any]]:
-        self.core.handle(identity, protocol.encode(record, list(tensors)), self.now)
+        self.core.handle(identity, codec.encode(record, list(tensors)), self.now)
         return self.flush()
 
     def send_frames(self, identity: bytes, frames: list[Any]) -> list[tuple[bytes, Any, Any]]:

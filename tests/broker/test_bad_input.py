@@ -9,7 +9,7 @@ from pathlib import Path
 import msgpack
 import zmq
 
-from loraflow.common import framing, protocol, sockets
+from loraflow.common import codec, framing, protocol, sockets
 from loraflow.common.protocol import (
     AdapterUpdate,
     BatchAck,
@@ -41,7 +41,7 @@ class Raw:
 
     def reply(self, timeout_s: float = 5.0) -> object:
         assert self.sock.poll(int(timeout_s * 1000)), "no reply from the broker"
-        return protocol.decode(self.sock.recv_multipart())[0]
+        return codec.decode(self.sock.recv_multipart())[0]
 
     def close(self) -> None:
         self.sock.close(linger=0)
@@ -68,7 +68,7 @@ def test_malformed_barrage_then_business_as_usual(procs: Processes, tmp_path: Pa
         assert contains in error.message, error.message
         expected[code] = expected.get(code, 0) + 1
 
-    hello = protocol.encode(Hello(role="worker", client_id="raw", session=uuid.uuid4().hex))
+    hello = codec.encode(Hello(role="worker", client_id="raw", session=uuid.uuid4().hex))
     # framing: nothing of it can be trusted
     refused([b"hello"], "malformed", "at least 2 frames")
     refused([b"xx", b"yy"], "malformed", "preamble must be 8 bytes")
@@ -78,40 +78,40 @@ def test_malformed_barrage_then_business_as_usual(procs: Processes, tmp_path: Pa
     refused([preamble(Kind.HELLO), b"\xc1"], "malformed", "not valid msgpack")
     refused([preamble(Kind.HELLO), msgpack.packb([1, 2])], "malformed", "must be a msgpack map")
     refused([preamble(Kind.HELLO), msgpack.packb({"role": "worker"})], "malformed", "client_id: required")
-    refused(protocol.encode(LeaseRequest()), "not_registered", "say Hello")
+    refused(codec.encode(LeaseRequest()), "not_registered", "say Hello")
     chunk = bytes(100 << 10)
     refused([preamble(Kind.HELLO), msgpack.packb({"role": "worker", "client_id": "x", "tensors": []}), chunk, chunk,
              chunk], "oversize", "broker.max_message_bytes")
 
     raw.send(hello)
     assert isinstance(raw.reply(), Welcome)
-    lease_grant = (raw.send(protocol.encode(LeaseRequest(max_leases=3))), raw.reply())[1]
+    lease_grant = (raw.send(codec.encode(LeaseRequest(max_leases=3))), raw.reply())[1]
     first, second, third = lease_grant.leases
 
     group, tensors = make_group(first, "raw")
-    frames = protocol.encode(group, tensors)
+    frames = codec.encode(group, tensors)
     refused(frames[:2] + frames[3:] + frames[2:3], "malformed", "needs")  # tensor frames out of order
-    refused(protocol.encode(*make_group(first, "raw", logprob=float("nan"), vocab=64)), "invalid_group", "NaN")
-    refused(protocol.encode(*make_group(second, "raw", vocab=500)), "invalid_group", "outside [0, 64)")
-    refused(protocol.encode(LeaseReturn(lease_ids=["nope"])), "unknown_lease", "not held by you")
+    refused(codec.encode(*make_group(first, "raw", logprob=float("nan"), vocab=64)), "invalid_group", "NaN")
+    refused(codec.encode(*make_group(second, "raw", vocab=500)), "invalid_group", "outside [0, 64)")
+    refused(codec.encode(LeaseReturn(lease_ids=["nope"])), "unknown_lease", "not held by you")
     bogus = PromptLease(lease_id="x", group_id="0:999", prompt_index=999, epoch=0, task="arith", prompt="?",
                         group_size=2, deadline_s=1)
-    refused(protocol.encode(*make_group(bogus, "raw")), "unknown_lease", "never leased")
-    refused(protocol.encode(*make_adapter(1)), "forbidden", "a worker may not send adapter_update")
-    refused(protocol.encode(BatchRequest(num_groups=1)), "forbidden", "batch_request")
-    refused(protocol.encode(BatchAck(batch_id="b", step=1, trained_version=0)), "forbidden", "batch_ack")
-    refused(protocol.encode(Welcome(broker_id="b", latest_version=0, group_size=1, groups_per_step=1,
+    refused(codec.encode(*make_group(bogus, "raw")), "unknown_lease", "never leased")
+    refused(codec.encode(*make_adapter(1)), "forbidden", "a worker may not send adapter_update")
+    refused(codec.encode(BatchRequest(num_groups=1)), "forbidden", "batch_request")
+    refused(codec.encode(BatchAck(batch_id="b", step=1, trained_version=0)), "forbidden", "batch_ack")
+    refused(codec.encode(Welcome(broker_id="b", latest_version=0, group_size=1, groups_per_step=1,
                                     max_staleness=0, heartbeat_interval_s=1, heartbeat_timeout_s=1,
                                     lease_timeout_s=1, max_message_bytes=1 << 20)), "forbidden", "sent by the broker")
-    raw.send(protocol.encode(Error(code="internal", message="an error is never answered")))
+    raw.send(codec.encode(Error(code="internal", message="an error is never answered")))
     expected["forbidden"] += 1
 
     learner_raw = Raw(broker.endpoint, b"learner/raw")
-    learner_raw.send(protocol.encode(Hello(role="learner", client_id="raw", session="s", token=broker.run_token)))
+    learner_raw.send(codec.encode(Hello(role="learner", client_id="raw", session="s", token=broker.run_token)))
     assert isinstance(learner_raw.reply(), Welcome)
     for frames, code, contains in [
-        (protocol.encode(BatchAck(batch_id="gone", step=1, trained_version=0)), "unknown_batch", "lists no group_ids"),
-        (protocol.encode(AdapterUpdate(version=1, sha256="00" * 32, adapter_config={}),
+        (codec.encode(BatchAck(batch_id="gone", step=1, trained_version=0)), "unknown_batch", "lists no group_ids"),
+        (codec.encode(AdapterUpdate(version=1, sha256="00" * 32, adapter_config={}),
                          [("a", make_adapter(1)[1][0][1])]), "malformed", "sha256"),
         ([preamble(Kind.ADAPTER_UPDATE), msgpack.packb({"version": 0, "sha256": "", "adapter_config": {},
                                                         "tensors": []})], "malformed", "must be >= 1"),
@@ -132,7 +132,7 @@ def test_malformed_barrage_then_business_as_usual(procs: Processes, tmp_path: Pa
     wait_for(lambda: broker.stats()["connections"].get("disconnected", 0) >= 1, 10, "zmq to drop the sender", procs)
     big.close()
     raw.close()
-    learner_raw.send(protocol.encode(Bye(reason="done")))  # (else the learner below replaces and fences it)
+    learner_raw.send(codec.encode(Bye(reason="done")))  # (else the learner below replaces and fences it)
     wait_for(lambda: broker.stats()["learner"] is None, 10, "the raw learner's goodbye", procs)
     learner_raw.close()
 

@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 import zmq
 
-from loraflow.common import protocol, sockets
+from loraflow.common import codec, sockets
 from loraflow.common.protocol import Hello, Kind, LeaseRequest
 from tests.broker.clients import Learner, Worker, adapter_tensors
 from tests.support import Processes, start_broker, wait_for
@@ -227,13 +227,13 @@ def test_grant_to_a_vanished_worker_goes_back_to_the_queue(procs: Processes) -> 
     ghost = sockets.dealer_socket(ctx, broker.endpoint, identity=b"worker/ghost")
     worker, learner = Worker(broker.endpoint, "w1"), Learner(broker.endpoint, token=broker.run_token)
     try:
-        ghost.send_multipart(protocol.encode(Hello(role="worker", client_id="ghost", session="g")))
+        ghost.send_multipart(codec.encode(Hello(role="worker", client_id="ghost", session="g")))
         assert ghost.poll(5000)
         ghost.recv_multipart()
         for lease in worker.lease(2).leases:  # the whole capacity
             worker.submit(lease)
             assert worker.reply().status == "accepted"
-        ghost.send_multipart(protocol.encode(LeaseRequest(max_leases=2, wait_ms=30_000)))
+        ghost.send_multipart(codec.encode(LeaseRequest(max_leases=2, wait_ms=30_000)))
         wait_for(lambda: broker.stats()["waiting"]["lease_requests"] == 1, 5, "the ghost's request to park", procs)
         ghost.close(linger=0)  # the process is gone without a Bye
         wait_for(lambda: broker.stats()["connections"].get("disconnected", 0) >= 1, 5, "the disconnect", procs)

@@ -8,7 +8,7 @@ from __future__ import annotations
 import msgpack
 import numpy as np
 
-from loraflow.common import framing, protocol
+from loraflow.common import codec, framing, protocol
 from loraflow.common.protocol import PROTOCOL_VERSION, AdapterAck, Error, GroupAck, Kind
 from tests.broker.clients import group_tensors
 from tests.broker.harness import LEARNER, W1, Harness
@@ -89,7 +89,7 @@ def test_replies_are_typed_and_read_by_an_old_client_as_before() -> None:
     h.hello(LEARNER)
     ack = h.publish(1)
     assert isinstance(ack, AdapterAck) and ack.version == 1, ack
-    frames = protocol.encode(ack)
+    frames = codec.encode(ack)
     assert msgpack.unpackb(frames[1]) == {"ref_kind": Kind.ADAPTER_UPDATE, "version": 1, "ref_id": "1", "tensors": []}
     # a tensor spec is framing, not a record: an unknown key in one is still refused
     spec_frames = raw(Kind.HEARTBEAT, {})

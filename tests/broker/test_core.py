@@ -6,6 +6,7 @@ import numpy as np
 import pytest
 
 from loraflow.common import framing
+from loraflow.common.codec import encode
 from loraflow.common.protocol import (
     AdapterFetch,
     BatchAck,
@@ -18,7 +19,6 @@ from loraflow.common.protocol import (
     LeaseRequest,
     LeaseReturn,
     Welcome,
-    encode,
 )
 from tests.broker.clients import adapter_tensors, make_adapter, make_group
 from tests.broker.harness import LEARNER, W1, W2, Harness

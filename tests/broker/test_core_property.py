@@ -8,7 +8,7 @@ from __future__ import annotations
 from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
-from loraflow.common import protocol
+from loraflow.common import codec
 from loraflow.common.protocol import BatchAck, BatchRequest, Bye, Heartbeat, Kind, LeaseReturn, PolicyMismatch
 from tests.broker.clients import make_group
 from tests.broker.harness import LEARNER, W1, W2, Harness
@@ -69,7 +69,7 @@ def test_no_message_sequence_breaks_the_ledger(ops: list[tuple[str, int]]) -> No
             for _ in range(1 + pick % 12):
                 h.now += 1
                 for identity in (W1, W2, LEARNER):
-                    h.core.handle(identity, protocol.encode(Heartbeat()), h.now)
+                    h.core.handle(identity, codec.encode(Heartbeat()), h.now)
                 h.flush()
         elif op == "publish":
             version += 1
@@ -79,7 +79,7 @@ def test_no_message_sequence_breaks_the_ledger(ops: list[tuple[str, int]]) -> No
             leases[worker], sent[worker] = [], []
             h.hello(worker, adapter_version=version, session=f"s{pick}")
         elif op == "garbage":
-            frames = protocol.encode(Bye(reason="x"))
+            frames = codec.encode(Bye(reason="x"))
             h.send_frames(worker, [frames[0], bytes([pick % 256]) * (pick % 7)])
         h.core.ledger.check()
         assert all(i in (W1, W2, LEARNER) for i, _, _ in replies)

@@ -20,7 +20,7 @@ from loraflow.broker.adapters import NOTICE_BATCH, NOTICE_SPACING_S
 from loraflow.broker.core import BrokerCore
 from loraflow.broker.peers import PeerRegistry
 from loraflow.broker.server import BrokerServer
-from loraflow.common import framing, protocol, sockets
+from loraflow.common import codec, framing, protocol, sockets
 from loraflow.common.config import load_config
 from loraflow.common.protocol import Heartbeat, Hello, Kind, LeaseRequest, LeaseReturn
 from loraflow.common.tasks import load_task
@@ -214,8 +214,8 @@ def test_a_publish_to_many_workers_is_paced_in_batches_behind_other_replies() ->
     harness.hello(LEARNER)
     core, now = harness.core, harness.now
     record, tensors = make_adapter(1)
-    core.handle(LEARNER, protocol.encode(record, tensors), now)
-    core.handle(workers[5], protocol.encode(LeaseRequest(max_leases=1, adapter_version=1, wait_ms=0)), now)
+    core.handle(LEARNER, codec.encode(record, tensors), now)
+    core.handle(workers[5], codec.encode(LeaseRequest(max_leases=1, adapter_version=1, wait_ms=0)), now)
     notices: dict[bytes, int] = {}
     passes = []
     while core.has_work(now) or len(core.notices) or not passes:
@@ -231,7 +231,7 @@ def test_a_publish_to_many_workers_is_paced_in_batches_behind_other_replies() ->
         for o in out:
             if o.kind == Kind.ADAPTER_NOTICE:
                 notices[o.identity] = notices.get(o.identity, 0) + 1
-                assert protocol.decode(o.frames)[0].version == 1
+                assert codec.decode(o.frames)[0].version == 1
         assert len(passes) < 20
     assert Kind.LEASE_GRANT in passes[0] and passes[0].index(Kind.LEASE_GRANT) < passes[0].index(Kind.ADAPTER_NOTICE)
     assert notices == {identity: 1 for identity in workers}  # each worker once
@@ -246,7 +246,7 @@ def test_notices_not_yet_sent_go_out_when_draining() -> None:
         harness.hello(f"worker/w{i}".encode())
     harness.hello(LEARNER)
     record, tensors = make_adapter(1)
-    harness.core.handle(LEARNER, protocol.encode(record, tensors), harness.now)
+    harness.core.handle(LEARNER, codec.encode(record, tensors), harness.now)
     harness.core.tick(harness.now)
     first = [o for o in harness.core.flush(harness.now) if o.kind == Kind.ADAPTER_NOTICE]
     rest = [o for o in harness.core.drain(harness.now) if o.kind == Kind.ADAPTER_NOTICE]
@@ -284,14 +284,14 @@ def test_a_pass_stops_receiving_at_its_time_bound_and_the_rest_is_served_next(mo
     thread.start()
     sock = sockets.dealer_socket(ctx, server.endpoint, identity=W1)
     try:
-        sock.send_multipart(protocol.encode(Hello(role="worker", client_id="w1", session="s1")))
-        assert sock.poll(20_000) and protocol.decode(sock.recv_multipart())[0].KIND == Kind.WELCOME
+        sock.send_multipart(codec.encode(Hello(role="worker", client_id="w1", session="s1")))
+        assert sock.poll(20_000) and codec.decode(sock.recv_multipart())[0].KIND == Kind.WELCOME
         for _ in range(50):
             sock.send_multipart(raw_beat())
-        sock.send_multipart(protocol.encode(LeaseRequest(max_leases=1, wait_ms=0)))
+        sock.send_multipart(codec.encode(LeaseRequest(max_leases=1, wait_ms=0)))
         kinds: list[int] = []
         while Kind.LEASE_GRANT not in kinds and sock.poll(20_000):
-            kinds.append(protocol.decode(sock.recv_multipart())[0].KIND)
+            kinds.append(codec.decode(sock.recv_multipart())[0].KIND)
         assert kinds.count(Kind.HEARTBEAT) == 50 and kinds[-1] == Kind.LEASE_GRANT
     finally:
         sock.close(linger=0)

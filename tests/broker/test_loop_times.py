@@ -8,7 +8,7 @@ import time
 import zmq
 
 from loraflow.broker.stats import BUCKET_LABELS, BrokerStats, LoopTimes, pass_quantile
-from loraflow.common import protocol
+from loraflow.common import codec
 from loraflow.common.protocol import Hello, LeaseRequest
 from loraflow.deploy import status
 from tests.support import Processes, start_broker
@@ -82,10 +82,10 @@ def test_a_real_broker_reports_its_loop_in_stats_and_status(procs: Processes) ->
     sock.setsockopt(zmq.LINGER, 0)
     sock.connect(broker.endpoint)
     try:
-        sock.send_multipart(protocol.encode(Hello(role="worker", client_id="w-loop")))
+        sock.send_multipart(codec.encode(Hello(role="worker", client_id="w-loop")))
         assert sock.poll(5000)
         sock.recv_multipart()
-        sock.send_multipart(protocol.encode(LeaseRequest(max_leases=1)))
+        sock.send_multipart(codec.encode(LeaseRequest(max_leases=1)))
         assert sock.poll(5000)
         sock.recv_multipart()
         deadline = time.monotonic() + 10

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from loraflow.broker.outbox import Outbox
 from loraflow.broker.stats import BrokerStats
-from loraflow.common import protocol
+from loraflow.common import codec, protocol
 from loraflow.common.protocol import AdapterAck, BatchSettled, Heartbeat, Kind
 
 A, B = b"worker/a", b"learner/b"
@@ -28,9 +28,9 @@ def test_now_and_after_durable_replies_leave_in_order_of_their_writes() -> None:
     box.release(0)
     assert box.take() == [] and not box.has_ready(0)
     box.release(1)
-    assert [protocol.decode(o.frames)[0].ref_id for o in box.take()] == ["b1"]
+    assert [codec.decode(o.frames)[0].ref_id for o in box.take()] == ["b1"]
     box.release(5)
-    assert [protocol.decode(o.frames)[0].ref_id for o in box.take()] == ["b2"]
+    assert [codec.decode(o.frames)[0].ref_id for o in box.take()] == ["b2"]
     assert box.num_awaiting == 0
     assert stats.family("messages_out") == {"ack": 2, "heartbeat": 1}
     assert stats.bytes_out > 0
@@ -51,7 +51,7 @@ def test_batched_acks_one_per_client_and_status_in_chunks() -> None:
     many = [f"1:{i}" for i in range(protocol.MAX_BATCH_GROUPS + 5)]
     for group_id in many:
         box.ack_group(B, "accepted", group_id)
-    acks = [protocol.decode(o.frames)[0] for o in box.take()]
+    acks = [codec.decode(o.frames)[0] for o in box.take()]
     assert [(a.status, a.ids) for a in acks[:2]] == [("accepted", ["0:0", "0:1", "0:2"]), ("duplicate", ["0:0"])]
     assert [len(a.ids) for a in acks[2:]] == [protocol.MAX_BATCH_GROUPS + 1, 4]
     assert [i for a in acks[2:] for i in a.ids] == many

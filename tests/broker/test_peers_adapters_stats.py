@@ -10,8 +10,9 @@ import pytest
 from loraflow.broker.adapters import AdapterCache
 from loraflow.broker.peers import ClientIdTaken, PeerRegistry, RegistryFull
 from loraflow.broker.stats import BrokerStats
-from loraflow.common import protocol
-from loraflow.common.protocol import AdapterUpdate, Heartbeat, Hello, ProtocolError
+from loraflow.common import codec
+from loraflow.common.codes import ProtocolError
+from loraflow.common.protocol import AdapterUpdate, Heartbeat, Hello
 
 
 def registry(max_workers: int = 2) -> PeerRegistry:
@@ -81,8 +82,8 @@ def adapter(version: int, seed: int = 0, bad_digest: bool = False) -> tuple[Adap
     tensors = [("lora_A", np.random.default_rng(seed).standard_normal(64, dtype=np.float32))]
     digest = "0" * 64 if bad_digest else hashlib.sha256(tensors[0][1].tobytes()).hexdigest()
     record = AdapterUpdate(version=version, sha256=digest, adapter_config={"r": 4})
-    frames = protocol.encode(record, tensors)
-    _, envelope = protocol.decode(frames)
+    frames = codec.encode(record, tensors)
+    _, envelope = codec.decode(frames)
     return record, envelope.specs, frames
 
 

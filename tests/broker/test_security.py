@@ -7,7 +7,7 @@ from pathlib import Path
 
 import zmq
 
-from loraflow.common import protocol, sockets
+from loraflow.common import codec, protocol, sockets
 from loraflow.common.protocol import Error, Hello
 from loraflow.common.security import ClientSecurity, generate_keys
 from loraflow.common.transport import fetch_stats
@@ -28,14 +28,14 @@ def test_keys_bind_roles(procs: Processes, tmp_path: Path) -> None:
         assert worker.reply().status == "accepted"
         # the worker's key cannot register as a learner, even under a learner identity
         impostor = sockets.dealer_socket(ctx, broker.endpoint, identity=b"learner/evil", security=worker_key)
-        impostor.send_multipart(protocol.encode(Hello(role="learner", client_id="evil", session=uuid.uuid4().hex)))
+        impostor.send_multipart(codec.encode(Hello(role="learner", client_id="evil", session=uuid.uuid4().hex)))
         assert impostor.poll(5000)
-        error = protocol.decode(impostor.recv_multipart())[0]
+        error = codec.decode(impostor.recv_multipart())[0]
         assert isinstance(error, Error) and error.code == "forbidden" and "authorised as a worker" in error.message
         impostor.close(0)
         # without any key, nothing gets through (the handshake fails, no reply)
         plain = sockets.dealer_socket(ctx, broker.endpoint, identity=b"observer/plain")
-        plain.send_multipart(protocol.encode(protocol.StatsRequest()))
+        plain.send_multipart(codec.encode(protocol.StatsRequest()))
         assert not plain.poll(500)
         plain.close(0)
         snapshot = fetch_stats(broker.endpoint, security=ClientSecurity.load(keys, "obs"))
@@ -58,16 +58,16 @@ def test_a_client_id_and_its_leases_belong_to_the_key_that_registered_them(procs
         lease, = worker.lease(1).leases
         rival = sockets.dealer_socket(ctx, broker.endpoint, identity=b"worker/w1/rival",
                                       security=ClientSecurity.load(keys, "w2"))
-        rival.send_multipart(protocol.encode(Hello(role="worker", client_id="w1", session=uuid.uuid4().hex)))
+        rival.send_multipart(codec.encode(Hello(role="worker", client_id="w1", session=uuid.uuid4().hex)))
         assert rival.poll(5000)
-        error = protocol.decode(rival.recv_multipart())[0]
+        error = codec.decode(rival.recv_multipart())[0]
         assert isinstance(error, Error) and error.code == "forbidden" and "registered by another key" in error.message
-        rival.send_multipart(protocol.encode(Hello(role="worker", client_id="w2", session=uuid.uuid4().hex)))
-        assert rival.poll(5000) and protocol.decode(rival.recv_multipart())[0].KIND == protocol.Kind.WELCOME
+        rival.send_multipart(codec.encode(Hello(role="worker", client_id="w2", session=uuid.uuid4().hex)))
+        assert rival.poll(5000) and codec.decode(rival.recv_multipart())[0].KIND == protocol.Kind.WELCOME
         record, tensors = make_group(lease, "w2")
-        rival.send_multipart(protocol.encode(record, tensors))
+        rival.send_multipart(codec.encode(record, tensors))
         assert rival.poll(5000)
-        error = protocol.decode(rival.recv_multipart())[0]
+        error = codec.decode(rival.recv_multipart())[0]
         assert isinstance(error, Error) and error.code == "unknown_lease", error
         snapshot = fetch_stats(broker.endpoint, security=ClientSecurity.load(keys, "obs"))
         assert snapshot["leases"]["outstanding"] == 1 and snapshot["peers_gone"] == {}

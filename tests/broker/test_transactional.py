@@ -17,7 +17,7 @@ from loraflow.broker.core import BrokerCore
 from loraflow.broker.dispatch import HalfApplied
 from loraflow.broker.server import BrokerServer
 from loraflow.broker.state import load_state
-from loraflow.common import protocol, sockets
+from loraflow.common import codec, sockets
 from loraflow.common.config import load_config
 from loraflow.common.protocol import Error, Hello, Kind, LeaseGrant, LeaseRequest, StatsRequest
 from loraflow.common.tasks import load_task
@@ -37,13 +37,13 @@ def test_a_bug_in_validation_changes_nothing_and_one_in_apply_is_half_applied(mo
     record, tensors = make_group(lease, "w1")
     changes = h.core.ledger.num_changes
     with pytest.raises(RuntimeError, match="injected") as caught:
-        h.core.handle(W1, protocol.encode(record, tensors), h.now)
+        h.core.handle(W1, codec.encode(record, tensors), h.now)
     assert not isinstance(caught.value, HalfApplied)
     assert h.core.ledger.num_changes == changes and h.core.ledger.state((0, 0)) == "leased"
     monkeypatch.undo()
     monkeypatch.setattr(h.core.ledger, "accept", _boom)
     with pytest.raises(HalfApplied, match="rollout_group from worker/w1"):
-        h.core.handle(W1, protocol.encode(record, tensors), h.now)
+        h.core.handle(W1, codec.encode(record, tensors), h.now)
     assert not h.core._applying  # the flag does not outlive the handler
 
 
@@ -56,7 +56,7 @@ def _serve(server: BrokerServer, failures: list) -> None:
 
 def _reply(sock: zmq.Socket, kind: int, timeout_s: float = 20.0) -> object:
     while sock.poll(int(timeout_s * 1000)):
-        record, _ = protocol.decode(sock.recv_multipart())
+        record, _ = codec.decode(sock.recv_multipart())
         if record.KIND == kind:
             return record
     raise AssertionError(f"no {Kind(kind).name} within {timeout_s} s")
@@ -75,34 +75,34 @@ def test_the_loop_answers_internal_for_a_validation_bug_and_ends_on_an_apply_bug
     thread.start()
     sock = sockets.dealer_socket(ctx, server.endpoint, identity=W1)
     try:
-        sock.send_multipart(protocol.encode(Hello(role="worker", client_id="w1", session="s1")))
+        sock.send_multipart(codec.encode(Hello(role="worker", client_id="w1", session="s1")))
         _reply(sock, Kind.WELCOME)
-        sock.send_multipart(protocol.encode(LeaseRequest(max_leases=1, adapter_version=0)))
+        sock.send_multipart(codec.encode(LeaseRequest(max_leases=1, adapter_version=0)))
         grant = _reply(sock, Kind.LEASE_GRANT)
         assert isinstance(grant, LeaseGrant) and len(grant.leases) == 1
         record, tensors = make_group(grant.leases[0], "w1")
 
         monkeypatch.setattr(groups_module, "judge", _boom)
-        sock.send_multipart(protocol.encode(record, tensors))
+        sock.send_multipart(codec.encode(record, tensors))
         error = _reply(sock, Kind.ERROR)
         assert isinstance(error, Error) and error.code == "internal"
-        sock.send_multipart(protocol.encode(StatsRequest()))
+        sock.send_multipart(codec.encode(StatsRequest()))
         stats = _reply(sock, Kind.STATS).snapshot
         assert stats["prompts"]["leased"] == 1  # served on, nothing changed
         monkeypatch.undo()
 
-        # a bug before the message is counted (the broker's own protocol module; the test's decode stays real)
-        monkeypatch.setattr(core_module, "protocol", SimpleNamespace(**{**vars(protocol), "decode_envelope": _boom}))
-        sock.send_multipart(protocol.encode(LeaseRequest(max_leases=1, adapter_version=0)))
+        # a bug before the message is counted (the broker's own codec module; the test's decode stays real)
+        monkeypatch.setattr(core_module, "codec", SimpleNamespace(**{**vars(codec), "decode_envelope": _boom}))
+        sock.send_multipart(codec.encode(LeaseRequest(max_leases=1, adapter_version=0)))
         assert _reply(sock, Kind.ERROR).code == "internal"
         monkeypatch.undo()
-        sock.send_multipart(protocol.encode(StatsRequest()))
+        sock.send_multipart(codec.encode(StatsRequest()))
         after = _reply(sock, Kind.STATS).snapshot
         assert after["messages_in"]["lease_request"] == stats["messages_in"]["lease_request"] + 1  # still counted
         assert after["rejected"]["internal"] == stats["rejected"]["internal"] + 1
 
         monkeypatch.setattr(core.ledger, "accept", _boom)
-        sock.send_multipart(protocol.encode(record, tensors))
+        sock.send_multipart(codec.encode(record, tensors))
         thread.join(timeout=30)
         assert not thread.is_alive(), "the loop carried on after a bug in an apply half"
         assert len(failures) == 1 and isinstance(failures[0], HalfApplied)

@@ -11,15 +11,9 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from loraflow.common import framing, protocol
-from loraflow.common.protocol import (
-    PROTOCOL_VERSION,
-    Batch,
-    BatchEntry,
-    Kind,
-    ProtocolError,
-    RolloutGroup,
-)
+from loraflow.common import codec, framing, group_checks, protocol
+from loraflow.common.codes import ProtocolError
+from loraflow.common.protocol import PROTOCOL_VERSION, Batch, BatchEntry, Kind, RolloutGroup
 
 
 def make_group(n: int = 2, prompt_len: int = 3, completion_lens: tuple[int, ...] = (2, 1), **overrides):
@@ -67,7 +61,7 @@ SAMPLES = [
 
 @pytest.mark.parametrize("message", SAMPLES, ids=lambda m: type(m).__name__)
 def test_tensorless_records_round_trip(message) -> None:
-    record, envelope = protocol.decode(protocol.encode(message))
+    record, envelope = codec.decode(codec.encode(message))
     assert record == message and envelope.kind == int(message.KIND)
 
 
@@ -78,10 +72,10 @@ def test_every_kind_has_a_record_and_a_sample() -> None:
 
 def test_rollout_group_round_trip_and_value_checks_pass() -> None:
     group, tensors = make_group()
-    record, env = protocol.decode(protocol.encode(group, list(tensors.items())))
+    record, env = codec.decode(codec.encode(group, list(tensors.items())))
     assert record == group
-    protocol.check_group_values(record, env.specs, env.frames, vocab_size=10, latest_version=1)
-    got = protocol.group_tensors(env.specs, env.frames)
+    group_checks.check_group_values(record, env.specs, env.frames, vocab_size=10, latest_version=1)
+    got = group_checks.group_tensors(env.specs, env.frames)
     np.testing.assert_array_equal(got["logprobs"].numpy(), tensors["logprobs"])
 
 
@@ -102,7 +96,7 @@ def test_rollout_group_layout_errors(change, needle: str) -> None:
     group, tensors = make_group()
     change(group, tensors)
     with pytest.raises(ProtocolError, match=needle) as info:
-        protocol.decode(protocol.encode(group, list(tensors.items())))
+        codec.decode(codec.encode(group, list(tensors.items())))
     assert info.value.code == "malformed"
 
 
@@ -121,72 +115,72 @@ def test_rollout_group_layout_errors(change, needle: str) -> None:
 def test_rollout_group_value_errors(change, needle: str) -> None:
     group, tensors = make_group()
     change(tensors)
-    record, env = protocol.decode(protocol.encode(group, list(tensors.items())))
+    record, env = codec.decode(codec.encode(group, list(tensors.items())))
     with pytest.raises(ProtocolError, match=needle) as info:
-        protocol.check_group_values(record, env.specs, env.frames, vocab_size=10, latest_version=1)
+        group_checks.check_group_values(record, env.specs, env.frames, vocab_size=10, latest_version=1)
     assert info.value.code == "invalid_group"
 
 
 def test_group_from_the_future_is_refused() -> None:
     group, tensors = make_group()
-    record, env = protocol.decode(protocol.encode(group, list(tensors.items())))
+    record, env = codec.decode(codec.encode(group, list(tensors.items())))
     with pytest.raises(ProtocolError, match="newer than the latest published version 0"):
-        protocol.check_group_values(record, env.specs, env.frames, vocab_size=0, latest_version=0)
+        group_checks.check_group_values(record, env.specs, env.frames, vocab_size=0, latest_version=0)
 
 
 def test_nan_reward_is_refused_at_decode() -> None:
     group, tensors = make_group()
     group.rewards = [math.nan, 1.0]
     with pytest.raises(ProtocolError, match=r"rewards\[0\]: must be a finite number"):
-        protocol.decode(protocol.encode(group, list(tensors.items())))
+        codec.decode(codec.encode(group, list(tensors.items())))
 
 
 def test_batch_forwards_group_frames_and_checks_layout() -> None:
     g1, t1 = make_group()
     g2, t2 = make_group(n=1, completion_lens=(4,), group_id="0:8")
-    frames1 = protocol.encode(g1, list(t1.items()))
-    frames2 = protocol.encode(g2, list(t2.items()))
-    env1, env2 = protocol.decode_envelope(frames1, 1 << 20), protocol.decode_envelope(frames2, 1 << 20)
+    frames1 = codec.encode(g1, list(t1.items()))
+    frames2 = codec.encode(g2, list(t2.items()))
+    env1, env2 = codec.decode_envelope(frames1, 1 << 20), codec.decode_envelope(frames2, 1 << 20)
     batch = Batch(batch_id="b1", groups=[BatchEntry(group=g1, first_tensor=0), BatchEntry(group=g2, first_tensor=5)])
     specs = list(env1.specs) + [framing.TensorSpec(s.name, s.dtype, s.shape, s.frame + 5) for s in env2.specs]
-    record, env = protocol.decode(protocol.encode_with_frames(batch, specs, env1.frames + env2.frames))
+    record, env = codec.decode(codec.encode_with_frames(batch, specs, env1.frames + env2.frames))
     assert [e.group.group_id for e in record.groups] == ["0:7", "0:8"]
     second = env.specs[5:10]
-    got = protocol.group_tensors(second, env.frames)
+    got = group_checks.group_tensors(second, env.frames)
     np.testing.assert_array_equal(got["completion_ids"].numpy(), t2["completion_ids"])
     bad = Batch(batch_id="b1", groups=[BatchEntry(group=g1, first_tensor=0), BatchEntry(group=g2, first_tensor=4)])
     with pytest.raises(ProtocolError, match=r"groups\[1\].first_tensor is 4, expected 5"):
-        protocol.decode(protocol.encode_with_frames(bad, specs, env1.frames + env2.frames))
+        codec.decode(codec.encode_with_frames(bad, specs, env1.frames + env2.frames))
 
 
 def test_adapter_update_layout() -> None:
     update = protocol.AdapterUpdate(version=1, sha256="0" * 64, adapter_config={"r": 8})
-    record, env = protocol.decode(protocol.encode(update, [("a", np.zeros((2, 2), np.float32))]))
+    record, env = codec.decode(codec.encode(update, [("a", np.zeros((2, 2), np.float32))]))
     assert record.version == 1 and env.specs[0].shape == (2, 2)
     with pytest.raises(ProtocolError, match="carries no tensors"):
-        protocol.decode(protocol.encode(update))
+        codec.decode(codec.encode(update))
     with pytest.raises(ProtocolError, match="must be a floating dtype"):
-        protocol.decode(protocol.encode(update, [("a", np.zeros(2, np.int32))]))
+        codec.decode(codec.encode(update, [("a", np.zeros(2, np.int32))]))
 
 
 def test_tensors_on_a_tensorless_kind_are_refused() -> None:
     with pytest.raises(ProtocolError, match="Bye carries no tensors"):
-        protocol.decode(protocol.encode(protocol.Bye(), [("x", np.zeros(1, np.float32))]))
+        codec.decode(codec.encode(protocol.Bye(), [("x", np.zeros(1, np.float32))]))
 
 
 def test_protocol_version_mismatch_names_both_versions() -> None:
     frames = framing.pack(int(Kind.HELLO), PROTOCOL_VERSION + 1, {"role": "worker", "client_id": "w"})
     with pytest.raises(ProtocolError, match=f"peer speaks {PROTOCOL_VERSION + 1}, this process speaks "
                                             f"{PROTOCOL_VERSION}") as info:
-        protocol.decode(frames)
+        codec.decode(frames)
     assert info.value.code == "protocol_version"
 
 
 def test_oversize_message_gets_the_oversize_code() -> None:
-    frames = protocol.encode(protocol.AdapterUpdate(version=1, sha256="", adapter_config={}),
+    frames = codec.encode(protocol.AdapterUpdate(version=1, sha256="", adapter_config={}),
                              [("a", np.zeros(10_000, np.float32))])
     with pytest.raises(ProtocolError) as info:
-        protocol.decode(frames, max_bytes=1000)
+        codec.decode(frames, max_bytes=1000)
     assert info.value.code == "oversize"
 
 
@@ -204,7 +198,7 @@ def test_oversize_message_gets_the_oversize_code() -> None:
 def test_hello_field_errors_name_the_field(header: dict, needle: str) -> None:
     frames = framing.pack(int(Kind.HELLO), PROTOCOL_VERSION, header)
     with pytest.raises(ProtocolError, match=needle):
-        protocol.decode(frames)
+        codec.decode(frames)
 
 
 json_values = st.recursive(
@@ -221,21 +215,21 @@ json_values = st.recursive(
 def test_random_headers_raise_only_protocol_errors(kind: int, header: dict, extra: list[bytes]) -> None:
     frames = [framing.PREAMBLE.pack(framing.MAGIC, PROTOCOL_VERSION, kind), msgpack.packb(header), *extra]
     with contextlib.suppress(ProtocolError):
-        protocol.decode(frames)
+        codec.decode(frames)
 
 
 @settings(max_examples=200, deadline=None)
 @given(st.data())
 def test_mutated_group_fields_raise_only_protocol_errors(data: st.DataObject) -> None:
     group, tensors = make_group()
-    frames = protocol.encode(group, list(tensors.items()))
+    frames = codec.encode(group, list(tensors.items()))
     header = msgpack.unpackb(frames[1])
     key = data.draw(st.sampled_from(sorted(header)))
     header[key] = data.draw(json_values)
     frames[1] = msgpack.packb(header)
     try:
-        record, env = protocol.decode(frames)
-        protocol.check_group_values(record, env.specs, env.frames, vocab_size=10, latest_version=1)
+        record, env = codec.decode(frames)
+        group_checks.check_group_values(record, env.specs, env.frames, vocab_size=10, latest_version=1)
     except ProtocolError:
         pass
 
@@ -277,7 +271,7 @@ def _lease_fields(**overrides: object) -> dict:
 def test_free_form_and_version_fields_are_bounded_at_decode(kind: int, header: dict, needle: str) -> None:
     frames = [framing.PREAMBLE.pack(framing.MAGIC, PROTOCOL_VERSION, kind), msgpack.packb(header)]
     with pytest.raises(ProtocolError) as caught:
-        protocol.decode(frames)
+        codec.decode(frames)
     assert caught.value.code == "malformed" and needle in str(caught.value), str(caught.value)
 
 
@@ -286,9 +280,9 @@ def test_bounded_free_form_values_still_pass() -> None:
                           prompt_messages=[{"role": "user", "content": "hi"}])
     frames = [framing.PREAMBLE.pack(framing.MAGIC, PROTOCOL_VERSION, Kind.LEASE_GRANT),
               msgpack.packb({"leases": [lease]})]
-    grant, _ = protocol.decode(frames)
+    grant, _ = codec.decode(frames)
     assert grant.leases[0].meta == _nested(31) and grant.leases[0].columns == {"rows": [[{"x": 1}]]}
-    beat, _ = protocol.decode(protocol.encode(protocol.Heartbeat(counters={"n": 3, "s": 1.5})))
+    beat, _ = codec.decode(codec.encode(protocol.Heartbeat(counters={"n": 3, "s": 1.5})))
     assert beat.counters == {"n": 3, "s": 1.5} and type(beat.counters["n"]) is int
 
 
@@ -297,7 +291,7 @@ def test_a_tensor_spec_with_a_non_string_dtype_is_malformed(dtype: object) -> No
     header = {"tensors": [{"name": "x", "dtype": dtype, "shape": [1], "frame": 0}]}
     frames = [framing.PREAMBLE.pack(framing.MAGIC, PROTOCOL_VERSION, Kind.HEARTBEAT), msgpack.packb(header), b"1234"]
     with pytest.raises(ProtocolError) as caught:
-        protocol.decode(frames)
+        codec.decode(frames)
     assert caught.value.code == "malformed" and "is not one of" in str(caught.value)
 
 
@@ -306,15 +300,15 @@ def test_a_newer_peers_unknown_fields_are_ignored_and_said() -> None:
     header without a newer defaulted field decodes with its default (the compatibility rule)."""
     grant = {"leases": [_lease_fields(priority=3)], "reason": "", "from_the_future": {"x": [1]}}
     frames = [framing.PREAMBLE.pack(framing.MAGIC, PROTOCOL_VERSION, Kind.LEASE_GRANT), msgpack.packb(grant)]
-    record, envelope = protocol.decode(frames)
+    record, envelope = codec.decode(frames)
     assert envelope.unknown_fields and record.leases[0].group_id == "0:1" and record.leases[0].answer == ""
-    again, envelope = protocol.decode(protocol.encode(record))
+    again, envelope = codec.decode(codec.encode(record))
     assert again == record and not envelope.unknown_fields
     # an unknown field does not hide a bad known one
     grant["leases"][0]["group_size"] = 0
     frames[1] = msgpack.packb(grant)
     with pytest.raises(ProtocolError, match=r"LeaseGrant.leases\[0\].group_size: must be >= 1"):
-        protocol.decode(frames)
+        codec.decode(frames)
 
 
 @pytest.mark.parametrize("message", SAMPLES, ids=lambda m: type(m).__name__)
@@ -322,11 +316,11 @@ def test_a_header_cut_short_after_an_unknown_field_is_not_valid_msgpack(message)
     """An unknown field first and the header cut anywhere after it (the broker's fuzzer found this): the strict
     decoder stops at the unknown name, the lenient one at the cut; a ProtocolError either way, never another
     exception (which the broker answered ``internal`` without counting the message)."""
-    header = msgpack.packb({"": 1, **msgpack.unpackb(protocol.encode(message)[1])})
+    header = msgpack.packb({"": 1, **msgpack.unpackb(codec.encode(message)[1])})
     preamble = framing.PREAMBLE.pack(framing.MAGIC, PROTOCOL_VERSION, message.KIND)
     for cut in range(3, len(header)):
         with pytest.raises(ProtocolError, match="not valid msgpack"):
-            protocol.decode([preamble, header[:cut]])
+            codec.decode([preamble, header[:cut]])
 
 
 @settings(max_examples=200, deadline=None)
@@ -334,9 +328,9 @@ def test_a_header_cut_short_after_an_unknown_field_is_not_valid_msgpack(message)
     lambda k: k != "tensors"), json_values, min_size=1, max_size=4))
 def test_any_extra_fields_decode_to_the_same_record(message, extra: dict) -> None:
     """Unknown fields added to any valid header change nothing but ``unknown_fields`` (known names keep theirs)."""
-    frames = protocol.encode(message)
+    frames = codec.encode(message)
     header = msgpack.unpackb(frames[1])
     frames[1] = msgpack.packb({**{k: v for k, v in extra.items() if k not in header}, **header})
-    record, envelope = protocol.decode(frames)
+    record, envelope = codec.decode(frames)
     assert record == message
     assert envelope.unknown_fields == any(k not in header for k in extra)

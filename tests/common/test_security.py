@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 import zmq
 
-from loraflow.common import protocol, sockets
+from loraflow.common import codec, protocol, sockets
 from loraflow.common.security import ClientSecurity, SecurityError, ServerSecurity, generate_keys, role_of
 from loraflow.common.transport import watched_dealer
 from tests.support import wait_for
@@ -32,7 +32,7 @@ def test_authorised_clients_carry_their_role_and_strangers_are_refused(keys: Pat
     ctx, server, router, endpoint = serve(keys)
     try:
         worker = sockets.dealer_socket(ctx, endpoint, identity=b"worker/w1", security=ClientSecurity.load(keys, "w1"))
-        worker.send_multipart(protocol.encode(protocol.Bye()))
+        worker.send_multipart(codec.encode(protocol.Bye()))
         assert router.poll(5000)
         identity, *frames = router.recv_multipart(copy=False)
         assert identity.bytes == b"worker/w1" and role_of(frames[0]) == "worker"
@@ -41,13 +41,13 @@ def test_authorised_clients_carry_their_role_and_strangers_are_refused(keys: Pat
         mallory = ClientSecurity.load(tmp_path / "other", "mallory")
         mallory.broker_public = server.public  # knows the broker's public key, but is not authorised
         stranger = sockets.dealer_socket(ctx, endpoint, identity=b"learner/x", security=mallory)
-        stranger.send_multipart(protocol.encode(protocol.Bye()))
+        stranger.send_multipart(codec.encode(protocol.Bye()))
         wait_for(lambda: server.num_refused >= 1, 5, "the stranger to be refused")
         assert not router.poll(300)
 
         generate_keys(keys, {"w2": "worker"})  # admitted without restarting the broker
         late = sockets.dealer_socket(ctx, endpoint, identity=b"worker/w2", security=ClientSecurity.load(keys, "w2"))
-        late.send_multipart(protocol.encode(protocol.Bye()))
+        late.send_multipart(codec.encode(protocol.Bye()))
         assert router.poll(5000)
         _, *frames = router.recv_multipart(copy=False)
         assert role_of(frames[0]) == "worker"

@@ -7,7 +7,7 @@ import time
 import pytest
 import zmq
 
-from loraflow.common import protocol
+from loraflow.common import codec, protocol
 from loraflow.common.protocol import Hello, Kind, Welcome
 from loraflow.common.transport import BrokerLink, BrokerUnavailable, Incoming, Reconnected, fetch_stats
 
@@ -33,13 +33,13 @@ class ScriptedBroker:
         while time.monotonic() < deadline:
             if self.sock.poll(50):
                 identity, *frames = self.sock.recv_multipart()
-                record, _ = protocol.decode(frames)
+                record, _ = codec.decode(frames)
                 if kind is None or record.KIND == kind:
                     return identity, record
         raise AssertionError(f"nothing of kind {kind} arrived")
 
     def send(self, identity: bytes, message) -> None:
-        self.sock.send_multipart([identity, *protocol.encode(message)])
+        self.sock.send_multipart([identity, *codec.encode(message)])
 
     def close(self) -> None:
         self.sock.close(0)

@@ -10,7 +10,7 @@ from typing import Any
 import numpy as np
 import pytest
 
-from loraflow.common import protocol
+from loraflow.common import codec
 from loraflow.common.protocol import Batch, BatchEntry
 from loraflow.learner import data
 from loraflow.learner.ledger import Ledger, newest_published, read
@@ -77,7 +77,7 @@ def test_learner_skips_groups_with_withdrawn_tokens() -> None:
     for group, group_tensors in groups:
         entries.append(BatchEntry(group=group, first_tensor=len(tensors)))
         tensors.extend(group_tensors)
-    batch, envelope = protocol.decode(protocol.encode(Batch(batch_id="b", groups=entries), tensors))
+    batch, envelope = codec.decode(codec.encode(Batch(batch_id="b", groups=entries), tensors))
     selection = data.select_groups(batch, envelope.specs, envelope.frames, version=7, max_staleness=10,
                                    trained_group_ids=set(), vocab_size=259, withdrawn=[(5, 5)])
     # 0:1 spans versions 4..6 but holds no token of 5: kept; 0:2 was generated under 5: skipped, not acknowledged

@@ -31,7 +31,7 @@ from typing import Any
 import numpy as np
 import zmq
 
-from loraflow.common import framing, protocol
+from loraflow.common import codec, framing
 from loraflow.common.protocol import (
     AdapterAck,
     AdapterNotice,
@@ -90,7 +90,7 @@ def make_batch(seed: int, index: int, *, num_groups: int, group_size: int, min_v
         entries.append(BatchEntry(group=group, first_tensor=len(tensors)))
         tensors.extend(group_tensors)
     batch = Batch(batch_id=f"batch-{index}", groups=entries, latest_version=latest_version)
-    return protocol.encode(batch, tensors)
+    return codec.encode(batch, tensors)
 
 
 @dataclass
@@ -176,7 +176,7 @@ class ScriptedBroker:
         while not self._stop.is_set():
             if self.sock.poll(20):
                 identity, *frames = self.sock.recv_multipart(copy=False)
-                record, envelope = protocol.decode(frames)
+                record, envelope = codec.decode(frames)
                 with self._lock:
                     self._handle(identity.bytes, record, envelope)
             with self._lock:
@@ -187,23 +187,23 @@ class ScriptedBroker:
 
     def _handle(self, identity: bytes, record: Any, envelope: Any) -> None:
         if not isinstance(record, Hello) and identity not in self._registered:
-            self._send(identity, protocol.encode(Error(code="not_registered", message="say hello first",
+            self._send(identity, codec.encode(Error(code="not_registered", message="say hello first",
                                                        ref_kind=int(record.KIND))))
             return
         if isinstance(record, Hello):
             self._registered.add(identity)
             self.hellos.append(record)
             self.next_index = record.adapter_version  # publish_every = 1: version == steps trained
-            self._send(identity, protocol.encode(Welcome(
+            self._send(identity, codec.encode(Welcome(
                 broker_id=self.broker_id, latest_version=self.latest_version, group_size=self.group_size,
                 groups_per_step=self.num_groups, max_staleness=100, heartbeat_interval_s=0.2,
                 heartbeat_timeout_s=2.0, lease_timeout_s=60, max_message_bytes=1 << 28, vocab_size=VOCAB)))
         elif isinstance(record, Heartbeat):
             self.heartbeats.append(record)
-            self._send(identity, protocol.encode(Heartbeat(latest_version=self.latest_version)))
+            self._send(identity, codec.encode(Heartbeat(latest_version=self.latest_version)))
         elif isinstance(record, AdapterUpdate):
             if record.version <= self.latest_version:
-                self._send(identity, protocol.encode(Error(code="stale_version", message="not newer",
+                self._send(identity, codec.encode(Error(code="stale_version", message="not newer",
                                                            ref_kind=Kind.ADAPTER_UPDATE, ref_id=str(record.version),
                                                            ref_version=record.version)))
                 return
@@ -212,18 +212,18 @@ class ScriptedBroker:
                        for s in envelope.specs}
             self.published.append(Published(record.version, record.step, record.sha256, tensors,
                                             record.adapter_config))
-            self._send(identity, protocol.encode(AdapterAck(version=record.version)))
+            self._send(identity, codec.encode(AdapterAck(version=record.version)))
         elif isinstance(record, BatchRequest):
             self.num_requests += 1
             if self.refuse_requests:
-                self._send(identity, protocol.encode(Error(code=self.refuse_requests, message="refused",
+                self._send(identity, codec.encode(Error(code=self.refuse_requests, message="refused",
                                                            ref_kind=Kind.BATCH_REQUEST)))
                 return
             self._waiting.append((identity, record, time.monotonic() + record.wait_ms / 1000))
         elif isinstance(record, BatchAck):
             self.acks.append(record)
             if self.answer_batch_acks:
-                self._send(identity, protocol.encode(BatchSettled(ref_id=record.batch_id)))
+                self._send(identity, codec.encode(BatchSettled(ref_id=record.batch_id)))
         elif isinstance(record, Bye):
             self.byes.append(record)
 
@@ -239,7 +239,7 @@ class ScriptedBroker:
                     latest_version=self.latest_version))
                 self.next_index += 1
             elif now >= deadline:
-                self._send(identity, protocol.encode(Batch(latest_version=self.latest_version)))
+                self._send(identity, codec.encode(Batch(latest_version=self.latest_version)))
             else:
                 still.append((identity, request, deadline))
         self._waiting = still
@@ -392,4 +392,4 @@ def encode_groups(groups: list[tuple[RolloutGroup, list]], batch_id: str = "batc
     for group, group_tensors in groups:
         entries.append(BatchEntry(group=group, first_tensor=len(tensors)))
         tensors.extend(group_tensors)
-    return protocol.encode(Batch(batch_id=batch_id, groups=entries, latest_version=latest_version), tensors)
+    return codec.encode(Batch(batch_id=batch_id, groups=entries, latest_version=latest_version), tensors)

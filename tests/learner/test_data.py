@@ -6,14 +6,14 @@ import numpy as np
 import pytest
 import torch
 
-from loraflow.common import protocol
+from loraflow.common import codec
 from loraflow.common.protocol import Batch, BatchEntry
 from loraflow.learner import data, segments
 from tests.learner.scripted import make_batch, make_group
 
 
 def decoded(frames):
-    record, envelope = protocol.decode(frames)
+    record, envelope = codec.decode(frames)
     return record, envelope.specs, envelope.frames
 
 
@@ -22,7 +22,7 @@ def batch_of(groups_and_tensors) -> list:
     for group, group_tensors in groups_and_tensors:
         entries.append(BatchEntry(group=group, first_tensor=len(tensors)))
         tensors.extend(group_tensors)
-    return protocol.encode(Batch(batch_id="b", groups=entries), tensors)
+    return codec.encode(Batch(batch_id="b", groups=entries), tensors)
 
 
 def test_select_groups_skips_and_counts_each_reason() -> None:

@@ -125,7 +125,7 @@ def test_correct_groups_pass(world: World) -> None:
 
 def test_groups_the_hf_backend_generates_pass(world: World, tiny_model_dir: Path, tmp_path: Path) -> None:
     """The worker's own engine (left-padded batches through generate, adapters in peft slots) and its evidence."""
-    from loraflow.common import protocol
+    from loraflow.common import codec
     from loraflow.rollout_worker.adapters import AdapterStore
     from loraflow.rollout_worker.backends.base import GenRequest, Sampling
     from loraflow.rollout_worker.backends.hf import HfBackend
@@ -133,7 +133,7 @@ def test_groups_the_hf_backend_generates_pass(world: World, tiny_model_dir: Path
     backend = HfBackend(tiny_model_dir, sampling=Sampling(temperature=1.0), device="cpu", seed=0)
     store = AdapterStore(tmp_path / "adapters")
     for snap in world.snapshots.values():  # as a worker receives each AdapterUpdate
-        update, envelope = protocol.decode(protocol.encode(snap.update(), snap.tensors))
+        update, envelope = codec.decode(codec.encode(snap.update(), snap.tensors))
         backend.add_adapter(store.receive(update, envelope.specs, envelope.frames))
     rng = np.random.default_rng(8)
     groups = []

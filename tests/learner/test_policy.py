@@ -20,7 +20,7 @@ from peft import LoraConfig, PeftModel, get_peft_model, set_peft_model_state_dic
 from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM
 
-from loraflow.common import framing, protocol
+from loraflow.common import codec, framing
 from loraflow.common.config import load_config
 from loraflow.common.logprobs import token_logprobs
 from loraflow.learner import data, publish
@@ -81,7 +81,7 @@ def test_published_adapter_gives_the_learners_logits(tiny_model_dir: Path, paral
     assert (learner_logits - base_logits).abs().max() > 1e-3  # the adapter moved the policy
 
     # over the wire: encode, decode, check the checksum, load with set_peft_model_state_dict
-    record, envelope = protocol.decode(protocol.encode(snap.update(), snap.tensors))
+    record, envelope = codec.decode(codec.encode(snap.update(), snap.tensors))
     received = {s.name: framing.as_torch(s, envelope.frames[s.frame]).clone() for s in envelope.specs}
     digest = hashlib.sha256()
     for s in envelope.specs:

@@ -6,7 +6,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from loraflow.common import protocol
+from loraflow.common import codec
 from loraflow.common.protocol import Batch, BatchEntry
 from loraflow.learner import data, integrity
 from loraflow.learner.train import mask_stale_tokens
@@ -35,8 +35,8 @@ def step_of(groups: list[tuple], *, version: int, max_staleness: int) -> tuple[d
     for group, group_tensors in groups:
         entries.append(BatchEntry(group=group, first_tensor=len(tensors)))
         tensors.extend(group_tensors)
-    frames = protocol.encode(Batch(batch_id="b", groups=entries), tensors)
-    batch, envelope = protocol.decode(frames)
+    frames = codec.encode(Batch(batch_id="b", groups=entries), tensors)
+    batch, envelope = codec.decode(frames)
     selection = data.select_groups(batch, envelope.specs, envelope.frames, version=version,
                                    max_staleness=max_staleness, trained_group_ids=set(), vocab_size=VOCAB)
     train = data.trainable_frames(batch, envelope.specs, envelope.frames, selection.train)

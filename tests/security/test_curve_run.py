@@ -20,7 +20,7 @@ from pathlib import Path
 import pytest
 import zmq
 
-from loraflow.common import protocol, sockets
+from loraflow.common import codec, protocol, sockets
 from loraflow.common.protocol import BatchAck, BatchRequest, Error, Hello, Kind
 from loraflow.common.security import ClientSecurity, generate_keys
 from loraflow.common.transport import fetch_stats
@@ -49,7 +49,7 @@ class Intruder:
         """Send and wait for the answer; None when nothing comes back (or nothing could even be sent: a DEALER
         whose handshake failed has no peer to queue for)."""
         try:
-            self.sock.send_multipart(protocol.encode(record, list(tensors)), flags=zmq.NOBLOCK)
+            self.sock.send_multipart(codec.encode(record, list(tensors)), flags=zmq.NOBLOCK)
         except zmq.Again:
             return None
         return self.next(timeout_s)
@@ -57,7 +57,7 @@ class Intruder:
     def next(self, timeout_s: float):
         """The next answer; what a registered worker gets unasked (adapters, notices) is only recorded."""
         while self.sock.poll(int(timeout_s * 1000)):
-            record, _ = protocol.decode(self.sock.recv_multipart())
+            record, _ = codec.decode(self.sock.recv_multipart())
             self.received.append(record)
             if record.KIND not in (Kind.HEARTBEAT, Kind.ADAPTER_UPDATE, Kind.ADAPTER_NOTICE):
                 return record

@@ -30,7 +30,7 @@ import zmq
 from hypothesis import HealthCheck, assume, given, settings
 from hypothesis import strategies as st
 
-from loraflow.common import framing, protocol, sockets
+from loraflow.common import codec, framing, protocol, sockets
 from loraflow.common.protocol import (
     BatchAck,
     BatchRequest,
@@ -72,7 +72,7 @@ class Raw:
         replies = []
         timeout_ms = 200 if unanswered else 2000  # (a reply that should not come would still be caught)
         while self.sock.poll(timeout_ms):
-            record, _ = protocol.decode(self.sock.recv_multipart())
+            record, _ = codec.decode(self.sock.recv_multipart())
             if record.KIND != Kind.HEARTBEAT:
                 replies.append(record)
                 self.num_errors += isinstance(record, Error)
@@ -80,7 +80,7 @@ class Raw:
         return replies
 
     def ask(self, record: Any, tensors: Any = ()) -> list[Any]:
-        return self.send(protocol.encode(record, list(tensors)))
+        return self.send(codec.encode(record, list(tensors)))
 
 
 def _peek_kind(frames: list[Any]) -> int:
@@ -187,13 +187,13 @@ def valid_messages(lease_id: str = "L", group_id: str = "0:0") -> list[list[Any]
     lease = PromptLease(lease_id=lease_id, group_id=group_id, prompt_index=0, epoch=0, task="arith", prompt="1+1=",
                         group_size=GROUP_SIZE, deadline_s=10)
     return [
-        protocol.encode(*make_group(lease, "fuzz", vocab=VOCAB)),
-        protocol.encode(*make_adapter(1)),
-        protocol.encode(Hello(role="worker", client_id="fuzz", session="x")),
-        protocol.encode(LeaseRequest(max_leases=2, wait_ms=0)),
-        protocol.encode(LeaseReturn(lease_ids=["a", "b"])),
-        protocol.encode(BatchAck(batch_id="b", step=1, trained_version=0, group_ids=["0:1"])),
-        protocol.encode(BatchRequest(num_groups=1, wait_ms=0)),
+        codec.encode(*make_group(lease, "fuzz", vocab=VOCAB)),
+        codec.encode(*make_adapter(1)),
+        codec.encode(Hello(role="worker", client_id="fuzz", session="x")),
+        codec.encode(LeaseRequest(max_leases=2, wait_ms=0)),
+        codec.encode(LeaseReturn(lease_ids=["a", "b"])),
+        codec.encode(BatchAck(batch_id="b", step=1, trained_version=0, group_ids=["0:1"])),
+        codec.encode(BatchRequest(num_groups=1, wait_ms=0)),
     ]
 
 
@@ -334,7 +334,7 @@ def test_free_form_fields_nested_to_any_depth(fuzz: Fuzz, depth: int, where: str
         return
     lease = fuzz.lease()
     assume(lease is not None)
-    frames = [bytes(memoryview(f)) for f in protocol.encode(*make_group(lease, "fuzz", vocab=VOCAB))]
+    frames = [bytes(memoryview(f)) for f in codec.encode(*make_group(lease, "fuzz", vocab=VOCAB))]
     frames[1] = msgpack.packb({**msgpack.unpackb(frames[1]), where: {"m": value}})  # (schema.dump would recurse)
     leased = fuzz.stats()["leases"]["outstanding"]
     replies = fuzz.worker.send(frames)

@@ -12,7 +12,7 @@ from typing import Any
 import torch
 from msgspec.structs import replace
 
-from loraflow.common import protocol
+from loraflow.common import codec
 from loraflow.common.framing import Envelope, frames_sha256
 from loraflow.common.logprobs import token_logprobs
 from loraflow.common.protocol import AdapterUpdate, PromptLease
@@ -48,11 +48,11 @@ def make_adapter(model_dir: Path, version: int, seed: int, *, rank: int = 8, alp
         model.save_pretrained(tmp)
         config_dict = json.loads((Path(tmp) / "adapter_config.json").read_text())
     tensors = list(state.items())
-    frames = protocol.encode(AdapterUpdate(version=version, sha256="", adapter_config={}), tensors)
+    frames = codec.encode(AdapterUpdate(version=version, sha256="", adapter_config={}), tensors)
     sha = frames_sha256(frames[2:])
     update = AdapterUpdate(version=version, sha256=sha, adapter_config=config_dict, step=version)
-    frames = protocol.encode(update, tensors)
-    record, envelope = protocol.decode([bytes(f) for f in frames])
+    frames = codec.encode(update, tensors)
+    record, envelope = codec.decode([bytes(f) for f in frames])
     return Adapter(update=record, envelope=envelope, config=config_dict, state=state, frames=frames)
 
 

@@ -11,7 +11,7 @@ import torch
 from msgspec.structs import replace
 from safetensors.torch import load_file
 
-from loraflow.common import protocol
+from loraflow.common import codec
 from loraflow.common.framing import frames_sha256
 from loraflow.rollout_worker.adapters import CONFIG_FILE, WEIGHTS_FILE, AdapterRejected, AdapterStore
 from tests.worker.helpers import Adapter, Reference, make_adapter, receive
@@ -52,7 +52,7 @@ def test_corrupted_or_mislabelled_adapters_are_rejected(store: AdapterStore, ada
     adapter = adapters[0]
     frames = [bytes(f) for f in adapter.frames]
     frames[2] = bytes([frames[2][0] ^ 1]) + frames[2][1:]  # one flipped bit in the first tensor
-    record, envelope = protocol.decode(frames)
+    record, envelope = codec.decode(frames)
     with pytest.raises(AdapterRejected) as caught:
         store.receive(record, envelope.specs, envelope.frames)
     assert caught.value.reason == "sha256"

@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 import zmq
 
-from loraflow.common import protocol
+from loraflow.common import codec, protocol
 from loraflow.common.config import load_config
 from loraflow.common.metrics import Metrics
 from loraflow.common.protocol import Error, GroupAck, Kind, LeaseGrant, Welcome
@@ -37,13 +37,13 @@ class ScriptedBroker:
         while time.monotonic() < deadline:
             if self.sock.poll(50):
                 self.identity, *frames = self.sock.recv_multipart()
-                record, envelope = protocol.decode(frames)
+                record, envelope = codec.decode(frames)
                 if record.KIND == kind:
                     return record, envelope.frames
         raise AssertionError(f"no {kind.name} arrived within {timeout_s} s")
 
     def send(self, message: object, frames: list | None = None) -> None:
-        payload = protocol.encode(message) if frames is None else frames
+        payload = codec.encode(message) if frames is None else frames
         self.sock.send_multipart([self.identity, *payload])
 
     def welcome(self, broker_id: str, latest_version: int = 0) -> None:

@@ -19,7 +19,7 @@ import openai
 import pytest
 from transformers import AutoTokenizer
 
-from loraflow.common import protocol
+from loraflow.common import codec
 from loraflow.rollout_worker.adapters import AdapterStore, ReceivedAdapter
 from loraflow.rollout_worker.backends.base import Backend, GenOutput, GenRequest, Sampling, TokenizerMixin
 from loraflow.rollout_worker.gateway.tools import parse_hermes
@@ -265,7 +265,7 @@ def test_harness_metrics_that_cannot_travel_are_left_out(tiny_model_dir: Path, h
         driver.close()
     assert group.group.rewards == [0.5, 0.5] and group.group.metrics["agent_steps"] == 3.0
     assert not {"agent_nan", "agent_inf", "agent_7", "agent_flag"} & set(group.group.metrics)
-    protocol.decode(protocol.encode(group.group, group.tensors))  # what the broker's decode accepts
+    codec.decode(codec.encode(group.group, group.tensors))  # what the broker's decode accepts
 
 
 # -- bad input ---------------------------------------------------------------------------------------------------

@@ -29,7 +29,7 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from loraflow.common import protocol
+from loraflow.common import codec
 from loraflow.common.chat import ChatFormat, end_of_turn_ids
 from loraflow.common.config import WorkerConfig, load_config
 from loraflow.common.model_zoo import FAMILIES
@@ -195,7 +195,7 @@ def published(taught: Taught, tmp_path_factory: pytest.TempPathFactory) -> Publi
     for finished in groups:
         entries.append(BatchEntry(group=finished.group, first_tensor=len(tensors)))
         tensors.extend(finished.tensors)
-    frames = protocol.encode(Batch(batch_id="b0", groups=entries, latest_version=0), tensors)
+    frames = codec.encode(Batch(batch_id="b0", groups=entries, latest_version=0), tensors)
     config = load_config(None, ["learner.lora_rank=8", "learner.lr=0.05", "learner.micro_batch_tokens=512",
                                 "learner.warmup_steps=0"])
     parallel = init_parallel("cpu")

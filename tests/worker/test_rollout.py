@@ -14,7 +14,7 @@ from typing import Any
 
 import pytest
 
-from loraflow.common import protocol
+from loraflow.common import codec, group_checks
 from loraflow.common.config import WorkerConfig
 from loraflow.common.metrics import Metrics
 from loraflow.rollout_worker.adapters import ReceivedAdapter
@@ -109,9 +109,9 @@ def test_single_turn_group_has_the_wire_layout_and_scores() -> None:
     assert group.rewards == [1.0, 0.0, 0.0] and group.finish_reasons == ["stop"] * 3
     assert group.prompt_lens == [6] * 3 and group.completion_lens == [3] * 3
     assert (group.min_version, group.max_version, group.group_id, group.worker_id) == (0, 0, "0:0", "w1")
-    frames = protocol.encode(group, finished.tensors)
-    record, envelope = protocol.decode([bytes(f) for f in frames])  # the layout the broker checks
-    protocol.check_group_values(record, envelope.specs, envelope.frames, vocab_size=257, latest_version=0)
+    frames = codec.encode(group, finished.tensors)
+    record, envelope = codec.decode([bytes(f) for f in frames])  # the layout the broker checks
+    group_checks.check_group_values(record, envelope.specs, envelope.frames, vocab_size=257, latest_version=0)
     assert samples(finished)[0] == {"completion_ids": [52, 54, EOS], "logprobs": pytest.approx([-0.1] * 3),
                                     "versions": [0, 0, 0], "loss_mask": [1, 1, 1]}
 

@@ -19,7 +19,7 @@ from typing import Any
 
 import pytest
 
-from loraflow.common import protocol
+from loraflow.common import codec
 from loraflow.common.config import WorkerConfig
 from loraflow.common.protocol import ServedAdapter
 from loraflow.rollout_worker.adapters import WEIGHTS_FILE, AdapterStore
@@ -71,7 +71,7 @@ def test_a_group_across_two_swaps_carries_the_evidence_of_each_version(backend: 
     assert len({s.lora_id for s in served}) == 3 and all(s.lora_id > 0 for s in served[1:])
     assert all(s.adapter for s in served[1:]) and served[1].adapter != served[2].adapter
     assert {s.dtype for s in served} == {"float32"}
-    record, _ = protocol.decode([bytes(f) for f in protocol.encode(finished.group, finished.tensors)])
+    record, _ = codec.decode([bytes(f) for f in codec.encode(finished.group, finished.tensors)])
     assert record.served == served
 
 
@@ -205,9 +205,9 @@ def _reordered(adapter: Adapter, order: list[str], state: dict[str, Any] | None 
 
     state = state if state is not None else adapter.state
     tensors = [(name, state[name]) for name in order]
-    sha = frames_sha256(protocol.encode(adapter.update, tensors)[2:])
+    sha = frames_sha256(codec.encode(adapter.update, tensors)[2:])
     update = replace_record(adapter.update, sha256=sha)
-    _, envelope = protocol.decode([bytes(f) for f in protocol.encode(update, tensors)])
+    _, envelope = codec.decode([bytes(f) for f in codec.encode(update, tensors)])
     return replace_field(adapter, update=update, envelope=envelope, state=dict(tensors))
 
 

@@ -290,7 +290,7 @@ def test_a_conversational_dataset_row_reaches_a_trl_reward_through_the_chat_temp
     the hf backend renders it with the model's template, and the reward gets TRL's conversational inputs."""
     from transformers import AutoTokenizer
 
-    from loraflow.common import protocol
+    from loraflow.common import codec
     from loraflow.common.config import DataConfig
     from loraflow.common.protocol import LeaseGrant, PromptLease
     from loraflow.common.tasks import load_task
@@ -305,7 +305,7 @@ def test_a_conversational_dataset_row_reaches_a_trl_reward_through_the_chat_temp
     item = load_task(str(path), data=DataConfig(system_prompt="Be brief.", eval_fraction=0)).item(1)
     sent = PromptLease(lease_id="l1", group_id="0:1", prompt_index=1, epoch=0, task=str(path), group_size=3,
                        deadline_s=60.0, **item.lease_fields())
-    grant, _ = protocol.decode([bytes(f) for f in protocol.encode(LeaseGrant(leases=[sent]))])
+    grant, _ = codec.decode([bytes(f) for f in codec.encode(LeaseGrant(leases=[sent]))])
     (received,) = grant.leases
     assert received.prompt_value == item.prompt and received.columns == item.columns
 
