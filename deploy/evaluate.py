@@ -13,7 +13,7 @@ One definition of "accuracy" serves the demo base check (``deploy/demo_base.py``
 Prompts of equal token length are batched together, so no padding (and no position-id subtlety) enters the
 measurement. This is a single-turn measurement: a multi-turn task's tools are not run, so it measures whether
 the model answers directly. A config with an agent harness (``worker.agent``) is measured by playing its
-episodes instead (:mod:`loraflow.deploy.agent_eval`); :func:`evaluate_run` chooses, for the launcher.
+episodes instead; :func:`loraflow.deploy.results.evaluate_run` chooses, for the launcher.
 """
 
 from __future__ import annotations
@@ -27,7 +27,7 @@ from pathlib import Path
 from typing import Any
 
 from loraflow.common.chat import ChatFormat, Prompt, end_of_turn_ids, pad_token_id, token_ids
-from loraflow.common.config import Config, DataConfig
+from loraflow.common.config import DataConfig
 from loraflow.common.hf_generation import generation_config, neutralise
 from loraflow.common.task_base import Task
 from loraflow.common.tasks import load_task
@@ -137,16 +137,3 @@ def evaluate_dir(model_dir: str | os.PathLike, adapter_dir: str | os.PathLike | 
             import torch
 
             torch.cuda.empty_cache()
-
-
-def evaluate_run(config: Config, adapter_dir: str | os.PathLike | None = None, *, device: str = "auto") -> EvalResult:
-    """What ``loraflow run`` measures for ``config``: an in-process agent harness (``worker.agent``) playing its
-    episodes through a gateway (:mod:`loraflow.deploy.agent_eval`), else the greedy single-turn accuracy above."""
-    if config.worker.agent and config.worker.agent != "external":
-        from loraflow.deploy.agent_eval import evaluate_agent
-
-        return evaluate_agent(config, adapter_dir, num_prompts=config.eval.num_prompts, device=device)
-    return evaluate_dir(config.model.path, adapter_dir, task=config.run.task, seed=config.run.seed,
-                        num_prompts=config.eval.num_prompts, max_new_tokens=config.worker.max_new_tokens,
-                        chat_template_kwargs=config.model.chat_template_kwargs, data=config.data, device=device)
-

@@ -12,7 +12,7 @@ With no config it runs the built-in demo (``deploy/configs/demo.toml``)::
     watch     every 0.25 s: restart crashed children with backoff (deploy/processes.py); every
               launch.progress_every_s: the progress line (deploy/progress.py); every eval.every_s: greedy
               held-out accuracy of the newest adapter directory, in a background thread (an agent config's
-              harness plays the episodes: deploy/evaluate.py's evaluate_run)
+              harness plays the episodes: deploy/results.py's evaluate_run)
     stop      at run.num_steps (the learner exits by itself), run.max_duration_s (counted from the launcher's
               start, base build included), eval.target_accuracy, ctrl-C / SIGTERM, or an unrecoverable child:
               SIGTERM to learner and workers (the learner publishes and writes its last adapter, workers return
@@ -40,9 +40,8 @@ import shutil
 import signal
 import sys
 import time
-from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, TextIO
+from typing import Any
 
 from loraflow.common.cli import EXIT_CONFIG_ERROR, config_from_args, config_parser, run_main
 from loraflow.common.config import Config, write_resolved
@@ -58,6 +57,7 @@ from loraflow.deploy.processes import (
     config_class_exit,
 )
 from loraflow.deploy.progress import Display, Progress, render
+from loraflow.deploy.results import Measurement, Summary, accuracy, evaluate_run, print_result, version_step
 
 log = get_logger("launcher")
 
@@ -75,43 +75,6 @@ EXTRA_FLAGS = {
     "--max-duration": ("run.max_duration_s", float, "stop after this many seconds (0 = no limit)"),
     "--target-accuracy": ("eval.target_accuracy", float, "stop when held-out accuracy reaches this"),
 }
-
-
-@dataclass(slots=True, kw_only=True)
-class Measurement:
-    version: int
-    step: int
-    accuracy: float
-    time_unix: float
-    seconds: float
-    kind: str  # base | periodic | final
-
-
-@dataclass(slots=True, kw_only=True)
-class Summary:
-    """What a run ended with (also written to ``<run_dir>/summary.json``).
-
-    ``wall_s`` is the whole ``loraflow run``; ``base_build_s`` the demo base build in it (0 when cached);
-    ``rl_s`` and ``target_reached_s`` count from starting the processes (the clock of the progress line).
-    ``steps`` is the last committed learner step (not one a restart withdrew); ``busy_share`` each process's
-    busy share over the time it was alive (its timeline lane, :mod:`loraflow.deploy.rundir`).
-    """
-
-    run_dir: str
-    seed: int
-    stop_reason: str = ""
-    error: str = ""
-    base_accuracy: float | None = None
-    final_accuracy: float | None = None
-    final_version: int = 0
-    final_adapter: str = ""
-    steps: int = 0
-    wall_s: float = 0.0
-    base_build_s: float = 0.0
-    rl_s: float = 0.0
-    target_reached_s: float | None = None
-    restarts: dict[str, int] = field(default_factory=dict)
-    busy_share: dict[str, float] = field(default_factory=dict)  # process -> busy share of its time alive
 
 
 class Launch:
@@ -325,7 +288,6 @@ class Launch:
         for the rest of the run (training goes on), one event says which settings to change, and this and every
         later measurement is None."""
         from loraflow.common.cli import out_of_memory, out_of_memory_line
-        from loraflow.deploy.evaluate import evaluate_run
 
         config = self.config
         if self.eval_failed:
@@ -396,20 +358,6 @@ class Launch:
             self.display.event(f"plots could not be drawn: {exc}")
 
 
-def version_step(run_dir: Path, version: int) -> int:
-    """The learner step whose parameters adapter ``version`` holds (0 for the base)."""
-    if version == 0:
-        return 0
-    for line in reversed(rundir.read_jsonl(rundir.metrics_path(run_dir))):
-        if line.get("version") == version:
-            return int(line.get("step", 0))
-    return 0
-
-
-def accuracy(measurement: Measurement | None) -> float | None:
-    return None if measurement is None else measurement.accuracy
-
-
 def choose_run_dir(config: Config) -> Config:
     """A fresh ``runs/<name>-<time>`` unless the config names a run dir (then an existing one is resumed)."""
     if config.run.run_dir:
@@ -421,22 +369,6 @@ def choose_run_dir(config: Config) -> Config:
         suffix += 1
         run_dir = Path("runs") / f"{config.run.name}-{stamp}-{suffix}"
     return dataclasses.replace(config, run=dataclasses.replace(config.run, run_dir=str(run_dir)))
-
-
-def print_result(summary: Summary, out: TextIO) -> None:
-    if summary.base_accuracy is not None:
-        print(f"base accuracy: {summary.base_accuracy:.1%}", file=out)
-    if summary.final_accuracy is not None:
-        print(f"final accuracy: {summary.final_accuracy:.1%}", file=out)
-    if summary.base_accuracy is not None and summary.final_accuracy is not None:
-        gain = 100 * (summary.final_accuracy - summary.base_accuracy)
-        build = f"base build {summary.base_build_s:.0f} s, " if summary.base_build_s else ""
-        print(f"gain: {gain:+.1f} points in {summary.wall_s:.0f} s ({build}{summary.steps} learner steps in "
-              f"{summary.rl_s:.0f} s)", file=out)
-    if summary.final_adapter:
-        print(f"final adapter (v{summary.final_version}, PEFT): {summary.final_adapter}", file=out)
-    print(f"run directory: {summary.run_dir} (config.toml, logs/, learner/metrics.jsonl, evals.jsonl, plots/)",
-          file=out)
 
 
 def main(argv: list[str]) -> int:

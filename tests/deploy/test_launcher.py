@@ -13,7 +13,8 @@ import pytest
 
 from loraflow.common.config import load_config
 from loraflow.deploy import rundir
-from loraflow.deploy.launcher import DEMO_CONFIG, choose_run_dir, version_step
+from loraflow.deploy.launcher import DEMO_CONFIG, choose_run_dir
+from loraflow.deploy.results import version_step
 from tests.support import child_env
 
 
