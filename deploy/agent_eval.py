@@ -9,8 +9,8 @@ accuracy is the share of episodes whose reward is >= 1; a harness that fails or 
 (``worker.agent_timeout_s``) scores 0, as in training.
 
 At most ``MAX_EPISODES`` episodes are in flight, a new one started as each ends, so a slow tool call holds up
-only its own episode; the calls of those in flight batch together in the engine. This function is the only
-caller of the backend, on the calling thread (the worker loop's part: pump, generate a round, collect), with
+only its own episode; the calls of those in flight batch together in the engine. :func:`evaluate_agent` is the
+only caller of the backend, on the calling thread (the worker loop's part: pump, generate a round, collect), with
 torch's threads set as a worker's (``worker.num_threads``).
 """
 
@@ -84,9 +84,8 @@ def evaluate_agent(config: Config, adapter_dir: str | os.PathLike | None = None,
 
 @contextlib.contextmanager
 def worker_threads(config: Config) -> Iterator[None]:
-    """torch's CPU threads as a worker sets them (``worker.num_threads``; 0 = torch's default), then back. Two
-    OpenMP threads spinning beside the harness threads on a busy 2-core machine made every call of an
-    evaluation miss its 30 s timeout (the adapter scored 0 %, and 100 % with one thread)."""
+    """torch's CPU threads as a worker sets them (``worker.num_threads``; 0 = torch's default), then back: OpenMP
+    threads spinning beside the harness threads on a small machine starve the harness's calls past their timeout."""
     import torch
 
     threads = torch.get_num_threads()
