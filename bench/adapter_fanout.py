@@ -16,24 +16,22 @@ largest N.
 
 from __future__ import annotations
 
-import argparse
 import hashlib
 import multiprocessing as mp
 import statistics
 import sys
 import tempfile
 import time
-import uuid
 from pathlib import Path
 
-import msgpack
 import numpy as np
 import zmq
 
-from bench.broker_proc import RUN_TOKEN, start_broker
+from bench import harness
+from bench.broker_proc import start_broker
+from bench.harness import codec
 from bench.report import report
-from loraflow.common import framing, protocol
-from loraflow.common.protocol import AdapterFetch, AdapterUpdate, Hello, Kind
+from loraflow.common.protocol import AdapterFetch, AdapterUpdate, Kind
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -47,30 +45,19 @@ def adapter_tensors(num_bytes: int) -> list[tuple[str, np.ndarray]]:
     return [(name, rng.standard_normal(per_tensor, dtype=np.float32)) for name in names]
 
 
-def kind_and_header(frames: list) -> tuple[int, dict]:
-    return framing.PREAMBLE.unpack(frames[0].buffer)[2], msgpack.unpackb(frames[1].buffer)
-
-
-def say_hello(sock: zmq.Socket, role: str, name: str) -> None:
-    sock.send_multipart(protocol.encode(Hello(role=role, client_id=name, session=uuid.uuid4().hex[:8],
-                                              token=RUN_TOKEN if role == "learner" else "")))
-    while kind_and_header(sock.recv_multipart(copy=False))[0] != Kind.WELCOME:
-        pass
-
-
 def worker(endpoint: str, index: int, ready: mp.Queue, received: mp.Queue) -> None:
     """Fetch every announced adapter; report (version, monotonic time when it was complete, bytes)."""
     ctx = zmq.Context()
     sock = ctx.socket(zmq.DEALER)
     sock.setsockopt(zmq.IDENTITY, f"worker/fan{index}".encode())
     sock.connect(endpoint)
-    say_hello(sock, "worker", f"fan{index}")
+    harness.hello(sock, "worker", f"fan{index}")
     ready.put(index)
     while True:
         frames = sock.recv_multipart(copy=False)
-        kind, header = kind_and_header(frames)
+        kind, header = harness.kind_and_header(frames)
         if kind == Kind.ADAPTER_NOTICE:
-            sock.send_multipart(protocol.encode(AdapterFetch(version=header["version"])))
+            sock.send_multipart(codec.encode(AdapterFetch(version=header["version"])))
         elif kind == Kind.ADAPTER_UPDATE:
             received.put((header["version"], time.monotonic(), sum(len(f) for f in frames[2:])))
         elif kind == Kind.BYE:
@@ -124,7 +111,7 @@ def fanout_times(tensors: list, num_workers: int, repeats: int, first_version: i
             proc.start()
         for _ in workers:
             ready.get(timeout=60)
-        say_hello(learner, "learner", "fanout")
+        harness.hello(learner, "learner", "fanout")
         digest = hashlib.sha256()
         for _, array in tensors:
             digest.update(array)
@@ -133,7 +120,7 @@ def fanout_times(tensors: list, num_workers: int, repeats: int, first_version: i
             update = AdapterUpdate(version=version, step=version, sha256=digest.hexdigest(),
                                    adapter_config={"r": 16, "lora_alpha": 32, "peft_type": "LORA"})
             started = time.monotonic()
-            learner.send_multipart(protocol.encode(update, tensors), copy=False)
+            learner.send_multipart(codec.encode(update, tensors), copy=False)
             arrivals = [received.get(timeout=120) for _ in workers]
             assert all(v == version for v, _, _ in arrivals), arrivals
             expected = sum(a.nbytes for _, a in tensors)
@@ -152,14 +139,13 @@ def fanout_times(tensors: list, num_workers: int, repeats: int, first_version: i
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser = harness.parser(__doc__, repeats=3)
     parser.add_argument("--mb", type=float, default=50.0, help="adapter size in MB")
     parser.add_argument("--workers", default="1,4,16")
-    parser.add_argument("--repeats", type=int, default=3)
-    args = parser.parse_args(argv)
+    args = harness.parse(parser, argv, mb=2.0, workers="1,2", repeats=1)
     tensors = adapter_tensors(int(args.mb * (1 << 20)))
     num_bytes = sum(a.nbytes for _, a in tensors)
-    message = protocol.encode(AdapterUpdate(version=1, sha256="", adapter_config={}), tensors)
+    message = codec.encode(AdapterUpdate(version=1, sha256="", adapter_config={}), tensors)
     reference = direct_time(message, args.repeats)
     print(f"adapter {num_bytes / (1 << 20):.1f} MB in {len(tensors)} tensors; direct send {reference * 1000:.1f} ms "
           f"({num_bytes / reference / 1e6:.0f} MB/s)", flush=True)

@@ -38,6 +38,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+from bench import harness
 from bench.report import REPO, checkout_env, report
 
 
@@ -125,14 +126,14 @@ def _header(path: Path) -> bytes:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = harness.parser(__doc__)
     parser.add_argument("--layers", type=int, default=28, help="decoder layers (14 LoRA tensors each)")
     parser.add_argument("--dtype", default="float32", choices=("float32", "bfloat16"), help="the engine's dtype")
     parser.add_argument("--swaps", type=int, default=6, help="versions loaded per phase (the first 2 create slots)")
     parser.add_argument("--reference-tree", default="", help="another checkout to measure in the same run")
     parser.add_argument("--generate-tokens", type=int, default=16, help="tokens per sample of the generation part")
     parser.add_argument("--child", nargs=2, metavar=("MODEL", "WORK"), help=argparse.SUPPRESS)
-    args = parser.parse_args()
+    args = harness.parse(parser, None, layers=2, swaps=3, generate_tokens=4)
     if args.child:  # one measurement with the code on sys.path (the reference tree's), as JSON
         model, work = Path(args.child[0]), Path(args.child[1])
         print(json.dumps(measure(model, sorted(work.glob("v*"), key=lambda p: int(p.name[1:])), args.dtype,

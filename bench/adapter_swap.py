@@ -20,11 +20,11 @@ its size is compared to the bf16 size of the full model, which a full-weight syn
 
 from __future__ import annotations
 
-import argparse
 import statistics
 import time
 from pathlib import Path
 
+from bench import harness
 from bench.report import report, scratch_dir
 
 LORA_RANK = 16
@@ -33,7 +33,7 @@ RESIDENT = 3
 
 def swap_latency(name: str, model_dir: Path, updates: list, batch: int) -> dict[str, float]:  # noqa: ANN001
     """Per-swap timings (ms) of one backend; ``updates`` are (version, frames) pairs as received."""
-    from loraflow.common import protocol
+    from bench.harness import codec
     from loraflow.rollout_worker.adapters import AdapterStore
     from loraflow.rollout_worker.backends.base import GenRequest, Sampling
 
@@ -60,7 +60,7 @@ def swap_latency(name: str, model_dir: Path, updates: list, batch: int) -> dict[
         decode_steps = [(generate(backend.newest_version, 33) - generate(backend.newest_version, 1)) / 32
                         for _ in range(3)]
         started = time.perf_counter()
-        record, envelope = protocol.decode(frames)
+        record, envelope = codec.decode(frames)
         adapter = store.receive(record, envelope.specs, envelope.frames)
         received = time.perf_counter()
         backend.add_adapter(adapter)
@@ -88,7 +88,7 @@ def sync_bytes_for_a_05b_model() -> dict[str, float]:
     from peft import LoraConfig, get_peft_model
     from transformers import AutoModelForCausalLM, Qwen2Config
 
-    from loraflow.common import protocol
+    from bench.harness import codec
     from loraflow.common.framing import frames_sha256
     from loraflow.common.protocol import AdapterUpdate
 
@@ -104,13 +104,13 @@ def sync_bytes_for_a_05b_model() -> dict[str, float]:
     peft_model = get_peft_model(model, lora)
     tensors = [(name.replace(".default", ""), torch.randn(p.shape, dtype=torch.bfloat16))
                for name, p in peft_model.named_parameters() if "lora_" in name]
-    frames = protocol.encode(AdapterUpdate(version=1, sha256="0" * 64, adapter_config={}), tensors)
+    frames = codec.encode(AdapterUpdate(version=1, sha256="0" * 64, adapter_config={}), tensors)
     update = AdapterUpdate(version=1, sha256=frames_sha256(frames[2:]), adapter_config=lora.to_dict() | {
         "target_modules": sorted(lora.target_modules), "peft_type": "LORA", "task_type": None})
-    frames = protocol.encode(update, tensors)
+    frames = codec.encode(update, tensors)
     sync_bytes = sum(memoryview(f).nbytes for f in frames)
     started = time.perf_counter()
-    record, envelope = protocol.decode([bytes(f) for f in frames])
+    record, envelope = codec.decode([bytes(f) for f in frames])
     from loraflow.rollout_worker.adapters import AdapterStore
 
     AdapterStore(scratch_dir(prefix="bench-swap-05b-")).receive(record, envelope.specs, envelope.frames)
@@ -120,11 +120,11 @@ def sync_bytes_for_a_05b_model() -> dict[str, float]:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser = harness.parser(__doc__)
     parser.add_argument("--swaps", type=int, default=12)
     parser.add_argument("--batch", type=int, default=8)
     parser.add_argument("--backends", default="hf,vllm")
-    args = parser.parse_args()
+    args = harness.parse(parser, None, swaps=RESIDENT + 3, batch=2, backends="hf")
     if args.swaps < RESIDENT + 3:
         parser.error(f"--swaps must be >= {RESIDENT + 3} (the figure is the median once slots are reused)")
 

@@ -11,13 +11,13 @@ Last line: value = median ms of ``save_adapter``, reference = median ms without 
 
 from __future__ import annotations
 
-import argparse
 import os
 import statistics
 import tempfile
 import time
 from pathlib import Path
 
+from bench import harness
 from bench.report import report
 from loraflow.broker.state import save_adapter
 
@@ -25,12 +25,11 @@ REPO = Path(__file__).resolve().parent.parent
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser = harness.parser(__doc__, repeats=8)
     parser.add_argument("--mb", type=float, default=37.0, help="adapter size in MB")
     parser.add_argument("--tensors", type=int, default=392)
-    parser.add_argument("--repeats", type=int, default=8)
     parser.add_argument("--dir", default=None, help="where to write (default: the temp dir)")
-    args = parser.parse_args()
+    args = harness.parse(parser, None, mb=2.0, tensors=20, repeats=2)
     per_tensor = int(args.mb * 1e6) // args.tensors
     frames = [os.urandom(64)] + [os.urandom(per_tensor) for _ in range(args.tensors)]
     durable, plain = [], []

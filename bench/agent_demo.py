@@ -23,6 +23,7 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
+from bench import harness
 from bench.accuracy_runs import REPO, child_env, compare, run_loraflow
 from bench.report import report
 from loraflow.common.config import Config, load_config
@@ -41,7 +42,7 @@ def run_demo(run_dir: Path, args: argparse.Namespace, max_staleness: int) -> Non
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser = harness.parser(__doc__)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--target", type=float, default=0.8)
     parser.add_argument("--max-duration", type=float, default=150.0, help="per run, seconds")
@@ -49,7 +50,7 @@ def main() -> None:
     parser.add_argument("--num-prompts", type=int, default=100, help="held-out prompts per adapter evaluation")
     parser.add_argument("--tool-median-s", type=float, default=0.2, help="the tool's median latency, seconds")
     parser.add_argument("--tool-sigma", type=float, default=1.5, help="the lognormal's sigma")
-    args = parser.parse_args()
+    args = harness.parse(parser, None, target=0.0, max_duration=30.0, num_prompts=4)
     demo = load_config(CONFIG)
     print(f"agent demo base for seed {args.seed}: {ensure_agent_base(args.seed)}", flush=True)
 

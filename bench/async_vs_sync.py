@@ -34,6 +34,7 @@ from pathlib import Path
 
 import torch
 
+from bench import harness
 from bench.report import report
 from loraflow.common.config import load_config
 from loraflow.common.metrics import Metrics
@@ -90,7 +91,7 @@ def run_mode(tmp: Path, args: argparse.Namespace, max_staleness: int) -> ModeRes
             procs.python(f"worker-{i}", "loraflow.rollout_worker", *worker_args, "--worker-id", f"sim-{i}")
         wait_for(lambda: len(fetch_stats(broker.endpoint)["workers"]) == args.workers, 120,
                  f"{args.workers} workers to join", procs)
-        config = load_config(None, [*overrides, f"broker.endpoint=\"{broker.endpoint}\""])
+        config = load_config(None, [*overrides, f"broker.endpoint=\"{broker.endpoint}\"", f'run.run_dir="{run_dir}"'])
         session = BrokerSession(config, version=0, metrics=Metrics(), client_id="bench-learner")
         session.start(30)
         result = learn(session, args, max_staleness)
@@ -137,7 +138,7 @@ def learn(session: BrokerSession, args: argparse.Namespace, max_staleness: int) 
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser = harness.parser(__doc__)
     parser.add_argument("--workers", type=int, default=8)
     parser.add_argument("--capacity", type=int, default=2, help="groups each worker generates at once")
     parser.add_argument("--steps", type=int, default=24)
@@ -153,7 +154,8 @@ def main() -> None:
     parser.add_argument("--staleness", type=int, nargs="+", default=[0, 1, 2, 4])
     parser.add_argument("--report-staleness", type=int, default=4)
     parser.add_argument("--seed", type=int, default=0)
-    args = parser.parse_args()
+    args = harness.parse(parser, None, workers=2, steps=3, warmup=1, groups=4, group_size=4, mean_tokens=8.0,
+                         max_tokens=32, staleness=[0, 2], report_staleness=2)
     if args.staleness[0] != 0:
         raise SystemExit("--staleness must start with 0: the synchronous run is the reference")
     samples_per_step = args.groups * args.group_size

@@ -28,6 +28,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from bench import harness
 from bench.report import REPO, checkout_env, report
 
 BATCH = 8
@@ -38,8 +39,8 @@ def child(num_groups: int, group_bytes: int) -> float:
     import msgpack
 
     from bench.broker_throughput import GROUP_SIZE, group_record, group_tensors
+    from bench.harness import codec
     from loraflow.broker.core import BrokerCore
-    from loraflow.common import protocol
     from loraflow.common.config import load_config
     from loraflow.common.protocol import BatchAck, BatchRequest, Hello, Kind, LeaseRequest
     from loraflow.common.tasks import load_task
@@ -77,22 +78,22 @@ def child(num_groups: int, group_bytes: int) -> float:
                     time.sleep(0.0002)
                 started = time.thread_time()
 
-        drive(worker, protocol.encode(Hello(role="worker", client_id="w", session="s")))
-        drive(learner, protocol.encode(Hello(role="learner", client_id="l", session="s")), wait_for=Kind.WELCOME)
+        drive(worker, codec.encode(Hello(role="worker", client_id="w", session="s")))
+        drive(learner, codec.encode(Hello(role="learner", client_id="l", session="s")), wait_for=Kind.WELCOME)
         spent, done = 0.0, 0
         while done < num_groups:
             replies.clear()
-            drive(worker, protocol.encode(LeaseRequest(max_leases=BATCH, adapter_version=0, wait_ms=0)))
+            drive(worker, codec.encode(LeaseRequest(max_leases=BATCH, adapter_version=0, wait_ms=0)))
             grant = msgpack.unpackb(next(o for o in replies if o.kind == Kind.LEASE_GRANT).frames[1])
             assert len(grant["leases"]) == BATCH, grant
             for lease in grant["leases"]:
                 record = group_record(lease["group_id"], lease["lease_id"], "w", tensors)
-                drive(worker, protocol.encode(record, tensors))
+                drive(worker, codec.encode(record, tensors))
             replies.clear()
-            drive(learner, protocol.encode(BatchRequest(num_groups=BATCH, wait_ms=0)))
+            drive(learner, codec.encode(BatchRequest(num_groups=BATCH, wait_ms=0)))
             header = msgpack.unpackb(next(o for o in replies if o.kind == Kind.BATCH).frames[1])
             ids = [entry["group"]["group_id"] for entry in header["groups"]]
-            drive(learner, protocol.encode(BatchAck(batch_id=header["batch_id"], step=done // BATCH,
+            drive(learner, codec.encode(BatchAck(batch_id=header["batch_id"], step=done // BATCH,
                                                     trained_version=0, group_ids=ids)), wait_for=Kind.ACK)
             done += BATCH
         core.drain(time.monotonic())
@@ -102,16 +103,16 @@ def child(num_groups: int, group_bytes: int) -> float:
 #: (label, module, attribute) timed by --breakdown; indented labels are parts of the one above them
 BREAKDOWN = (
     ("RolloutGroup handler", "loraflow.broker.core", "BrokerCore._on_rollout_group"),
-    ("  judge (loraflow.broker.intake)", "loraflow.broker.intake", "judge"),
-    ("    tensor value checks", "loraflow.common.protocol", "check_group_values"),
-    ("    lease MAC check", "loraflow.broker.leases", "LeaseTable.issued_to"),
+    ("  judge (loraflow.broker.groups)", "loraflow.broker.groups", "judge"),
+    ("    tensor value checks", "loraflow.common.group_checks", "check_group_values"),
+    ("    lease MAC check", "loraflow.broker.prompts", "LeaseTable.issued_to"),
     ("  ledger accept", "loraflow.broker.ledger", "GroupLedger.accept"),
-    ("  stored group", "loraflow.broker.intake", "stored"),
-    ("envelope decode (all kinds)", "loraflow.common.protocol", "decode_envelope"),
-    ("record decode (all kinds)", "loraflow.common.protocol", "decode_record"),
+    ("  stored group", "loraflow.broker.groups", "stored"),
+    ("envelope decode (all kinds)", harness.codec.__name__, "decode_envelope"),
+    ("record decode (all kinds)", harness.codec.__name__, "decode_record"),
     ("LeaseRequest handler", "loraflow.broker.core", "BrokerCore._on_lease_request"),
     ("  prompt items (task)", "loraflow.broker.prompts", "PromptSource.item"),
-    ("  lease grants + MAC", "loraflow.broker.leases", "LeaseTable.grant"),
+    ("  lease grants + MAC", "loraflow.broker.prompts", "LeaseTable.grant"),
     ("BatchRequest handler", "loraflow.broker.core", "BrokerCore._on_batch_request"),
     ("BatchAck handler", "loraflow.broker.core", "BrokerCore._on_batch_ack"),
     ("flush (replies, state hand-off)", "loraflow.broker.core", "BrokerCore.flush"),
@@ -167,15 +168,15 @@ def run_child(tree: Path, num_groups: int, group_bytes: int) -> float:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser = harness.parser(__doc__, repeats=5)
     parser.add_argument("--reference-tree", type=Path, help="another checkout of this repository (the reference)")
     parser.add_argument("--groups", type=int, default=4000, help="groups per run")
-    parser.add_argument("--repeats", type=int, default=5, help="interleaved runs per tree and size (median kept)")
     parser.add_argument("--sizes", default="16384,262144", help="group sizes in bytes, comma-separated")
     parser.add_argument("--breakdown", action="store_true", help="this tree only: where its CPU per group goes, "
                         "by handler and step (each timed in-process)")
     parser.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
-    args = parser.parse_args(argv)
+    # --quick: this tree against itself, a few hundred groups
+    args = harness.parse(parser, argv, reference_tree=REPO, groups=200, repeats=1, sizes="16384")
     sizes = [int(s) for s in args.sizes.split(",")]
     if args.child or args.breakdown:
         os.environ.setdefault("LORAFLOW_LOG_LEVEL", "warning")

@@ -12,20 +12,20 @@ bound + 150 MB (ratio < 1 meets the target).
 
 from __future__ import annotations
 
-import argparse
 import sys
 import tempfile
-import uuid
 from pathlib import Path
 
 import msgpack
 import zmq
 
+from bench import harness
 from bench.broker_proc import start_broker
 from bench.broker_throughput import GROUP_SIZE, group_record, group_tensors
+from bench.harness import codec
 from bench.report import report
-from loraflow.common import framing, protocol
-from loraflow.common.protocol import BatchRequest, Hello, Kind, LeaseRequest
+from loraflow.common import framing
+from loraflow.common.protocol import BatchRequest, Kind, LeaseRequest
 from loraflow.common.transport import fetch_stats
 
 REPO = Path(__file__).resolve().parent.parent
@@ -39,16 +39,6 @@ def rss_bytes(pid: int) -> int:
     raise RuntimeError("no VmRSS")
 
 
-def client(ctx: zmq.Context, endpoint: str, role: str, name: str) -> zmq.Socket:
-    sock = ctx.socket(zmq.DEALER)
-    sock.setsockopt(zmq.IDENTITY, f"{role}/{name}".encode())
-    sock.connect(endpoint)
-    sock.send_multipart(protocol.encode(Hello(role=role, client_id=name, session=uuid.uuid4().hex[:8])))
-    while framing.PREAMBLE.unpack(sock.recv_multipart(copy=False)[0].buffer)[2] != Kind.WELCOME:
-        pass
-    return sock
-
-
 def reply(sock: zmq.Socket, timeout_s: float = 30.0) -> tuple[int, dict]:
     if not sock.poll(int(timeout_s * 1000)):
         raise TimeoutError("no reply from the broker")
@@ -59,18 +49,18 @@ def reply(sock: zmq.Socket, timeout_s: float = 30.0) -> tuple[int, dict]:
 def fill(endpoint: str, group_bytes: int) -> int:
     """Submit groups until the broker grants no more leases; returns the number accepted."""
     ctx = zmq.Context()
-    sock = client(ctx, endpoint, "worker", "filler")
+    sock = harness.dealer(ctx, endpoint, "worker", "filler")
     tensors = group_tensors(group_bytes)
     accepted = 0
     while True:
-        sock.send_multipart(protocol.encode(LeaseRequest(max_leases=16, wait_ms=0)))
+        sock.send_multipart(codec.encode(LeaseRequest(max_leases=16, wait_ms=0)))
         kind, grant = reply(sock)
         assert kind == Kind.LEASE_GRANT, grant
         if not grant["leases"]:
             break
         for lease in grant["leases"]:
             record = group_record(lease["group_id"], lease["lease_id"], "filler", tensors)
-            sock.send_multipart(protocol.encode(record, tensors), copy=False)
+            sock.send_multipart(codec.encode(record, tensors), copy=False)
             kind, answer = reply(sock)
             accepted += kind == Kind.ACK
     sock.close(linger=0)
@@ -79,10 +69,10 @@ def fill(endpoint: str, group_bytes: int) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser = harness.parser(__doc__)
     parser.add_argument("--bound-mb", type=int, default=256, help="broker.max_buffer_bytes in MB")
     parser.add_argument("--group-kb", type=int, default=1024, help="rollout group size in KB")
-    args = parser.parse_args(argv)
+    args = harness.parse(parser, argv, bound_mb=16, group_kb=256)
     bound = args.bound_mb * MB
     with tempfile.TemporaryDirectory(prefix="bench-memory-", dir=REPO) as tmp:
         broker, endpoint = start_broker(Path(tmp), f"broker.max_buffer_bytes={bound}", "broker.capacity_groups=100000",
@@ -92,8 +82,8 @@ def main(argv: list[str] | None = None) -> int:
             idle = rss_bytes(broker.pid)
             accepted = fill(endpoint, args.group_kb * 1024)
             ctx = zmq.Context()
-            learner = client(ctx, endpoint, "learner", "holder")
-            learner.send_multipart(protocol.encode(BatchRequest(num_groups=max(1, accepted // 2), wait_ms=0)))
+            learner = harness.dealer(ctx, endpoint, "learner", "holder")
+            learner.send_multipart(codec.encode(BatchRequest(num_groups=max(1, accepted // 2), wait_ms=0)))
             kind, batch = reply(learner)
             assert kind == Kind.BATCH and batch["groups"], "the learner got no batch"
             stats = fetch_stats(endpoint)

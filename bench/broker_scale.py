@@ -54,7 +54,6 @@ and linear. The JSON line: ``idle_core_share``, ``lease_p99_ms`` and ``kb_per_wo
 
 from __future__ import annotations
 
-import argparse
 import bisect
 import contextlib
 import multiprocessing as mp
@@ -72,6 +71,7 @@ import msgpack
 import numpy as np
 import zmq
 
+from bench import harness
 from bench.adapter_fanout import adapter_tensors, direct_time
 from bench.broker_proc import REPO, start_broker
 from bench.broker_throughput import (
@@ -79,13 +79,13 @@ from bench.broker_throughput import (
     end_step,
     group_record,
     group_tensors,
-    hello,
     machine_busy_ticks,
     thread_cpu,
 )
+from bench.harness import codec
 from bench.report import report
-from loraflow.broker.loop_times import pass_quantile
-from loraflow.common import framing, protocol
+from loraflow.broker.stats import pass_quantile
+from loraflow.common import framing
 from loraflow.common.protocol import (
     AdapterFetch,
     AdapterUpdate,
@@ -129,7 +129,7 @@ def connect_workers(ctx: zmq.Context, endpoint: str, names: list[str]) -> list[z
         sock = ctx.socket(zmq.DEALER)
         sock.setsockopt(zmq.LINGER, 0)
         sock.connect(endpoint)
-        sock.send_multipart(protocol.encode(Hello(role="worker", client_id=name, backend="sim",
+        sock.send_multipart(codec.encode(Hello(role="worker", client_id=name, backend="sim",
                                                   session=uuid.uuid4().hex[:8], batched_acks=True,
                                                   silence_timeout_s=SILENCE_TIMEOUT_S,
                                                   heartbeat_interval_s=INTERVAL_S)))
@@ -171,7 +171,7 @@ def fleet(endpoint: str, prefix: str, n: int, interval_s: float, nice: int, read
     ctx.set(zmq.MAX_SOCKETS, n + 64)  # a context option (setsockopt would set a socket default)
     socks = connect_workers(ctx, endpoint, [f"{prefix}-{i}" for i in range(n)])
     ready.put(n)
-    beat = protocol.encode(Heartbeat(state="idle", counters=IDLE_COUNTERS))
+    beat = codec.encode(Heartbeat(state="idle", counters=IDLE_COUNTERS))
     start = time.monotonic()
     due = [start + interval_s * i / n for i in range(n)]
     turn = 0  # the next socket to beat, in order
@@ -203,11 +203,11 @@ def active(endpoint: str, seconds: float, interval_s: float, generate_s: float, 
     names = [f"active-{os.getpid()}-{i}" for i in range(ACTIVE_WORKERS)]
     socks = connect_workers(ctx, endpoint, names)
     tensors = group_tensors(GROUP_BYTES)
-    template = protocol.encode(group_record("0:0", "L", names[0], tensors), tensors)
+    template = codec.encode(group_record("0:0", "L", names[0], tensors), tensors)
     header = msgpack.unpackb(template[1])
     packer = msgpack.Packer(use_bin_type=True)
-    ask = protocol.encode(LeaseRequest(max_leases=1, wait_ms=1000))
-    beat = protocol.encode(Heartbeat(state="generating"))
+    ask = codec.encode(LeaseRequest(max_leases=1, wait_ms=1000))
+    beat = codec.encode(Heartbeat(state="generating"))
     poller = zmq.Poller()
     asked_at: dict[int, float] = {}  # worker -> when its outstanding request was sent
     queued_at: dict[int, float] = {}  # worker -> this thread's run-queue wait (ms) when its request was sent
@@ -267,10 +267,10 @@ def learner(endpoint: str, groups_per_step: int, step_s: float, ready: mp.Queue,
     sock = ctx.socket(zmq.DEALER)
     sock.setsockopt(zmq.LINGER, 0)
     sock.connect(endpoint)
-    hello(sock, "learner", "scale")
+    harness.hello(sock, "learner", "scale")
     ready.put("learner")
     version = 0
-    sock.send_multipart(protocol.encode(BatchRequest(num_groups=groups_per_step, wait_ms=1000)))
+    sock.send_multipart(codec.encode(BatchRequest(num_groups=groups_per_step, wait_ms=1000)))
     while not stop.is_set():
         if not sock.poll(100):
             continue
@@ -284,7 +284,7 @@ def learner(endpoint: str, groups_per_step: int, step_s: float, ready: mp.Queue,
             end_step(sock, batch, version, version, checkpoint_version=version)
             with publishes.open("a") as out:
                 out.write(f"{time.perf_counter()}\n")
-        sock.send_multipart(protocol.encode(BatchRequest(num_groups=groups_per_step, wait_ms=1000,
+        sock.send_multipart(codec.encode(BatchRequest(num_groups=groups_per_step, wait_ms=1000,
                                                          learner_version=version)))
     sock.close(0)
     ctx.term()
@@ -300,7 +300,7 @@ def fetchers(endpoint: str, n: int, ready: mp.Queue, results: mp.Queue, stop: mp
     poller = zmq.Poller()
     for sock in socks:
         poller.register(sock, zmq.POLLIN)
-    fetch = protocol.encode(AdapterFetch(version=0))
+    fetch = codec.encode(AdapterFetch(version=0))
     done: list[float] = []
     while len(done) < n and not stop.is_set():
         for sock, _ in poller.poll(100):
@@ -322,7 +322,7 @@ def adapter_message(num_bytes: int) -> tuple[list, int]:
     tensors = adapter_tensors(num_bytes)
     update = AdapterUpdate(version=1, step=1, sha256=framing.frames_sha256([t for _, t in tensors]),
                            adapter_config={"r": 8, "lora_alpha": 16, "peft_type": "LORA"})
-    return protocol.encode(update, tensors), sum(t.nbytes for _, t in tensors)
+    return codec.encode(update, tensors), sum(t.nbytes for _, t in tensors)
 
 
 def publish(endpoint: str, message: list) -> float:
@@ -330,7 +330,7 @@ def publish(endpoint: str, message: list) -> float:
     ctx = zmq.Context()
     sock = ctx.socket(zmq.DEALER)
     sock.connect(endpoint)
-    hello(sock, "learner", "learner")
+    harness.hello(sock, "learner", "learner")
     sent = time.monotonic()
     sock.send_multipart(message, copy=False)
     while kind_of(sock.recv_multipart(copy=False)) != Kind.ACK:
@@ -391,6 +391,7 @@ def idle_window(pid: int, endpoint: str, seconds: float) -> dict[str, float]:
 CORE_COST = """
 import sys, time
 from loraflow.broker.core import BrokerCore
+from bench.harness import codec
 from loraflow.common import protocol
 from loraflow.common.config import load_config
 from loraflow.common.logging import setup_logging
@@ -402,9 +403,9 @@ config = load_config(None, [f"broker.max_workers={n + 8}"])
 core = BrokerCore(config, task=load_task(config.run.task, config.run.seed), now_s=0.0)
 ids = [f"worker/w{i}".encode() for i in range(n)]
 for i, identity in enumerate(ids):
-    core.handle(identity, protocol.encode(Hello(role="worker", client_id=f"w{i}", session="s")), 0.0)
+    core.handle(identity, codec.encode(Hello(role="worker", client_id=f"w{i}", session="s")), 0.0)
 core.flush(0.0)
-beat = protocol.encode(Heartbeat(state="idle", counters=counters))
+beat = codec.encode(Heartbeat(state="idle", counters=counters))
 now, best = 0.0, float("inf")
 for _ in range(4):
     start = time.process_time()
@@ -428,7 +429,7 @@ def core_cost(tree: Path, workers: int, per_pass: int = 4) -> float:
 
 
 def loop_during(before: dict | None, after: dict | None) -> dict | None:
-    """The broker loop's passes between two Stats ``loop`` snapshots (loraflow.broker.loop_times): how many, their p99
+    """The broker loop's passes between two Stats ``loop`` snapshots (loraflow.broker.stats): how many, their p99
     bucket, how many took over 20 ms, and the slowest pass and step of the broker's last stats window; None for a
     broker without it (an older ``--reference-tree``)."""
     if not before or not after:
@@ -596,11 +597,7 @@ def fleet_sizes(workdir: Path, sizes: list[int], seconds: float, generate_s: flo
         for child, _, own_stop in fleets:
             if child.is_alive():  # (never the killed one's Event: see above)
                 own_stop.set()
-            child.join(timeout=10)
-            if child.is_alive():
-                child.kill()
-        broker.terminate()
-        broker.wait(timeout=30)
+        harness.reap([child for child, _, _ in fleets], broker)
 
 
 def fanout(workdir: Path, counts: list[int], mb: float) -> dict[int, dict]:
@@ -637,19 +634,13 @@ def fanout(workdir: Path, counts: list[int], mb: float) -> dict[int, dict]:
                   f"(the star's floor is {count}x)", flush=True)
         finally:
             stop.set()
-            for child in procs:
-                child.join(timeout=10)
-                if child.is_alive():
-                    child.kill()
-            broker.terminate()
-            broker.wait(timeout=30)
+            harness.reap(procs, broker)
     return out
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser = harness.parser(__doc__, seconds=10.0)
     parser.add_argument("--fleets", default="256,1024,4096", help="connected workers, comma-separated, ascending")
-    parser.add_argument("--seconds", type=float, default=10.0, help="measured seconds per phase")
     parser.add_argument("--generate-ms", type=float, default=100.0, help="active workers: time from a grant to "
                         "its group's submission")
     parser.add_argument("--fanout", default="64,256", help="fetchers for the adapter fan-out ('' for none)")
@@ -663,7 +654,7 @@ def main(argv: list[str] | None = None) -> int:
                         "then with the configured one")
     parser.add_argument("--budget", type=float, default=None, help="broker.max_heartbeats_per_second of the "
                         "measured broker (default: the config's)")
-    args = parser.parse_args(argv)
+    args = harness.parse(parser, argv, fleets="32", seconds=1.0, fanout="2", mb=2.0)
     budget = () if args.budget is None else (f"broker.max_heartbeats_per_second={args.budget}",)
     sizes = sorted(int(s) for s in args.fleets.split(","))
     print(f"machine load {os.getloadavg()[0]:.2f} {os.getloadavg()[1]:.2f} {os.getloadavg()[2]:.2f}; fleet at nice "

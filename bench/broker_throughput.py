@@ -29,7 +29,6 @@ Targets: broker >= 0.8 x relay at 256 KB and 4 MB, >= 0.5 x at 16 KB. The JSON l
 
 from __future__ import annotations
 
-import argparse
 import multiprocessing as mp
 import os
 import shutil
@@ -37,22 +36,22 @@ import statistics
 import sys
 import tempfile
 import time
-import uuid
 from pathlib import Path
 
 import msgpack
 import numpy as np
 import zmq
 
-from bench.broker_proc import RUN_TOKEN, start_broker
+from bench import harness
+from bench.broker_proc import start_broker
+from bench.harness import codec
 from bench.report import report
-from loraflow.common import framing, protocol
+from loraflow.common import framing
 from loraflow.common.protocol import (
     AdapterFetch,
     AdapterUpdate,
     BatchAck,
     BatchRequest,
-    Hello,
     Kind,
     LeaseRequest,
     RolloutGroup,
@@ -101,7 +100,7 @@ def push_producer(endpoint: str, num_bytes: int, stop: mp.Event) -> None:
     sock.setsockopt(zmq.SNDHWM, HWM)
     sock.connect(endpoint)
     tensors = group_tensors(num_bytes)
-    frames = protocol.encode(group_record("0:0", "L", "p", tensors), tensors)
+    frames = codec.encode(group_record("0:0", "L", "p", tensors), tensors)
     while not stop.is_set():
         try:
             sock.send_multipart(frames, copy=False, flags=zmq.NOBLOCK)
@@ -151,13 +150,6 @@ def relay(endpoints: mp.Queue, in_python: bool = False) -> None:
     zmq.proxy(pull, push)
 
 
-def kind_and_header(frames: list) -> tuple[int, dict]:
-    """A reply's kind and header, read without the schema validation a real client does (lean clients keep
-    the two cores for the process being measured)."""
-    kind = framing.PREAMBLE.unpack(frames[0].buffer)[2]
-    return kind, msgpack.unpackb(frames[1].buffer)
-
-
 def client_socket(endpoint: str, identity: bytes, keys_dir: str | None, hwm: int | None = None
                   ) -> tuple[zmq.Context, zmq.Socket]:
     """A DEALER to the broker, with the worker's or learner's CURVE keys when ``keys_dir`` is set."""
@@ -172,32 +164,24 @@ def client_socket(endpoint: str, identity: bytes, keys_dir: str | None, hwm: int
     return ctx, sock
 
 
-def hello(sock: zmq.Socket, role: str, name: str) -> None:
-    sock.send_multipart(protocol.encode(Hello(role=role, client_id=name, session=uuid.uuid4().hex[:8],
-                                              batched_acks=role == "worker",  # as rollout_worker's client
-                                              token=RUN_TOKEN if role == "learner" else "")))
-    while kind_and_header(sock.recv_multipart(copy=False))[0] != Kind.WELCOME:
-        pass
-
-
 def broker_worker(endpoint: str, num_bytes: int, max_leases: int, stop: mp.Event, keys_dir: str | None) -> None:
     """A lean rollout worker: long-polls for leases, submits a group per lease, and follows the learner's
     adapter versions as the real worker does (AdapterNotice -> AdapterFetch, one in flight; the version it
     holds goes into its LeaseRequests, so admission works as in a run)."""
     name = f"bench-{os.getpid()}"
     ctx, sock = client_socket(endpoint, f"worker/{name}".encode(), keys_dir, hwm=HWM)
-    hello(sock, "worker", name)
+    harness.hello(sock, "worker", name, batched_acks=True)  # as rollout_worker's client
     tensors = group_tensors(num_bytes)
-    template = protocol.encode(group_record("0:0", "L", name, tensors), tensors)
+    template = codec.encode(group_record("0:0", "L", name, tensors), tensors)
     header = msgpack.unpackb(template[1])
     packer = msgpack.Packer(use_bin_type=True)
-    fetch = protocol.encode(AdapterFetch(version=0))
+    fetch = codec.encode(AdapterFetch(version=0))
     leases: list = []
     asking = fetching = False
     held = noticed = stamped = 0  # adapter version held; newest version announced; version the tokens carry
     while not stop.is_set():
         if not asking and len(leases) < max_leases // 2 + 1:
-            sock.send_multipart(protocol.encode(LeaseRequest(max_leases=max_leases - len(leases), adapter_version=held,
+            sock.send_multipart(codec.encode(LeaseRequest(max_leases=max_leases - len(leases), adapter_version=held,
                                                              wait_ms=200)))
             asking = True
         if noticed > held and not fetching:
@@ -241,14 +225,14 @@ def adapter_message(version: int) -> list:
                for ab in "AB"]
     update = AdapterUpdate(version=version, step=version, sha256=framing.frames_sha256([t for _, t in tensors]),
                            adapter_config={"r": 8, "lora_alpha": 16, "peft_type": "LORA"})
-    return protocol.encode(update, tensors)
+    return codec.encode(update, tensors)
 
 
 def end_step(sock: zmq.Socket, batch: dict, step: int, version: int, checkpoint_version: int) -> None:
     """What a learner sends after training ``batch`` (a Batch header): the tiny adapter of ``version``, then the
     BatchAck of the step (it trained ``version - 1``)."""
     sock.send_multipart(adapter_message(version), copy=False)
-    sock.send_multipart(protocol.encode(BatchAck(
+    sock.send_multipart(codec.encode(BatchAck(
         batch_id=batch["batch_id"], step=step, trained_version=version - 1,
         group_ids=[e["group"]["group_id"] for e in batch["groups"]], checkpoint_version=checkpoint_version)))
 
@@ -260,17 +244,17 @@ def broker_learner(endpoint: str, num_groups: int, prefetch: int, seconds: float
     its acks report a checkpoint every CHECKPOINT_EVERY steps (learner.checkpoint_every's default), which lets
     the broker forget the trained groups it keeps for a learner restart."""
     ctx, sock = client_socket(endpoint, b"learner/bench", keys_dir)
-    hello(sock, "learner", "bench")
+    harness.hello(sock, "learner", "bench")
     results.put(endpoint)
     version = checkpoint_version = 0
     for _ in range(prefetch):  # batches requested ahead, as a learner that prefetches
-        sock.send_multipart(protocol.encode(BatchRequest(num_groups=num_groups, wait_ms=1000)))
+        sock.send_multipart(codec.encode(BatchRequest(num_groups=num_groups, wait_ms=1000)))
     start = end = None
     total, step = 0, 0
     trace: dict[int, int] | None = {} if os.environ.get("BENCH_TRACE") else None  # second -> bytes
     while True:
         frames = sock.recv_multipart(copy=False)
-        kind, batch = kind_and_header(frames)
+        kind, batch = harness.kind_and_header(frames)
         if kind == Kind.ACK:
             continue
         if kind != Kind.BATCH:
@@ -290,7 +274,7 @@ def broker_learner(endpoint: str, num_groups: int, prefetch: int, seconds: float
             if step % CHECKPOINT_EVERY == 0:
                 checkpoint_version = version
             end_step(sock, batch, step, version, checkpoint_version)
-        sock.send_multipart(protocol.encode(BatchRequest(num_groups=num_groups, wait_ms=1000,
+        sock.send_multipart(codec.encode(BatchRequest(num_groups=num_groups, wait_ms=1000,
                                                          learner_version=version)))
     if trace is not None:
         print("  learner MB/s per second: " + " ".join(f"{trace.get(i, 0) / 1e6:.0f}" for i in range(int(seconds))),
@@ -407,27 +391,20 @@ def run_mode(mode: str, num_bytes: int, producers: int, seconds: float, workdir:
         return value, shares
     finally:
         stop.set()
-        for child in children:
-            child.join(timeout=5)
-            if child.is_alive():
-                child.terminate()
-        if broker is not None:
-            broker.terminate()
-            broker.wait(timeout=10)
+        harness.reap(children, broker, timeout_s=5)
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser = harness.parser(__doc__, repeats=3, seconds=3.0)
     parser.add_argument("--producers", type=int, default=3)
-    parser.add_argument("--seconds", type=float, default=3.0, help="measured seconds per run")
-    parser.add_argument("--repeats", type=int, default=3, help="interleaved runs per mode and size (median kept)")
     parser.add_argument("--sizes", default="16384,262144,4194304", help="group sizes in bytes, comma-separated")
     parser.add_argument("--modes", default="direct,relay,pyrelay,broker,curve")
     parser.add_argument("--batch-bytes", type=int, default=4 << 20, help="broker mode: bytes per learner batch "
                         "(groups per batch = this / group size, 2..64)")
     parser.add_argument("--capacity-batches", type=int, default=4, help="broker mode: capacity_groups in batches")
     parser.add_argument("--prefetch", type=int, default=2, help="broker mode: batch requests kept outstanding")
-    args = parser.parse_args(argv)
+    args = harness.parse(parser, argv, producers=2, seconds=0.5, repeats=1, sizes="262144",
+                         modes="direct,relay,broker,curve")
     sizes = [int(s) for s in args.sizes.split(",")]
     modes = args.modes.split(",")
     results: dict[int, dict[str, float]] = {}

@@ -3,7 +3,7 @@
 An outside client found that parked LeaseRequests were unbounded per worker and expired in O(n^2) (a
 ``deque.remove`` per expired waiter in ``BrokerCore.tick``): 8,000 parked requests stalled the loop seconds.
 Now a worker has at most one parked request (a newer one replaces it) and deadlines sit in a heap
-(:mod:`loraflow.broker.waiters`).
+(:mod:`loraflow.broker.outbox`).
 
 Two figures, both printed:
 
@@ -18,7 +18,6 @@ Two figures, both printed:
 
 from __future__ import annotations
 
-import argparse
 import tempfile
 import time
 from collections import deque
@@ -26,10 +25,11 @@ from pathlib import Path
 
 import zmq
 
+from bench import harness
 from bench.broker_proc import start_broker
+from bench.harness import codec
 from bench.report import report
-from loraflow.broker.waiters import Waiter, WaiterQueue
-from loraflow.common import protocol
+from loraflow.broker.outbox import Waiter, WaiterQueue
 from loraflow.common.protocol import Hello, LeaseRequest, StatsRequest
 
 
@@ -70,18 +70,18 @@ def stall_against_a_broker(n: int) -> tuple[float, int]:
             for sock in (worker, observer):
                 sock.setsockopt(zmq.LINGER, 0)
                 sock.connect(endpoint)
-            worker.send_multipart(protocol.encode(Hello(role="worker", client_id="greedy", session="s")))
+            worker.send_multipart(codec.encode(Hello(role="worker", client_id="greedy", session="s")))
             worker.recv_multipart()
-            worker.send_multipart(protocol.encode(LeaseRequest(max_leases=1, wait_ms=0)))  # the one lease there is
+            worker.send_multipart(codec.encode(LeaseRequest(max_leases=1, wait_ms=0)))  # the one lease there is
             worker.recv_multipart()
-            request = protocol.encode(LeaseRequest(max_leases=1, wait_ms=1000))
+            request = codec.encode(LeaseRequest(max_leases=1, wait_ms=1000))
             for _ in range(n):
                 worker.send_multipart(request)
             longest_ms, peak_waiters, deadline = 0.0, 0, time.monotonic() + 4.0
             while time.monotonic() < deadline:
                 sent = time.perf_counter()
-                observer.send_multipart(protocol.encode(StatsRequest()))
-                stats, _ = protocol.decode(observer.recv_multipart())
+                observer.send_multipart(codec.encode(StatsRequest()))
+                stats, _ = codec.decode(observer.recv_multipart())
                 longest_ms = max(longest_ms, (time.perf_counter() - sent) * 1000)
                 peak_waiters = max(peak_waiters, stats.snapshot["waiting"]["lease_requests"])
                 time.sleep(0.01)
@@ -93,9 +93,9 @@ def stall_against_a_broker(n: int) -> tuple[float, int]:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser = harness.parser(__doc__)
     parser.add_argument("--num-requests", type=int, default=8000)
-    args = parser.parse_args()
+    args = harness.parse(parser, None, num_requests=500)
     n = args.num_requests
     before = min(old_expiry_s(n) for _ in range(3))
     after = min(new_expiry_s(n) for _ in range(3))

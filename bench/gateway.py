@@ -61,7 +61,6 @@ the share of the gateway's cost that is only CPU taken from the engine shows (``
 
 from __future__ import annotations
 
-import argparse
 import asyncio
 import contextlib
 import multiprocessing as mp
@@ -72,6 +71,8 @@ import threading
 import time
 from dataclasses import dataclass, field
 from typing import Any
+
+from bench import harness
 
 PROMPT = "12+34="
 TURN = "\n56+78="  # what the agent adds after each reply
@@ -595,14 +596,13 @@ def figures(results: dict[int, tuple[Run, Run, Run]]) -> dict[str, Any]:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser = harness.parser(__doc__, repeats=3)
     parser.add_argument("--backend", choices=("vllm", "hf"), default="vllm")
     parser.add_argument("--tokens", type=int, default=32)
     parser.add_argument("--calls", type=int, default=4)
     parser.add_argument("--sessions", default="1,8,64")
     parser.add_argument("--latency-requests", type=int, default=40)
     parser.add_argument("--chunk", type=int, default=16)
-    parser.add_argument("--repeats", type=int, default=3, help="interleaved direct/gateway runs per count (median)")
     parser.add_argument("--cores", default="shared,split", help="where the engine side and the clients run "
                         "(Placement): shared, split, or both (interleaved; the JSON ratio is the first's)")
     parser.add_argument("--openai-http", choices=("aiohttp", "httpx"), default="aiohttp", help="the openai "
@@ -616,7 +616,8 @@ def main() -> None:
     parser.add_argument("--profile", action="store_true", help="cProfile the gateway's engine and HTTP server "
                         "threads (CPU clock) over the throughput runs and print where their CPU goes (diagnosis "
                         "only: the profiler's own cost makes the run's figures worse)")
-    args = parser.parse_args()
+    args = harness.parse(parser, None, backend="hf", tokens=8, calls=2, sessions="2", latency_requests=2,
+                         repeats=1, cores="shared")
     configs = [c for c in args.cores.split(",") if c]
     if not configs or set(configs) - {"shared", "split"}:
         parser.error(f"--cores {args.cores!r}: shared, split or shared,split")

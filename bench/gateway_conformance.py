@@ -31,6 +31,7 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
+from bench import harness
 from bench.report import report
 
 END_OF_TURN = {"llama3": "<|eot_id|>", "qwen2": "<|im_end|>", "qwen3": "<|im_end|>", "gemma": "<end_of_turn>"}
@@ -114,6 +115,9 @@ def play(chat: Any, end_id: int, turns: list[tuple[str, bool, dict[str, Any] | N
 
 
 def main() -> None:
+    parser = harness.parser(__doc__)
+    parser.add_argument("--families", default="", help="comma-separated model_zoo families (default: all, and qwen2.5)")
+    args = harness.parse(parser, None, families="qwen2")
     from transformers import AutoTokenizer
 
     from loraflow.common.chat import ChatFormat
@@ -121,7 +125,7 @@ def main() -> None:
 
     rows, clean, cells = [], 0, 0
     with tempfile.TemporaryDirectory() as tmp:
-        for family in [*FAMILIES, "qwen2.5"]:
+        for family in args.families.split(",") if args.families else [*FAMILIES, "qwen2.5"]:
             base = "qwen2" if family == "qwen2.5" else family
             model_dir = Path(tmp) / base
             if not model_dir.exists():

@@ -45,12 +45,13 @@ worker-path tokens/s at the first ``--swap-every``, its reference the one-call t
 
 from __future__ import annotations
 
-import argparse
 import os
 import random
 import statistics
 import time
 from dataclasses import dataclass, field
+
+from bench import harness
 
 GROUP_SIZES = (1, 1, 1, 2, 2, 4, 8, 16)  # drawn uniformly: a heavy tail of large groups
 
@@ -185,7 +186,7 @@ def swap_label(every: int, finish_within: int = 0, keep_within: int = 0) -> str:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser = harness.parser(__doc__)
     parser.add_argument("--leases", type=int, default=48)
     parser.add_argument("--tokens", type=int, default=256, help="max new tokens per sample")
     parser.add_argument("--capacity", type=int, default=16, help="groups in hand (worker.capacity)")
@@ -208,7 +209,7 @@ def main() -> None:
                         help="worker.keep_version_within of the worker path (versions); a comma-separated list runs "
                              "each in turn (interleaved), the first is the JSON line's figure")
     parser.add_argument("--seed", type=int, default=0)
-    args = parser.parse_args()
+    args = harness.parse(parser, None, backends="hf", leases=4, tokens=16, capacity=4, swap_every="8")
     swap_everies = [int(x) for x in args.swap_every.split(",")]
     variants = [(int(w), int(k)) for w in args.finish_within.split(",") for k in args.keep_within.split(",")]
 

@@ -33,7 +33,6 @@ the worker's), the learner's compute share, and per fault its figures.
 
 from __future__ import annotations
 
-import argparse
 import sys
 import tempfile
 import time
@@ -41,6 +40,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+from bench import harness
 from bench.report import report
 from tests.fault.ledger import read_json_lines
 from tests.integrity.run import BAD, GOOD, audit, quarantined, run_late_fault, start_run
@@ -354,7 +354,7 @@ def main_isolated(repeats: int, reference: str | None, shapes: Sequence[str] = (
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser = harness.parser(__doc__)
     parser.add_argument("--clean-minutes", type=float, default=10.0)
     parser.add_argument("--no-vllm", action="store_true", help="skip the vLLM fault and the vLLM clean worker")
     parser.add_argument("--no-late", action="store_true", help="skip the worker that goes wrong after its "
@@ -371,7 +371,8 @@ def main() -> None:
                         "directory, e.g. bench/learner_memory.py build's, or a built-in)")
     parser.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="with --isolated: a config "
                         "override, e.g. learner.device=\"cuda\" or learner.mixed_precision=\"bf16\" (repeatable)")
-    args = parser.parse_args()
+    # --quick: the clean run alone (hf, a quarter minute): the run, the checks and the cost figures
+    args = harness.parse(parser, None, faults="none", no_vllm=True, no_late=True, clean_minutes=0.25)
     if args.isolated:
         shapes = [s for s in args.shapes.split(",") if s]
         if not shapes or set(shapes) - set(SHAPES):

@@ -25,7 +25,6 @@ give every engine's figures. A ratio above 1 is not by itself a false positive (
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import subprocess
@@ -34,6 +33,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+from bench import harness
 from bench.report import report
 
 REPO = Path(__file__).resolve().parent.parent
@@ -156,7 +156,7 @@ def run_engine(engine: str, dtype: str, model_dir: Path, adapter_dir: Path, prom
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = harness.parser(__doc__)
     parser.add_argument("--model", default="builtin:demo", help="model.path (default: the demo base)")
     parser.add_argument("--prompts", type=int, default=256)
     parser.add_argument("--samples", type=int, default=4, help="completions per prompt and policy")
@@ -165,7 +165,7 @@ def main() -> None:
     parser.add_argument("--no-vllm", action="store_true")
     parser.add_argument("--device", default="cpu", help="where the hf engines run (cuda: GPU kernels' bf16 rounding; "
                         "the fp32 reference stays on the CPU)")
-    args = parser.parse_args()
+    args = harness.parse(parser, None, model="builtin:tiny", prompts=4, samples=2, max_new_tokens=8, no_vllm=True)
 
     import torch
 

@@ -19,7 +19,6 @@ a group at ~3 versions/s; the ratio says how close a joiner now comes to the ide
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import signal
@@ -32,6 +31,7 @@ from datetime import datetime
 from pathlib import Path
 from typing import Any
 
+from bench import harness
 from bench.broker_proc import REPO, RUN_TOKEN, start_broker
 from bench.report import report, scratch_dir
 
@@ -62,12 +62,13 @@ def adapter_message(version: int, layout: list[tuple[str, tuple[int, ...]]], con
     """An AdapterUpdate of ``version`` with small random weights (a different adapter every version)."""
     import numpy as np
 
+    from bench.harness import codec
     from loraflow.common.framing import frames_sha256
-    from loraflow.common.protocol import AdapterUpdate, encode
+    from loraflow.common.protocol import AdapterUpdate
 
     rng = np.random.default_rng(version)
     tensors = [(name, (rng.standard_normal(shape) * 0.01).astype(np.float32)) for name, shape in layout]
-    sha = frames_sha256(encode(AdapterUpdate(version=version, sha256="", adapter_config={}), tensors)[2:])
+    sha = frames_sha256(codec.encode(AdapterUpdate(version=version, sha256="", adapter_config={}), tensors)[2:])
     return AdapterUpdate(version=version, sha256=sha, adapter_config=config, step=version), tensors
 
 
@@ -132,9 +133,9 @@ def run_reference(model_dir: Path, adapter_dir: Path) -> None:
     backend = make_backend(config, worker_id="reference", max_staleness=0)
     model_s = time.monotonic() - loading
     update, tensors = adapter_message(1, layout, peft_config)
-    from loraflow.common.protocol import decode, encode
+    from bench.harness import codec
 
-    _, envelope = decode([bytes(f) for f in encode(update, tensors)])
+    _, envelope = codec.decode([bytes(f) for f in codec.encode(update, tensors)])
     loading = time.monotonic()
     backend.add_adapter(store.receive(update, envelope.specs, envelope.frames))
     adapter_s = time.monotonic() - loading
@@ -205,7 +206,7 @@ def child_env() -> dict[str, str]:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser = harness.parser(__doc__)
     parser.add_argument("--role", choices=("bench", "learner", "reference"), default="bench")
     parser.add_argument("--endpoint", default="")
     parser.add_argument("--model-dir", default="")
@@ -214,7 +215,7 @@ def main() -> None:
     parser.add_argument("--rate", type=float, default=0.0, help="versions/s at most; 0 = as fast as it can")
     parser.add_argument("--warmup-versions", type=int, default=50)
     parser.add_argument("--timeout", type=float, default=180.0)
-    args = parser.parse_args()
+    args = harness.parse(parser, None, workers=1, warmup_versions=5, timeout=120.0)
     if args.role == "learner":
         return run_learner(args.endpoint, Path(args.model_dir), args.rate, batch_groups=4)
     if args.role == "reference":

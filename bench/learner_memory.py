@@ -56,6 +56,8 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
+from bench import harness
+
 REPO = Path(__file__).resolve().parent.parent
 VOCAB = 151_936
 SHAPES: dict[str, dict[str, Any]] = {  # from the Qwen2 releases' config.json
@@ -342,7 +344,7 @@ def long_rows(args: argparse.Namespace) -> None:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser = harness.parser(__doc__)
     sub = parser.add_subparsers(dest="command")
     build = sub.add_parser("build", help="write a shaped random model directory and exit")
     build.add_argument("--shape", choices=sorted(SHAPES), required=True)
@@ -370,7 +372,7 @@ def main() -> None:
     parser.add_argument("--tokens", type=int, default=256, help="tokens per rank in the measured step")
     parser.add_argument("--logits", action="store_true", help="also measure the head path alone")
     parser.add_argument("--work-dir", default="", help="keep the model directories here (default: a temp dir)")
-    args = parser.parse_args()
+    args = harness.parse(parser, None, shapes="tiny", before_shapes="", tokens=32)
     if args.command == "build":
         print(build_shaped_model(Path(args.out), args.shape, dtype=args.dtype, vocab_size=args.vocab_size))
         return

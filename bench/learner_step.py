@@ -29,6 +29,7 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
+from bench import harness
 from bench.report import report
 from loraflow.common.tiny_model import resolve_model
 from tests.learner.scripted import Producer
@@ -41,7 +42,9 @@ def run_learner(tmp: Path, model_dir: Path, ranks: int, args: argparse.Namespace
     run_dir = tmp / f"run-{ranks}"
     settings = [f"run.groups_per_step={args.groups}", f"run.group_size={args.group_size}", "run.max_staleness=1",
                 f"model.path=\"{model_dir}\"", "learner.checkpoint_every=0", "learner.save_adapter_every=0",
-                f"learner.lora_rank={args.rank}", *args.settings]
+                f"learner.lora_rank={args.rank}",
+                "integrity.check=false",  # the scripted producer's log-probs come from no model (tests/learner/scripted.py)
+                *args.settings]
     producer = None
     try:
         broker = start_broker(procs, *settings, name=f"broker-{ranks}", run_dir=run_dir)
@@ -178,7 +181,7 @@ def interleaved(args: argparse.Namespace) -> None:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser = harness.parser(__doc__)
     parser.add_argument("--steps", type=int, default=30)
     parser.add_argument("--warmup", type=int, default=3)
     parser.add_argument("--groups", type=int, default=16, help="groups per step")
@@ -192,7 +195,7 @@ def main() -> None:
     parser.add_argument("--ranks", default="1,2", help="which runs (comma-separated rank counts)")
     parser.add_argument("--interleaved", action="store_true",
                         help="old vs new step code in one process, alternating (no broker)")
-    args = parser.parse_args()
+    args = harness.parse(parser, None, steps=3, warmup=1, groups=2, group_size=4, max_completion=8)
     if args.interleaved:
         interleaved(args)
         return

@@ -33,7 +33,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from bench import netbed
+from bench import harness, netbed
 from bench.report import report
 from tests.support import Processes
 
@@ -73,13 +73,13 @@ def one_run(root: Path, model_dir: Path, *, loopback: bool, prompts: int, tokens
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = harness.parser(__doc__, repeats=2, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.description = __doc__
     parser.add_argument("--prompts", type=int, default=300, help="prompts of the two throughput runs")
     parser.add_argument("--tokens-per-s", type=float, default=200, help="simulated generation of the throughput runs")
-    parser.add_argument("--repeats", type=int, default=2, help="throughput runs of each kind, interleaved")
-    parser.add_argument("--fault-prompts", type=int, default=520)
+    parser.add_argument("--fault-prompts", type=int, default=520, help="prompts of the fault run (0: no fault run)")
     parser.add_argument("--fault-tokens-per-s", type=float, default=10)
-    args = parser.parse_args()
+    args = harness.parse(parser, None, prompts=40, repeats=1, fault_prompts=0)
     try:
         netbed.require_root()
     except netbed.BedUnavailable as exc:
@@ -101,7 +101,8 @@ def main() -> None:
                 print(f"  {run}", flush=True)
         print(f"fault run: {args.fault_prompts} prompts, generation at {args.fault_tokens_per_s} tokens/s", flush=True)
         fault_run = one_run(tmp_path / "faults", model_dir, loopback=False, prompts=args.fault_prompts,
-                            tokens_per_s=args.fault_tokens_per_s, faults=FAULTS)
+                            tokens_per_s=args.fault_tokens_per_s, faults=FAULTS) if args.fault_prompts else \
+            {"faults": [], "audit": None}
         print(f"  audit: {fault_run['audit']}", flush=True)
 
     value, reference = statistics.median(rates["multi_host"]), statistics.median(rates["loopback"])

@@ -17,12 +17,12 @@ with any real model: the share is an upper bound.
 
 from __future__ import annotations
 
-import argparse
 import statistics
 import tempfile
 import time
 from pathlib import Path
 
+from bench import harness
 from bench.report import report
 
 MESSAGES = [{"role": "system", "content": "You are a careful math tutor. Answer with a number at the end."},
@@ -40,11 +40,10 @@ def median_s(fn, repeats: int) -> float:  # noqa: ANN001 - bench helper
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser = harness.parser(__doc__, repeats=5)
     parser.add_argument("--group-size", type=int, default=8)
     parser.add_argument("--tokens", type=int, default=32)
-    parser.add_argument("--repeats", type=int, default=5)
-    args = parser.parse_args()
+    args = harness.parse(parser, None, tokens=4, repeats=1)
 
     import torch
 

@@ -140,15 +140,16 @@ class SingleProcess:
 
     def select(self, finished: list[Any]) -> tuple[Any, Any]:
         """(StepBatch, Selection): the groups through a Batch message and the learner's rank-0 selection."""
+        from bench.harness import codec
         from loraflow.common import protocol
         from loraflow.learner import data
 
         entries = [protocol.BatchEntry(group=f.group, first_tensor=i * data.NUM_GROUP_TENSORS)
                    for i, f in enumerate(finished)]
         batch_id = f"ref-{self.num_steps}"
-        frames = protocol.encode(protocol.Batch(batch_id=batch_id, groups=entries, latest_version=self.version),
+        frames = codec.encode(protocol.Batch(batch_id=batch_id, groups=entries, latest_version=self.version),
                                  [t for f in finished for t in f.tensors])
-        batch, envelope = protocol.decode(frames)
+        batch, envelope = codec.decode(frames)
         selection = data.select_groups(batch, envelope.specs, envelope.frames, version=self.version,
                                        max_staleness=0, trained_group_ids=self.trained_group_ids,
                                        vocab_size=self.policy.vocab_size,
@@ -168,7 +169,7 @@ class SingleProcess:
 
     def publish(self) -> None:
         """The next version into the backend as a worker receives it; its PEFT directory when due."""
-        from loraflow.common import protocol
+        from bench.harness import codec
         from loraflow.learner import publish
 
         if self.num_steps % self.config.learner.publish_every:
@@ -176,7 +177,7 @@ class SingleProcess:
         self.version += 1
         snap = publish.snapshot(self.policy, version=self.version, step=self.num_steps, is_main=True)
         assert snap is not None
-        update, envelope = protocol.decode(protocol.encode(snap.update(), snap.tensors))
+        update, envelope = codec.decode(codec.encode(snap.update(), snap.tensors))
         adapter = self.store.receive(update, envelope.specs, envelope.frames)
         self.backend.add_adapter(adapter)
         self.backend.retain({self.version})

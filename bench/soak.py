@@ -22,7 +22,6 @@ the slowest later minute / the median (1.0 = perfectly steady); extra fields car
 
 from __future__ import annotations
 
-import argparse
 import json
 import statistics
 import sys
@@ -31,6 +30,7 @@ import time
 from collections import Counter
 from pathlib import Path
 
+from bench import harness
 from bench.report import report
 from loraflow.common.tiny_model import build_tiny_model
 from loraflow.learner.ledger import read as read_ledger
@@ -80,7 +80,7 @@ def account(run_dir: Path) -> dict[str, int]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser = harness.parser(__doc__)
     parser.add_argument("--minutes", type=float, default=10.0)
     parser.add_argument("--workers", type=int, default=32)
     parser.add_argument("--capacity", type=int, default=2, help="groups each worker generates at once")
@@ -90,7 +90,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--tokens-per-s", type=float, default=100.0, help="sim decode speed per sample stream")
     parser.add_argument("--mean-tokens", type=float, default=16.0)
     parser.add_argument("--sample-every", type=float, default=10.0, help="seconds between samples")
-    args = parser.parse_args(argv)
+    parser.add_argument("--window-s", type=float, default=60.0, help="seconds of one rate window (the first is "
+                        "the warm-up and the reference)")
+    args = harness.parse(parser, argv, minutes=0.3, workers=2, groups=2, sample_every=1.0, window_s=6.0)
 
     with tempfile.TemporaryDirectory(prefix="soak-") as tmp:
         tmp_path = Path(tmp)
@@ -125,7 +127,7 @@ def main(argv: list[str] | None = None) -> int:
             while (now := time.monotonic()) < end:
                 stats = broker.stats(timeout_s=10)
                 samples.append((now - start, rss_mb(broker.proc.pid), stats))
-                if len(samples) % max(1, round(60 / args.sample_every)) == 0:
+                if len(samples) % max(1, round(args.window_s / args.sample_every)) == 0:
                     print(f"  {(now - start) / 60:4.1f} min  broker RSS {samples[-1][1]:6.1f} MB  trained "
                           f"{stats['prompts']['trained_total']:6d}  buffered {stats['buffer']['groups']:3d}  "
                           f"version {stats['latest_version']}", flush=True)
@@ -139,11 +141,12 @@ def main(argv: list[str] | None = None) -> int:
             procs.cleanup()
 
     per_min: list[float] = []
-    for minute in range(1, int(args.minutes) + 1):
-        window = [(t, s["prompts"]["trained_total"]) for t, _, s in samples if minute * 60 - 60 <= t <= minute * 60]
+    w = args.window_s
+    for minute in range(1, int(args.minutes * 60 / w) + 1):
+        window = [(t, s["prompts"]["trained_total"]) for t, _, s in samples if minute * w - w <= t <= minute * w]
         if len(window) >= 2:
             per_min.append((window[-1][1] - window[0][1]) / (window[-1][0] - window[0][0]))
-    warm = [(t, rss) for t, rss, _ in samples if t >= 60]
+    warm = [(t, rss) for t, rss, _ in samples if t >= w]
     rss_warm, rss_end = warm[0][1], samples[-1][1]
     growth = slope_per_min([p for p in warm if p[0] >= samples[-1][0] / 2])
     later = per_min[1:] or per_min

@@ -43,11 +43,13 @@ from typing import Any
 
 import numpy as np
 
+from bench import harness
+from bench.harness import codec
 from bench.report import report
 from loraflow.broker.core import BrokerCore
 from loraflow.broker.ledger import State
 from loraflow.broker.prompts import parse_group_id
-from loraflow.common import framing, protocol
+from loraflow.common import framing
 from loraflow.common.config import load_config
 from loraflow.common.logging import setup_logging
 from loraflow.common.protocol import AdapterUpdate, Batch, BatchAck, BatchRequest, Hello, Kind, LeaseRequest
@@ -109,11 +111,11 @@ def run(rule: StalenessRule, args: argparse.Namespace, adapter_dir: Path) -> Out
     inbox: list[tuple[bytes, Any, Any]] = []
 
     def send(identity: bytes, record: Any, tensors: Any = ()) -> None:
-        core.handle(identity, protocol.encode(record, list(tensors)), now)
+        core.handle(identity, codec.encode(record, list(tensors)), now)
         while True:
             core.tick(now)
             for out in core.flush(now):
-                inbox.append((out.identity, *protocol.decode(out.frames)))
+                inbox.append((out.identity, *codec.decode(out.frames)))
             if not core.outbox.num_awaiting and not core.has_work(now):
                 break
         for group_id in list(accepted):  # a buffered group the broker dropped: its prompt is pending again
@@ -177,13 +179,13 @@ def run(rule: StalenessRule, args: argparse.Namespace, adapter_dir: Path) -> Out
             send(LEARNER, BatchAck(batch_id=batch_id, step=version + 1, trained_version=version, group_ids=ack_ids))
             version += 1
             tensors = [("lora_A", rng.standard_normal(16).astype(np.float32))]
-            frames = protocol.encode(AdapterUpdate(version=version, step=version, sha256="", adapter_config={"r": 1}),
+            frames = codec.encode(AdapterUpdate(version=version, step=version, sha256="", adapter_config={"r": 1}),
                                      tensors)
             sha = framing.frames_sha256(frames[2:])
             send(LEARNER, AdapterUpdate(version=version, step=version, sha256=sha, adapter_config={"r": 1}), tensors)
             path = adapter_dir / f"{rule}-v{version}"
             path.mkdir()
-            _, envelope = protocol.decode(frames)
+            _, envelope = codec.decode(frames)
             write_safetensors(path / WEIGHTS_FILE, envelope.specs, envelope.frames)
             loads.append((rounds + args.fetch_rounds, version, path, sha))
             step_done_at, pending_batch = None, None
@@ -300,7 +302,7 @@ def plot(path: Path, sample_rates: dict[str, list[float]], group_before: list[fl
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser = harness.parser(__doc__)
     parser.add_argument("--groups", type=int, default=600, help="groups to reach the learner per run")
     parser.add_argument("--group-size", type=int, default=8)
     parser.add_argument("--groups-per-step", type=int, default=4)
@@ -315,7 +317,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--max-rounds", type=int, default=200_000)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--plot", type=Path, help="also draw the two tables as bar charts into this PNG")
-    args = parser.parse_args(argv)
+    args = harness.parse(parser, argv, groups=40, mean_tokens=32.0, max_tokens=256)
     setup_logging("bench", level="warning")
     outcomes = {}
     with tempfile.TemporaryDirectory() as tmp:

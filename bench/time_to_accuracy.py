@@ -42,6 +42,7 @@ from collections import defaultdict
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from bench import harness
 from bench.accuracy_runs import REPO, child_env, run_loraflow
 from bench.report import report
 from loraflow.common.config import Config, load_config
@@ -171,25 +172,30 @@ def adapter_loads(run_dir: Path) -> list[tuple[int, float, float]]:
 # -- the reference -------------------------------------------------------------------------------------------
 
 
-def reference_side(run_dir: Path, out: Path, args: argparse.Namespace) -> Side:
-    """bench/single_process.py in its own process on the loraflow run's resolved config."""
-    command = [sys.executable, "-m", "bench.single_process", "--config", str(run_dir / "config.toml"),
-               "--steps", str(args.max_steps), "--out", str(out), "--adapter-every", str(args.adapter_every),
-               "--threads", str(args.threads)]
-    result = subprocess.run(command, env=child_env(), cwd=REPO, capture_output=True, text=True,
-                            timeout=args.max_duration + 300)
+def child_side(name: str, command: list[str], out: Path, timeout_s: float) -> tuple[Side, dict]:
+    """Run a single-process side (``command``, which writes ``out/result.json``: its steps and adapters) and read
+    it back as a :class:`Side`; also the raw record."""
+    result = subprocess.run(command, env=child_env(), cwd=REPO, capture_output=True, text=True, timeout=timeout_s)
     if result.returncode != 0:
-        raise SystemExit(f"the single-process reference failed:\n{result.stdout[-3000:]}\n{result.stderr[-3000:]}")
+        raise SystemExit(f"the {name} side failed:\n{result.stdout[-3000:]}\n{result.stderr[-5000:]}")
     ref = json.loads((out / "result.json").read_text())
     made_at, samples_at, total = {}, {}, 0
     for s in ref["steps"]:
         total += s["num_samples"]
         made_at[s["version"]] = s["time_unix"]
         samples_at[s["version"]] = total
-    side = Side(name="single process", startup_s=ref["startup_s"], train_start_unix=ref["started_unix"],
-                made_at=made_at, samples_at=samples_at,
-                adapters=sorted((int(v), Path(p)) for v, p in ref["adapters"].items()),
+    side = Side(name=name, startup_s=ref["startup_s"], train_start_unix=ref["started_unix"], made_at=made_at,
+                samples_at=samples_at, adapters=sorted((int(v), Path(p)) for v, p in ref["adapters"].items()),
                 seconds_per_step=step_s([s["time_unix"] for s in ref["steps"]]))
+    return side, ref
+
+
+def reference_side(run_dir: Path, out: Path, args: argparse.Namespace) -> Side:
+    """bench/single_process.py in its own process on the loraflow run's resolved config."""
+    command = [sys.executable, "-m", "bench.single_process", "--config", str(run_dir / "config.toml"),
+               "--steps", str(args.max_steps), "--out", str(out), "--adapter-every", str(args.adapter_every),
+               "--threads", str(args.threads)]
+    side, ref = child_side("single process", command, out, args.max_duration + 300)
     side.breakdown = {f"reference_{key}_per_step": round(statistics.fmean(s[key] for s in ref["steps"]), 4)
                       for key in ("generate_s", "train_s", "publish_s")}
     return side
@@ -225,7 +231,7 @@ def describe(side: Side) -> str:
 
 def main() -> None:
     demo = load_config(DEMO_CONFIG)
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser = harness.parser(__doc__)
     parser.add_argument("--seeds", default="0,1,2", help="comma-separated run.seed values (each its own base)")
     parser.add_argument("--target", type=float, default=demo.eval.target_accuracy)
     parser.add_argument("--max-steps", type=int, default=100, help="learner steps of each run")
@@ -235,7 +241,7 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=0, help="the reference's torch threads (0 = every core)")
     parser.add_argument("--max-staleness", type=int, default=None, help="loraflow's (default: the demo's)")
     parser.add_argument("--set", action="append", default=[], help="a config override for both sides")
-    args = parser.parse_args()
+    args = harness.parse(parser, None, seeds="0", target=0.0, max_steps=2, max_duration=120.0, num_prompts=4)
     seeds = [int(s) for s in args.seeds.split(",")]
     rows = []
     with tempfile.TemporaryDirectory(prefix="bench-tta-") as tmp:

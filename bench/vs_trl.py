@@ -30,26 +30,25 @@ import argparse
 import json
 import os
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
 from pathlib import Path
 
+from bench import harness
 from bench.report import report
 from bench.time_to_accuracy import (
     Side,
+    child_side,
     describe,
     loraflow_breakdown,
     loraflow_side,
     make_evaluate,
     run_demo,
-    step_s,
 )
 from loraflow.common.config import Config, load_config
 from loraflow.deploy.demo_base import ensure_demo_base
 from loraflow.deploy.launcher import DEMO_CONFIG
-from tests.support import REPO, child_env
 
 
 def trl_child(config_path: Path, base: Path, out: Path, steps: int, adapter_every: int) -> None:
@@ -116,20 +115,7 @@ def trl_child(config_path: Path, base: Path, out: Path, steps: int, adapter_ever
 def trl_side(config_path: Path, base: Path, out: Path, args: argparse.Namespace) -> Side:
     command = [sys.executable, "-m", "bench.vs_trl", "--trl-child", str(config_path), str(base), str(out),
                "--max-steps", str(args.max_steps), "--adapter-every", str(args.adapter_every)]
-    done = subprocess.run(command, env=child_env(), cwd=REPO, capture_output=True, text=True,
-                          timeout=args.max_duration + 600)
-    if done.returncode != 0:
-        raise SystemExit(f"the TRL side failed:\n{done.stdout[-3000:]}\n{done.stderr[-5000:]}")
-    ref = json.loads((out / "result.json").read_text())
-    made_at, samples_at, total = {}, {}, 0
-    for s in ref["steps"]:
-        total += s["num_samples"]
-        made_at[s["version"]] = s["time_unix"]
-        samples_at[s["version"]] = total
-    return Side(name="TRL GRPOTrainer", startup_s=ref["startup_s"], train_start_unix=ref["started_unix"],
-                made_at=made_at, samples_at=samples_at,
-                adapters=sorted((int(v), Path(p)) for v, p in ref["adapters"].items()),
-                seconds_per_step=step_s([s["time_unix"] for s in ref["steps"]]))
+    return child_side("TRL GRPOTrainer", command, out, args.max_duration + 600)[0]
 
 
 def one_seed(seed: int, tmp: Path, args: argparse.Namespace) -> tuple[Side, Side, dict[str, float]]:
@@ -153,7 +139,7 @@ def one_seed(seed: int, tmp: Path, args: argparse.Namespace) -> tuple[Side, Side
 
 def main() -> None:
     demo = load_config(DEMO_CONFIG)
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser = harness.parser(__doc__)
     parser.add_argument("--seeds", default="0,1,2", help="comma-separated run.seed values (each its own base)")
     parser.add_argument("--target", type=float, default=demo.eval.target_accuracy)
     parser.add_argument("--max-steps", type=int, default=100, help="learner steps of each side")
@@ -162,7 +148,6 @@ def main() -> None:
     parser.add_argument("--num-prompts", type=int, default=demo.eval.num_prompts, help="held-out prompts")
     parser.add_argument("--max-staleness", type=int, default=None, help="loraflow's (default: the demo's)")
     parser.add_argument("--set", action="append", default=[], help="a config override for both sides")
-    parser.add_argument("--quick", action="store_true", help="seed 0, 4 steps, target 0: the pipeline, not a figure")
     parser.add_argument("--trl-child", nargs=3, metavar=("CONFIG", "BASE", "OUT"), help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.trl_child:

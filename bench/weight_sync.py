@@ -28,6 +28,8 @@ from pathlib import Path
 import torch
 from safetensors.torch import save_file
 
+from bench import harness
+from bench.broker_proc import RUN_TOKEN
 from bench.report import report
 from loraflow.common.config import load_config
 from loraflow.common.metrics import Metrics
@@ -68,13 +70,13 @@ def full_save_ms(model_dir: Path, tmp: Path, repeats: int) -> tuple[float, int]:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser = harness.parser(__doc__)
     parser.add_argument("--versions", type=int, default=20)
     parser.add_argument("--rank", type=int, default=16, help="LoRA rank (all 7 projections)")
     parser.add_argument("--hidden", type=int, default=128)
     parser.add_argument("--layers", type=int, default=4)
     parser.add_argument("--intermediate", type=int, default=512)
-    args = parser.parse_args()
+    args = harness.parse(parser, None, versions=3)
     torch.set_num_threads(1)
     with tempfile.TemporaryDirectory(prefix="bench-sync-") as tmp_name:
         tmp = Path(tmp_name)
@@ -83,9 +85,12 @@ def main() -> None:
         parallel = init_parallel("cpu")
         session = None
         try:
+            # its own broker with a known run token (bench/broker_proc.py's): nothing outside the temp dir is read
+            token = f'security.run_token="{RUN_TOKEN}"'
             broker = start_broker(procs, f"model.path=\"{model_dir}\"", "run.groups_per_step=2", "run.group_size=4",
-                                  run_dir=tmp / "run")
-            config = load_config(None, [f"broker.endpoint=\"{broker.endpoint}\"", f"learner.lora_rank={args.rank}",
+                                  token, run_dir=tmp / "run")
+            config = load_config(None, [f"broker.endpoint=\"{broker.endpoint}\"", token, f'run.run_dir="{tmp / "run"}"',
+                                        f"learner.lora_rank={args.rank}",
                                         f"learner.lora_alpha={2 * args.rank}", "learner.micro_batch_tokens=4096"])
             policy = build_policy(model_dir, config.learner, parallel, seed=0)
             optimizer, scheduler = make_optimizer(policy, config.learner)

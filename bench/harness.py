@@ -1,0 +1,137 @@
+"""What every bench shares besides its measurement: the common arguments (``--quick``, ``--repeats``,
+``--seconds``), interleaved repeats with medians, the printed table and the final JSON line (bench/report.py),
+and the processes (the broker, bench/broker_proc.py; clients as ``multiprocessing`` children).
+
+A bench builds its parser with :func:`parser`, reads it with :func:`parse` giving the ``--quick`` values
+(small sizes, seconds not minutes, the same code path and the same final line; an explicit flag still wins),
+and times its variants side by side with :func:`interleave`."""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import importlib.util
+import multiprocessing as mp
+import statistics
+import sys
+from collections.abc import Callable, Iterable, Sequence
+from typing import Any
+
+from bench.broker_proc import REPO, RUN_TOKEN, start_broker  # noqa: F401 - re-exported for the benches
+from bench.report import report, scratch_dir  # noqa: F401 - re-exported for the benches
+
+#: the wire encode/decode, moving from common/protocol.py to common/codec.py (#36): whichever this tree has
+codec = importlib.import_module("loraflow.common.codec" if importlib.util.find_spec("loraflow.common.codec")
+                                else "loraflow.common.protocol")
+
+#: the benches ``make bench`` and tests/bench/test_quick.py run (the rest of bench/ are their libraries:
+#: report, broker_proc, harness, netbed, netproxy, accuracy_runs, single_process, gpu_smoke)
+BENCHES = (
+    "adapter_fanout", "adapter_load", "adapter_swap", "adapter_write", "agent_demo", "async_vs_sync",
+    "broker_core_cpu", "broker_memory", "broker_scale", "broker_throughput", "broker_waiters", "gateway",
+    "gateway_conformance", "generation", "integrity", "integrity_bf16", "join_time", "learner_memory",
+    "learner_step", "net_faults", "prompt_render", "soak", "staleness_lengths", "time_to_accuracy", "vs_trl",
+    "weight_sync",
+)
+
+
+def parser(doc: str | None, *, repeats: int | None = None, seconds: float | None = None,
+           **kwargs: Any) -> argparse.ArgumentParser:
+    """An ``ArgumentParser`` described by the first paragraph of ``doc`` with ``--quick`` and, where the bench
+    has them, ``--repeats`` (interleaved runs, median kept) and ``--seconds`` (measured seconds per run)."""
+    p = argparse.ArgumentParser(description=(doc or "").split("\n\n")[0], **kwargs)
+    p.add_argument("--quick", action="store_true", help="small sizes, seconds not minutes: the code path, "
+                   "not a figure (tests/bench/test_quick.py)")
+    if repeats is not None:
+        p.add_argument("--repeats", type=int, default=repeats, help="interleaved runs (median kept)")
+    if seconds is not None:
+        p.add_argument("--seconds", type=float, default=seconds, help="measured seconds per run")
+    return p
+
+
+def parse(p: argparse.ArgumentParser, argv: Sequence[str] | None = None, **quick: Any) -> argparse.Namespace:
+    """``p.parse_args(argv)``; with ``--quick`` the ``quick`` values replace the defaults first."""
+    args = sys.argv[1:] if argv is None else list(argv)
+    if "--quick" in args and quick:
+        p.set_defaults(**quick)
+    return p.parse_args(args)
+
+
+def interleave(variants: dict[str, Callable[[], Any]], repeats: int) -> dict[str, list[Any]]:
+    """Each variant run ``repeats`` times, round by round (a drifting machine hits all of them alike)."""
+    runs: dict[str, list[Any]] = {name: [] for name in variants}
+    for _ in range(repeats):
+        for name, run in variants.items():
+            runs[name].append(run())
+    return runs
+
+
+def median(values: Iterable[float]) -> float:
+    values = list(values)
+    return statistics.median(values) if values else float("nan")
+
+
+def table(header: Sequence[str], rows: Iterable[Sequence[Any]]) -> None:
+    """Print a Markdown table (the form BENCHMARKS.md keeps)."""
+    print("| " + " | ".join(map(str, header)) + " |")
+    print("|" + "---|" * len(header))
+    for row in rows:
+        print("| " + " | ".join(map(str, row)) + " |")
+
+
+def spawn(target: Callable[..., Any], *args: Any, daemon: bool = True) -> mp.Process:
+    """A started ``spawn`` child running ``target(*args)`` (clients beside the broker)."""
+    proc = mp.get_context("spawn").Process(target=target, args=args, daemon=daemon)
+    proc.start()
+    return proc
+
+
+def sizes(text: str) -> list[int]:
+    """``"16384,262144"`` -> ``[16384, 262144]`` (empty entries dropped)."""
+    return [int(part) for part in text.split(",") if part.strip()]
+
+
+# -- raw broker clients (pyzmq DEALERs speaking the wire format, lighter than the real clients) --
+
+def kind_and_header(frames: Sequence[Any]) -> tuple[int, dict]:
+    """(message kind, msgpack header) of a received multipart message (``copy=False`` frames)."""
+    import msgpack
+
+    from loraflow.common import framing
+
+    return framing.PREAMBLE.unpack(frames[0].buffer)[2], msgpack.unpackb(frames[1].buffer)
+
+
+def hello(sock: Any, role: str, name: str, **fields: Any) -> None:
+    """Send a Hello (a learner's carries the bench run token) and wait for the broker's Welcome."""
+    import uuid
+
+    from loraflow.common.protocol import Hello, Kind
+
+    fields.setdefault("session", uuid.uuid4().hex[:8])
+    sock.send_multipart(codec.encode(Hello(role=role, client_id=name, token=RUN_TOKEN if role == "learner" else "",
+                                           **fields)))
+    while kind_and_header(sock.recv_multipart(copy=False))[0] != Kind.WELCOME:
+        pass
+
+
+def dealer(ctx: Any, endpoint: str, role: str, name: str, **fields: Any) -> Any:
+    """A DEALER with identity ``role/name``, connected and welcomed (:func:`hello`)."""
+    import zmq
+
+    sock = ctx.socket(zmq.DEALER)
+    sock.setsockopt(zmq.IDENTITY, f"{role}/{name}".encode())
+    sock.connect(endpoint)
+    hello(sock, role, name, **fields)
+    return sock
+
+
+def reap(children: Iterable[Any], broker: Any = None, timeout_s: float = 10.0) -> None:
+    """Join each child process (killed if it is still alive after ``timeout_s``), then stop the broker."""
+    for child in children:
+        child.join(timeout=timeout_s)
+        if child.is_alive():
+            child.kill()
+    if broker is not None:
+        broker.terminate()
+        broker.wait(timeout=30)

@@ -1,0 +1,54 @@
+"""Every bench in bench/ still runs: ``python -m bench.NAME --quick`` (small sizes, the real code path) as a
+subprocess, ending with the one JSON line of bench/report.py. One test per bench (bench.harness.BENCHES)."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from bench.harness import BENCHES
+
+REPO = Path(__file__).resolve().parents[2]
+KEYS = {"bench", "metric", "value", "unit", "reference", "ratio"}
+#: benches whose quick mode needs more than this machine's usual parts, by the project's markers
+MARKS = {
+    "net_faults": [pytest.mark.net],  # network namespaces: root and iproute2
+    # whole runs (broker, workers, learner, base models built and evaluated): tens of seconds each
+    "agent_demo": [pytest.mark.slow],
+    "time_to_accuracy": [pytest.mark.slow],
+    "vs_trl": [pytest.mark.slow],
+    "integrity": [pytest.mark.slow],
+}
+#: seconds a quick run may take at most (a quick run takes seconds; the slow-marked ones a minute or two)
+TIMEOUT_S = {"agent_demo": 420, "time_to_accuracy": 300, "vs_trl": 300, "integrity": 240, "net_faults": 300}
+
+
+@pytest.mark.parametrize("name", [pytest.param(n, marks=MARKS.get(n, [])) for n in BENCHES])
+def test_quick_run_ends_with_the_json_line(name: str) -> None:
+    if name == "net_faults" and os.geteuid() != 0:
+        pytest.fail("bench.net_faults needs root (network namespaces); deselect with -m 'not net'")
+    if name == "vs_trl":
+        pytest.importorskip("trl", reason="bench/vs_trl.py needs the [peer] extra")
+    done = subprocess.run([sys.executable, "-m", f"bench.{name}", "--quick"], cwd=REPO, capture_output=True,
+                          text=True, timeout=TIMEOUT_S.get(name, 120), env={**os.environ, "PYTHONUNBUFFERED": "1"})
+    tail = (done.stdout[-3000:] + "\n" + done.stderr[-3000:]).strip()
+    assert done.returncode == 0, f"bench.{name} --quick exited {done.returncode}:\n{tail}"
+    lines = done.stdout.strip().splitlines()
+    assert lines, f"bench.{name} printed nothing:\n{tail}"
+    line = json.loads(lines[-1])
+    assert KEYS <= set(line), f"the last line lacks {sorted(KEYS - set(line))}: {lines[-1]}"
+    assert line["bench"] == name
+
+
+def test_make_bench_runs_these_benches() -> None:
+    makefile = (REPO / "Makefile").read_text()
+    listed = makefile.split("BENCHES :=", 1)[1].split("\nBENCH_ARGS", 1)[0].replace("\\", " ").split()
+    assert tuple(listed) == BENCHES
+    libraries = {"__init__", "report", "broker_proc", "harness", "netbed", "netproxy", "accuracy_runs",
+                 "single_process", "gpu_smoke"}
+    assert {p.stem for p in (REPO / "bench").glob("*.py")} == set(BENCHES) | libraries
