@@ -97,7 +97,7 @@ def integrity_lines(integrity: dict[str, Any], learner: dict[str, Any] | None = 
 
 
 def loop_line(loop: dict[str, Any]) -> str:
-    """The broker loop's busy share, slowest pass and slowest step (loraflow.broker.loop_times) and its long passes."""
+    """The broker loop's busy share, slowest pass and slowest step (loraflow.broker.stats) and its long passes."""
     passes = loop.get("passes", {})
     over_20 = sum(v for k, v in passes.items() if k == "inf" or (k.isdigit() and int(k) > 20))
     step = loop.get("slowest_step") or "-"
