@@ -198,7 +198,7 @@ def run_isolated(shape: str, repeats: int, reference: str | None = None, *, mode
 
     from loraflow.common.config import load_config
     from loraflow.common.tiny_model import resolve_model
-    from loraflow.learner import data, integrity, publish
+    from loraflow.learner import data, integrity, publish, rescoring
     from loraflow.learner.loss import LossConfig
     from loraflow.learner.model import build_policy
     from loraflow.learner.parallel import init_parallel
@@ -267,7 +267,7 @@ def run_isolated(shape: str, repeats: int, reference: str | None = None, *, mode
     previous = batches["previous"]
     pairs = check._pairs(previous, check.facts(previous, fresh=True), drawn=True,  # the rows the check re-scores
                          defer_version=check.free_version)[0]
-    rows = data.collate([integrity._restricted(previous.samples[i], v) for i, v in pairs],
+    rows = data.collate([rescoring._restricted(previous.samples[i], v) for i, v in pairs],
                         [0.0] * len(pairs)).to(device)
 
     def forward_alone() -> float:

@@ -31,7 +31,7 @@ So the learner checks the very tokens it is about to train:
      re-scoring forward, fp32: 9.5e-7 nats at most (``tests/learner/test_integrity_free.py``);
    - tokens of older versions: one no-grad forward of the chosen samples of every older version together,
      before the step (failures are dropped before anything is trained): each LoRA module adds each row's own
-     version's delta from the history's tensors (:meth:`loraflow.learner.integrity.AdapterHistory.scoring`), so the
+     version's delta from the history's tensors (:meth:`loraflow.learner.rescoring.AdapterHistory.scoring`), so the
      parameters are never swapped and ``max_staleness = 2`` (the demo) costs one forward as 1 does.
 
    Cost: the free path is bookkeeping (~1-2 ms a step on the tiny model, ~1 % of the demo batch's

@@ -27,7 +27,7 @@ from typing import Any
 import torch
 
 from loraflow.common.config import Config, LearnerConfig
-from loraflow.learner import data, integrity, segments
+from loraflow.learner import data, integrity, segments, verdicts
 from loraflow.learner.loss import SUM_STATS, LossConfig, group_advantages, token_loss, token_stats
 from loraflow.learner.model import Policy
 from loraflow.learner.parallel import Parallel
@@ -169,7 +169,7 @@ def train_step(policy: Policy, optimizer: torch.optim.Optimizer, scheduler: Any,
 
 def checked_train_step(policy: Policy, optimizer: torch.optim.Optimizer, scheduler: Any, step: data.StepBatch, *,
                        check: integrity.IntegrityCheck, parallel: Parallel, config: Config,
-                       loss_config: LossConfig) -> tuple[dict[str, Any], data.StepBatch, integrity.Verdict]:
+                       loss_config: LossConfig) -> tuple[dict[str, Any], data.StepBatch, verdicts.Verdict]:
     """One optimizer step on the groups of ``step`` that pass the policy check (collective): (statistics, the
     step batch trained, the verdict on ``step``'s groups).
 
@@ -188,7 +188,7 @@ def checked_train_step(policy: Policy, optimizer: torch.optim.Optimizer, schedul
                                 observe=watch.observe if watch is not None and watch.pairs else None)
     if watch is not None:
         late = watch.finish()
-        verdict = integrity.merged(step, verdict, late)
+        verdict = verdicts.merged(step, verdict, late)
         if late.mismatches:
             redone = time.monotonic()
             optimizer.zero_grad(set_to_none=True)

@@ -59,7 +59,7 @@ from loraflow.common.metrics import Metrics, serve_prometheus
 from loraflow.common.protocol import Batch, BatchAck, reward_means_of
 from loraflow.common.timeline import Timeline
 from loraflow.common.tiny_model import resolve_model
-from loraflow.learner import data, integrity, publish, tracking
+from loraflow.learner import data, integrity, publish, tracking, verdicts
 from loraflow.learner.checkpoint import Checkpointer, LearnerState
 from loraflow.learner.ledger import Ledger, newest_published
 from loraflow.learner.loss import LossConfig
@@ -82,7 +82,7 @@ class Received:
     batch: Batch
     selection: data.Selection
     rewards: list[float]
-    verdict: integrity.Verdict | None = None  # the policy check's, once it ran
+    verdict: verdicts.Verdict | None = None  # the policy check's, once it ran
 
 
 @dataclass(slots=True, kw_only=True)
@@ -264,7 +264,7 @@ class Learner:
         self.finish()
         return 0
 
-    def refuse(self, received: Received | None, verdict: integrity.Verdict) -> None:
+    def refuse(self, received: Received | None, verdict: verdicts.Verdict) -> None:
         """Rank 0: the groups the policy check failed (loraflow.learner.integrity) skipped as policy_mismatch, counted,
         logged, left out of the BatchAck (their prompts are re-queued) and reported in its mismatches."""
         if received is None:
@@ -275,7 +275,7 @@ class Learner:
         failed = sorted(set(range(len(received.selection.train))) - set(verdict.keep))
         data.refuse_groups(received.selection, received.batch, failed, version=self.state.version)
         self.metrics.inc("groups_skipped", len(failed), reason="policy_mismatch")
-        integrity.log_mismatches(verdict)
+        verdicts.log_mismatches(verdict)
 
     def _record(self, received: Received, trained_version: int) -> None:
         """The step's ledger line (before its checkpoint and BatchAck, see loraflow.learner.ledger)."""

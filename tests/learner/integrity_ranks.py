@@ -21,7 +21,7 @@ import torch.distributed as dist
 from torch.distributed.tensor import Shard, distribute_tensor
 
 from loraflow.common.config import load_config
-from loraflow.learner import data, integrity, publish
+from loraflow.learner import data, publish, rescoring
 from loraflow.learner.integrity import IntegrityCheck
 from loraflow.learner.loss import LossConfig
 from loraflow.learner.model import build_policy
@@ -63,7 +63,7 @@ def main(model_dir: Path) -> None:
     check.record(0, "")
     # the history's gather of FSDP2 shards, uneven ones too (rows not a multiple of the ranks, a rank with none)
     full = [torch.arange(15.0).view(5, 3), torch.arange(4.0).view(1, 4), torch.arange(6.0).view(6, 1)]
-    whole = integrity._whole([distribute_tensor(t, parallel.mesh, [Shard(0)]) for t in full])
+    whole = rescoring._whole([distribute_tensor(t, parallel.mesh, [Shard(0)]) for t in full])
     assert all(torch.equal(a, b) for a, b in zip(whole, full, strict=True)), whole
     train_step(policy, optimizer, scheduler, data.decode_step_batch(make_batch(3, 0, num_groups=2, group_size=4)),
                parallel=parallel, config=config, loss_config=LossConfig.from_learner(config.learner))

@@ -20,7 +20,8 @@ import torch
 
 from loraflow.common.config import load_config
 from loraflow.learner import data, publish
-from loraflow.learner.integrity import IntegrityCheck, LoraIds, TrainedCheck
+from loraflow.learner.evidence import LoraIds
+from loraflow.learner.integrity import IntegrityCheck, TrainedCheck
 from loraflow.learner.loss import LossConfig
 from loraflow.learner.model import build_policy
 from loraflow.learner.parallel import init_parallel
@@ -199,21 +200,21 @@ def test_rows_longer_than_the_budget_are_rescored_in_segments(world: World) -> N
     groups = [long_group("long-v1", 1, 1), long_group("long-v0", 0, 0), long_group("long-base-as-v1", 1, 0),
               long_group("long-made-up", 1, 1, made_up=True)]
     step = data.decode_step_batch(encode_groups(groups))
-    forwards = world.check.num_forwards
+    forwards = world.check.rescorer.num_forwards
     verdict = world.check.run(step)
     assert [(m.group_id, m.reason) for m in verdict.mismatches] == [("long-base-as-v1", "logprobs"),
                                                                     ("long-made-up", "logprobs")]
     rows = 2 * len(groups)  # integrity.samples_per_group = 2
-    assert world.check.num_forwards - forwards == 2 * rows  # one forward per segment, a row per micro-batch
+    assert world.check.rescorer.num_forwards - forwards == 2 * rows  # one forward per segment, a row per micro-batch
     sample = step.samples[0]
     pairs = [(0, 1)]
     split = world.check._rescore(step, pairs)
-    budget = world.check.budget_tokens
+    budget = world.check.rescorer.budget_tokens
     try:
-        world.check.budget_tokens = 4096
+        world.check.rescorer.budget_tokens = 4096
         whole = world.check._rescore(step, pairs)
     finally:
-        world.check.budget_tokens = budget
+        world.check.rescorer.budget_tokens = budget
     assert sample.input_len > 2 * 100 and split[0, 0] == whole[0, 0] > 200
     assert abs(float(split[0, 2]) - float(whole[0, 2])) < 1e-5 and abs(float(split[0, 3]) - float(whole[0, 3])) < 1e-6
 

@@ -14,11 +14,12 @@ import pytest
 import torch
 
 from loraflow.common.config import load_config
-from loraflow.learner import data, integrity, publish
-from loraflow.learner.integrity import IntegrityCheck, eval_mode
+from loraflow.learner import data, publish
+from loraflow.learner.integrity import IntegrityCheck
 from loraflow.learner.loss import LossConfig
 from loraflow.learner.model import build_policy
 from loraflow.learner.parallel import init_parallel
+from loraflow.learner.rescoring import eval_mode, stochastic_modules
 from loraflow.learner.step import checked_train_step, forward_backward, make_optimizer, train_step
 from tests.learner.scripted import Scorer, encode_groups, rollout_group, sample_group, served_for
 
@@ -85,7 +86,7 @@ def test_a_batch_of_current_version_rows_runs_no_extra_forward(tiny_model_dir: P
     step = batch([honest(base, rng, f"g{k}") for k in range(3)])
     assert learner.check.free_version == 0
     stats, trained, verdict = learner.checked(step)
-    assert learner.check.num_forwards == 0  # the free path: the training forward was the check
+    assert learner.check.rescorer.num_forwards == 0  # the free path: the training forward was the check
     assert verdict.mismatches == [] and verdict.keep == [0, 1, 2] and trained.num_groups == 3
     assert verdict.num_checked_tokens == 3 * 2 * 12  # 2 samples of each group, 12 tokens each
     assert verdict.max_passing_diff < 1e-4 and verdict.seconds > 0
@@ -93,7 +94,7 @@ def test_a_batch_of_current_version_rows_runs_no_extra_forward(tiny_model_dir: P
     # the step changed the parameters: they hold no version until the next publish, so v0 is re-scored
     assert learner.check.free_version is None
     learner.checked(batch([honest(base, rng, "after")]))
-    assert learner.check.num_forwards > 0
+    assert learner.check.rescorer.num_forwards > 0
 
 
 def test_training_forward_log_probs_equal_the_re_scoring_ones(tiny_model_dir: Path, parallel, base: Scorer) -> None:
@@ -135,7 +136,7 @@ def test_a_failing_current_version_group_is_not_trained_and_the_step_is_redone(t
     stats, trained, verdict = checked.checked(batch(groups))
     assert [(m.group_id, m.worker_id, m.reason) for m in verdict.mismatches] == [("bad", "liar", "logprobs")]
     assert verdict.keep == [0, 2] and trained.group_ids == ["good-0", "good-1"]
-    assert checked.check.num_forwards == 0 and checked.check.num_redone_steps == 1  # caught by the free path
+    assert checked.check.rescorer.num_forwards == 0 and checked.check.num_redone_steps == 1  # caught by the free path
     assert stats["num_tokens"] == 2 * 4 * 12
     reference.plain(data.keep_groups(batch(groups), [0, 2]))  # the step on the batch without that group
     after, expected = checked.parameters(), reference.parameters()
@@ -160,16 +161,16 @@ def test_older_versions_are_re_scored_before_the_step(tiny_model_dir: Path, para
     assert [(m.group_id, m.reason, m.version) for m in verdict.mismatches] == [("old-bad", "logprobs", 0),
                                                                                 ("new-bad", "logprobs", 1)]
     assert trained.group_ids == ["old", "new"] and verdict.keep == [0, 2]
-    assert learner.check.num_forwards == 1  # one forward: the chosen v0 samples of both v0 groups
+    assert learner.check.rescorer.num_forwards == 1  # one forward: the chosen v0 samples of both v0 groups
     assert learner.check.num_redone_steps == 1  # new-bad was caught by the training forward
     assert verdict.num_checked_tokens == 4 * 2 * 12
 
 
 def test_with_lora_dropout_every_version_is_re_scored(tiny_model_dir: Path, parallel, base: Scorer) -> None:
     learner = Learner(tiny_model_dir, parallel, "learner.lora_dropout=0.1")
-    assert integrity.stochastic_modules(learner.policy.model) and learner.check.free_version is None
+    assert stochastic_modules(learner.policy.model) and learner.check.free_version is None
     rng = np.random.default_rng(4)
     _, trained, verdict = learner.checked(batch([honest(base, rng, "good"), made_up(base, rng, "bad")]))
     assert [(m.group_id, m.reason) for m in verdict.mismatches] == [("bad", "logprobs")]
     assert trained.group_ids == ["good"]
-    assert learner.check.num_forwards > 0 and learner.check.num_redone_steps == 0
+    assert learner.check.rescorer.num_forwards > 0 and learner.check.num_redone_steps == 0

@@ -8,7 +8,7 @@ import torch
 
 from loraflow.common import codec
 from loraflow.common.protocol import Batch, BatchEntry
-from loraflow.learner import data, integrity
+from loraflow.learner import data, evidence
 from loraflow.learner.train import mask_stale_tokens
 from tests.learner.scripted import make_group
 
@@ -66,7 +66,7 @@ def test_a_long_sample_spanning_versions_is_trained_with_its_stale_tokens_masked
     advantages = torch.ones(len(step.samples))
     (micro,) = data.rank_micro_batches(step, advantages, rank=0, world_size=1, budget_tokens=4096)
     assert micro.num_tokens == step.num_trained_tokens == 10 + 1 + 3
-    facts = integrity.step_facts(step)
+    facts = evidence.step_facts(step)
     trained_versions = {int(v) for i in range(len(step.samples)) for v in facts.trained_versions(i)[0]}
     assert trained_versions == {5, 6}
 

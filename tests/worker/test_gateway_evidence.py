@@ -4,7 +4,7 @@
   ``GenOutput.served`` of every gateway chunk, seen by a spy on the real hf backend), and each recorded call
   keeps its report;
 - an episode whose calls the engine served with another version's slot (a routing fault inside the hf engine)
-  carries that slot's evidence, and the learner's evidence check (:func:`loraflow.learner.integrity.check_evidence`)
+  carries that slot's evidence, and the learner's evidence check (:func:`loraflow.learner.evidence.check_evidence`)
   fails the group, while the same episode served honestly passes it.
 """
 
@@ -16,7 +16,8 @@ import pytest
 import torch
 
 from loraflow.common.protocol import ServedAdapter
-from loraflow.learner.integrity import AdapterHistory, LoraIds, check_evidence
+from loraflow.learner.evidence import LoraIds, check_evidence
+from loraflow.learner.rescoring import AdapterHistory
 from loraflow.rollout_worker.adapters import AdapterStore
 from loraflow.rollout_worker.backends.base import Backend
 from loraflow.rollout_worker.gateway.engine import GatewayEngine
