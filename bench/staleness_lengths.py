@@ -60,7 +60,8 @@ from loraflow.learner.train import mask_stale_tokens
 from loraflow.rollout_worker.adapters import WEIGHTS_FILE, ReceivedAdapter, write_safetensors
 from loraflow.rollout_worker.backends import make_backend
 from loraflow.rollout_worker.envs import EnvResolver
-from loraflow.rollout_worker.rollout import IN_ENV, Rollouts
+from loraflow.rollout_worker.rollout import Rollouts
+from loraflow.rollout_worker.samples import IN_ENV
 
 WORKER, LEARNER = b"worker/w", b"learner/l"
 ROUND_S = 0.01  # the broker's clock advances this much per round (leases and heartbeats never run out)

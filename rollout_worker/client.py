@@ -61,7 +61,7 @@ from loraflow.common.protocol import (
 )
 from loraflow.common.transport import BrokerLink, Incoming, MessageTooLarge, Reconnected
 from loraflow.rollout_worker.adapters import AdapterRejected, AdapterStore, ReceivedAdapter
-from loraflow.rollout_worker.rollout import FinishedGroup
+from loraflow.rollout_worker.samples import FinishedGroup
 
 log = get_logger("client")
 

@@ -77,7 +77,8 @@ from loraflow.rollout_worker.client import LEASE_WAIT_MS, BrokerSession
 from loraflow.rollout_worker.envs import EnvResolver
 from loraflow.rollout_worker.rewards import load_rewards
 from loraflow.rollout_worker.rewards.guard import RunawayWatch
-from loraflow.rollout_worker.rollout import FinishedGroup, Rollouts
+from loraflow.rollout_worker.rollout import Rollouts
+from loraflow.rollout_worker.samples import FinishedGroup
 
 log = get_logger("worker")
 

@@ -32,7 +32,7 @@ and by the room left under ``model.max_seq_len``.
 Evidence (issue 14): each chunk's ``GenOutput.served`` (or each step's ``GenDelta.served``: the engine's report of
 that very request) is kept per call and in the session's ``served`` (its group's evidence) as the report comes,
 with ``Backend.keep_served``; a call's record keeps its report; context tokens a call adds are stamped with the
-version it runs under and noted with ``backend.served`` of it, as :mod:`loraflow.rollout_worker.rollout` notes
+version it runs under and noted with ``backend.served`` of it, as :mod:`loraflow.rollout_worker.samples` notes
 environment tokens.
 """
 

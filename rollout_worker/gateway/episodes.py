@@ -20,7 +20,7 @@ that raises, blocks, or hangs past ``worker.agent_timeout_s`` costs only its own
 calls get ``session_finished``). An episode that never called the model scores 0 too (reason ``no_calls``).
 A group is submitted when all its episodes are done; its samples are the sessions' trajectories, each with its
 own prompt (the first call's prompt tokens). Its ``served`` evidence (:mod:`loraflow.common.integrity`) is built as the
-worker's own path builds it (:mod:`loraflow.rollout_worker.rollout`): for generated tokens the backend's report of the very
+worker's own path builds it (:mod:`loraflow.rollout_worker.samples`): for generated tokens the backend's report of the very
 engine calls that produced them (``GenOutput.served``, also kept per call in the session's records), for context
 tokens ``backend.served`` of the version they were stamped with. The engine keeps each report, when it comes, in
 the group's evidence (one dict shared by the group's sessions) with ``Backend.keep_served``, so a report that
@@ -54,7 +54,7 @@ from loraflow.rollout_worker.gateway.server import GatewayServer
 from loraflow.rollout_worker.gateway.session import Session
 from loraflow.rollout_worker.plugins import load_object
 from loraflow.rollout_worker.rewards import GuardedCall, InvalidReward, as_reward
-from loraflow.rollout_worker.rollout import FinishedGroup
+from loraflow.rollout_worker.samples import FinishedGroup
 
 log = get_logger("gateway")
 

@@ -19,7 +19,7 @@ from loraflow.common.protocol import PromptLease
 from loraflow.rollout_worker.adapters import ReceivedAdapter
 from loraflow.rollout_worker.backends.base import Backend, GenDelta, GenOutput, GenRequest
 from loraflow.rollout_worker.gateway.episodes import AgentRollouts
-from loraflow.rollout_worker.rollout import FinishedGroup
+from loraflow.rollout_worker.samples import FinishedGroup
 
 
 class Spy:

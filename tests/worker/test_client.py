@@ -18,7 +18,7 @@ from loraflow.common.metrics import Metrics
 from loraflow.common.protocol import Error, GroupAck, Kind, LeaseGrant, Welcome
 from loraflow.rollout_worker.adapters import AdapterStore
 from loraflow.rollout_worker.client import BrokerSession
-from loraflow.rollout_worker.rollout import FinishedGroup
+from loraflow.rollout_worker.samples import FinishedGroup
 from tests.support import wait_for
 from tests.worker.helpers import Adapter, lease
 

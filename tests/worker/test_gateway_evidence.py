@@ -22,7 +22,7 @@ from loraflow.rollout_worker.adapters import AdapterStore
 from loraflow.rollout_worker.backends.base import Backend
 from loraflow.rollout_worker.gateway.engine import GatewayEngine
 from loraflow.rollout_worker.gateway.session import Session
-from loraflow.rollout_worker.rollout import FinishedGroup
+from loraflow.rollout_worker.samples import FinishedGroup
 from tests.worker import gateway_support
 from tests.worker.helpers import Adapter, receive
 

@@ -20,7 +20,8 @@ from loraflow.common.metrics import Metrics
 from loraflow.rollout_worker.adapters import ReceivedAdapter
 from loraflow.rollout_worker.backends.base import Backend, GenOutput, GenRequest, Sampling
 from loraflow.rollout_worker.envs import Environment, EnvResolver, Episode, Step
-from loraflow.rollout_worker.rollout import DONE, IN_ENV, FinishedGroup, Rollouts
+from loraflow.rollout_worker.rollout import Rollouts
+from loraflow.rollout_worker.samples import DONE, IN_ENV, FinishedGroup
 from tests.support import wait_for
 from tests.worker.helpers import lease
 

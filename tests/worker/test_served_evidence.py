@@ -25,7 +25,8 @@ from loraflow.common.protocol import ServedAdapter
 from loraflow.rollout_worker.adapters import WEIGHTS_FILE, AdapterStore
 from loraflow.rollout_worker.backends.base import Backend, GenRequest
 from loraflow.rollout_worker.envs import Environment, EnvResolver, Episode, Step
-from loraflow.rollout_worker.rollout import FinishedGroup, Rollouts
+from loraflow.rollout_worker.rollout import Rollouts
+from loraflow.rollout_worker.samples import FinishedGroup
 from tests.support import wait_for
 from tests.worker import gateway_support
 from tests.worker.helpers import Adapter, lease, receive

@@ -30,7 +30,8 @@ from loraflow.rollout_worker.adapters import AdapterStore
 from loraflow.rollout_worker.backends.base import Backend, GenRequest
 from loraflow.rollout_worker.backends.vllm import private_rpc_dir
 from loraflow.rollout_worker.envs import EnvResolver
-from loraflow.rollout_worker.rollout import DONE, GENERATING, READY, Rollouts
+from loraflow.rollout_worker.rollout import Rollouts
+from loraflow.rollout_worker.samples import DONE, GENERATING, READY
 from tests.worker.helpers import Adapter, Reference, lease, receive
 
 pytestmark = pytest.mark.vllm
