@@ -32,13 +32,6 @@ REPO = Path(__file__).resolve().parent.parent
 MB = 1 << 20
 
 
-def rss_bytes(pid: int) -> int:
-    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
-        if line.startswith("VmRSS:"):
-            return int(line.split()[1]) * 1024
-    raise RuntimeError("no VmRSS")
-
-
 def reply(sock: zmq.Socket, timeout_s: float = 30.0) -> tuple[int, dict]:
     if not sock.poll(int(timeout_s * 1000)):
         raise TimeoutError("no reply from the broker")
@@ -79,7 +72,7 @@ def main(argv: list[str] | None = None) -> int:
                                         "broker.max_leases_per_worker=100000", f"run.group_size={GROUP_SIZE}",
                                         "run.max_staleness=1000")
         try:
-            idle = rss_bytes(broker.pid)
+            idle = harness.rss_bytes(broker.pid)
             accepted = fill(endpoint, args.group_kb * 1024)
             ctx = zmq.Context()
             learner = harness.dealer(ctx, endpoint, "learner", "holder")
@@ -88,7 +81,7 @@ def main(argv: list[str] | None = None) -> int:
             assert kind == Kind.BATCH and batch["groups"], "the learner got no batch"
             stats = fetch_stats(endpoint)
             held = stats["buffer"]["bytes"] + stats["buffer"]["training_bytes"]
-            full = rss_bytes(broker.pid)
+            full = harness.rss_bytes(broker.pid)
             learner.close(linger=0)
             ctx.term()
         finally:

@@ -75,12 +75,9 @@ from bench import harness
 from bench.adapter_fanout import adapter_tensors, direct_time
 from bench.broker_proc import REPO, start_broker
 from bench.broker_throughput import (
-    cpu_seconds,
     end_step,
     group_record,
     group_tensors,
-    machine_busy_ticks,
-    thread_cpu,
 )
 from bench.harness import codec
 from bench.report import report
@@ -340,13 +337,6 @@ def publish(endpoint: str, message: list) -> float:
     return sent
 
 
-def rss_kb(pid: int) -> int:
-    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
-        if line.startswith("VmRSS:"):
-            return int(line.split()[1])
-    raise RuntimeError(f"no VmRSS for {pid}")
-
-
 def workers_counted(endpoint: str) -> int:
     return int(fetch_stats(endpoint, timeout_s=10)["num_workers"])
 
@@ -363,9 +353,9 @@ def wait_until(predicate, timeout_s: float, what: str, poll_s: float = 0.1) -> f
 
 def broker_cpu(pid: int, seconds: float) -> float:
     """The broker's CPU over ``seconds`` of wall time, as a share of one core."""
-    before, start = cpu_seconds(pid), time.monotonic()
+    before, start = harness.cpu_seconds(pid), time.monotonic()
     time.sleep(seconds)
-    return (cpu_seconds(pid) - before) / (time.monotonic() - start)
+    return (harness.cpu_seconds(pid) - before) / (time.monotonic() - start)
 
 
 def heartbeats_in(endpoint: str) -> int:
@@ -375,10 +365,10 @@ def heartbeats_in(endpoint: str) -> int:
 def idle_window(pid: int, endpoint: str, seconds: float) -> dict[str, float]:
     """The broker's CPU (all threads; the main thread) as shares of one core over ``seconds``, the heartbeats it
     received per second then, its CPU per heartbeat, and the machine's busy share (of all its cores)."""
-    beats_before, threads_before, busy_before = heartbeats_in(endpoint), thread_cpu(pid), machine_busy_ticks()
+    beats_before, threads_before, busy_before = heartbeats_in(endpoint), harness.thread_cpu(pid), harness.machine_busy_ticks()
     start = time.monotonic()
     time.sleep(seconds)
-    threads, busy, elapsed = thread_cpu(pid), machine_busy_ticks(), time.monotonic() - start
+    threads, busy, elapsed = harness.thread_cpu(pid), harness.machine_busy_ticks(), time.monotonic() - start
     beats = (heartbeats_in(endpoint) - beats_before) / elapsed
     total = sum(threads.values()) - sum(threads_before.values())
     return {"idle_core_share": round(total / elapsed, 4),
@@ -492,7 +482,7 @@ def fleet_sizes(workdir: Path, sizes: list[int], seconds: float, generate_s: flo
     trainer = None
     try:
         time.sleep(1.0)
-        empty_rss = rss_kb(broker.pid)
+        empty_rss = harness.rss_bytes(broker.pid) // 1024
         empty_cpu = broker_cpu(broker.pid, seconds / 2)
         print(f"{label}empty broker: RSS {empty_rss / 1024:.1f} MB, idle CPU {empty_cpu:.1%} of a core", flush=True)
         publishes = workdir / "publishes.txt"
@@ -517,16 +507,16 @@ def fleet_sizes(workdir: Path, sizes: list[int], seconds: float, generate_s: flo
             time.sleep(asked * 2)  # every worker has beaten at least once (at the interval it is asked for)
             window = {**idle_window(broker.pid, endpoint, seconds), "interval_asked_s": asked}
             idle = window["idle_core_share"]
-            rss = rss_kb(broker.pid)
+            rss = harness.rss_bytes(broker.pid) // 1024
             loop_before = fetch_stats(endpoint, timeout_s=10).get("loop")
             worker = spawn.Process(target=active, args=(endpoint, seconds, interval, generate_s, results))
             worker.start()
-            busy_before, busy_start = cpu_seconds(broker.pid), time.monotonic()
+            busy_before, busy_start = harness.cpu_seconds(broker.pid), time.monotonic()
             broker_queued = runqueue_ms(broker.pid)
             grants, accepted, empty, elapsed = results.get(timeout=seconds + 120)
             broker_queued = runqueue_ms(broker.pid) - broker_queued
             latencies = [latency for _, latency, _ in grants]
-            busy = (cpu_seconds(broker.pid) - busy_before) / (time.monotonic() - busy_start)
+            busy = (harness.cpu_seconds(broker.pid) - busy_before) / (time.monotonic() - busy_start)
             # the broker's CPU per group above its idle load: what one core of it can carry at this fleet size
             # (None when the difference drowns in the noise of a busy machine: busy not above idle)
             us_per_group = (busy - idle) / max(accepted / elapsed, 1e-9) * 1e6 if busy > idle else None
@@ -654,7 +644,7 @@ def main(argv: list[str] | None = None) -> int:
                         "then with the configured one")
     parser.add_argument("--budget", type=float, default=None, help="broker.max_heartbeats_per_second of the "
                         "measured broker (default: the config's)")
-    args = harness.parse(parser, argv, fleets="32", seconds=1.0, fanout="2", mb=2.0)
+    args = harness.parse(parser, argv, fleets="16", seconds=0.5, fanout="2", mb=1.0)
     budget = () if args.budget is None else (f"broker.max_heartbeats_per_second={args.budget}",)
     sizes = sorted(int(s) for s in args.fleets.split(","))
     print(f"machine load {os.getloadavg()[0]:.2f} {os.getloadavg()[1]:.2f} {os.getloadavg()[2]:.2f}; fleet at nice "

@@ -295,31 +295,6 @@ def bench_keys(workdir: Path) -> str:
     return str(keys)
 
 
-def cpu_seconds(pid: int, tid: int | None = None) -> float:
-    """User + system CPU time of a process (or one of its threads) so far (Linux /proc)."""
-    path = f"/proc/{pid}/task/{tid}/stat" if tid is not None else f"/proc/{pid}/stat"
-    fields = Path(path).read_text().rsplit(")", 1)[1].split()
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
-
-
-def thread_cpu(pid: int) -> dict[str, float]:
-    """CPU seconds so far of a process's threads: "main", zmq's "io" threads, "other" (e.g. the state writer;
-    a thread that ended since the last call is missing from both, so compare only over a run)."""
-    out = {"main": 0.0, "io": 0.0, "other": 0.0}
-    for task in Path(f"/proc/{pid}/task").iterdir():
-        tid = int(task.name)
-        name = "main" if tid == pid else "io" if (task / "comm").read_text().startswith("ZMQbg/IO") else "other"
-        out[name] += cpu_seconds(pid, tid)
-    return out
-
-
-def machine_busy_ticks() -> tuple[int, int]:
-    """(busy, total) jiffies of all cores so far (/proc/stat): the share of the machine in use."""
-    values = [int(v) for v in Path("/proc/stat").read_text().split("\n", 1)[0].split()[1:]]
-    idle = values[3] + values[4]  # idle + iowait
-    return sum(values) - idle, sum(values)
-
-
 def run_mode(mode: str, num_bytes: int, producers: int, seconds: float, workdir: Path,
              batch_bytes: int = 4 << 20, capacity_batches: int = 4, prefetch: int = 2) -> tuple[float, dict[str, float]]:
     """(payload bytes/s at the consumer, CPU share (cores) of the hop process, the consumer and the producers;
@@ -372,14 +347,14 @@ def run_mode(mode: str, num_bytes: int, producers: int, seconds: float, workdir:
         children += producers_
         pids = {"hop": [hop_pid] if hop_pid else [], "consumer": [consumer.pid], "producers": [p.pid for p in producers_]}
         started = time.perf_counter()
-        before = {k: sum(cpu_seconds(p) for p in v) for k, v in pids.items()}
-        threads_before = thread_cpu(hop_pid) if hop_pid else {}
-        machine_before = machine_busy_ticks()
+        before = {k: sum(harness.cpu_seconds(p) for p in v) for k, v in pids.items()}
+        threads_before = harness.thread_cpu(hop_pid) if hop_pid else {}
+        machine_before = harness.machine_busy_ticks()
         value = results.get(timeout=seconds + 60)
         elapsed = time.perf_counter() - started
-        shares = {k: (sum(cpu_seconds(p) for p in v) - before[k]) / elapsed for k, v in pids.items()}
-        threads = {k: (v - threads_before[k]) / elapsed for k, v in thread_cpu(hop_pid).items()} if hop_pid else {}
-        busy_now, total_now = machine_busy_ticks()
+        shares = {k: (sum(harness.cpu_seconds(p) for p in v) - before[k]) / elapsed for k, v in pids.items()}
+        threads = {k: (v - threads_before[k]) / elapsed for k, v in harness.thread_cpu(hop_pid).items()} if hop_pid else {}
+        busy_now, total_now = harness.machine_busy_ticks()
         machine_busy = (busy_now - machine_before[0]) / max(1, total_now - machine_before[1])
         if os.environ.get("BENCH_CPU"):
             per_gb = {k: v / max(value, 1.0) * 1e9 for k, v in shares.items()}  # CPU s per GB moved (approx.)
@@ -403,8 +378,8 @@ def main(argv: list[str] | None = None) -> int:
                         "(groups per batch = this / group size, 2..64)")
     parser.add_argument("--capacity-batches", type=int, default=4, help="broker mode: capacity_groups in batches")
     parser.add_argument("--prefetch", type=int, default=2, help="broker mode: batch requests kept outstanding")
-    args = harness.parse(parser, argv, producers=2, seconds=0.5, repeats=1, sizes="262144",
-                         modes="direct,relay,broker,curve")
+    args = harness.parse(parser, argv, producers=2, seconds=0.3, repeats=1, sizes="262144",
+                         modes="relay,broker,curve")
     sizes = [int(s) for s in args.sizes.split(",")]
     modes = args.modes.split(",")
     results: dict[int, dict[str, float]] = {}

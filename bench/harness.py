@@ -12,9 +12,11 @@ import argparse
 import importlib
 import importlib.util
 import multiprocessing as mp
+import os
 import statistics
 import sys
 from collections.abc import Callable, Iterable, Sequence
+from pathlib import Path
 from typing import Any
 
 from bench.broker_proc import REPO, RUN_TOKEN, start_broker  # noqa: F401 - re-exported for the benches
@@ -135,3 +137,38 @@ def reap(children: Iterable[Any], broker: Any = None, timeout_s: float = 10.0) -
     if broker is not None:
         broker.terminate()
         broker.wait(timeout=30)
+
+
+# -- what a process costs (Linux /proc) --
+
+def rss_bytes(pid: int) -> int:
+    """Resident memory of a process now (VmRSS)."""
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith("VmRSS:"):
+            return int(line.split()[1]) * 1024
+    raise RuntimeError(f"no VmRSS for pid {pid}")
+
+
+def cpu_seconds(pid: int, tid: int | None = None) -> float:
+    """User + system CPU time of a process (or one of its threads) so far (Linux /proc)."""
+    path = f"/proc/{pid}/task/{tid}/stat" if tid is not None else f"/proc/{pid}/stat"
+    fields = Path(path).read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def thread_cpu(pid: int) -> dict[str, float]:
+    """CPU seconds so far of a process's threads: "main", zmq's "io" threads, "other" (e.g. the state writer;
+    a thread that ended since the last call is missing from both, so compare only over a run)."""
+    out = {"main": 0.0, "io": 0.0, "other": 0.0}
+    for task in Path(f"/proc/{pid}/task").iterdir():
+        tid = int(task.name)
+        name = "main" if tid == pid else "io" if (task / "comm").read_text().startswith("ZMQbg/IO") else "other"
+        out[name] += cpu_seconds(pid, tid)
+    return out
+
+
+def machine_busy_ticks() -> tuple[int, int]:
+    """(busy, total) jiffies of all cores so far (/proc/stat): the share of the machine in use."""
+    values = [int(v) for v in Path("/proc/stat").read_text().split("\n", 1)[0].split()[1:]]
+    idle = values[3] + values[4]  # idle + iowait
+    return sum(values) - idle, sum(values)

@@ -37,13 +37,6 @@ from loraflow.learner.ledger import read as read_ledger
 from tests.support import Processes, start_broker, wait_for
 
 
-def rss_mb(pid: int) -> float:
-    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
-        if line.startswith("VmRSS:"):
-            return int(line.split()[1]) / 1024
-    raise RuntimeError(f"no VmRSS for pid {pid}")
-
-
 def slope_per_min(points: list[tuple[float, float]]) -> float:
     """Least-squares slope of (seconds, value) points, per minute."""
     if len(points) < 2:
@@ -126,7 +119,7 @@ def main(argv: list[str] | None = None) -> int:
             end = start + args.minutes * 60
             while (now := time.monotonic()) < end:
                 stats = broker.stats(timeout_s=10)
-                samples.append((now - start, rss_mb(broker.proc.pid), stats))
+                samples.append((now - start, harness.rss_bytes(broker.proc.pid) / (1 << 20), stats))
                 if len(samples) % max(1, round(args.window_s / args.sample_every)) == 0:
                     print(f"  {(now - start) / 60:4.1f} min  broker RSS {samples[-1][1]:6.1f} MB  trained "
                           f"{stats['prompts']['trained_total']:6d}  buffered {stats['buffer']['groups']:3d}  "
