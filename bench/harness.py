@@ -172,3 +172,41 @@ def machine_busy_ticks() -> tuple[int, int]:
     values = [int(v) for v in Path("/proc/stat").read_text().split("\n", 1)[0].split()[1:]]
     idle = values[3] + values[4]  # idle + iowait
     return sum(values) - idle, sum(values)
+
+
+# -- rollout groups and adapters as the clients send them (broker benches) --
+
+GROUP_SIZE, PROMPT_LEN = 8, 16  # samples per group, prompt tokens per sample
+
+
+def group_tensors(num_bytes: int) -> list[tuple[str, Any]]:
+    """The five tensors of a GROUP_SIZE-sample rollout group of about ``num_bytes``."""
+    import numpy as np
+
+    n = GROUP_SIZE * max(1, (num_bytes - GROUP_SIZE * PROMPT_LEN * 4) // (13 * GROUP_SIZE))
+    rng = np.random.default_rng(0)
+    return [("prompt_ids", rng.integers(0, 200, GROUP_SIZE * PROMPT_LEN, dtype=np.int32)),
+            ("completion_ids", rng.integers(0, 200, n, dtype=np.int32)),
+            ("logprobs", np.full(n, -0.7, dtype=np.float32)), ("versions", np.zeros(n, dtype=np.int32)),
+            ("loss_mask", np.ones(n, dtype=np.uint8))]
+
+
+def group_record(group_id: str, lease_id: str, worker: str, tensors: list) -> Any:
+    """The RolloutGroup record that goes with :func:`group_tensors` (version 0, reward 0)."""
+    from loraflow.common.protocol import RolloutGroup
+
+    completion_len = len(tensors[1][1]) // GROUP_SIZE
+    return RolloutGroup(group_id=group_id, lease_id=lease_id, worker_id=worker, task="arith",
+                        prompt_lens=[PROMPT_LEN] * GROUP_SIZE, completion_lens=[completion_len] * GROUP_SIZE,
+                        rewards=[0.0] * GROUP_SIZE, finish_reasons=["stop"] * GROUP_SIZE, min_version=0,
+                        max_version=0)
+
+
+def adapter_tensors(num_bytes: int) -> list[tuple[str, Any]]:
+    """LoRA A/B pairs of 4 attention projections x 8 layers (float32, PEFT names), about ``num_bytes`` in all."""
+    import numpy as np
+
+    names = [f"base_model.model.model.layers.{layer}.self_attn.{proj}.lora_{ab}.weight"
+             for layer in range(8) for proj in ("q_proj", "k_proj", "v_proj", "o_proj") for ab in ("A", "B")]
+    rng = np.random.default_rng(0)
+    return [(name, rng.standard_normal(max(1, num_bytes // (4 * len(names))), dtype=np.float32)) for name in names]
