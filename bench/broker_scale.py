@@ -3,23 +3,15 @@
     .venv/bin/python -m bench.broker_scale [--fleets 256,1024,4096] [--seconds 10] [--fanout 64,256] [--mb 50]
                                            [--fleet-nice 10] [--reference-tree DIR | --unlimited-reference]
 
-Fleet processes (at ``--fleet-nice``, as if on other hosts) hold up to 1,024 DEALERs each: every one says Hello
-as a worker that follows the broker's heartbeat interval, beats (spread over the interval) with an idle worker's
-counters, and reads what arrives without decoding it. The fleet grows to each size on one broker; at each size:
-
-- idle: the broker's CPU (all threads; the main thread) over ``--seconds`` as a share of one core, heartbeats/s
-  received and CPU per heartbeat, and RSS growth per worker;
-- active: 16 more workers lease one prompt at a time, "generate" ``--generate-ms``, submit a 16 KB group, while
-  a learner with 1-s steps takes 256-group batches and publishes a tiny adapter per step (a notice to every
-  worker): lease-grant p50 / p99, groups/s, broker CPU per group above idle (so groups/s per broker core and
-  H100s' worth), and where the grants over 20 ms waited (near a publish, run-queue waits from /proc schedstat);
-- core: before the fleet, ``BrokerCore`` alone in-process per idle heartbeat (CPU time, load hardly moves it);
-- death: one fleet process SIGKILLed at the largest size, the time until the broker stops counting its workers.
-
-``--fanout``: N fetchers get one ``--mb`` MB adapter published once, against one direct send of its bytes.
-``--reference-tree`` measures another checkout's broker first; ``--unlimited-reference`` this broker with no
-heartbeat budget first. Targets (issue 16) at 4,096 workers: idle <= 25 % of a core, lease p99 <= 20 ms; the
-JSON line's value is the idle core share there, its reference 0.25.
+Fleet processes (at ``--fleet-nice``, as if on other hosts) hold up to 1,024 idle workers each (DEALERs that
+beat at the interval the broker asks for, spread over it, and read without decoding). At each fleet size on one
+broker: its idle CPU (all threads, main thread), heartbeats/s and RSS per worker; then 16 active workers lease,
+"generate" ``--generate-ms`` and submit 16 KB groups against a learner of 1-s steps that publishes a tiny adapter
+per step: lease p50 / p99, groups/s, CPU per group above idle, and where the grants over 20 ms waited. Before the
+fleet, ``BrokerCore`` alone per idle heartbeat (in-process CPU time, hardly moved by load); at the largest size a
+fleet process SIGKILLed, the time until the broker drops its workers; ``--fanout``: N fetchers of one ``--mb`` MB
+adapter against one direct send. Targets (issue 16) at 4,096: idle <= 25 % of a core (the JSON line's value
+against 0.25), lease p99 <= 20 ms.
 """
 
 from __future__ import annotations
@@ -74,12 +66,11 @@ def stats(endpoint: str) -> dict:
 
 
 def connect_workers(ctx: zmq.Context, endpoint: str, names: list[str]) -> list[zmq.Socket]:
-    """One DEALER per name, welcomed as a worker whose Hello says what a BrokerLink's says (its silence timeout,
-    and that it follows a longer interval the broker asks for)."""
+    """One DEALER per name, all saying Hello at once (one by one, the first would time out before the last is
+    welcomed) as a BrokerLink does: its silence timeout, and that it follows a longer interval the broker asks."""
     socks = []
     for name in names:
         sock = ctx.socket(zmq.DEALER)
-        sock.setsockopt(zmq.LINGER, 0)
         sock.connect(endpoint)
         sock.send_multipart(codec.encode(Hello(role="worker", client_id=name, backend="sim", session=name,
                                                batched_acks=True, silence_timeout_s=INTERVAL_S * MISSES,
@@ -93,11 +84,11 @@ def connect_workers(ctx: zmq.Context, endpoint: str, names: list[str]) -> list[z
         if time.monotonic() > deadline:
             raise SystemExit(f"fleet: {len(waiting)} of {len(socks)} workers never welcomed")
         for sock, _ in poller.poll(1000):
-            frames = sock.recv_multipart(copy=False)
-            if kind_of(frames) == Kind.WELCOME:
+            kind, body = harness.kind_and_header(sock.recv_multipart(copy=False))
+            if kind == Kind.ERROR:
+                raise SystemExit(f"fleet: refused: {body}")
+            if kind == Kind.WELCOME:
                 waiting.discard(sock)
-            elif kind_of(frames) == Kind.ERROR:
-                raise SystemExit(f"fleet: refused: {msgpack.unpackb(frames[1].buffer)}")
     return socks
 
 
@@ -236,21 +227,18 @@ def idle_window(pid: int, endpoint: str, seconds: float) -> dict[str, float]:
 #: run with a checkout's code (argv: workers, beats per loop pass, counters): the core's CPU per heartbeat
 CORE_COST = """
 import sys, time
-from loraflow.broker.core import BrokerCore
 from bench.harness import codec
-from loraflow.common.config import load_config
-from loraflow.common.logging import setup_logging
-from loraflow.common.protocol import Heartbeat, Hello
-from loraflow.common.tasks import load_task
-setup_logging("broker", level="warning")
+from loraflow.broker.core import BrokerCore
+from loraflow.common import config as cfg, logging, protocol as p, tasks
+logging.setup_logging("broker", level="warning")
 n, per_pass, counters = int(sys.argv[1]), int(sys.argv[2]), eval(sys.argv[3])
-config = load_config(None, [f"broker.max_workers={n + 8}"])
-core = BrokerCore(config, task=load_task(config.run.task, config.run.seed), now_s=0.0)
+config = cfg.load_config(None, [f"broker.max_workers={n + 8}"])
+core = BrokerCore(config, task=tasks.load_task(config.run.task, config.run.seed), now_s=0.0)
 ids = [f"worker/w{i}".encode() for i in range(n)]
 for i, identity in enumerate(ids):
-    core.handle(identity, codec.encode(Hello(role="worker", client_id=f"w{i}", session="s")), 0.0)
+    core.handle(identity, codec.encode(p.Hello(role="worker", client_id=f"w{i}", session="s")), 0.0)
 core.flush(0.0)
-beat = codec.encode(Heartbeat(state="idle", counters=counters))
+beat = codec.encode(p.Heartbeat(state="idle", counters=counters))
 now, best = 0.0, float("inf")
 for _ in range(4):
     start = time.process_time()

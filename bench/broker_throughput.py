@@ -2,17 +2,13 @@
 
     .venv/bin/python -m bench.broker_throughput [--producers 3] [--seconds 3] [--sizes 16384,262144,4194304]
 
-Producer processes send real RolloutGroups (preamble, msgpack header, five tensor frames) to one consumer, by
-mode: direct (PUSH -> PULL, the floor), relay (through ``zmq.proxy`` in its own process: the cost of any hop),
-pyrelay (the same hop as a Python loop, no logic), broker (workers: LeaseRequest, RolloutGroup, Acks, following
-the adapter versions; the learner: BatchRequest, Batch, a tiny AdapterUpdate and the BatchAck per step, against
-``python -m loraflow.broker``), curve (broker with ``security.enabled``). The figure is tensor bytes/s at the
-consumer over ``--seconds`` after a warm-up, small high-water marks everywhere; beside it each mode's CPU per
-group over all its processes (on shared cores throughput goes as its inverse). ``BENCH_CPU=1`` prints each run's
-CPU by process, the hop's by thread, and the machine's busy share.
-
-Targets: broker >= 0.8 x relay at 256 KB and 4 MB, >= 0.5 x at 16 KB. The JSON line's ratio is broker / relay at
-256 KB; ``curve_ratio`` is curve / broker there (``curve_ratio_by_size`` for every size).
+Producers send real RolloutGroups to one consumer: direct (PUSH -> PULL), relay (through ``zmq.proxy``, the cost
+of any hop), pyrelay (the hop as a Python loop), broker (raw workers and a learner whose steps take no time, each
+step publishing a tiny adapter, against ``python -m loraflow.broker``), curve (the same with CURVE on). The
+figure is tensor bytes/s at the consumer after a warm-up, small high-water marks everywhere, with each mode's CPU
+per group over all its processes; ``BENCH_CPU=1`` prints each run's CPU by process and the hop's by thread.
+Targets: broker >= 0.8 x relay at 256 KB and 4 MB, >= 0.5 x at 16 KB. The JSON line's ratio is broker / relay
+at 256 KB, ``curve_ratio`` curve / broker there.
 """
 
 from __future__ import annotations
