@@ -1,32 +1,18 @@
-"""Drop rate by completion length, under the staleness rule before (a group's oldest token decides) and after (its
-newest token decides; older tokens are masked in the learner), in one run (issue 13, long generations).
+"""Drop rate by completion length under the two staleness rules: a group's oldest token decides (before) or its
+newest token decides and older tokens are masked in the learner (after), same seed, one run.
 
-    .venv/bin/python -m bench.staleness_lengths [--groups 600] [--mean-tokens 256] [--sigma 1.0] [--max-staleness 1]
-        [--plot drops.png]
+    .venv/bin/python -m bench.staleness_lengths [--groups 600] [--mean-tokens 256] [--seed 0]
 
-Both runs drive the real code in process, with the same seed and an explicit clock (no sockets, no model):
+The real code in process, on an explicit clock (no sockets, no model): the broker core (admission, leases, the
+arrival judge, the buffer's stale drops, batching) with ``ledger.staleness_rule`` set per run; one worker's
+``Rollouts`` over the sim backend (lognormal lengths, ``continue`` policy, one *round* = one chunk for every ready
+sample), its adapter moved to each new version ``--fetch-rounds`` after the publish; the learner's real
+``select_groups`` and ``mask_stale_tokens``, a step every ``--step-rounds`` rounds.
 
-- the broker: :class:`loraflow.broker.core.BrokerCore` (admission, leases, ``loraflow.broker.intake.judge`` on arrival, the buffer's
-  stale drops, batching), its ledger's ``staleness_rule`` set to ``OLDEST_TOKEN`` for "before" (the rule until
-  issue 13) and left at its default ``NEWEST_TOKEN`` for "after";
-- one rollout worker: :class:`loraflow.rollout_worker.rollout.Rollouts` over the sim backend (lognormal completion lengths,
-  ``--mean-tokens`` / ``--sigma``, capped at ``--max-tokens``; ``partial_policy = "continue"``; one *round* is one
-  chunk of ``--chunk-tokens`` for every ready sample), holding up to ``--worker-groups`` leases, its adapter moved
-  to each new version ``--fetch-rounds`` after it is published;
-- the learner: takes a batch of ``--groups-per-step`` groups when the buffer holds one, decides with
-  ``loraflow.learner.data.select_groups`` and ``loraflow.learner.train.mask_stale_tokens`` at its version, acknowledges the batch and
-  publishes the next version ``--step-rounds`` rounds later (so versions advance while long samples generate).
-
-A *sample attempt* is one generated completion that reached the broker. It is *dropped* when none of its tokens is
-trained because of staleness: its group refused as stale on arrival, dropped stale from the buffer, skipped stale
-by the learner, or (after) every trained token of it masked. A dropped group's prompt is leased again and, the
-sim's lengths being a function of the group id, generated at the same length: what a long answer costs under a
-rule that drops it. Attempts of groups without a gradient (all rewards equal) are left out of the table.
-
-Printed side by side: per length quartile (edges from both runs' attempts together) the drop rate and the share
-of completion tokens not trained, before and after. The JSON line's value is the after drop rate of the longest
-quartile over the shortest's, its reference the same ratio before; ``spearman_before`` / ``_after`` are the rank
-correlations of sample length with being dropped.
+A sample attempt is *dropped* when none of its tokens is trained for staleness (its group refused or dropped, or
+every trained token masked); a dropped prompt is leased again at the same length (the sim's lengths follow the
+group id). Zero-variance groups are left out. The JSON line's value is the after drop rate of the longest length
+quartile over the shortest's, its reference the same ratio before.
 """
 
 from __future__ import annotations
@@ -34,7 +20,6 @@ from __future__ import annotations
 import argparse
 import collections
 import math
-import sys
 import tempfile
 import zlib
 from dataclasses import dataclass, field
@@ -45,7 +30,6 @@ import numpy as np
 
 from bench import harness
 from bench.harness import codec
-from bench.report import report
 from loraflow.broker.core import BrokerCore
 from loraflow.broker.ledger import State
 from loraflow.broker.prompts import parse_group_id
@@ -65,6 +49,14 @@ from loraflow.rollout_worker.samples import IN_ENV
 
 WORKER, LEARNER = b"worker/w", b"learner/l"
 ROUND_S = 0.01  # the broker's clock advances this much per round (leases and heartbeats never run out)
+#: the flags and their defaults (``--quick``: 40 groups, mean 32 tokens, cap 256)
+FLAGS = {"groups": 600, "group_size": 8, "groups_per_step": 4, "max_staleness": 1,
+         "mean_tokens": 256.0,  # lognormal mean of completion lengths
+         "sigma": 1.0,  # lognormal sigma (the tail)
+         "max_tokens": 4096, "chunk_tokens": 32,  # tokens per sample per round
+         "worker_groups": 16,  # leases the worker holds at most
+         "step_rounds": 4, "fetch_rounds": 1,  # rounds of a learner step; from a publish to the worker's load
+         "max_rounds": 200_000, "seed": 0}
 
 
 def reward(completion: str, answer: Any, **_: Any) -> float:
@@ -181,7 +173,7 @@ def run(rule: StalenessRule, args: argparse.Namespace, adapter_dir: Path) -> Out
             version += 1
             tensors = [("lora_A", rng.standard_normal(16).astype(np.float32))]
             frames = codec.encode(AdapterUpdate(version=version, step=version, sha256="", adapter_config={"r": 1}),
-                                     tensors)
+                                  tensors)
             sha = framing.frames_sha256(frames[2:])
             send(LEARNER, AdapterUpdate(version=version, step=version, sha256=sha, adapter_config={"r": 1}), tensors)
             path = adapter_dir / f"{rule}-v{version}"
@@ -246,16 +238,11 @@ def spearman(x: np.ndarray, y: np.ndarray) -> float:
 def per_sample(outcome: Outcome) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
     """(length, dropped, tokens trained, its group's longest sample) of every sample attempt with a decided fate
     (zero-variance ones out)."""
-    lens, dropped, trained, longest = [], [], [], []
-    for attempt in outcome.attempts:
-        if attempt.fate not in ("dropped", "trained"):
-            continue
-        for k, n in enumerate(attempt.lens):
-            done = attempt.trained[k] if attempt.fate == "trained" else 0
-            lens.append(n)
-            trained.append(done)
-            dropped.append(attempt.fate == "dropped" or done == 0)
-            longest.append(max(attempt.lens))
+    rows = [(n, attempt.fate == "dropped" or done == 0, done, max(attempt.lens))
+            for attempt in outcome.attempts if attempt.fate in ("dropped", "trained")
+            for k, n in enumerate(attempt.lens)
+            for done in [attempt.trained[k] if attempt.fate == "trained" else 0]]
+    lens, dropped, trained, longest = zip(*rows, strict=True) if rows else ((), (), (), ())
     return np.array(lens), np.array(dropped, dtype=bool), np.array(trained), np.array(longest)
 
 
@@ -273,122 +260,60 @@ def quartile_rates(lens: np.ndarray, flags: np.ndarray, edges: np.ndarray) -> li
             for q in range(4)]
 
 
-def plot(path: Path, sample_rates: dict[str, list[float]], group_before: list[float], group_after: list[float],
-         edges: np.ndarray, group_edges: np.ndarray) -> None:
-    """Drop rate by length quartile, before / after, for samples and for groups, side by side."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, axes = plt.subplots(1, 2, figsize=(10, 3.8), sharey=True)
-    panels = ((axes[0], sample_rates["before"], sample_rates["after"], edges, "samples, by completion length"),
-              (axes[1], group_before, group_after, group_edges, "groups, by their longest sample"))
-    for ax, before, after, bounds, title in panels:
-        x = np.arange(4)
-        ax.bar(x - 0.2, before, 0.4, label="before: oldest token decides")
-        ax.bar(x + 0.2, after, 0.4, label="after: newest token decides, older masked")
-        labels = [f"Q{q + 1}\n{lo}-{hi}" for q, (lo, hi) in
-                  enumerate(zip(["0", *map(str, map(int, bounds))], [*map(str, map(int, bounds)), "max"],
-                                strict=True))]
-        ax.set_xticks(x, labels)
-        ax.set_title(title)
-        ax.set_xlabel("length quartile (tokens)")
-    axes[0].set_ylabel("drop rate (nothing trained)")
-    axes[0].legend(fontsize=8)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    print(f"figure: {path}")
-
-
-def main(argv: list[str] | None = None) -> int:
+def main(argv: list[str] | None = None) -> None:
     parser = harness.parser(__doc__)
-    parser.add_argument("--groups", type=int, default=600, help="groups to reach the learner per run")
-    parser.add_argument("--group-size", type=int, default=8)
-    parser.add_argument("--groups-per-step", type=int, default=4)
-    parser.add_argument("--max-staleness", type=int, default=1)
-    parser.add_argument("--mean-tokens", type=float, default=256.0, help="lognormal mean of completion lengths")
-    parser.add_argument("--sigma", type=float, default=1.0, help="lognormal sigma (the tail)")
-    parser.add_argument("--max-tokens", type=int, default=4096)
-    parser.add_argument("--chunk-tokens", type=int, default=32, help="tokens per sample per round")
-    parser.add_argument("--worker-groups", type=int, default=16, help="leases the worker holds at most")
-    parser.add_argument("--step-rounds", type=int, default=4, help="rounds one learner step takes")
-    parser.add_argument("--fetch-rounds", type=int, default=1, help="rounds from a publish to the worker's load")
-    parser.add_argument("--max-rounds", type=int, default=200_000)
-    parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--plot", type=Path, help="also draw the two tables as bar charts into this PNG")
+    for name, default in FLAGS.items():
+        parser.add_argument("--" + name.replace("_", "-"), type=type(default), default=default)
     args = harness.parse(parser, argv, groups=40, mean_tokens=32.0, max_tokens=256)
     setup_logging("bench", level="warning")
-    outcomes = {}
     with tempfile.TemporaryDirectory() as tmp:
-        for rule in (StalenessRule.OLDEST_TOKEN, StalenessRule.NEWEST_TOKEN):
-            outcomes[rule] = run(rule, args, Path(tmp))
-    before, after = outcomes[StalenessRule.OLDEST_TOKEN], outcomes[StalenessRule.NEWEST_TOKEN]
-    samples = {name: per_sample(o) for name, o in (("before", before), ("after", after))}
+        before, after = (run(rule, args, Path(tmp)) for rule in (StalenessRule.OLDEST_TOKEN, StalenessRule.NEWEST_TOKEN))
+    runs = {"before": before, "after": after}
+    for name, o in runs.items():
+        print(f"{name}: {len(o.attempts)} group attempts over {o.rounds} rounds, {o.versions} versions; fates "
+              f"{dict(collections.Counter(a.fate for a in o.attempts))}; broker dropped {o.dropped}; learner masked "
+              f"{o.tokens_masked} tokens")
+    samples = {name: per_sample(o) for name, o in runs.items()}
     edges = np.quantile(np.concatenate([s[0] for s in samples.values()]), [0.25, 0.5, 0.75])
-    print(f"sim backend, continue policy, lognormal lengths (mean {args.mean_tokens:g}, sigma {args.sigma:g}, cap "
-          f"{args.max_tokens}), chunk {args.chunk_tokens} tokens/round, group_size {args.group_size}, "
-          f"{args.groups_per_step} groups/step, a step every {args.step_rounds} rounds, max_staleness "
-          f"{args.max_staleness}, worker holds {args.worker_groups} leases")
-    for name, o in (("before (oldest token decides)", before), ("after (newest token decides, older masked)", after)):
-        fates = collections.Counter(a.fate for a in o.attempts)
-        print(f"  {name}: {len(o.attempts)} group attempts over {o.rounds} rounds, {o.versions} versions; "
-              f"fates {dict(fates)}; broker dropped {o.dropped}; learner masked {o.tokens_masked} tokens")
-    print(f"\nsamples: quartiles of completion length (tokens), edges {[int(e) for e in edges]}")
-    print(f"{'quartile':>9} | {'drop rate before':>16} {'after':>6} | {'tokens not trained before':>25} {'after':>6} | "
-          f"samples before / after")
-    rates: dict[str, list[float]] = {}
-    untrained: dict[str, list[float]] = {}
-    for name, (lens, dropped, trained, _) in samples.items():
-        rates[name] = [r for r, _ in quartile_rates(lens, dropped, edges)]
+    rates = {name: quartile_rates(s[0], s[1], edges) for name, s in samples.items()}
+    untrained = {}
+    for name, (lens, _, trained, _) in samples.items():
         which = np.searchsorted(edges, lens, side="left")
         untrained[name] = [1 - trained[which == q].sum() / max(lens[which == q].sum(), 1) for q in range(4)]
-    counts = {name: [n for _, n in quartile_rates(s[0], s[1], edges)] for name, s in samples.items()}
-    for q in range(4):
-        print(f"{'Q' + str(q + 1):>9} | {rates['before'][q]:16.3f} {rates['after'][q]:6.3f} | "
-              f"{untrained['before'][q]:25.3f} {untrained['after'][q]:6.3f} | "
-              f"{counts['before'][q]:5d} / {counts['after'][q]:5d}   "
-              f"{'#' * round(rates['before'][q] * 50):<25} {'#' * round(rates['after'][q] * 50)}")
-    groups = {name: per_group(o) for name, o in (("before", before), ("after", after))}
+    print(f"\nsamples by completion length, quartile edges {[int(e) for e in edges]} tokens")
+    harness.table(("quartile", "dropped before", "after", "tokens not trained before", "after", "samples before / after"),
+                  [(f"Q{q + 1}", f"{rates['before'][q][0]:.3f}", f"{rates['after'][q][0]:.3f}",
+                    f"{untrained['before'][q]:.3f}", f"{untrained['after'][q]:.3f}",
+                    f"{rates['before'][q][1]} / {rates['after'][q][1]}") for q in range(4)])
+    groups = {name: per_group(o) for name, o in runs.items()}
     group_edges = np.quantile(np.concatenate([g[0] for g in groups.values()]), [0.25, 0.5, 0.75])
     group_rates = {name: quartile_rates(*g, group_edges) for name, g in groups.items()}
-    print(f"\ngroups: quartiles of their longest sample (tokens), edges {[int(e) for e in group_edges]}")
-    print(f"{'quartile':>9} | {'drop rate before':>16} {'after':>6} | groups before / after")
-    for q in range(4):
-        (rb, nb), (ra, na) = group_rates["before"][q], group_rates["after"][q]
-        print(f"{'Q' + str(q + 1):>9} | {rb:16.3f} {ra:6.3f} | {nb:5d} / {na:5d}   "
-              f"{'#' * round(rb * 50):<25} {'#' * round(ra * 50)}")
-    if args.plot is not None:
-        plot(args.plot, rates, [r for r, _ in group_rates["before"]], [r for r, _ in group_rates["after"]],
-             edges, group_edges)
+    print(f"\ngroups by their longest sample, quartile edges {[int(e) for e in group_edges]} tokens")
+    harness.table(("quartile", "groups dropped before", "after", "groups before / after"),
+                  [(f"Q{q + 1}", f"{group_rates['before'][q][0]:.3f}", f"{group_rates['after'][q][0]:.3f}",
+                    f"{group_rates['before'][q][1]} / {group_rates['after'][q][1]}") for q in range(4)])
     rho = {name: spearman(s[0].astype(float), s[1].astype(float)) for name, s in samples.items()}
-    print(f"\nSpearman(length, dropped): before {rho['before']:+.3f}, after {rho['after']:+.3f}")
-    siblings = {}
+    siblings = {}  # dropped Q1-Q3 samples whose group's longest sample is in the longest group quartile
     for name, (lens, dropped, _, longest) in samples.items():
         short = dropped & (lens <= edges[2])
         siblings[name] = float((longest[short] > group_edges[2]).mean()) if short.any() else float("nan")
-    print(f"dropped samples of Q1-Q3 whose group's longest sample is in the longest group quartile (their tokens "
-          f"aged while it generated): before {siblings['before']:.1%}, after {siblings['after']:.1%}")
+    print(f"\nSpearman(length, dropped): before {rho['before']:+.3f}, after {rho['after']:+.3f}; short drops with a "
+          f"long sibling: before {siblings['before']:.1%}, after {siblings['after']:.1%}")
 
-    def q4_over_q1(r: list[float]) -> float:
-        return r[3] / r[0] if r[0] > 0 else (math.inf if r[3] > 0 else 1.0)
+    def q4_over_q1(r: list[tuple[float, int]]) -> float:
+        return r[3][0] / r[0][0] if r[0][0] > 0 else (math.inf if r[3][0] > 0 else 1.0)
 
     value, reference = q4_over_q1(rates["after"]), q4_over_q1(rates["before"])
-    print(f"drop rate longest / shortest quartile: after {value:.3f}, before {reference:.3f}")
-    report("staleness_lengths", "drop rate, longest / shortest length quartile (newest-token rule)", value, "x",
-           reference, ratio=value / reference if reference and math.isfinite(reference) else float("nan"),
-           drop_rate_by_quartile_before=[round(r, 4) for r in rates["before"]],
-           drop_rate_by_quartile_after=[round(r, 4) for r in rates["after"]],
-           spearman_before=round(rho["before"], 4), spearman_after=round(rho["after"], 4),
-           quartile_edges=[int(e) for e in edges], tokens_masked_after=after.tokens_masked,
-           group_drop_rate_by_quartile_before=[round(r, 4) for r, _ in group_rates["before"]],
-           group_drop_rate_by_quartile_after=[round(r, 4) for r, _ in group_rates["after"]],
-           rounds_before=before.rounds, rounds_after=after.rounds,
-           short_drops_with_a_long_sibling_before=round(siblings["before"], 4),
-           short_drops_with_a_long_sibling_after=round(siblings["after"], 4))
-    return 0
+    by_quartile = {f"{kind}drop_rate_by_quartile_{name}": [round(r, 4) for r, _ in table[name]]
+                   for kind, table in (("", rates), ("group_", group_rates)) for name in runs}
+    harness.report("staleness_lengths", "drop rate, longest / shortest length quartile (newest-token rule)", value,
+                   "x", reference, ratio=value / reference if reference and math.isfinite(reference) else float("nan"),
+                   spearman_before=round(rho["before"], 4), spearman_after=round(rho["after"], 4),
+                   quartile_edges=[int(e) for e in edges], tokens_masked_after=after.tokens_masked,
+                   rounds_before=before.rounds, rounds_after=after.rounds, **by_quartile,
+                   short_drops_with_a_long_sibling_before=round(siblings["before"], 4),
+                   short_drops_with_a_long_sibling_after=round(siblings["after"], 4))
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    main()
