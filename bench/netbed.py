@@ -1,25 +1,16 @@
-"""A multi-host loraflow test bed in Linux network namespaces: the hosts, their network, and the roles on them.
+"""A multi-host loraflow test bed in Linux network namespaces: the hosts, their network, the roles and faults.
 
-:class:`Network` owns the hosts: one namespace per host, joined by veth pairs to a bridge that lives in a
-namespace of its own (the "switch"), each host with one address in a private /24 of its own choosing and no
-route beyond it (no default route, nothing in the machine's own namespace is touched). Each host has its own
-hostname (:meth:`Network.argv` runs every command in a UTS namespace named after the host) and an
-``/etc/netns/<ns>/hosts`` (``ip netns exec`` mounts it over ``/etc/hosts``) that names every test host, as a
-real network's resolver would; torchrun's rendezvous and gloo find each node's address through them.
-:meth:`Network.destroy` kills every process left in the namespaces (by pid, from ``ip netns pids``) and removes
-namespaces, veths, the bridge and the hosts files; it is safe to call after any failure. Names carry the
-creator's pid: :func:`sweep_orphans` (run by every :meth:`Network.create`) removes beds whose creator was killed
-before it could clean up.
+:class:`Network`: one namespace per host, veth pairs to a bridge in a namespace of its own (the "switch"), one
+address each in a private /24, no route beyond it; each host has its own hostname (a UTS namespace) and an
+``/etc/netns/<ns>/hosts`` naming every test host. :meth:`Network.destroy` kills what is left (by pid) and removes
+it all, after any failure; names carry the creator's pid, so :func:`sweep_orphans` removes beds of a killed creator.
 
-:class:`Cluster` runs loraflow on those hosts with the scripts the systemd units call (``deploy/scripts``), each
-under ``ip netns exec``: a broker host, a learner of ``learner_nodes`` torchrun nodes (one rank each, c10d
-rendezvous on node 0, gloo over the test network, one run directory shared by the nodes as the README asks), and
-worker hosts, CURVE on with keys from ``loraflow keys`` (each client host gets only ``broker.key`` and its own
-secret). The faults below it (:data:`FAULTS`, used by bench/net_faults.py and tests/net) measure from the files
-the roles write: the learner's ledger and the roles' JSON logs. ``loopback=True`` puts every role on one host
-(127.0.0.1): the same run without a network, for the throughput reference.
-
-Needs root and ``ip`` (iproute2); :func:`require_root` says so plainly.
+:class:`Cluster` runs loraflow on those hosts with the scripts the systemd units call (``deploy/scripts`` under
+``ip netns exec``): a broker host, a learner of ``learner_nodes`` torchrun nodes (one rank each, c10d on node 0,
+gloo, one shared run dir), worker hosts, CURVE on (each client host holds ``broker.key`` and its own secret).
+:data:`FAULTS` (bench/net_faults.py, tests/net) measure from the files the roles write: the learner's ledger and
+the roles' JSON logs. ``loopback=True`` puts every role on one host: the throughput reference. Needs root and
+iproute2 (:func:`require_root`).
 """
 
 from __future__ import annotations
@@ -35,6 +26,7 @@ import sys
 import time
 import uuid
 from collections import Counter
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from datetime import datetime
 from pathlib import Path
@@ -131,16 +123,11 @@ class Network:
                 'hostname "$0" && exec "$@"', host, *argv]
 
     def pids(self, host: str) -> list[int]:
-        done = _sh("ip", "netns", "pids", self.ns(host), check=False)
-        return [int(p) for p in done.stdout.split()]
+        return _pids(self.ns(host))
 
     def kill_host(self, host: str) -> list[int]:
         """SIGKILL every process of the host (a power cut); returns their pids."""
-        pids = self.pids(host)
-        for pid in pids:
-            with contextlib.suppress(ProcessLookupError):
-                os.kill(pid, signal.SIGKILL)
-        return pids
+        return _kill(self.ns(host))
 
     def link(self, host: str, up: bool) -> None:
         """Pull (or plug back) the host's cable: its switch port goes down, the host sees no carrier."""
@@ -180,17 +167,30 @@ class Network:
     def destroy(self) -> None:
         """Every process in the namespaces killed, then namespaces (with their veths and bridge) and hosts files."""
         for ns in self.made:
-            for pid in _sh("ip", "netns", "pids", ns, check=False).stdout.split():
-                with contextlib.suppress(ProcessLookupError):
-                    os.kill(int(pid), signal.SIGKILL)
+            _kill(ns)
         deadline = time.monotonic() + 10
-        while any(_sh("ip", "netns", "pids", ns, check=False).stdout.split() for ns in self.made) \
-                and time.monotonic() < deadline:
+        while any(_pids(ns) for ns in self.made) and time.monotonic() < deadline:
             time.sleep(0.05)
         for ns in reversed(self.made):
-            _sh("ip", "netns", "del", ns, check=False)
-            shutil.rmtree(Path("/etc/netns") / ns, ignore_errors=True)
+            _del(ns)
         self.made.clear()
+
+
+def _pids(ns: str) -> list[int]:
+    return [int(p) for p in _sh("ip", "netns", "pids", ns, check=False).stdout.split()]
+
+
+def _kill(ns: str) -> list[int]:
+    pids = _pids(ns)
+    for pid in pids:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, signal.SIGKILL)
+    return pids
+
+
+def _del(ns: str) -> None:
+    _sh("ip", "netns", "del", ns, check=False)
+    shutil.rmtree(Path("/etc/netns") / ns, ignore_errors=True)
 
 
 def _since(t: float | None, t0: float) -> float | None:
@@ -206,11 +206,8 @@ def sweep_orphans() -> list[str]:
         match = re.fullmatch(r"lf(\d+)\.[0-9a-f]{4}-[\w-]+", ns)
         if match is None or Path(f"/proc/{match.group(1)}").exists():
             continue
-        for pid in _sh("ip", "netns", "pids", ns, check=False).stdout.split():
-            with contextlib.suppress(ProcessLookupError):
-                os.kill(int(pid), signal.SIGKILL)
-        _sh("ip", "netns", "del", ns, check=False)
-        shutil.rmtree(Path("/etc/netns") / ns, ignore_errors=True)
+        _kill(ns)
+        _del(ns)
         swept.append(ns)
     return swept
 
@@ -391,14 +388,11 @@ class Cluster:
 
     def accepted_after(self, w: str, t: float) -> float | None:
         """When the broker first accepted a group of worker ``w`` after ``t`` (the worker's ack; None: not yet)."""
-        times = [_ts(x) for x in self.log_lines(w)
-                 if x.get("event") == "group_acked" and x.get("status") == "accepted" and _ts(x) > t]
-        return min(times) if times else None
+        return min((_ts(x) for x in _accepted(self, w, t, float("inf"))), default=None)
 
     def event_after(self, role: str, event: str, t: float) -> float | None:
         """When ``role`` (a worker or a learner node) first logged ``event`` after ``t`` (None: not yet)."""
-        times = [_ts(x) for x in self.log_lines(role) if x.get("event") == event and _ts(x) > t]
-        return min(times) if times else None
+        return min((_ts(x) for x in self.log_lines(role) if x.get("event") == event and _ts(x) > t), default=None)
 
     def regenerated(self, t0: float, t1: float) -> dict[str, Any]:
         """Groups leased again in [t0, t1] after an earlier lease (generated twice), and the reasons the logs give:
@@ -498,35 +492,38 @@ def remaining(c: Cluster) -> int:
     return c.num_prompts - len(c.trained_ids())
 
 
-def _settle(c: Cluster, fault: str, steps: int = 2) -> None:
-    """A few steps of normal training first, and enough prompts left for the fault to land mid-run."""
+@contextlib.contextmanager
+def _fault(c: Cluster, fault: str, steps: int = 2, same: list[str] | None = None) -> Iterator[None]:
+    """A few steps of normal training first, with enough prompts left for the fault to land mid-run; after it,
+    the roles in ``same`` (default: all) are the processes they were, and the ledger so far audits clean."""
     c.wait_steps(steps, time.time(), 90, f"training before the {fault}")
     left = remaining(c)
     assert left > 40, f"only {left} prompts left before the {fault}: give the run more prompts (Cluster.num_prompts)"
-
-
-def _same_processes(c: Cluster, roles: list[str], before: dict[str, int], fault: str) -> None:
-    for role in roles:
+    before = {r: c.roles[r].pid for r in (list(c.roles) if same is None else same)}
+    yield
+    for role, pid in before.items():
         proc = c.roles[role]
-        assert proc.pid == before[role] and proc.alive(), (
+        assert proc.pid == pid and proc.alive(), (
             f"{role} was restarted or died during the {fault} (it must reconnect by itself)\n{proc.log()[-3000:]}")
+    c.audit_so_far()
+
+
+def _wait_accepted(c: Cluster, w: str, t: float, what: str) -> float:
+    return wait_for(lambda: c.accepted_after(w, t), 90, f"a group from {w} accepted after {what}", c.procs,
+                    interval_s=0.1)
 
 
 def worker_link_down(c: Cluster, w: str = "w1", down_s: float = 10.0) -> dict[str, Any]:
     """Pull the worker host's cable for ``down_s``: the others train on; after the restore the same worker process
-    gets a group accepted again."""
-    _settle(c, "worker link fault")
-    before = {r: c.roles[r].pid for r in c.roles}
-    t_down = time.time()
-    c.net.link(w, False)
-    time.sleep(down_s)
-    c.net.link(w, True)
-    t_up = time.time()
-    steps_during = len([s for s in c.steps_since(t_down) if s["time_unix"] <= t_up])
-    t_back = wait_for(lambda: c.accepted_after(w, t_up), 90, f"a group from {w} accepted after its link came back",
-                      c.procs, interval_s=0.1)
-    _same_processes(c, list(before), before, "worker link fault")
-    c.audit_so_far()
+    gets a group accepted again, and every lease it held was returned or finished."""
+    with _fault(c, "worker link fault"):
+        t_down = time.time()
+        c.net.link(w, False)
+        time.sleep(down_s)
+        c.net.link(w, True)
+        t_up = time.time()
+        steps_during = len([s for s in c.steps_since(t_down) if s["time_unix"] <= t_up])
+        t_back = _wait_accepted(c, w, t_up, "its link came back")
     held, returned, finished = _leases_across(c, w, t_down)
     assert held <= returned | finished, f"leases of {w} neither returned nor finished: {sorted(held - returned - finished)}"
     return {"fault": "worker_link_down", "host": w, "down_s": round(t_up - t_down, 2), "steps_while_down": steps_during,
@@ -540,33 +537,25 @@ def _leases_across(c: Cluster, w: str, t: float) -> tuple[set[str], set[str], se
     """The groups ``w`` held at ``t`` (leased, no ack yet), those leased again later (returned to the queue) and
     those ``w`` itself got accepted later (finished)."""
     lines = c.log_lines(w)
-    leased = {x["group_id"] for x in lines if x.get("event") == "lease_granted" and _ts(x) <= t}
-    acked = {x["group_id"] for x in lines if x.get("event") == "group_acked" and _ts(x) <= t}
-    held = leased - acked
+    held = ({x["group_id"] for x in lines if x.get("event") == "lease_granted" and _ts(x) <= t}
+            - {x["group_id"] for x in lines if x.get("event") == "group_acked" and _ts(x) <= t})
     returned = {x["group_id"] for v in c.workers for x in c.log_lines(v)
                 if x.get("event") == "lease_granted" and _ts(x) > t and x["group_id"] in held}
-    finished = {x["group_id"] for x in lines if x.get("event") == "group_acked" and x.get("status") == "accepted"
-                and _ts(x) > t and x["group_id"] in held}
+    finished = {x["group_id"] for x in _accepted(c, w, t, float("inf")) if x["group_id"] in held}
     return held, returned, finished
 
 
 def broker_link_down(c: Cluster, down_s: float = 10.0) -> dict[str, Any]:
-    """Pull the broker host's cable: nobody reaches it; after the restore every worker and the learner carry on
-    with the same processes."""
-    _settle(c, "broker link fault")
-    before = {r: c.roles[r].pid for r in c.roles}
-    t_down = time.time()
-    c.net.link("broker", False)
-    time.sleep(down_s)
-    c.net.link("broker", True)
-    t_up = time.time()
-    # any step after the restore trained a batch that came over the restored link (a step takes < 1 s: one held
-    # through the outage was written long before it ended)
-    step = c.wait_steps(1, t_up, 90, "the broker's link came back")[0]["time_unix"]
-    accepted = {w: wait_for(lambda w=w: c.accepted_after(w, t_up), 90, f"a group from {w} accepted after the broker's "
-                            f"link came back", c.procs, interval_s=0.1) for w in c.workers}
-    _same_processes(c, list(before), before, "broker link fault")
-    c.audit_so_far()
+    """Pull the broker host's cable: after the restore every worker and the learner carry on, same processes."""
+    with _fault(c, "broker link fault"):
+        t_down = time.time()
+        c.net.link("broker", False)
+        time.sleep(down_s)
+        c.net.link("broker", True)
+        t_up = time.time()
+        # a step after the restore trained a batch that came over the restored link (a step takes < 1 s)
+        step = c.wait_steps(1, t_up, 90, "the broker's link came back")[0]["time_unix"]
+        accepted = {w: _wait_accepted(c, w, t_up, "the broker's link came back") for w in c.workers}
     t_back = max(step, *accepted.values())
     return {"fault": "broker_link_down", "down_s": round(t_up - t_down, 2),
             "restore_to_step_s": round(step - t_up, 2),
@@ -578,55 +567,45 @@ def broker_link_down(c: Cluster, down_s: float = 10.0) -> dict[str, Any]:
 def broker_reboot(c: Cluster) -> dict[str, Any]:
     """Every process of the broker host SIGKILLed, the broker started again from its state dir; the learner and
     the workers reconnect by themselves."""
-    _settle(c, "broker reboot")
-    clients = [r for r in c.roles if r != "broker"]
-    before = {r: c.roles[r].pid for r in clients}
-    t_kill = time.time()
-    killed = c.net.kill_host("broker")
-    c.roles["broker"].popen.wait(timeout=10)
-    t_start = time.time()
-    c.start_broker()
-    t_bound = time.time()
-    # the learner may finish a step of a batch it had before the kill: training resumes with a step after its
-    # session with the new broker began
-    rejoined = wait_for(lambda: c.event_after(c.nodes[0], "broker_reconnected", t_start), 90,
-                        "the learner to reconnect to the restarted broker", c.procs, interval_s=0.1)
-    step = c.wait_steps(1, rejoined, 120, "the broker restarted")[0]["time_unix"]
-    accepted = {w: wait_for(lambda w=w: c.accepted_after(w, t_start), 90, f"a group from {w} accepted by the "
-                            f"restarted broker", c.procs, interval_s=0.1) for w in c.workers}
-    restored = [x for x in c.log_lines("broker") if x.get("event") == "state_restored" and _ts(x) > t_start]
-    assert restored, f"the restarted broker did not restore its state\n{c.roles['broker'].log()[-3000:]}"
-    _same_processes(c, clients, before, "broker reboot")
-    c.audit_so_far()
-    t_back = max(step, *accepted.values())
+    with _fault(c, "broker reboot", same=[r for r in c.roles if r != "broker"]):
+        t_kill = time.time()
+        killed = c.net.kill_host("broker")
+        c.roles["broker"].popen.wait(timeout=10)
+        t_start = time.time()
+        c.start_broker()
+        t_bound = time.time()
+        # the learner may finish a step of a batch it had before the kill: count from its new session
+        rejoined = wait_for(lambda: c.event_after(c.nodes[0], "broker_reconnected", t_start), 90,
+                            "the learner to reconnect to the restarted broker", c.procs, interval_s=0.1)
+        step = c.wait_steps(1, rejoined, 120, "the broker restarted")[0]["time_unix"]
+        accepted = {w: _wait_accepted(c, w, t_start, "the broker restarted") for w in c.workers}
+        assert c.event_after("broker", "state_restored", t_start), \
+            f"the restarted broker did not restore its state\n{c.roles['broker'].log()[-3000:]}"
     return {"fault": "broker_reboot", "processes_killed": len(killed), "restart_to_bound_s": round(t_bound - t_start, 2),
             "restart_to_learner_reconnected_s": round(rejoined - t_start, 2), "restart_to_step_s": round(step - t_start, 2),
             "restart_to_accepted_s": {w: round(t - t_start, 2) for w, t in accepted.items()},
-            "regenerated": c.regenerated(t_kill, t_back)}
+            "regenerated": c.regenerated(t_kill, max(step, *accepted.values()))}
 
 
 def learner_node_killed(c: Cluster, node: str = "learner-1", restart_after_s: float = 60.0) -> dict[str, Any]:
-    """Every process of one learner node SIGKILLed. The other node's torchrun stops (a rank of its job is gone);
-    the supervisor (systemd's Restart=, here this function) starts each node's learner.sh again and the job
-    resumes from the newest checkpoint on the shared run dir."""
-    _settle(c, "learner node kill", steps=c.checkpoint_every + 1)
-    starts_before = len([x for x in c.ledger() if x["event"] == "start"])
-    t_kill = time.time()
-    c.net.kill_host(node)
-    c.roles[node].popen.wait(timeout=10)
-    others = [n for n in c.nodes if n != node]
-    for other in others:
-        wait_for(lambda other=other: not c.roles[other].alive(), restart_after_s,
-                 f"torchrun on {other} to stop after {node} died", c.procs)
-    codes = {n: c.roles[n].popen.returncode for n in c.nodes}
-    t_start = time.time()
-    c.start_learner()
-    step = c.wait_steps(1, t_start, 180, f"the learner restarted after {node} was killed")[0]["time_unix"]
-    starts = [x for x in c.ledger() if x["event"] == "start"]
-    assert len(starts) == starts_before + 1, f"{len(starts) - starts_before} learner starts after the kill"
-    resumed = starts[-1]
-    assert resumed["step"] >= c.checkpoint_every, f"the learner resumed at step {resumed['step']}, not from a checkpoint"
-    c.audit_so_far()
+    """Every process of one learner node SIGKILLed: the other node's torchrun stops; the supervisor (systemd's
+    Restart=, here this function) starts each node's learner.sh again, resuming from the newest checkpoint."""
+    with _fault(c, "learner node kill", steps=c.checkpoint_every + 1, same=[]):
+        starts_before = len([x for x in c.ledger() if x["event"] == "start"])
+        t_kill = time.time()
+        c.net.kill_host(node)
+        c.roles[node].popen.wait(timeout=10)
+        for other in [n for n in c.nodes if n != node]:
+            wait_for(lambda other=other: not c.roles[other].alive(), restart_after_s,
+                     f"torchrun on {other} to stop after {node} died", c.procs)
+        codes = {n: c.roles[n].popen.returncode for n in c.nodes}
+        t_start = time.time()
+        c.start_learner()
+        step = c.wait_steps(1, t_start, 180, f"the learner restarted after {node} was killed")[0]["time_unix"]
+        starts = [x for x in c.ledger() if x["event"] == "start"]
+        assert len(starts) == starts_before + 1, f"{len(starts) - starts_before} learner starts after the kill"
+        resumed = starts[-1]
+        assert resumed["step"] >= c.checkpoint_every, f"the learner resumed at step {resumed['step']}, not from a checkpoint"
     return {"fault": "learner_node_killed", "node": node, "exit_codes": codes,
             "kill_to_all_stopped_s": round(t_start - t_kill, 2), "restart_to_step_s": round(step - t_start, 2),
             "resumed_step": resumed["step"], "withdrawn": resumed["withdrawn"],
@@ -637,27 +616,23 @@ PROBE_BYTES = 96 * 1024  # bandwidth_limited's link probe: ~0.7 s at 1 mbit, a f
 
 
 def bandwidth_limited(c: Cluster, w: str = "w3", rate: str = "1mbit", hold_s: float = 10.0) -> dict[str, Any]:
-    """A token bucket of ``rate`` on one worker's link (both ways) for ``hold_s``: it keeps submitting, slower;
-    the run goes on. ``link_probe_s`` times a TCP transfer of ``PROBE_BYTES`` from the worker's host to the
-    broker's with the limit on and off: whether the link was limited, told apart from the groups' own figures
-    (a sim group is smaller than the bucket's burst, so its ack time alone need not grow)."""
-    _settle(c, "bandwidth limit")
-    before = {r: c.roles[r].pid for r in c.roles}
-    t0 = time.time()
-    time.sleep(hold_s)
-    t_limit = time.time()
-    c.net.limit(w, rate)
-    try:
+    """A token bucket of ``rate`` on one worker's link (both ways) for ``hold_s``: it keeps submitting, slower.
+    ``link_probe_s`` times a TCP transfer of ``PROBE_BYTES`` to the broker's host with the limit on and off (a
+    sim group is smaller than the bucket's burst, so its ack time alone need not show the limit)."""
+    with _fault(c, "bandwidth limit"):
+        t0 = time.time()
         time.sleep(hold_s)
-        t_free = time.time()  # the windows end here: the probes below do not share the link with them
-        probe_s = {"limited": c.net.transfer_s(w, "broker", PROBE_BYTES)}
-    finally:
-        c.net.unlimit(w)
-    probe_s["normal"] = c.net.transfer_s(w, "broker", PROBE_BYTES)
-    normal, limited = _accepted(c, w, t0, t_limit), _accepted(c, w, t_limit, t_free)
-    assert limited, f"no group of {w} accepted in {hold_s} s at {rate}"
-    _same_processes(c, list(before), before, "bandwidth limit")
-    c.audit_so_far()
+        t_limit = time.time()
+        c.net.limit(w, rate)
+        try:
+            time.sleep(hold_s)
+            t_free = time.time()  # the windows end here: the probes below do not share the link with them
+            probe_s = {"limited": c.net.transfer_s(w, "broker", PROBE_BYTES)}
+        finally:
+            c.net.unlimit(w)
+        probe_s["normal"] = c.net.transfer_s(w, "broker", PROBE_BYTES)
+        normal, limited = _accepted(c, w, t0, t_limit), _accepted(c, w, t_limit, t_free)
+        assert limited, f"no group of {w} accepted in {hold_s} s at {rate}"
     return {"fault": "bandwidth_limited", "host": w, "rate": rate,
             "groups_per_s": {"normal": round(len(normal) / (t_limit - t0), 2),
                              "limited": round(len(limited) / (t_free - t_limit), 2)},
@@ -682,31 +657,25 @@ def latency_and_resets(c: Cluster, w: str = "w2", delay_ms: float = 100, hold_s:
     """Through the relay on ``w``'s host (bench/netproxy.py): ``delay_ms`` more each way for ``hold_s``, then
     ``resets`` times every connection cut; the same worker process gets groups accepted after each."""
     assert w in c.proxied, f"{w} does not connect through a relay (Cluster.proxied)"
-    _settle(c, "latency and connection resets")
-    before = {r: c.roles[r].pid for r in c.roles}
-    t0 = time.time()
-    time.sleep(hold_s)
-    t_delay = time.time()
-    c.relay(w, delay_ms=delay_ms)
-    time.sleep(hold_s)
-    c.relay(w, delay_ms=0)
-    t_clear = time.time()
-    normal, delayed = _accepted(c, w, t0, t_delay), _accepted(c, w, t_delay, t_clear)
-    assert delayed, f"no group of {w} accepted in {hold_s} s with {delay_ms} ms more each way"
-    recover = []
-    for i in range(1, resets + 1):
-        t_reset = time.time()
-        c.relay(w, reset=i)
-        t_back = wait_for(lambda t=t_reset: c.accepted_after(w, t), 90, f"a group from {w} accepted after reset {i}",
-                          c.procs, interval_s=0.1)
-        recover.append(round(t_back - t_reset, 2))
-    _same_processes(c, list(before), before, "latency and connection resets")
-    c.audit_so_far()
+    with _fault(c, "latency and connection resets"):
+        t0 = time.time()
+        time.sleep(hold_s)
+        t_delay = time.time()
+        c.relay(w, delay_ms=delay_ms)
+        time.sleep(hold_s)
+        c.relay(w, delay_ms=0)
+        t_clear = time.time()
+        normal, delayed = _accepted(c, w, t0, t_delay), _accepted(c, w, t_delay, t_clear)
+        assert delayed, f"no group of {w} accepted in {hold_s} s with {delay_ms} ms more each way"
+        recover = []
+        for i in range(1, resets + 1):
+            t_reset = time.time()
+            c.relay(w, reset=i)
+            recover.append(round(_wait_accepted(c, w, t_reset, f"reset {i}") - t_reset, 2))
     return {"fault": "latency_and_resets", "host": w, "delay_ms_each_way": delay_ms,
             "median_ack_rtt_ms": {"normal": _median_rtt(normal), "delayed": _median_rtt(delayed)},
             "reset_to_accepted_s": recover, "regenerated": c.regenerated(t_delay, time.time())}
 
 
-FAULTS = {"worker_link_down": worker_link_down, "broker_link_down": broker_link_down, "broker_reboot": broker_reboot,
-          "learner_node_killed": learner_node_killed, "bandwidth_limited": bandwidth_limited,
-          "latency_and_resets": latency_and_resets}
+FAULTS = {f.__name__: f for f in (worker_link_down, broker_link_down, broker_reboot, learner_node_killed,
+                                  bandwidth_limited, latency_and_resets)}
