@@ -210,3 +210,13 @@ def adapter_tensors(num_bytes: int) -> list[tuple[str, Any]]:
              for layer in range(8) for proj in ("q_proj", "k_proj", "v_proj", "o_proj") for ab in ("A", "B")]
     rng = np.random.default_rng(0)
     return [(name, rng.standard_normal(max(1, num_bytes // (4 * len(names))), dtype=np.float32)) for name in names]
+
+
+def flags(p: argparse.ArgumentParser, defaults: dict[str, Any]) -> argparse.ArgumentParser:
+    """``--name-with-dashes`` for each key of ``defaults``, typed by its default value (a list: ``nargs="+"``)."""
+    for name, default in defaults.items():
+        if isinstance(default, list):
+            p.add_argument("--" + name.replace("_", "-"), type=type(default[0]), nargs="+", default=default)
+        else:
+            p.add_argument("--" + name.replace("_", "-"), type=type(default), default=default)
+    return p
