@@ -1,21 +1,13 @@
 """The agent demo at max_staleness 0 and at its default, side by side: wall time to a held-out accuracy target.
 
-The real thing: ``loraflow run deploy/configs/agent-demo.toml`` (the tiny agent base of deploy/agent_base.py,
-2 hf workers whose gateways serve the harness deploy/agents/agent_demo.py, the learner, the broker), once with
-``--max-staleness 0`` and once with the config's own setting, same seed, same machine, one after the other.
-The tool's latency is the harness's heavy-tailed lognormal (``--tool-median-s``, ``--tool-sigma``: some calls
-take 10-50x the median), so a synchronous step waits for its slowest episode while async workers keep playing.
-The base is built (or found in the cache) before either run, so neither pays for it. Each run writes a PEFT
-adapter every ``--adapter-every`` versions and stops at ``--max-duration`` (no evaluation during the run: it would
-take CPU from one run and not the other); afterwards the saved adapters are evaluated in order through the
-harness (deploy/agent_eval.py: greedy, ``--num-prompts`` held-out prompts, the tool's latency included) until
-one reaches ``--target``. The time to target is when the learner produced that adapter, counted from the start
-of the run's first process (start-up included, the same for both).
-
-Last line: value = async seconds to target, reference = sync seconds to target, ratio = async / sync (< 1:
-async is faster). A run that misses the target is an error (raise ``--max-duration`` or lower ``--target``).
-
     .venv/bin/python -m bench.agent_demo [--seed 0] [--target 0.8] [--max-duration 150]
+
+``loraflow run deploy/configs/agent-demo.toml`` twice, same seed, one after the other: ``--max-staleness 0`` and
+the config's own. The harness's tool latency is heavy-tailed (``--tool-median-s``, ``--tool-sigma``), so a
+synchronous step waits for its slowest episode while async workers play on. The base is built (or cached)
+first; each run saves an adapter every ``--adapter-every`` versions until ``--max-duration``, then the adapters
+are evaluated in order (deploy/agent_eval.py, ``--num-prompts``) until one reaches ``--target``: its time is when
+the learner produced it, from the run's first process start. Value: async seconds to target; reference: sync.
 """
 
 from __future__ import annotations
@@ -25,7 +17,6 @@ from pathlib import Path
 
 from bench import harness
 from bench.accuracy_runs import REPO, child_env, compare, run_loraflow
-from bench.report import report
 from loraflow.common.config import Config, load_config
 from loraflow.deploy.agent_base import ensure_agent_base
 
@@ -62,13 +53,13 @@ def main() -> None:
     sync, async_ = compare((0, demo.run.max_staleness), prefix="bench-agent-demo-",
                            run=lambda run_dir, m: run_demo(run_dir, args, m), target=args.target,
                            max_duration_s=args.max_duration, evaluate=evaluate, show_each=True)
-    report("agent_demo", f"seconds_to_{args.target:.2f}_staleness_{async_.max_staleness}",
-           async_.seconds_to_target, "s", sync.seconds_to_target,
-           ratio=async_.seconds_to_target / sync.seconds_to_target, seed=args.seed,
-           tool_median_s=args.tool_median_s, tool_sigma=args.tool_sigma,
-           sync_seconds_per_step=round(sync.seconds_per_step, 3),
-           async_seconds_per_step=round(async_.seconds_per_step, 3),
-           sync_version_at_target=sync.version_at_target, async_version_at_target=async_.version_at_target)
+    harness.report("agent_demo", f"seconds_to_{args.target:.2f}_staleness_{async_.max_staleness}",
+                   async_.seconds_to_target, "s", sync.seconds_to_target,
+                   ratio=async_.seconds_to_target / sync.seconds_to_target, seed=args.seed,
+                   tool_median_s=args.tool_median_s, tool_sigma=args.tool_sigma,
+                   sync_seconds_per_step=round(sync.seconds_per_step, 3),
+                   async_seconds_per_step=round(async_.seconds_per_step, 3),
+                   sync_version_at_target=sync.version_at_target, async_version_at_target=async_.version_at_target)
 
 
 if __name__ == "__main__":

@@ -1,7 +1,7 @@
 """The agent gateway's cost: per-request latency and tokens/s through HTTP vs the same engine driven directly.
 
     .venv/bin/python -m bench.gateway [--backend vllm|hf] [--tokens 32] [--calls 4] [--sessions 1,8,64]
-                                      [--latency-requests 40] [--repeats 3] [--cores shared,split] [--burn 0.2]
+                                      [--latency-requests 40] [--repeats 3] [--cores shared,split]
                                       [--openai-http aiohttp|httpx]
 
 One backend on the tiny model driven by one engine thread, as in a worker (vllm: fed continuously,
@@ -18,8 +18,7 @@ completions of ``--tokens`` tokens, each prompt the conversation so far plus ``T
 of their own, as on a GPU host; interleaved run by run. Per run it prints the engine rounds and their mean
 batch, and the CPU split (engine thread inside and besides generate, HTTP server thread, clients, engine core).
 The JSON line's value: gateway (openai) / direct tokens/s at the largest session count in the first placement,
-reference 0.9 (at most 10 % throughput cost). ``--burn F``: direct again beside a process keeping F of a core
-busy (CPU taken from the engine without the gateway: ``burned_direct_ratios``).
+reference 0.9 (at most 10 % throughput cost).
 """
 
 from __future__ import annotations
@@ -348,27 +347,6 @@ class Gateway:
         self.server.close()
 
 
-def burn(fraction: float, stop: Any) -> None:
-    """In a child process: keep ``fraction`` of one core busy, in 1 ms slices, until ``stop`` is set."""
-    while not stop.is_set():
-        until = time.perf_counter() + 1e-3
-        while time.perf_counter() < until:
-            pass
-        time.sleep(1e-3 * (1 - fraction) / fraction)
-
-
-def direct_burned(backend: Any, fraction: float, *args: Any) -> Run:
-    """The direct path while a side process keeps ``fraction`` of a core busy (``--burn``)."""
-    stop = mp.get_context("spawn").Event()
-    proc = harness.spawn(burn, fraction, stop, daemon=False)
-    try:
-        time.sleep(0.5)  # started
-        return direct(backend, *args)
-    finally:
-        stop.set()
-        proc.join(30)
-
-
 class Placement:
     """``--cores``: where the engine side and the clients run, the same for direct and gateway.
 
@@ -478,8 +456,6 @@ def main() -> None:
                         "ratio is the first's)")
     parser.add_argument("--openai-http", choices=("aiohttp", "httpx"), default="aiohttp",
                         help="the openai clients' transport (aiohttp: the worker's; httpx: openai's default)")
-    parser.add_argument("--burn", type=float, default=0.0, help="also run direct beside a process keeping this "
-                        "fraction of a core busy (shared cores only)")
     args = harness.parse(parser, None, backend="hf", tokens=8, calls=2, sessions="2", latency_requests=2,
                          repeats=1, cores="shared")
     configs = [c for c in args.cores.split(",") if c]
@@ -525,11 +501,9 @@ def main() -> None:
           f"{(statistics.median(gateway_lat) - statistics.median(direct_lat)) * 1e3:.1f} ms")
 
     results: dict[str, dict[int, tuple[Run, Run, Run]]] = {c: {} for c in configs}
-    burned: dict[int, float] = {}  # --burn: direct beside the burner / direct
     shown: set[str] = set()
     for n in counts:
         runs: dict[str, list[list[Run]]] = {c: [[], [], []] for c in configs}
-        b_runs = []
         for _ in range(args.repeats):  # interleaved: a shared machine's load hits both sides and placements alike
             for config in configs:
                 gateway.client_cpus = placement.apply(config)
@@ -540,16 +514,9 @@ def main() -> None:
                 runs[config][0].append(direct(backend, args.chunk, n, args.tokens, args.calls))
                 runs[config][1].append(gateway.run(n, args.tokens, args.calls))
                 runs[config][2].append(gateway.run(n, args.tokens, args.calls, "raw"))
-                if args.burn and config == "shared":
-                    b_runs.append(direct_burned(backend, args.burn, args.chunk, n, args.tokens, args.calls))
         for config in configs:
             results[config][n] = d, g, r = tuple(median_run(x) for x in runs[config])
             print(f"[{config} cores] {describe_count(n, (d, g, r))}")
-            if b_runs and config == "shared":
-                b = median_run(b_runs)
-                burned[n] = b.tok_s / d.tok_s
-                print(f"[shared cores] {n:3d} sessions: direct beside a {args.burn:.0%}-of-a-core burner "
-                      f"{b.describe()}, ratio {burned[n]:.3f}")
         print(f"load average {load()}", flush=True)
     gateway.close()
     backend.close()
@@ -567,9 +534,7 @@ def main() -> None:
                    load_average_end=load(), latency_median_ms=round(statistics.median(gateway_lat) * 1e3, 2),
                    latency_p99_ms=round(pct(gateway_lat, 0.99) * 1e3, 2),
                    direct_latency_median_ms=round(statistics.median(direct_lat) * 1e3, 2),
-                   direct_latency_p99_ms=round(pct(direct_lat, 0.99) * 1e3, 2), burner_fraction=args.burn,
-                   burned_direct_ratios={str(n): round(x, 3) for n, x in burned.items()},
-                   by_cores={c: figures(results[c]) for c in configs})
+                   direct_latency_p99_ms=round(pct(direct_lat, 0.99) * 1e3, 2), by_cores={c: figures(results[c]) for c in configs})
 
 
 if __name__ == "__main__":

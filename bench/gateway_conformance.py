@@ -2,27 +2,14 @@
 
     .venv/bin/python -m bench.gateway_conformance
 
-For each family of :mod:`loraflow.common.model_zoo` (built offline into a temporary directory) and each scenario below,
-a gateway session (:class:`loraflow.rollout_worker.gateway.session.Session`) plays a multi-turn episode whose model turns
-are fixed texts "generated" as the model would (their tokens, then the template's end-of-turn id). The harness
-sends each turn back as an OpenAI client does and adds a tool result or a user turn. Two numbers per cell:
-
-- ``div``: calls whose rendering did not start with the held tokens (``tito_divergence``, the gateway's
-  count; the held tokens were kept, so training is still exact);
-- ``drift``: what a pipeline that re-tokenizes the final conversation would train: the number of generated
-  tokens that differ from (or are missing in) ``apply_chat_template`` of the whole conversation.
-
-Scenarios: ``plain`` (three user/assistant turns), ``tool`` (assistant turns answered by ``tool`` messages),
-``tool_calls`` (the harness sends back parsed ``tool_calls`` with ``content: null``), ``think`` (a
-``<think>`` block, then a user turn: Qwen3's template strips earlier reasoning), ``spaces`` (a turn ending in
-whitespace that templates ``trim``), ``length`` (a turn cut by max_tokens, without its end-of-turn id).
-
-Besides the zoo's own templates, ``qwen2.5`` is the qwen2 zoo tokenizer with Qwen2.5-Instruct's chat template as
-published (tools in the system prompt, ``tool_calls`` rendered as ``<tool_call>`` JSON), written here from
-that release's Jinja; its episodes pass the calculator schema as ``tools``.
-
-The JSON line's value is the share of (family, scenario) cells the gateway served without divergence;
-reference 1.0. Divergent cells are the templates' doing and are counted, not hidden.
+For each :mod:`loraflow.common.model_zoo` family (built offline) and each of :data:`SCENARIOS`, a gateway
+:class:`~loraflow.rollout_worker.gateway.session.Session` plays a multi-turn episode whose model turns are fixed
+texts "generated" as their tokens plus the template's end-of-turn id, sent back as an OpenAI client does. Per
+cell: ``div``, calls whose rendering did not start with the held tokens (the gateway's ``tito_divergence``;
+training stays exact), and ``drift``, generated tokens a pipeline re-tokenizing the final conversation with
+``apply_chat_template`` would train differently or not at all. ``qwen2.5``: the qwen2 tokenizer with
+Qwen2.5-Instruct's published template (tools in the system prompt, ``tool_calls`` as ``<tool_call>`` JSON).
+Value: the share of cells served without divergence; reference 1.0.
 """
 
 from __future__ import annotations
@@ -32,7 +19,6 @@ from pathlib import Path
 from typing import Any
 
 from bench import harness
-from bench.report import report
 
 END_OF_TURN = {"llama3": "<|eot_id|>", "qwen2": "<|im_end|>", "qwen3": "<|im_end|>", "gemma": "<end_of_turn>"}
 TOOL_CALL = '<tool_call>\n{"name": "calculator", "arguments": {"expression": "3+4"}}\n</tool_call>'
@@ -136,26 +122,19 @@ def main() -> None:
                 tokenizer.chat_template, tools = QWEN25_TEMPLATE, [CALCULATOR]
             chat = ChatFormat(tokenizer, name=family)
             end_id = tokenizer.convert_tokens_to_ids(END_OF_TURN[base])
-            cells_of = {}
-            for name, turns in SCENARIOS.items():
-                div, drift, reasons = play(chat, end_id, turns, tools)
-                cells_of[name] = (div, drift, reasons)
-                clean += div == 0
-                cells += 1
+            cells_of = {name: play(chat, end_id, turns, tools) for name, turns in SCENARIOS.items()}
+            clean += sum(c[0] == 0 for c in cells_of.values())
+            cells += len(cells_of)
             rows.append((family, cells_of))
-    header = "| family | " + " | ".join(SCENARIOS) + " | prefix-preserving |"
-    print(header)
-    print("|" + "---|" * (len(SCENARIOS) + 2))
-    for family, cells_of in rows:
-        text = []
-        for name in SCENARIOS:
-            div, drift, reasons = cells_of[name]
-            why = "" if not reasons else " (" + ", ".join(f"{k} {v}" for k, v in sorted(reasons.items())) + ")"
-            text.append(f"div {div}{why} / drift {drift}")
-        preserving = sum(cells_of[n][0] == 0 for n in SCENARIOS)
-        print(f"| {family} | " + " | ".join(text) + f" | {preserving}/{len(SCENARIOS)} |")
-    report("gateway_conformance", "prefix_preserving_share", clean / cells, "fraction", 1.0,
-           cells=cells, families=len(rows))
+    def cell(div: int, drift: int, reasons: dict) -> str:
+        why = " (" + ", ".join(f"{k} {v}" for k, v in sorted(reasons.items())) + ")" if reasons else ""
+        return f"div {div}{why} / drift {drift}"
+
+    harness.table(["family", *SCENARIOS, "prefix-preserving"],
+                  [(family, *(cell(*c[n]) for n in SCENARIOS), f"{sum(c[n][0] == 0 for n in SCENARIOS)}/{len(SCENARIOS)}")
+                   for family, c in rows])
+    harness.report("gateway_conformance", "prefix_preserving_share", clean / cells, "fraction", 1.0, cells=cells,
+                   families=len(rows))
 
 
 if __name__ == "__main__":

@@ -2,23 +2,17 @@
 
     .venv/bin/python -m bench.join_time [--workers 3] [--rate 0] [--warmup-versions 50] [--timeout 180]
 
-A broker (``python -m loraflow.broker``) and a stand-in learner (this file, ``--role learner``) run first: the learner
-publishes a new LoRA adapter of the tiny model (random weights, real PEFT names and shapes) as soon as the
-broker acknowledged the previous one (``--rate`` caps versions/s; 0 = as fast as it can) and trains nothing:
-it takes every buffered group in a Batch and acknowledges it at once (a learner with tiny steps). Once
-``--warmup-versions`` versions are out, ``--workers`` hf workers on the tiny model start together, and beside them a
-reference process (``--role reference``) that does what joining needs and nothing else: start Python, load
-the model, load one adapter, generate one group of the same size with the same settings, with no broker.
-
-The figure is the median join time of the workers (spawn -> the broker's Ack of their first accepted group,
-from their JSON logs); the reference is the reference process's spawn -> done, measured beside them under
-the same load. Each worker's own pieces (model load, first adapter load, first group's generation) are
-printed too. Before the fix, a joiner loaded every version published while it caught up and never produced
-a group at ~3 versions/s; the ratio says how close a joiner now comes to the ideal.
+A broker and a stand-in learner (``--role learner``) that publishes a new LoRA adapter of the tiny model as soon
+as the broker acked the previous one (``--rate`` caps versions/s) and acks every batch at once. After
+``--warmup-versions`` versions, ``--workers`` hf workers start together, and beside them a reference process
+(``--role reference``) that only loads the model and one adapter and generates one group, with no broker. The
+figure: the workers' median spawn -> the broker's Ack of their first accepted group (from their JSON logs); the
+reference: the reference's spawn -> done, under the same load.
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
@@ -32,16 +26,12 @@ from pathlib import Path
 from typing import Any
 
 from bench import harness
-from bench.broker_proc import REPO, RUN_TOKEN, start_broker
-from bench.report import report, scratch_dir
+from bench.harness import REPO, RUN_TOKEN, report, scratch_dir, start_broker
 
 #: worker settings shared by the joiners and the reference: small groups, one chunk per sample
 WORKER_SETTINGS = {"worker.max_new_tokens": "8", "worker.chunk_tokens": "8", "worker.num_threads": "1"}
 GROUP_SIZE = 2
 LORA_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
-
-
-# -- the stand-in learner --------------------------------------------------------------------------------------
 
 
 def lora_layout(model_dir: Path, rank: int = 8) -> tuple[list[tuple[str, tuple[int, ...]]], dict[str, Any]]:
@@ -110,9 +100,6 @@ def run_learner(endpoint: str, model_dir: Path, rate: float, batch_groups: int) 
                 break
 
 
-# -- the reference: what joining needs, without a broker -----------------------------------------------------
-
-
 def run_reference(model_dir: Path, adapter_dir: Path) -> None:
     """Load the model, one adapter (written as a worker's store writes it), generate one group; print timings."""
     started = time.monotonic()
@@ -126,7 +113,8 @@ def run_reference(model_dir: Path, adapter_dir: Path) -> None:
 
     config = load_config(overrides=[f'model.path="{model_dir}"', 'worker.backend="hf"',
                                     *(f"{k}={v}" for k, v in WORKER_SETTINGS.items())])
-    layout, peft_config = lora_layout_from_disk(adapter_dir)
+    data = json.loads((adapter_dir / "layout.json").read_text())
+    layout, peft_config = [(name, tuple(shape)) for name, shape in data["layout"]], data["config"]
     store = AdapterStore(scratch_dir(prefix="join-ref-"))
     import_s = time.monotonic() - started
     loading = time.monotonic()
@@ -151,23 +139,14 @@ def run_reference(model_dir: Path, adapter_dir: Path) -> None:
                       "generate_s": time.monotonic() - generating, "done_unix": time.time()}), flush=True)
 
 
-def lora_layout_from_disk(path: Path) -> tuple[list[tuple[str, tuple[int, ...]]], dict[str, Any]]:
-    data = json.loads((path / "layout.json").read_text())
-    return [(name, tuple(shape)) for name, shape in data["layout"]], data["config"]
-
-
-# -- the measurement -------------------------------------------------------------------------------------------
-
-
 def log_events(path: Path) -> list[dict[str, Any]]:
+    """The JSON log lines with an event of a process's log (other lines skipped)."""
     out = []
     for line in path.read_text(errors="replace").splitlines() if path.is_file() else []:
-        try:
+        with contextlib.suppress(ValueError):
             item = json.loads(line)
-        except ValueError:
-            continue
-        if isinstance(item, dict) and "event" in item:
-            out.append(item)
+            if isinstance(item, dict) and "event" in item:
+                out.append(item)
     return out
 
 
@@ -192,17 +171,19 @@ def join_pieces(events: list[dict[str, Any]], spawned_unix: float) -> dict[str, 
 
 
 def worker_argv(endpoint: str, run_dir: Path, worker_id: str, model_dir: Path) -> list[str]:
-    argv = [sys.executable, "-m", "loraflow.rollout_worker", "--endpoint", endpoint, "--run-dir", str(run_dir),
-            "--worker-id", worker_id, "--backend", "hf", "--log-format", "json",
-            "--set", f'model.path="{model_dir}"']
-    for key, value in WORKER_SETTINGS.items():
-        argv += ["--set", f"{key}={value}"]
-    return argv
+    return [sys.executable, "-m", "loraflow.rollout_worker", "--endpoint", endpoint, "--run-dir", str(run_dir),
+            "--worker-id", worker_id, "--backend", "hf", "--log-format", "json", "--set", f'model.path="{model_dir}"',
+            *(a for key, value in WORKER_SETTINGS.items() for a in ("--set", f"{key}={value}"))]
 
 
 def child_env() -> dict[str, str]:
     return {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false",
             "PYTHONUNBUFFERED": "1"}
+
+
+def spawn(argv: list[str], log: Path) -> subprocess.Popen:
+    with open(log, "wb") as out:
+        return subprocess.Popen(argv, stdout=out, stderr=subprocess.STDOUT, env=child_env(), cwd=REPO)
 
 
 def main() -> None:
@@ -234,10 +215,8 @@ def main() -> None:
                                     "broker.heartbeat_interval_s=0.5", "broker.heartbeat_misses=20")
     procs.append(broker)
     try:
-        with open(work / "learner.log", "wb") as log:
-            procs.append(subprocess.Popen([sys.executable, __file__, "--role", "learner", "--endpoint", endpoint,
-                                           "--model-dir", str(model_dir), "--rate", str(args.rate)],
-                                          stdout=log, stderr=subprocess.STDOUT, env=child_env(), cwd=REPO))
+        procs.append(spawn([sys.executable, __file__, "--role", "learner", "--endpoint", endpoint, "--model-dir",
+                            str(model_dir), "--rate", str(args.rate)], work / "learner.log"))
         deadline = time.monotonic() + 120
         while fetch_stats(endpoint, timeout_s=5)["latest_version"] < args.warmup_versions:
             if time.monotonic() > deadline or procs[-1].poll() is not None:
@@ -246,12 +225,9 @@ def main() -> None:
             time.sleep(0.2)
         version_at_join, joined_at = fetch_stats(endpoint)["latest_version"], time.monotonic()
         spawned = {}
-        for i in range(args.workers):
-            name = f"joiner{i}"
-            with open(work / f"{name}.log", "wb") as log:
-                spawned[name] = time.time()
-                procs.append(subprocess.Popen(worker_argv(endpoint, work / "run", name, model_dir), stdout=log,
-                                              stderr=subprocess.STDOUT, env=child_env(), cwd=REPO))
+        for name in (f"joiner{i}" for i in range(args.workers)):
+            spawned[name] = time.time()
+            procs.append(spawn(worker_argv(endpoint, work / "run", name, model_dir), work / f"{name}.log"))
         reference_spawned = time.time()
         reference = subprocess.run([sys.executable, __file__, "--role", "reference", "--model-dir", str(model_dir),
                                     "--adapter-dir", str(work)], capture_output=True, text=True, env=child_env(),
@@ -278,10 +254,9 @@ def main() -> None:
             if proc.poll() is None:
                 proc.send_signal(signal.SIGTERM)
         for proc in reversed(procs):
-            try:
+            with contextlib.suppress(subprocess.TimeoutExpired):
                 proc.wait(timeout=15)
-            except subprocess.TimeoutExpired:
-                proc.kill()
+            proc.kill()
     print(f"learner published {rate:.0f} versions/s while the workers joined (from v{version_at_join}); "
           f"max_staleness 1000, group_size {GROUP_SIZE}, {WORKER_SETTINGS['worker.max_new_tokens']} tokens")
     print(f"reference (start + model {ref['model_load_s']:.2f} s + adapter {ref['adapter_load_s'] * 1000:.0f} ms + "

@@ -3,30 +3,19 @@
     sudo .venv/bin/python -m bench.net_faults [--prompts 300] [--repeats 2] [--fault-prompts 520]
                                               [--fault-tokens-per-s 10]
 
-Three runs on the bed of bench/netbed.py (tests/net runs the third one), all with CURVE on and every role started
-by deploy/scripts, the tiny model and simulated generation:
-
-1. loopback: broker, a two-node learner and three workers on one host (127.0.0.1), ``--prompts`` prompts,
-   generation as fast as the learner takes it (``--tokens-per-s`` 200): the reference;
-2. multi-host: the same run with each role on its own host (network namespaces, veth pairs and a bridge);
-3. faults: a multi-host run (``--fault-prompts``, generation paced at ``--fault-tokens-per-s``) that trains
-   through a 1mbit token bucket on a worker's link, 100 ms more latency each way and two cuts of every
-   connection on another worker's (a user-space relay on its host, bench/netproxy.py), a worker's link down
-   10 s, the broker's link down 10 s, a broker host reboot and a learner node SIGKILLed; after each, what
-   recovery took and which groups were generated again, with the reasons the logs give. Every run ends with
-   tests/fault's ledger audit.
-
-The figure is the multi-host run's throughput (groups trained per second, first to last learner step; median
-of ``--repeats`` runs interleaved with the loopback runs); the reference the loopback runs' median. Needs root
-(network namespaces).
+Runs on the bed of bench/netbed.py (CURVE on, every role started by deploy/scripts, tiny model, sim generation):
+``loopback`` (every role on one host, the reference) and ``multi_host`` (each role on its own host), interleaved
+``--repeats`` times, ``--prompts`` each; then one multi-host run of ``--fault-prompts`` paced at
+``--fault-tokens-per-s`` through netbed.FAULTS in turn (what recovery took, which groups were generated again
+and why). Every run ends with tests/fault's ledger audit. The figure: the multi-host runs' median groups trained
+per second (first to last learner step); the reference: the loopback runs'. Needs root.
 """
 
 from __future__ import annotations
 
-import argparse
+import itertools
 import json
 import signal
-import statistics
 import sys
 import tempfile
 import time
@@ -34,7 +23,6 @@ from pathlib import Path
 from typing import Any
 
 from bench import harness, netbed
-from bench.report import report
 from tests.support import Processes
 
 FAULTS = [("bandwidth_limited", {"w": "w3", "rate": "1mbit", "hold_s": 6}),
@@ -73,8 +61,7 @@ def one_run(root: Path, model_dir: Path, *, loopback: bool, prompts: int, tokens
 
 
 def main() -> None:
-    parser = harness.parser(__doc__, repeats=2, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.description = __doc__
+    parser = harness.parser(__doc__, repeats=2)
     parser.add_argument("--prompts", type=int, default=300, help="prompts of the two throughput runs")
     parser.add_argument("--tokens-per-s", type=float, default=200, help="simulated generation of the throughput runs")
     parser.add_argument("--fault-prompts", type=int, default=520, help="prompts of the fault run (0: no fault run)")
@@ -91,26 +78,29 @@ def main() -> None:
     with tempfile.TemporaryDirectory(prefix="net-faults-") as tmp:
         tmp_path = Path(tmp)
         model_dir = build_tiny_model(tmp_path / "model", seed=0)
-        rates: dict[str, list[float]] = {"loopback": [], "multi_host": []}
-        for i in range(args.repeats):  # interleaved, so a busy spell of the machine hits both
-            for name, loopback in (("loopback", True), ("multi_host", False)):
-                print(f"{name} run {i + 1}: {args.prompts} prompts", flush=True)
-                run = one_run(tmp_path / f"{name}-{i}", model_dir, loopback=loopback, prompts=args.prompts,
-                              tokens_per_s=args.tokens_per_s, faults=[])
-                rates[name].append(run["groups_per_s"])
-                print(f"  {run}", flush=True)
+        numbers = itertools.count()
+
+        def throughput(name: str) -> float:
+            print(f"{name} run: {args.prompts} prompts", flush=True)
+            run = one_run(tmp_path / f"{name}-{next(numbers)}", model_dir, loopback=name == "loopback",
+                          prompts=args.prompts, tokens_per_s=args.tokens_per_s, faults=[])
+            print(f"  {run}", flush=True)
+            return run["groups_per_s"]
+
+        rates = harness.interleave({name: lambda name=name: throughput(name) for name in ("loopback", "multi_host")},
+                                   args.repeats)
         print(f"fault run: {args.fault_prompts} prompts, generation at {args.fault_tokens_per_s} tokens/s", flush=True)
         fault_run = one_run(tmp_path / "faults", model_dir, loopback=False, prompts=args.fault_prompts,
                             tokens_per_s=args.fault_tokens_per_s, faults=FAULTS) if args.fault_prompts else \
             {"faults": [], "audit": None}
         print(f"  audit: {fault_run['audit']}", flush=True)
 
-    value, reference = statistics.median(rates["multi_host"]), statistics.median(rates["loopback"])
+    value, reference = harness.median(rates["multi_host"]), harness.median(rates["loopback"])
     print(f"throughput (median of {args.repeats}): multi-host {value} groups/s {rates['multi_host']}, "
           f"loopback {reference} groups/s {rates['loopback']}")
     by_fault = {r["fault"]: {k: v for k, v in r.items() if k != "fault"} for r in fault_run["faults"]}
-    report("net_faults", "multi_host_throughput", value, "groups/s", reference, runs=rates, faults=by_fault,
-           fault_audit=fault_run["audit"])
+    harness.report("net_faults", "multi_host_throughput", value, "groups/s", reference, runs=rates,
+                   faults=by_fault, fault_audit=fault_run["audit"])
 
 
 if __name__ == "__main__":

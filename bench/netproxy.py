@@ -2,15 +2,10 @@
 
     python -m bench.netproxy LISTEN_HOST:PORT TARGET_HOST:PORT CONTROL_FILE
 
-It runs on a worker host (bench/netbed.py starts it there with the worker pointed at it) and relays every
-connection to the broker. Its settings come from ``CONTROL_FILE``, a JSON object re-read every 50 ms:
-
-- ``delay_ms``: each chunk read from either side is written to the other that much later (order kept), so a
-  round trip takes twice as long more;
-- ``reset``: a counter; when it grows, every open connection is closed at once (both sides: a lost route, a
-  NAT or load balancer dropping its state). What was in flight is gone; the peers must notice and reconnect.
-
-It prints ``listening`` once bound and one ``reset N`` line per reset.
+bench/netbed.py starts it on a worker host, the worker pointed at it. ``CONTROL_FILE`` (JSON, re-read every
+50 ms): ``delay_ms`` delays each chunk either way (order kept); ``reset``, a counter, closes every open
+connection at once when it grows (in-flight data gone, as a dropped route or NAT state). Prints ``listening``
+once bound and ``reset N`` per reset.
 """
 
 from __future__ import annotations
@@ -82,8 +77,7 @@ class Relay:
 
 
 def _address(text: str) -> tuple[str, int]:
-    host, port = text.rsplit(":", 1)
-    return host, int(port)
+    return text.rsplit(":", 1)[0], int(text.rsplit(":", 1)[1])
 
 
 async def main(listen: str, target: str, control: str) -> None:
@@ -95,10 +89,6 @@ async def main(listen: str, target: str, control: str) -> None:
 
 
 if __name__ == "__main__":
-    if len(sys.argv) == 1:  # a bare call (make bench runs every bench/*.py) is a request for the usage
-        print(__doc__)
-        sys.exit(0)
     if len(sys.argv) != 4:
-        print(f"netproxy: expected LISTEN TARGET CONTROL_FILE, got {sys.argv[1:]}", file=sys.stderr)
-        sys.exit(2)
+        sys.exit(f"usage: python -m bench.netproxy LISTEN_HOST:PORT TARGET_HOST:PORT CONTROL_FILE (got {sys.argv[1:]})")
     asyncio.run(main(*sys.argv[1:]))
