@@ -7,6 +7,8 @@ import sys
 import time
 from pathlib import Path
 
+from bench.report import checkout_env
+
 REPO = Path(__file__).resolve().parent.parent
 #: the run token of every bench broker (security off: a learner's Hello must carry it, common/run_token.py)
 RUN_TOKEN = "bench-run-token"
@@ -24,7 +26,7 @@ def start_broker(workdir: Path, *overrides: str, python_args: tuple[str, ...] = 
             "--set", "broker.heartbeat_misses=100", "--set", f'security.run_token="{RUN_TOKEN}"']
     for override in overrides:
         argv += ["--set", override]
-    proc = subprocess.Popen(argv, cwd=tree)
+    proc = subprocess.Popen(argv, cwd=tree, env=checkout_env(tree))
     deadline = time.monotonic() + timeout_s
     while not (endpoint_file.is_file() and endpoint_file.read_text().strip()):
         if time.monotonic() > deadline or proc.poll() is not None:
