@@ -27,15 +27,16 @@ slurm_log() {
 }
 
 # slurm_step NAME SRUN_OPTION... -- COMMAND...: one job step named NAME in the background, its output in
-# logs/NAME.log (appended: a requeued job continues the same files); its srun pid is appended to STEP_PIDS and
-# is STEP_PID until the next step
+# logs/NAME.log (appended: a requeued job continues the same files), written by the step's own process
+# (LORAFLOW_STEP_LOG, step.sh): a line it logs just before the step is SIGKILLed (scancel) is kept, where
+# srun's output forwarding may drop it; its srun pid is appended to STEP_PIDS and is STEP_PID until the next step
 slurm_step() {
     local name="$1" opts=()
     shift
     while [ "$1" != "--" ]; do opts+=("$1"); shift; done
     shift
     local cmd=(srun --job-name="$name" --output="$LORAFLOW_LOGS/$name.log" --open-mode=append --kill-on-bad-exit=0
-               "${opts[@]}" "$@")
+               --export="ALL,LORAFLOW_STEP_LOG=$LORAFLOW_LOGS/$name.log" "${opts[@]}" "$@")
     if [ "${LORAFLOW_DRY_RUN:-0}" = 1 ]; then
         printf '%q ' "${cmd[@]}"
         echo

@@ -6,6 +6,9 @@
 #   step.sh learner           deploy/scripts/learner.sh, node rank = this task's rank (one task per node)
 #   step.sh worker INSTANCE   deploy/scripts/worker.sh INSTANCE
 set -euo pipefail
+# the step's output straight into its log (slurm_step names it): this process writes it, so nothing waits in
+# srun's forwarding when the step is killed
+[ -n "${LORAFLOW_STEP_LOG:-}" ] && exec >>"$LORAFLOW_STEP_LOG" 2>&1
 scripts="$(cd "$(dirname "${BASH_SOURCE[0]}")/../scripts" && pwd)"
 case "${1:-}" in
     broker) exec "$scripts/broker.sh" ;;
