@@ -1,26 +1,15 @@
 """Asynchrony measured: the same number of samples at max_staleness 0 (synchronous), 1, 2 and 4, in one run.
 
-Setup per mode: a real broker, ``--workers`` real rollout workers with the ``sim`` backend (lognormal,
-long-tailed completion lengths at a fixed tokens/s per stream; no model, so the figures describe the
-orchestration), and a learner whose step cost is controlled: it speaks the real learner's protocol through
-``loraflow.learner.session.BrokerSession`` (long-polled BatchRequest, AdapterUpdate v+1 after every step, BatchAck) but
-its training step is a sleep. The first ``--warmup`` steps of a mode are not timed.
-
-1. Generation alone: a learner that trains in no time, with the loosest staleness, so the workers never wait:
-   their throughput gives ``gen_s``, the time to generate one step's samples.
-2. The learner's step cost ``train_s`` is set to ``gen_s`` (``--train-s`` overrides): equal stages give the
-   largest possible gain from overlapping them.
-3. Each max_staleness with that learner. Ideal overlap: a step takes max(gen_s, train_s) instead of
-   gen_s + train_s, a speedup of (gen + train) / max(gen, train) over sync (the bound); nothing can exceed
-   max(gen, train) per step, so "of ideal" = (ideal step) / (measured step) is the share of the bound an async
-   mode reaches (target >= 85 %). The measured synchronous mode is usually slower than gen_s + train_s: each
-   step waits for the slowest sample of a whole wave, a cost async also removes.
-
-Figures per mode: samples/s, step time, the learner's busy share (train time / wall time), staleness trained.
-Last line: value = samples/s at ``--report-staleness`` (default 4), reference = the ideal (perfect overlap)
-samples/s, ratio = share of the ideal reached; the synchronous figures are extra fields.
-
     .venv/bin/python -m bench.async_vs_sync [--workers 8] [--steps 24] [--train-s auto]
+
+Per mode: a real broker, ``--workers`` rollout workers on the sim backend (lognormal completion lengths at a fixed
+tokens/s per stream: the figures describe the orchestration), and a learner speaking the real protocol
+(``BrokerSession``: long-polled batches, AdapterUpdate v+1 after each step, BatchAck) whose step is a sleep of
+``train_s``. The first ``--warmup`` steps are not timed. First generation alone (a learner that trains in no time,
+the loosest staleness) gives ``gen_s`` per step; ``train_s`` is set to it (equal stages: the largest gain from
+overlap), then each max_staleness runs. Ideal overlap: a step of max(gen_s, train_s) instead of the sum. The JSON
+line's value is samples/s at ``--report-staleness``, its reference the ideal samples/s, ``ratio`` the share of the
+ideal reached.
 """
 
 from __future__ import annotations
@@ -35,7 +24,6 @@ from pathlib import Path
 import torch
 
 from bench import harness
-from bench.report import report
 from loraflow.common.config import load_config
 from loraflow.common.metrics import Metrics
 from loraflow.common.protocol import BatchAck
@@ -84,9 +72,8 @@ def run_mode(tmp: Path, args: argparse.Namespace, max_staleness: int) -> ModeRes
     session = None
     try:
         broker = start_broker(procs, *overrides, run_dir=run_dir)
-        worker_args = ["--run-dir", str(run_dir), "--endpoint", broker.endpoint]
-        for item in overrides:
-            worker_args += ["--set", item]
+        worker_args = ["--run-dir", str(run_dir), "--endpoint", broker.endpoint,
+                       *(arg for item in overrides for arg in ("--set", item))]
         for i in range(args.workers):
             procs.python(f"worker-{i}", "loraflow.rollout_worker", *worker_args, "--worker-id", f"sim-{i}")
         wait_for(lambda: len(fetch_stats(broker.endpoint)["workers"]) == args.workers, 120,
@@ -115,9 +102,8 @@ def learn(session: BrokerSession, args: argparse.Namespace, max_staleness: int) 
         if step == args.warmup + 1:
             started = time.monotonic()
         waited = time.monotonic()
-        item = None
-        while item is None:
-            item = session.poll(0.5)
+        while (item := session.poll(0.5)) is None:
+            pass
         if step > args.warmup:
             waits.append(time.monotonic() - waited)
             for entry in item.record.groups:
@@ -137,61 +123,45 @@ def learn(session: BrokerSession, args: argparse.Namespace, max_staleness: int) 
                       staleness=dict(sorted(staleness.items())))
 
 
+FLAGS = {"workers": 8, "capacity": 2,  # groups each worker generates at once
+         "steps": 24, "warmup": 4, "groups": 16, "group_size": 8,  # groups per step, samples per group
+         "train_s": "auto",  # the learner's step cost in s; auto: the generation time of a step
+         "tokens_per_s": 1000.0, "mean_tokens": 48.0, "sigma": 1.0, "max_tokens": 512,  # sim decode speed, lengths
+         "chunk_tokens": 16, "staleness": [0, 1, 2, 4], "report_staleness": 4, "seed": 0}
+
+
 def main() -> None:
-    parser = harness.parser(__doc__)
-    parser.add_argument("--workers", type=int, default=8)
-    parser.add_argument("--capacity", type=int, default=2, help="groups each worker generates at once")
-    parser.add_argument("--steps", type=int, default=24)
-    parser.add_argument("--warmup", type=int, default=4)
-    parser.add_argument("--groups", type=int, default=16, help="groups per step")
-    parser.add_argument("--group-size", type=int, default=8)
-    parser.add_argument("--train-s", default="auto", help="the learner's step cost in s; auto = generation time")
-    parser.add_argument("--tokens-per-s", type=float, default=1000.0, help="sim decode speed per stream")
-    parser.add_argument("--mean-tokens", type=float, default=48.0)
-    parser.add_argument("--sigma", type=float, default=1.0, help="lognormal sigma of completion lengths")
-    parser.add_argument("--max-tokens", type=int, default=512)
-    parser.add_argument("--chunk-tokens", type=int, default=16)
-    parser.add_argument("--staleness", type=int, nargs="+", default=[0, 1, 2, 4])
-    parser.add_argument("--report-staleness", type=int, default=4)
-    parser.add_argument("--seed", type=int, default=0)
-    args = harness.parse(parser, None, workers=2, steps=3, warmup=1, groups=4, group_size=4, mean_tokens=8.0,
-                         max_tokens=32, staleness=[0, 2], report_staleness=2)
+    args = harness.parse(harness.flags(harness.parser(__doc__), FLAGS), None, workers=2, steps=3, warmup=1, groups=4,
+                         group_size=4, mean_tokens=8.0, max_tokens=32, staleness=[0, 2], report_staleness=2)
     if args.staleness[0] != 0:
         raise SystemExit("--staleness must start with 0: the synchronous run is the reference")
     samples_per_step = args.groups * args.group_size
     with tempfile.TemporaryDirectory(prefix="bench-async-") as tmp:
         args.train_s_value = 0.0
-        generation = run_mode(Path(tmp) / "gen", args, max(args.staleness))
-        gen_s = samples_per_step / generation.samples_per_s
-        args.train_s_value = gen_s if args.train_s == "auto" else float(args.train_s)
-        train_s = args.train_s_value
-        print(f"generation alone: {generation.samples_per_s:.1f} samples/s = {gen_s * 1000:.0f} ms per step of "
-              f"{samples_per_step} samples; learner step cost {train_s * 1000:.0f} ms", flush=True)
-        results = []
-        for max_staleness in args.staleness:
-            results.append(run_mode(Path(tmp) / str(max_staleness), args, max_staleness))
-            r = results[-1]
-            print(f"max_staleness {r.max_staleness}: {r.samples_per_s:7.1f} samples/s  step {r.step_s * 1000:6.0f} ms  "
-                  f"wait {r.wait_s * 1000:6.0f} ms  learner busy {r.busy_share:5.1%}  staleness {r.staleness}  "
-                  f"dropped as stale {r.num_dropped_stale}",
-                  flush=True)
+        gen_s = samples_per_step / run_mode(Path(tmp) / "gen", args, max(args.staleness)).samples_per_s
+        train_s = args.train_s_value = gen_s if args.train_s == "auto" else float(args.train_s)
+        print(f"generation alone: {gen_s * 1000:.0f} ms per step of {samples_per_step} samples; learner step cost "
+              f"{train_s * 1000:.0f} ms", flush=True)
+        results = [run_mode(Path(tmp) / str(m), args, m) for m in args.staleness]
     sync = results[0]
     ideal_step_s = max(gen_s, train_s)
     bound = (gen_s + train_s) / ideal_step_s
     ideal_rate = samples_per_step / ideal_step_s
-    print(f"\nideal overlap: a step of {ideal_step_s * 1000:.0f} ms instead of {(gen_s + train_s) * 1000:.0f} ms, "
-          f"{bound:.2f}x over sync ({ideal_rate:.1f} samples/s); measured sync step {sync.step_s * 1000:.0f} ms")
-    print(f"{'max_staleness':>13}  {'samples/s':>9}  {'vs sync':>7}  {'of ideal':>8}  {'learner busy':>12}")
-    for r in results:
-        print(f"{r.max_staleness:>13}  {r.samples_per_s:>9.1f}  {r.samples_per_s / sync.samples_per_s:>6.2f}x  "
-              f"{r.samples_per_s / ideal_rate:>8.1%}  {r.busy_share:>12.1%}")
+    print(f"ideal overlap: a step of {ideal_step_s * 1000:.0f} ms instead of {(gen_s + train_s) * 1000:.0f} ms, "
+          f"{bound:.2f}x over sync ({ideal_rate:.1f} samples/s)")
+    harness.table(("max_staleness", "samples/s", "vs sync", "of ideal overlap", "learner busy", "step", "wait",
+                   "groups dropped as stale", "staleness trained"),
+                  [(r.max_staleness, f"{r.samples_per_s:.1f}", f"{r.samples_per_s / sync.samples_per_s:.2f}x",
+                    f"{r.samples_per_s / ideal_rate:.1%}", f"{r.busy_share:.1%}", f"{r.step_s * 1000:.0f} ms",
+                    f"{r.wait_s * 1000:.0f} ms", r.num_dropped_stale, r.staleness) for r in results])
     chosen = next(r for r in results if r.max_staleness == args.report_staleness)
-    report("async_vs_sync", f"samples_per_s_staleness_{args.report_staleness}", chosen.samples_per_s, "samples/s",
-           ideal_rate, ratio=chosen.samples_per_s / ideal_rate, ratio_is="share of the ideal overlap reached",
-           ideal_bound_x=round(bound, 3), speedup_vs_sync=round(chosen.samples_per_s / sync.samples_per_s, 3),
-           sync_samples_per_s=round(sync.samples_per_s, 2), learner_busy_share=round(chosen.busy_share, 4),
-           sync_busy_share=round(sync.busy_share, 4), gen_s=round(gen_s, 4), train_s=round(train_s, 4),
-           by_staleness={str(r.max_staleness): round(r.samples_per_s, 2) for r in results})
+    harness.report("async_vs_sync", f"samples_per_s_staleness_{args.report_staleness}", chosen.samples_per_s,
+                   "samples/s", ideal_rate, ratio=chosen.samples_per_s / ideal_rate,
+                   ratio_is="share of the ideal overlap reached", ideal_bound_x=round(bound, 3),
+                   speedup_vs_sync=round(chosen.samples_per_s / sync.samples_per_s, 3),
+                   sync_samples_per_s=round(sync.samples_per_s, 2), learner_busy_share=round(chosen.busy_share, 4),
+                   sync_busy_share=round(sync.busy_share, 4), gen_s=round(gen_s, 4), train_s=round(train_s, 4),
+                   by_staleness={str(r.max_staleness): round(r.samples_per_s, 2) for r in results})
 
 
 if __name__ == "__main__":

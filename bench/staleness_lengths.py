@@ -220,19 +220,12 @@ def learn(batch: Batch, envelope: Any, version: int, max_staleness: int, trained
 
 
 def spearman(x: np.ndarray, y: np.ndarray) -> float:
-    """Rank correlation (average ranks for ties)."""
+    """Rank correlation (tied values get their mean rank)."""
     def ranks(a: np.ndarray) -> np.ndarray:
-        order = a.argsort(kind="stable")
-        r = np.empty(len(a))
-        r[order] = np.arange(len(a))
-        for value in np.unique(a):  # ties: their mean rank
-            tied = a == value
-            r[tied] = r[tied].mean()
-        return r
+        _, inverse, counts = np.unique(a, return_inverse=True, return_counts=True)
+        return (np.cumsum(counts) - (counts + 1) / 2)[inverse]
     rx, ry = ranks(x), ranks(y)
-    if rx.std() == 0 or ry.std() == 0:
-        return 0.0
-    return float(np.corrcoef(rx, ry)[0, 1])
+    return 0.0 if rx.std() == 0 or ry.std() == 0 else float(np.corrcoef(rx, ry)[0, 1])
 
 
 def per_sample(outcome: Outcome) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
@@ -261,10 +254,8 @@ def quartile_rates(lens: np.ndarray, flags: np.ndarray, edges: np.ndarray) -> li
 
 
 def main(argv: list[str] | None = None) -> None:
-    parser = harness.parser(__doc__)
-    for name, default in FLAGS.items():
-        parser.add_argument("--" + name.replace("_", "-"), type=type(default), default=default)
-    args = harness.parse(parser, argv, groups=40, mean_tokens=32.0, max_tokens=256)
+    args = harness.parse(harness.flags(harness.parser(__doc__), FLAGS), argv, groups=40, mean_tokens=32.0,
+                         max_tokens=256)
     setup_logging("bench", level="warning")
     with tempfile.TemporaryDirectory() as tmp:
         before, after = (run(rule, args, Path(tmp)) for rule in (StalenessRule.OLDEST_TOKEN, StalenessRule.NEWEST_TOKEN))
