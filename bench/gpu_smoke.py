@@ -6,22 +6,20 @@
                                                                  --max-staleness K [--stats OUT.json]
                                                                  per-worker table, figures and checks (exit 1)
 
-``place`` asks :func:`loraflow.deploy.devices.plan` (the policy ``loraflow run`` uses) for one learner rank (two when 3+ GPUs
-are visible) and three vLLM workers, and sizes ``worker.vllm.gpu_memory_utilization`` so the engines dealt onto one
-GPU fit beside each other and beside the learner (0.75 / k of a GPU the learner shares, 0.85 / k of one it does not,
-for k engines there). The script's CPU mode prints the placements for 1, 2, 3, 4 and 8 GPUs and an inherited
-CUDA_VISIBLE_DEVICES, so this code runs where no GPU is.
-
-The run directory's files read here: ``learner/ledger.jsonl`` (sessions, publishes, steps with the worker of every
-trained group), ``learner/metrics.jsonl`` (step figures) and the workers' JSON logs (``joined`` with the version
-the broker announced at hello, ``adapter_loaded``, ``group_submitted``).
+``place`` asks :func:`loraflow.deploy.devices.plan` (the policy ``loraflow run`` uses) for one learner rank (two
+from 3 GPUs) and three vLLM workers, with ``worker.vllm.gpu_memory_utilization`` sized so the k engines on one GPU
+fit beside each other and the learner (0.75 / k of a GPU the learner shares, 0.85 / k of one it does not).
+``report`` reads the run directory: ``learner/ledger.jsonl`` (sessions, publishes, steps with the worker of every
+trained group), ``learner/metrics.jsonl`` and the workers' JSON logs (``joined`` with the version announced at
+hello, ``adapter_loaded``, ``group_submitted``). The shell imports this module once a second: it imports no more
+than it needs.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
-import statistics
+import os
 import sys
 import time
 from collections import Counter
@@ -56,8 +54,6 @@ def placement(visible: tuple[str, ...]) -> tuple[Any, float, int]:
 def place(args: argparse.Namespace) -> int:
     """The assignments over the GPUs this process would see: ``CUDA_VISIBLE_DEVICES``'s list (an inherited one,
     as under Slurm) or ``0 .. gpus-1``, at most ``gpus`` (what torch counts)."""
-    import os
-
     from loraflow.deploy.devices import visible_devices
 
     where, util, ranks = placement(visible_devices(os.environ.get("CUDA_VISIBLE_DEVICES"), args.gpus))
@@ -164,11 +160,9 @@ def span(versions: list[int]) -> str:
     return ", ".join(f"{r[0]}..{r[-1]}" if len(r) > 1 else str(r[0]) for r in runs)
 
 
-def withdrawn_versions(starts: list[dict[str, Any]]) -> set[int]:
-    return {v for start in starts for lo, hi in start.get("withdrawn", []) for v in range(lo, hi + 1)}
-
-
 def report(args: argparse.Namespace) -> int:
+    from bench import harness  # here, not at the top: the shell's once-a-second imports stay light
+
     work, ckpt = Path(args.work), args.ckpt
     run = work / "run"
     learner = run / "learner"
@@ -181,28 +175,24 @@ def report(args: argparse.Namespace) -> int:
     snapshot = json.loads(Path(args.stats).read_text()) if args.stats and Path(args.stats).is_file() else {}
     rows = worker_rows(work, committed, snapshot)
     t0 = min((r["joined_unix"] for r in rows if r["joined_unix"]), default=0.0)
-    withdrawn = withdrawn_versions(starts)
+    withdrawn = {v for start in starts for lo, hi in start.get("withdrawn", []) for v in range(lo, hi + 1)}
 
     print(f"\nsteps trained: {[m['step'] for m in lines]}")
-    print(f"{'step':>4} {'compute s':>9} {'tokens':>7} {'tokens/s':>9} {'publish s':>9} {'IS mean':>8} {'peak MB':>8} "
-          f"{'grad norm':>9}")
-    for m in lines:
-        print(f"{m['step']:>4} {m['compute_s']:>9.3f} {m['num_tokens']:>7} {m['tokens_per_s']:>9.0f} "
-              f"{m['publish_s']:>9.3f} {m['is_weight_mean']:>8.4f} {m.get('peak_memory_mb', float('nan')):>8.0f} "
-              f"{m['grad_norm']:>9.4f}")
+    harness.table(("step", "compute s", "tokens", "tokens/s", "publish s", "IS mean", "peak MB", "grad norm"),
+                  [(m["step"], f"{m['compute_s']:.3f}", m["num_tokens"], f"{m['tokens_per_s']:.0f}",
+                    f"{m['publish_s']:.3f}", f"{m['is_weight_mean']:.4f}", f"{m.get('peak_memory_mb', float('nan')):.0f}",
+                    f"{m['grad_norm']:.4f}") for m in lines])
     acks = [s for m in lines for s in m.get("adapter_ack_s", {}).values()]
-    print(f"adapter at the broker after publish (s): median {statistics.median(acks):.3f}" if acks else
-          "no adapter acks")
+    print(f"adapter at the broker after publish (s): median {harness.median(acks):.3f}" if acks else "no adapter acks")
     loads = [ms for r in rows for ms in r["load_ms"]]
-    print(f"worker hot-swaps (adapter_loaded load_ms): {len(loads)} loads, median {statistics.median(loads):.1f} ms"
+    print(f"worker hot-swaps (adapter_loaded load_ms): {len(loads)} loads, median {harness.median(loads):.1f} ms"
           if loads else "worker hot-swaps: no adapter_loaded line found")
-    print(f"\n{'worker':<8} {'backend':<7} {'joined s':>8} {'engine s':>8} {'v@hello':>7} {'1st v':>5} {'tokens/s':>8} "
-          f"{'submitted':>9} {'accepted':>8} {'trained':>7}")
-    for r in rows:
-        joined = f"{r['joined_unix'] - t0:.1f}" if r["joined_unix"] else "-"
-        first = r["loaded"][0] if r["loaded"] else "-"
-        print(f"{r['worker']:<8} {r['backend']:<7} {joined:>8} {r['load_s'] or '-':>8} {r['hello_version']!s:>7} "
-              f"{first!s:>5} {r['tokens_per_s']:>8.0f} {r['submitted']:>9} {r['accepted']!s:>8} {r['trained']:>7}")
+    print()
+    harness.table(("worker", "backend", "joined s", "engine s", "v@hello", "1st v", "tokens/s", "submitted", "accepted",
+                   "trained"),
+                  [(r["worker"], r["backend"], f"{r['joined_unix'] - t0:.1f}" if r["joined_unix"] else "-",
+                    r["load_s"] or "-", r["hello_version"], r["loaded"][0] if r["loaded"] else "-",
+                    f"{r['tokens_per_s']:.0f}", r["submitted"], r["accepted"], r["trained"]) for r in rows])
     print(f"(joined: seconds after the first worker's hello; trained: groups in the committed chain, steps "
           f"1..{ckpt} of life 1 and all of life 2; tokens/s: tokens generated over the time since its engine was ready)")
 
@@ -271,11 +261,9 @@ def report(args: argparse.Namespace) -> int:
     adapters = sorted(p.name for p in (learner / "adapters").iterdir()) if (learner / "adapters").is_dir() else []
     print(f"adapter directories: {len(adapters)} ({adapters[0]}..{adapters[-1]})" if adapters else
           "adapter directories: none")
-    summary = {"bench": "gpu_smoke", "metric": "checks_failed", "value": len(failures), "unit": "checks",
-               "reference": 0, "ratio": 1.0 if not failures else 0.0, "mode": args.mode,
-               "workers": {r["worker"]: {k: r[k] for k in ("backend", "hello_version", "tokens_per_s", "submitted",
-                                                          "trained")} for r in rows}}
-    print(json.dumps(summary))
+    harness.report("gpu_smoke", "checks_failed", len(failures), "checks", 0, ratio=0.0 if failures else 1.0,
+                   mode=args.mode, workers={r["worker"]: {k: r[k] for k in ("backend", "hello_version", "tokens_per_s",
+                                                                           "submitted", "trained")} for r in rows})
     if failures:
         print("SMOKE FAILED:\n  " + "\n  ".join(failures))
         return 1
@@ -286,26 +274,19 @@ def report(args: argparse.Namespace) -> int:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     sub = parser.add_subparsers(dest="command", required=True)
-    p = sub.add_parser("place")
-    p.add_argument("--gpus", type=int, default=1, help="the GPUs torch counts")
-    p.set_defaults(run=place)
+    sub.add_parser("place").add_argument("--gpus", type=int, default=1, help="the GPUs torch counts")
     p = sub.add_parser("stats")
     p.add_argument("endpoint")
     p.add_argument("out")
-    p.set_defaults(run=stats)
     p = sub.add_parser("report")
     p.add_argument("work")
-    p.add_argument("--ckpt", type=int, required=True)
-    p.add_argument("--num-steps", type=int, required=True)
+    for name in ("--ckpt", "--num-steps", "--join-version", "--max-staleness"):
+        p.add_argument(name, type=int, required=True)
     p.add_argument("--mode", required=True)
-    p.add_argument("--join-version", type=int, required=True)
     p.add_argument("--late", required=True)
-    p.add_argument("--max-staleness", type=int, required=True)
     p.add_argument("--stats", default="")
-    p.set_defaults(run=report)
     args = parser.parse_args(argv)
-    return args.run(args)
-
+    return {"place": place, "stats": stats, "report": report}[args.command](args)
 
 if __name__ == "__main__":
     sys.exit(main())

