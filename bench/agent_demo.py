@@ -18,15 +18,16 @@ from pathlib import Path
 from bench import harness
 from bench.accuracy_runs import REPO, child_env, compare, run_loraflow
 from loraflow.common.config import Config, load_config
-from loraflow.deploy.agent_base import ensure_agent_base
+from loraflow.deploy.agent_base import ensure_agent_base, ensure_quick_agent_base
 
 CONFIG = REPO / "deploy" / "configs" / "agent-demo.toml"
 
 
-def run_demo(run_dir: Path, args: argparse.Namespace, max_staleness: int) -> None:
-    argv = [str(CONFIG), "--run-dir", str(run_dir), "--seed", str(args.seed), "--max-staleness", str(max_staleness),
+def run_demo(run_dir: Path, args: argparse.Namespace, base: Path, max_staleness: int) -> None:
+    argv = [str(CONFIG), "--run-dir", str(run_dir), "--seed", str(args.seed), "--model", str(base),
+            "--max-staleness", str(max_staleness),
             "--max-duration", str(args.max_duration), "--set", f"learner.save_adapter_every={args.adapter_every}",
-            "--set", "eval.num_prompts=0", "--set", "run.num_steps=0"]
+            "--set", "eval.num_prompts=0", "--set", f"run.num_steps={args.max_steps}"]
     env = child_env(OMP_NUM_THREADS="1", LORAFLOW_AGENT_TOOL_MEDIAN_S=str(args.tool_median_s),
                     LORAFLOW_AGENT_TOOL_SIGMA=str(args.tool_sigma))
     run_loraflow(argv, max_staleness=max_staleness, env=env, timeout_s=args.max_duration + 300)
@@ -37,13 +38,15 @@ def main() -> None:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--target", type=float, default=0.8)
     parser.add_argument("--max-duration", type=float, default=150.0, help="per run, seconds")
+    parser.add_argument("--max-steps", type=int, default=0, help="learner steps per run (0: until --max-duration)")
     parser.add_argument("--adapter-every", type=int, default=2, help="save a PEFT adapter every N versions")
     parser.add_argument("--num-prompts", type=int, default=100, help="held-out prompts per adapter evaluation")
     parser.add_argument("--tool-median-s", type=float, default=0.2, help="the tool's median latency, seconds")
     parser.add_argument("--tool-sigma", type=float, default=1.5, help="the lognormal's sigma")
-    args = harness.parse(parser, None, target=0.0, max_duration=30.0, num_prompts=4)
+    args = harness.parse(parser, None, target=0.0, max_steps=2, max_duration=60.0, num_prompts=4)
     demo = load_config(CONFIG)
-    print(f"agent demo base for seed {args.seed}: {ensure_agent_base(args.seed)}", flush=True)
+    base = ensure_quick_agent_base(args.seed) if args.quick else ensure_agent_base(args.seed)
+    print(f"agent demo base for seed {args.seed}: {base}", flush=True)
 
     def evaluate(config: Config, version: int, path: Path) -> float:
         from loraflow.deploy.agent_eval import evaluate_agent
@@ -51,7 +54,7 @@ def main() -> None:
         return evaluate_agent(config, path, num_prompts=args.num_prompts, device="cpu").accuracy
 
     sync, async_ = compare((0, demo.run.max_staleness), prefix="bench-agent-demo-",
-                           run=lambda run_dir, m: run_demo(run_dir, args, m), target=args.target,
+                           run=lambda run_dir, m: run_demo(run_dir, args, base, m), target=args.target,
                            max_duration_s=args.max_duration, evaluate=evaluate, show_each=True)
     harness.report("agent_demo", f"seconds_to_{args.target:.2f}_staleness_{async_.max_staleness}",
                    async_.seconds_to_target, "s", sync.seconds_to_target,

@@ -48,7 +48,7 @@ from bench.report import report
 from loraflow.common.config import Config, load_config
 from loraflow.common.tasks import load_task
 from loraflow.deploy import rundir
-from loraflow.deploy.demo_base import ensure_demo_base
+from loraflow.deploy.demo_base import ensure_demo_base, ensure_quick_base
 from loraflow.deploy.launcher import DEMO_CONFIG
 
 
@@ -86,8 +86,14 @@ class Side:
 # -- loraflow ----------------------------------------------------------------------------------------------------
 
 
-def run_demo(run_dir: Path, args: argparse.Namespace, seed: int) -> None:
-    argv = ["--run-dir", str(run_dir), "--seed", str(seed), "--max-duration", str(args.max_duration),
+def demo_base(args: argparse.Namespace, seed: int) -> Path:
+    """The demo base of ``seed``: the demo's own, or with ``--quick`` the quick recipe's (the code path)."""
+    return ensure_quick_base(seed) if args.quick else ensure_demo_base(seed)
+
+
+def run_demo(run_dir: Path, args: argparse.Namespace, seed: int, base: Path) -> None:
+    argv = ["--run-dir", str(run_dir), "--seed", str(seed), "--model", str(base),
+            "--max-duration", str(args.max_duration),
             "--set", f"learner.save_adapter_every={args.adapter_every}", "--set", "eval.num_prompts=0",
             "--set", f"run.num_steps={args.max_steps}", *(f"--set={s}" for s in args.set)]
     if args.max_staleness is not None:
@@ -246,10 +252,10 @@ def main() -> None:
     rows = []
     with tempfile.TemporaryDirectory(prefix="bench-tta-") as tmp:
         for seed in seeds:
-            print(f"seed {seed}: demo base {ensure_demo_base(seed)}; load average {os.getloadavg()[0]:.1f}",
-                  flush=True)
+            base = demo_base(args, seed)
+            print(f"seed {seed}: demo base {base}; load average {os.getloadavg()[0]:.1f}", flush=True)
             run_dir = Path(tmp) / f"loraflow-{seed}"
-            run_demo(run_dir, args, seed)
+            run_demo(run_dir, args, seed, base)
             config = load_config(run_dir / "config.toml")
             ours = loraflow_side(run_dir, config)
             ref = reference_side(run_dir, Path(tmp) / f"reference-{seed}", args)

@@ -40,6 +40,7 @@ from bench.report import report
 from bench.time_to_accuracy import (
     Side,
     child_side,
+    demo_base,
     describe,
     loraflow_breakdown,
     loraflow_side,
@@ -47,7 +48,6 @@ from bench.time_to_accuracy import (
     run_demo,
 )
 from loraflow.common.config import Config, load_config
-from loraflow.deploy.demo_base import ensure_demo_base
 from loraflow.deploy.launcher import DEMO_CONFIG
 
 
@@ -119,10 +119,10 @@ def trl_side(config_path: Path, base: Path, out: Path, args: argparse.Namespace)
 
 
 def one_seed(seed: int, tmp: Path, args: argparse.Namespace) -> tuple[Side, Side, dict[str, float]]:
-    base = ensure_demo_base(seed)
+    base = demo_base(args, seed)
     print(f"seed {seed}: demo base {base}; load average {os.getloadavg()[0]:.1f}", flush=True)
     run_dir = tmp / f"loraflow-{seed}"
-    run_demo(run_dir, args, seed)
+    run_demo(run_dir, args, seed, base)
     config: Config = load_config(run_dir / "config.toml")
     ours = loraflow_side(run_dir, config)
     peer = trl_side(run_dir / "config.toml", base, tmp / f"trl-{seed}", args)

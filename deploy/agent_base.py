@@ -51,7 +51,15 @@ from loraflow.common.logging import get_logger
 from loraflow.common.tasks import CalculatorTask
 from loraflow.common.tiny_model import build_tiny_model, default_cache_dir
 from loraflow.deploy.agents.agent_demo import CALC, TOOL_NAME
-from loraflow.deploy.demo_base import METADATA_FILE, DemoBaseError, Recipe, _WarmUp, build_into, read_metadata
+from loraflow.deploy.demo_base import (
+    METADATA_FILE,
+    DemoBaseError,
+    Recipe,
+    _WarmUp,
+    build_into,
+    quick_cache_dir,
+    read_metadata,
+)
 
 log = get_logger("agent_base")
 
@@ -98,6 +106,12 @@ class AgentRecipe:
     num_threads: int = 1
 
     fingerprint = Recipe.fingerprint  # a hash of the fields, as the arithmetic demo's recipe
+
+
+#: an agent base for the code paths, not the figures (as :data:`loraflow.deploy.demo_base.QUICK_RECIPE`): it
+#: already writes the tool call's format; the suite's agent runs and ``bench.agent_demo --quick`` train on it
+QUICK_AGENT_RECIPE = AgentRecipe(min_correct_steps=150, max_correct_steps=150, sloppy_steps=0, max_extra_rounds=0,
+                                 min_trusted_accuracy=0.0, accuracy_window=(0.0, 1.0), num_eval_prompts=20)
 
 
 # -- the episode's text ------------------------------------------------------------------------------------------
@@ -190,6 +204,11 @@ def ensure_agent_base(seed: int = 0, cache_dir: str | os.PathLike | None = None,
     if not (target / METADATA_FILE).is_file():
         build_into(target, lambda directory: build_agent_base(directory, seed=seed, recipe=recipe))
     return target
+
+
+def ensure_quick_agent_base(seed: int = 0) -> Path:
+    """The cached :data:`QUICK_AGENT_RECIPE` base for ``seed``, beside the quick demo bases."""
+    return ensure_agent_base(seed, quick_cache_dir(), QUICK_AGENT_RECIPE)
 
 
 def build_tokenizer_and_model(directory: Path, seed: int) -> tuple[Any, Any]:

@@ -78,6 +78,23 @@ class Recipe:
         return hashlib.sha256(text.encode()).hexdigest()[:8]
 
 
+#: a base for the code paths, not the figures: one short correct phase (150 steps, about half a minute on 2 cores),
+#: no sloppy phase, no accuracy window; a few % greedy, enough for GRPO groups with signal. The suite's end-to-end
+#: runs and the benches' ``--quick`` modes train on it.
+QUICK_RECIPE = Recipe(lr=2e-3, min_correct_steps=150, max_correct_steps=150, sloppy_steps=0, max_extra_rounds=0,
+                      min_carry_free_accuracy=0.0, accuracy_window=(0.0, 1.0), num_eval_prompts=50)
+
+
+def quick_cache_dir() -> Path:
+    """``<cache>/quick``: where quick bases are cached, apart from the demo's, so ``builtin:demo`` never names one."""
+    return default_cache_dir() / "quick"
+
+
+def ensure_quick_base(seed: int = 0) -> Path:
+    """The cached :data:`QUICK_RECIPE` base for ``seed`` (built first if it is not there yet)."""
+    return ensure_demo_base(seed, quick_cache_dir(), QUICK_RECIPE)
+
+
 class DemoBaseError(RuntimeError):
     """The warm-up did not produce a usable base; the message says what was measured."""
 

@@ -44,17 +44,6 @@ async def recording_episode(client: Any, row: dict[str, Any]) -> dict[str, float
     return result
 
 
-@pytest.fixture(scope="module")
-def quick_agent_base(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    from loraflow.deploy.agent_base import AgentRecipe, build_agent_base
-
-    recipe = AgentRecipe(min_correct_steps=150, max_correct_steps=150, sloppy_steps=0, max_extra_rounds=0,
-                         min_trusted_accuracy=0.0, accuracy_window=(0.0, 1.0), num_eval_prompts=20)
-    directory = tmp_path_factory.mktemp("agent-base")
-    build_agent_base(directory, seed=0, recipe=recipe)
-    return directory
-
-
 def test_the_agent_demo_trains_on_tool_turns(procs: Processes, tmp_path: Path, quick_agent_base: Path) -> None:
     run_dir, episodes = tmp_path / "run", tmp_path / "episodes.jsonl"
     argv = [sys.executable, "-m", "loraflow.deploy.cli", "run", str(REPO / "deploy/configs/agent-demo.toml"),
