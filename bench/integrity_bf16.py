@@ -1,7 +1,7 @@
 """Policy integrity's low-precision tolerance (issue 14): how far a bf16 engine's behaviour log-probs are from the
 fp32 learner's re-scoring of the same tokens, next to the tolerance :func:`loraflow.common.integrity.tolerance` applies.
 
-    .venv/bin/python bench/integrity_bf16.py [--model builtin:demo] [--prompts 256] [--samples 4] [--no-vllm]
+    .venv/bin/python -m bench.integrity_bf16 [--model builtin:demo] [--prompts 256] [--samples 4] [--no-vllm]
                                              [--device cuda]
 
 Each engine (a project backend, ``loraflow.rollout_worker.backends``) generates ``--samples`` completions of each

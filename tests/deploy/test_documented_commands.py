@@ -69,3 +69,14 @@ def test_a_documented_command_passes_the_start_up_checks(command: str, tiny_mode
         args.config = str(DEMO_CONFIG)
     config = config_from_args(args)  # loading validates every setting against the others
     preflight.check(config, starting=True)
+
+
+def test_documented_bench_commands_run_a_bench_module() -> None:
+    """A bench runs as ``python -m bench.NAME`` (``python bench/NAME.py`` cannot import ``bench``); every NAME the
+    docs and the benches' own docstrings show is a module of bench/."""
+    texts = {doc: (REPO / doc).read_text() for doc in DOCS}
+    texts |= {str(p.relative_to(REPO)): p.read_text() for p in sorted((REPO / "bench").glob("*.py"))}
+    as_scripts = [f"{doc}: {m}" for doc, text in texts.items() for m in re.findall(r"python3? bench/\w+\.py", text)]
+    assert not as_scripts, as_scripts
+    names = {name for text in texts.values() for name in re.findall(r"python3? -m bench\.(\w+)", text)} - {"NAME"}
+    assert names and not {n for n in names if not (REPO / "bench" / f"{n}.py").is_file()}
