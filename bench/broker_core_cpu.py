@@ -4,11 +4,10 @@
     .venv/bin/python -m bench.broker_core_cpu --breakdown [--groups 3000]     # this tree, by handler and step
 
 One thread drives a ``BrokerCore`` (no sockets) through what a group costs the broker: a LeaseRequest for 8, the
-8 RolloutGroups, a BatchRequest served as a Batch of 8, the BatchAck (state written with group commit, the Ack
-released once durable). The figure is that thread's CPU inside ``handle`` / ``tick`` / ``flush`` per group
-(``time.thread_time``; the clients' encoding and the fsync wait outside it): the main thread's work that bounds
-the broker's throughput, which unlike bench/broker_throughput.py hardly moves with the machine's load. Each tree
-runs in a subprocess with its own code under the installed name, interleaved run by run; medians of ``--repeats``.
+8 RolloutGroups, a BatchRequest served as a Batch of 8, the BatchAck (the Ack released once the state write is
+durable). The figure is that thread's CPU inside ``handle`` / ``tick`` / ``flush`` per group (the clients' encoding
+and the fsync wait outside it): the work that bounds the broker's throughput, hardly moved by the machine's load.
+Each tree runs in a subprocess with its own code, interleaved run by run; medians of ``--repeats``.
 """
 
 from __future__ import annotations
@@ -157,10 +156,8 @@ def run_child(tree: Path, num_groups: int, group_bytes: int) -> float:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = harness.parser(__doc__, repeats=5)
+    parser = harness.flags(harness.parser(__doc__, repeats=5), {"groups": 4000, "sizes": "16384,262144"})
     parser.add_argument("--reference-tree", type=Path, help="another checkout of this repository (the reference)")
-    parser.add_argument("--groups", type=int, default=4000, help="groups per run")
-    parser.add_argument("--sizes", default="16384,262144", help="group sizes in bytes, comma-separated")
     parser.add_argument("--breakdown", action="store_true", help="this tree only: its CPU per group by handler/step")
     parser.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     # --quick: this tree against itself, a few hundred groups
@@ -181,12 +178,12 @@ def main(argv: list[str] | None = None) -> int:
     results: dict[int, dict[str, float]] = {}
     rows = []
     for size in sizes:
-        runs = harness.interleave({"reference": lambda size=size: run_child(args.reference_tree, args.groups, size),
-                                   "this": lambda size=size: run_child(REPO, args.groups, size)}, args.repeats)
+        runs = harness.interleave({name: lambda tree=tree, size=size: run_child(tree, args.groups, size)
+                                   for name, tree in (("reference", args.reference_tree), ("this", REPO))}, args.repeats)
         r = results[size] = {k: round(harness.median(v), 2) for k, v in runs.items()}
+        spread = " / ".join(f"{min(runs[k]):.0f}-{max(runs[k]):.0f}" for k in ("this", "reference"))
         rows.append([f"{size // 1024} KB", f"{r['this']:.1f} us", f"{r['reference']:.1f} us",
-                     f"{r['this'] / r['reference']:.3f}", f"{min(runs['this']):.0f}-{max(runs['this']):.0f} / "
-                     f"{min(runs['reference']):.0f}-{max(runs['reference']):.0f}"])
+                     f"{r['this'] / r['reference']:.3f}", spread])
     print(f"core CPU per group (main thread), {args.groups} groups per run, median of {args.repeats} interleaved runs; "
           f"this tree {REPO} vs reference {args.reference_tree}")
     harness.table(["group", "this", "reference", "this / reference", "runs this / reference"], rows)

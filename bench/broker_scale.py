@@ -3,14 +3,13 @@
     .venv/bin/python -m bench.broker_scale [--fleets 256,1024,4096] [--seconds 10] [--fanout 64,256] [--mb 50]
                                            [--fleet-nice 10] [--reference-tree DIR | --unlimited-reference]
 
-Fleet processes (at ``--fleet-nice``, as if on other hosts) hold up to 1,024 idle workers each (DEALERs that
-beat at the interval the broker asks for, spread over it, and read without decoding). At each fleet size on one
-broker: its idle CPU (all threads, main thread), heartbeats/s and RSS per worker; then 16 active workers lease,
-"generate" ``--generate-ms`` and submit 16 KB groups against a learner of 1-s steps that publishes a tiny adapter
-per step: lease p50 / p99, groups/s, CPU per group above idle, and where the grants over 20 ms waited. Before the
-fleet, ``BrokerCore`` alone per idle heartbeat (in-process CPU time, hardly moved by load); at the largest size a
-fleet process SIGKILLed, the time until the broker drops its workers; ``--fanout``: N fetchers of one ``--mb`` MB
-adapter against one direct send. Targets (issue 16) at 4,096: idle <= 25 % of a core (the JSON line's value
+Fleet processes (at ``--fleet-nice``, as if on other hosts) hold up to 1,024 idle workers each, beating at the
+interval the broker asks for. At each fleet size on one broker: its idle CPU, heartbeats/s and RSS per worker;
+then 16 active workers lease, "generate" ``--generate-ms`` and submit 16 KB groups against a learner of 1-s steps
+publishing a tiny adapter each: lease p50 / p99, groups/s, CPU per group above idle, and where the grants over
+20 ms waited. Also ``BrokerCore`` alone per idle heartbeat (in-process CPU, hardly moved by load); at the largest
+size, the time until the broker drops a SIGKILLed fleet process's workers; ``--fanout``: N fetchers of one
+``--mb`` MB adapter against one direct send. Targets (issue 16) at 4,096: idle <= 25 % of a core (the value,
 against 0.25), lease p99 <= 20 ms.
 """
 
@@ -68,17 +67,15 @@ def stats(endpoint: str) -> dict:
 def connect_workers(ctx: zmq.Context, endpoint: str, names: list[str]) -> list[zmq.Socket]:
     """One DEALER per name, all saying Hello at once (one by one, the first would time out before the last is
     welcomed) as a BrokerLink does: its silence timeout, and that it follows a longer interval the broker asks."""
-    socks = []
+    socks, poller = [], zmq.Poller()
     for name in names:
         sock = ctx.socket(zmq.DEALER)
         sock.connect(endpoint)
         sock.send_multipart(codec.encode(Hello(role="worker", client_id=name, backend="sim", session=name,
                                                batched_acks=True, silence_timeout_s=INTERVAL_S * MISSES,
                                                heartbeat_interval_s=INTERVAL_S)))
-        socks.append(sock)
-    poller = zmq.Poller()
-    for sock in socks:
         poller.register(sock, zmq.POLLIN)
+        socks.append(sock)
     waiting, deadline = set(socks), time.monotonic() + 120
     while waiting:
         if time.monotonic() > deadline:
@@ -170,18 +167,16 @@ def active(endpoint: str, seconds: float, generate_s: float, results: mp.Queue) 
             socks[i].send_multipart([template[0], packer.pack(header), *template[2:]], copy=False)
             ask_for(i)
         for sock, _ in poller.poll(50 if not generating else max(0, min(50, int((generating[0][0] - now) * 1000)))):
-            frames = sock.recv_multipart(copy=False)
-            kind, i = kind_of(frames), index[sock]
-            if kind == Kind.LEASE_GRANT:
-                grant = msgpack.unpackb(frames[1].buffer)
-                if not grant["leases"]:
-                    empty[grant["reason"]] = empty.get(grant["reason"], 0) + 1
-                    ask_for(i)
-                    continue
+            frames, i = sock.recv_multipart(copy=False), index[sock]
+            kind, body = harness.kind_and_header(frames)
+            if kind == Kind.LEASE_GRANT and not body["leases"]:
+                empty[body["reason"]] = empty.get(body["reason"], 0) + 1
+                ask_for(i)
+            elif kind == Kind.LEASE_GRANT:
                 grants.append((asked[i][0], (time.perf_counter() - asked[i][0]) * 1000, runqueue_ms() - asked[i][1]))
-                generating.append((time.perf_counter() + generate_s, i, grant["leases"][0]))
+                generating.append((time.perf_counter() + generate_s, i, body["leases"][0]))
             elif kind == Kind.ACK:
-                accepted += len(msgpack.unpackb(frames[1].buffer).get("ref_ids") or [None])
+                accepted += len(body.get("ref_ids") or [None])
             else:
                 interval_s = asked_interval(frames, interval_s)
     results.put((grants, accepted, empty, now - start))
@@ -327,11 +322,10 @@ def at_size(pid: int, endpoint: str, size: int, empty_rss_kb: int, args, results
 
 def death(endpoint: str, victim: mp.Process, victim_n: int) -> dict:
     """SIGKILL one fleet process: seconds until the broker no longer counts its workers, next to its timeout."""
-    settings = stats(endpoint)["settings"]
-    before = int(stats(endpoint)["num_workers"])
-    # dropped before the kill: the active workers of earlier phases (they leave without a Bye), and any live one
-    # a lagging broker heard too late
-    dead_before = int(stats(endpoint)["peers_gone"].get("dead", 0))
+    snapshot = stats(endpoint)
+    settings, before = snapshot["settings"], int(snapshot["num_workers"])
+    # dropped before the kill: earlier phases' active workers (gone without a Bye), live ones heard too late
+    dead_before = int(snapshot["peers_gone"].get("dead", 0))
     os.kill(victim.pid, signal.SIGKILL)
     killed, death_s = time.monotonic(), None
     while death_s is None and time.monotonic() - killed < 60:
@@ -409,28 +403,24 @@ def fanout(workdir: Path, counts: list[int], mb: float) -> dict[int, dict]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = harness.parser(__doc__, seconds=10.0)
-    parser.add_argument("--fleets", default="256,1024,4096", help="connected workers, comma-separated, ascending")
-    parser.add_argument("--generate-ms", type=float, default=100.0, help="active workers: grant to submission")
-    parser.add_argument("--fanout", default="64,256", help="fetchers for the adapter fan-out ('' for none)")
-    parser.add_argument("--mb", type=float, default=50.0, help="adapter size for the fan-out")
-    parser.add_argument("--fleet-nice", type=int, default=10, help="niceness of the fleet processes")
+    parser = harness.flags(harness.parser(__doc__, seconds=10.0), {
+        "fleets": "256,1024,4096", "generate_ms": 100.0, "fanout": "64,256", "mb": 50.0, "fleet_nice": 10})
     parser.add_argument("--reference-tree", type=Path, default=None, help="another checkout whose broker is "
                         "measured first, with the same clients")
     parser.add_argument("--unlimited-reference", action="store_true", help="measure this broker first with no "
                         "heartbeat budget (broker.max_heartbeats_per_second=0), then with the configured one")
     args = harness.parse(parser, argv, fleets="16", seconds=0.5, fanout="2", mb=1.0)
     sizes = sorted(harness.sizes(args.fleets))
+    reference = args.reference_tree.resolve() if args.reference_tree is not None else None
     print(f"machine load {' '.join(f'{x:.2f}' for x in os.getloadavg())}; fleet at nice {args.fleet_nice}", flush=True)
     core_us = {"after": core_cost(REPO, max(sizes))}
-    if args.reference_tree is not None:
-        core_us["before"] = core_cost(args.reference_tree.resolve(), max(sizes))
+    if reference is not None:
+        core_us["before"] = core_cost(reference, max(sizes))
     print(f"broker core alone per idle heartbeat at {max(sizes)} workers (us of CPU): {core_us}", flush=True)
     runs: dict[str, dict[int, dict]] = {}
     with tempfile.TemporaryDirectory(prefix="bench-scale-", dir=REPO) as tmp:
-        if args.reference_tree is not None:
-            runs["before"] = fleet_sizes(Path(tmp) / "before", sizes, args, tree=args.reference_tree.resolve(),
-                                         label="before: ")
+        if reference is not None:
+            runs["before"] = fleet_sizes(Path(tmp) / "before", sizes, args, tree=reference, label="before: ")
         elif args.unlimited_reference:
             runs["no budget"] = fleet_sizes(Path(tmp) / "before", sizes, args, label="no budget: ",
                                             overrides=("broker.max_heartbeats_per_second=0",))

@@ -265,14 +265,11 @@ def run_mode(mode: str, num_bytes: int, args, workdir: Path) -> tuple[float, dic
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = harness.parser(__doc__, repeats=3, seconds=3.0)
-    parser.add_argument("--producers", type=int, default=3)
-    parser.add_argument("--sizes", default="16384,262144,4194304", help="group sizes in bytes, comma-separated")
-    parser.add_argument("--modes", default="direct,relay,pyrelay,broker,curve")
-    parser.add_argument("--batch-bytes", type=int, default=4 << 20, help="broker mode: bytes per learner batch "
-                        "(groups per batch = this / group size, 2..64)")
-    parser.add_argument("--capacity-batches", type=int, default=4, help="broker mode: capacity_groups in batches")
-    parser.add_argument("--prefetch", type=int, default=2, help="broker mode: batch requests kept outstanding")
+    # broker modes: bytes per learner batch (groups per batch: this / group size, 2..64), capacity_groups in
+    # batches, batch requests kept outstanding
+    parser = harness.flags(harness.parser(__doc__, repeats=3, seconds=3.0), {
+        "producers": 3, "sizes": "16384,262144,4194304", "modes": "direct,relay,pyrelay,broker,curve",
+        "batch_bytes": 4 << 20, "capacity_batches": 4, "prefetch": 2})
     args = harness.parse(parser, argv, producers=2, seconds=0.3, repeats=1, sizes="262144", modes="relay,broker,curve")
     modes = args.modes.split(",")
     rates: dict[int, dict[str, float]] = {}

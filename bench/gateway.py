@@ -1,24 +1,15 @@
 """The agent gateway's cost: per-request latency and tokens/s through HTTP vs the same engine driven directly.
 
     .venv/bin/python -m bench.gateway [--backend vllm|hf] [--tokens 32] [--calls 4] [--sessions 1,8,64]
-                                      [--latency-requests 40] [--repeats 3] [--cores shared,split]
-                                      [--openai-http aiohttp|httpx]
+        [--latency-requests 40] [--repeats 3] [--cores shared,split] [--openai-http aiohttp|httpx]
 
-One backend on the tiny model driven by one engine thread, as in a worker (vllm: fed continuously,
-``Backend.submit`` / ``advance``; hf: chunk rounds of ``Backend.generate``). Each of N sessions plays ``--calls``
-completions of ``--tokens`` tokens, each prompt the conversation so far plus ``TURN``:
-
-- ``direct``: the worker's own path without HTTP (vllm: each call one request into the running engine, as the
-  rollouts stream; hf: ``worker.chunk_tokens`` rounds batching every sequence);
-- ``gateway``: N recorded sessions (``/sessions/<id>/v1``) of GatewayEngine + GatewayServer in this process, one
-  ``openai.AsyncOpenAI`` per session (as the worker gives each episode) in a client process; ``plain HTTP``:
-  the same with aiohttp POSTs, without the openai client's own CPU.
-
-``--cores`` (:class:`Placement`): ``shared`` runs as a worker on this machine, ``split`` gives the clients cores
-of their own, as on a GPU host; interleaved run by run. Per run it prints the engine rounds and their mean
-batch, and the CPU split (engine thread inside and besides generate, HTTP server thread, clients, engine core).
-The JSON line's value: gateway (openai) / direct tokens/s at the largest session count in the first placement,
-reference 0.9 (at most 10 % throughput cost).
+One backend on the tiny model, driven by one engine thread as in a worker; N sessions play ``--calls`` completions
+of ``--tokens`` tokens, each prompt the conversation so far plus ``TURN``. ``direct``: the worker's path without
+HTTP (vllm: a request per call into the running engine; hf: ``worker.chunk_tokens`` rounds of every sequence).
+``gateway``: N recorded sessions (``/sessions/<id>/v1``) of GatewayEngine + GatewayServer in this process, one
+``openai.AsyncOpenAI`` per session in a client process; ``plain HTTP``: aiohttp POSTs, without the openai client's
+CPU. ``--cores`` (:class:`Placement`) interleave run by run. Value: gateway (openai) / direct tokens/s at the most
+sessions in the first placement, reference 0.9 (at most 10 % throughput cost).
 """
 
 from __future__ import annotations
@@ -54,7 +45,7 @@ class Run:
     server_cpu_s: float = 0.0  # the HTTP server thread's CPU
     client_cpu_s: float = 0.0
     num_calls: int = 0
-    latencies: list[float] = field(default_factory=list)
+    latencies: list[float] = field(default_factory=list)  # gateway: each call's
 
     def describe(self) -> str:
         batch = statistics.mean(self.rounds) if self.rounds else 0.0
@@ -86,18 +77,19 @@ class Run:
 
 
 class BackendCpu:
-    """Wraps the backend's ``generate`` / ``advance`` (the calling thread's CPU inside them) and ``submit`` (wall
-    and CPU); reads the CPU of its engine processes (vllm's engine core: this process's children at install)."""
+    """Times the backend's ``generate`` / ``advance`` / ``submit`` (wall, and the calling thread's CPU inside them);
+    reads the CPU of its engine processes (vllm's engine core: this process's children at install)."""
 
     def __init__(self) -> None:
-        self.generate_cpu_s = self.submit_wall_s = self.submit_cpu_s = 0.0
+        self.wall_s = {"generate": 0.0, "advance": 0.0, "submit": 0.0}
+        self.cpu_s = dict(self.wall_s)
         self.cores: list[Any] = []
 
     def install(self, backend: Any) -> None:
         import psutil
 
         self.cores = psutil.Process().children(recursive=True)
-        for name in ("generate", "advance", "submit"):
+        for name in self.wall_s:
             setattr(backend, name, self._timed(name, getattr(backend, name)))
 
     def _timed(self, name: str, inner: Any) -> Any:
@@ -106,16 +98,13 @@ class BackendCpu:
             try:
                 return inner(*args, **kwargs)
             finally:
-                if name == "submit":
-                    self.submit_wall_s += time.perf_counter() - wall0
-                    self.submit_cpu_s += time.thread_time() - cpu0
-                else:
-                    self.generate_cpu_s += time.thread_time() - cpu0
+                self.wall_s[name] += time.perf_counter() - wall0
+                self.cpu_s[name] += time.thread_time() - cpu0
         return timed
 
     def now(self) -> dict[str, float]:
-        return {"generate_cpu_s": self.generate_cpu_s, "submit_wall_s": self.submit_wall_s,
-                "submit_cpu_s": self.submit_cpu_s, "core_cpu_s": sum(sum(p.cpu_times()[:2]) for p in self.cores)}
+        return {"generate_cpu_s": self.cpu_s["generate"] + self.cpu_s["advance"], "submit_wall_s": self.wall_s["submit"],
+                "submit_cpu_s": self.cpu_s["submit"], "core_cpu_s": sum(sum(p.cpu_times()[:2]) for p in self.cores)}
 
     def since(self, before: dict[str, float]) -> dict[str, float]:
         return {k: v - before[k] for k, v in self.now().items()}
@@ -129,50 +118,20 @@ def thread_cpu_s(thread: threading.Thread) -> float:
     return time.clock_gettime(time.pthread_getcpuclockid(thread.ident))
 
 
-class Driver:
-    """The worker loop's part on a thread of its own: pump requests, run a round while any call is in flight;
-    notes each round's batch size."""
-
-    def __init__(self, engine: Any) -> None:
-        self.engine = engine
-        self.stop = threading.Event()
-        self.rounds: list[int] = []
-        self.thread = threading.Thread(target=self._run, daemon=True, name="bench-engine")
-        self.thread.start()
-
-    def _run(self) -> None:
-        engine = self.engine
-        while not self.stop.is_set():
-            engine.wake.clear()
-            engine.pump(gather=True)
-            if engine.calls:
-                self.rounds.append(len(engine.calls))
-                engine.round()
-                engine.pump()
-            else:
-                engine.wake.wait(0.05)
-
-    def close(self) -> None:
-        self.stop.set()
-        self.engine.wake.set()
-        self.thread.join()
-
-
 def direct(backend: Any, chunk: int, sessions: int, tokens: int, calls: int) -> Run:
     """The direct path, ``sessions`` sequences of ``calls`` turns: streaming, each call a request into the running
     engine, the next submitted as soon as one ends; else every live sequence in each chunk round."""
     from loraflow.rollout_worker.backends.base import GenRequest
 
-    generated, latencies, rounds = 0, [], []
+    generated, rounds = 0, []
     cpu0, before, started = time.thread_time(), BACKEND_CPU.now(), time.perf_counter()
     seqs = [backend.encode(PROMPT) for _ in range(sessions)]
     if backend.streaming:
         outs: list[list[int]] = [[] for _ in range(sessions)]
-        left, since = [calls] * sessions, [0.0] * sessions
+        left = [calls] * sessions
 
         def submit(i: int) -> None:
             left[i] -= 1
-            since[i] = time.perf_counter()
             backend.submit(f"d{i}/{left[i]}", GenRequest(token_ids=seqs[i], version=0, key=f"d{i}", max_tokens=tokens))
 
         for i in range(sessions):
@@ -187,14 +146,11 @@ def direct(backend: Any, chunk: int, sessions: int, tokens: int, calls: int) -> 
                     seqs[i] = seqs[i] + outs[i] + backend.encode_continuation(TURN)
                     generated += len(outs[i])
                     outs[i] = []
-                    latencies.append(time.perf_counter() - since[i])
                     if left[i]:
                         submit(i)
     else:
         for _ in range(calls):
-            t0 = time.perf_counter()
-            outs = [[] for _ in range(sessions)]
-            live = set(range(sessions))
+            outs, live = [[] for _ in range(sessions)], set(range(sessions))
             while live:
                 order = sorted(live)
                 rounds.append(len(order))
@@ -209,10 +165,9 @@ def direct(backend: Any, chunk: int, sessions: int, tokens: int, calls: int) -> 
                 backend.decode(ids)
                 seqs[i] += ids + backend.encode_continuation(TURN)
             generated += sum(len(o) for o in outs)
-            latencies.append(time.perf_counter() - t0)
     wall = time.perf_counter() - started
     return Run(tok_s=generated / wall, wall_s=wall, rounds=rounds, engine_cpu_s=time.thread_time() - cpu0,
-               num_calls=sessions * calls, latencies=latencies, **BACKEND_CPU.since(before))
+               num_calls=sessions * calls, **BACKEND_CPU.since(before))
 
 
 @dataclass(slots=True, kw_only=True)
@@ -227,39 +182,34 @@ class Plan:
     ready: Any  # set by the clients: imported, connected, waiting for ``go``
     go: Any
 
-    async def together(self, work: list[Any]) -> tuple[int, float, float]:
-        """(tokens, seconds, CPU seconds) of the sessions' work once ``go`` is set."""
+    async def play(self, call: Any) -> tuple[int, float, list[float], float]:
+        """(tokens, seconds, latencies, CPU seconds) of every session's episode once ``go`` is set: ``calls``
+        completions, each prompt the conversation so far (``call(url, prompt)`` -> (completion tokens, text))."""
+        latencies: list[float] = []
+
+        async def episode(url: str) -> int:
+            n, prompt = 0, PROMPT
+            for _ in range(self.calls):
+                t0 = time.perf_counter()
+                num_tokens, text = await call(url, prompt)
+                latencies.append(time.perf_counter() - t0)
+                n += num_tokens
+                prompt += text + TURN
+            return n
+
         self.ready.set()
         await asyncio.to_thread(self.go.wait, 600)
         started, cpu0 = time.perf_counter(), time.process_time()
+        work = [episode(url) for url in self.urls]
         counts = await asyncio.gather(*work) if not self.serial else [await w for w in work]
-        return sum(counts), time.perf_counter() - started, time.process_time() - cpu0
+        return sum(counts), time.perf_counter() - started, latencies, time.process_time() - cpu0
 
 
 def clients(plan: Plan, out: Any, kind: str, cpus: set[int]) -> None:
-    """In a child process: one client per session URL, ``calls`` completions each; puts (tokens, elapsed,
-    latencies, CPU seconds) on ``out``. ``kind`` "raw": plain aiohttp POSTs instead of openai clients."""
+    """In a child process on ``cpus``: puts :meth:`Plan.play`'s figures on ``out``; ``kind`` "raw": plain aiohttp
+    POSTs instead of openai clients."""
     os.sched_setaffinity(0, cpus)
     out.put(asyncio.run(raw_clients(plan) if kind == "raw" else openai_clients(plan)))
-
-
-async def play(plan: Plan, call: Any) -> tuple[int, float, list[float], float]:
-    """Each session's episode: ``calls`` completions, each prompt the conversation so far (``call(url, prompt)``
-    -> (completion tokens, text))."""
-    latencies: list[float] = []
-
-    async def one(url: str) -> int:
-        n, prompt = 0, PROMPT
-        for _ in range(plan.calls):
-            t0 = time.perf_counter()
-            num_tokens, text = await call(url, prompt)
-            latencies.append(time.perf_counter() - t0)
-            n += num_tokens
-            prompt += text + TURN
-        return n
-
-    num_tokens, elapsed, cpu_s = await plan.together([one(url) for url in plan.urls])
-    return num_tokens, elapsed, latencies, cpu_s
 
 
 async def openai_clients(plan: Plan) -> tuple[int, float, list[float], float]:
@@ -274,7 +224,7 @@ async def openai_clients(plan: Plan) -> tuple[int, float, list[float], float]:
                                         http_client=transport(verify=False)) for url in plan.urls}
     try:
         await asyncio.gather(*(c.models.list() for c in sessions.values()))  # connections warm
-        return await play(plan, call)
+        return await plan.play(call)
     finally:
         await asyncio.gather(*(c.close() for c in sessions.values()))
 
@@ -291,7 +241,7 @@ async def raw_clients(plan: Plan) -> tuple[int, float, list[float], float]:
     async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0)) as http:
         for response in await asyncio.gather(*(http.get(f"{url}/v1/models") for url in plan.urls)):
             response.release()  # connections warm
-        return await play(plan, call)
+        return await plan.play(call)
 
 
 class Gateway:
@@ -303,14 +253,26 @@ class Gateway:
         from loraflow.rollout_worker.gateway.engine import GatewayEngine
         from loraflow.rollout_worker.gateway.server import GatewayServer
 
-        config = WorkerConfig(chunk_tokens=chunk, max_new_tokens=tokens)
-        self.engine = GatewayEngine(backend, config, max_seq_len=512, models=["loraflow"], metrics=Metrics(),
-                                    wake=threading.Event())
+        self.engine = GatewayEngine(backend, WorkerConfig(chunk_tokens=chunk, max_new_tokens=tokens), max_seq_len=512,
+                                    models=["loraflow"], metrics=Metrics(), wake=threading.Event())
         self.server = GatewayServer(self.engine, host="127.0.0.1", port=0, max_request_bytes=1 << 20,
                                     metrics=Metrics()).start()
         self.client_cpus: set[int] = set(os.sched_getaffinity(0))  # set per run (--cores)
         self.openai_http = openai_http
         self._num_runs = 0
+
+    def drive(self, stop: threading.Event, rounds: list[int]) -> None:
+        """The worker loop's part, on a thread of its own: pump requests, run a round while any call is in flight
+        (its batch size noted in ``rounds``), until ``stop``."""
+        while not stop.is_set():
+            self.engine.wake.clear()
+            self.engine.pump(gather=True)
+            if self.engine.calls:
+                rounds.append(len(self.engine.calls))
+                self.engine.round()
+                self.engine.pump()
+            else:
+                self.engine.wake.wait(0.05)
 
     def run(self, sessions: int, tokens: int, calls: int, kind: str = "openai", serial: bool = False) -> Run:
         from loraflow.rollout_worker.gateway.session import Session
@@ -319,41 +281,37 @@ class Gateway:
         ids = [f"r{self._num_runs}s{i}" for i in range(sessions)]
         for sid in ids:  # before the engine thread starts: the engine's state is its thread's
             self.engine.open(Session(id=sid))
-        ctx = mp.get_context("spawn")
+        ctx, rounds, stop = mp.get_context("spawn"), [], threading.Event()
         out = ctx.Queue()
         plan = Plan(urls=[f"{self.server.url}/sessions/{sid}" for sid in ids], tokens=tokens, calls=calls,
                     serial=serial, openai_http=self.openai_http, ready=ctx.Event(), go=ctx.Event())
         proc = harness.spawn(clients, plan, out, kind, self.client_cpus, daemon=False)
         if not plan.ready.wait(600):
             raise RuntimeError("the client process did not start")
-        driver = Driver(self.engine)  # the clients are imported and connected: the clock starts
-        cpu0, server0, before = thread_cpu_s(driver.thread), self.server_cpu_s(), BACKEND_CPU.now()
+        driver = threading.Thread(target=self.drive, args=(stop, rounds), daemon=True, name="bench-engine")
+        driver.start()  # the clients are imported and connected: the clock starts
+        server = self.server._thread
+        cpu0, server0, before = thread_cpu_s(driver), thread_cpu_s(server), BACKEND_CPU.now()
         plan.go.set()
         num_tokens, elapsed, latencies, client_cpu_s = out.get(timeout=900)
-        engine_cpu_s, server_cpu_s = thread_cpu_s(driver.thread) - cpu0, self.server_cpu_s() - server0
+        engine_cpu_s, server_cpu_s = thread_cpu_s(driver) - cpu0, thread_cpu_s(server) - server0
         backend_cpu = BACKEND_CPU.since(before)
         proc.join(30)
-        driver.close()
+        stop.set()
+        self.engine.wake.set()
+        driver.join()
         for sid in ids:
             self.engine.close(sid)
-        return Run(tok_s=num_tokens / elapsed, wall_s=elapsed, rounds=driver.rounds, engine_cpu_s=engine_cpu_s,
+        return Run(tok_s=num_tokens / elapsed, wall_s=elapsed, rounds=rounds, engine_cpu_s=engine_cpu_s,
                    server_cpu_s=server_cpu_s, client_cpu_s=client_cpu_s, num_calls=sessions * calls,
                    latencies=latencies, **backend_cpu)
 
-    def server_cpu_s(self) -> float:
-        return thread_cpu_s(self.server._thread)
-
-    def close(self) -> None:
-        self.server.close()
-
 
 class Placement:
-    """``--cores``: where the engine side and the clients run, the same for direct and gateway.
-
-    ``shared``: vLLM binds its model runner where it chooses (``VLLM_CPU_OMP_THREADS_BIND`` unset: on 2 cores
-    CPU 0), everything else (this process's threads, vLLM's engine core, the clients) on every CPU. ``split``:
-    the engine side (this process's threads, the HTTP server's included, vLLM's processes) on the model runner's
-    CPUs (hf: the first CPU), the clients' process on the others. Applied before each run."""
+    """``--cores``, applied before each run: where the engine side and the clients run, alike for direct and gateway.
+    ``shared``: vLLM's model runner where vLLM binds it (on 2 cores CPU 0), all else on every CPU. ``split``: the
+    engine side (this process's threads, the HTTP server's included, vLLM's processes) on the model runner's CPUs
+    (hf: the first CPU), the clients' process on the others, as on a GPU host."""
 
     def __init__(self, streaming: bool) -> None:
         import psutil
@@ -362,14 +320,13 @@ class Placement:
         engines = [p for p in BACKEND_CPU.cores if p.is_running()]  # vllm: engine core, model runner
         self.runners = [p for p in engines if set(p.cpu_affinity()) < self.everything]  # bound by vLLM: kept
         self.others = [psutil.Process(), *(p for p in engines if p not in self.runners)]
-        runner = {cpu for p in self.runners for cpu in p.cpu_affinity()}
-        self.engine_cpus = runner if streaming and runner else {min(self.everything)}
+        self.runner_cpus = {cpu for p in self.runners for cpu in p.cpu_affinity()}
+        self.engine_cpus = self.runner_cpus if streaming and self.runner_cpus else {min(self.everything)}
         self.client_cpus = self.everything - self.engine_cpus
 
     def describe(self, config: str) -> str:
         if config == "shared":
-            runner = sorted({cpu for p in self.runners for cpu in p.cpu_affinity()})
-            return f"shared: model runner CPUs {runner or 'unbound'}, the rest on all CPUs"
+            return f"shared: model runner CPUs {sorted(self.runner_cpus) or 'unbound'}, the rest on all CPUs"
         return f"split: engine side CPUs {sorted(self.engine_cpus)}, clients CPUs {sorted(self.client_cpus)}"
 
     def state(self) -> str:
@@ -402,10 +359,6 @@ def ms(values: list[float]) -> str:
     return f"median {statistics.median(values) * 1e3:.1f} ms p99 {pct(values, 0.99) * 1e3:.1f} ms"
 
 
-def median_run(runs: list[Run]) -> Run:
-    return sorted(runs, key=lambda r: r.tok_s)[len(runs) // 2]
-
-
 def load() -> str:
     return " ".join(f"{x:.2f}" for x in os.getloadavg())
 
@@ -425,6 +378,9 @@ def figures(results: dict[int, tuple[Run, Run, Run]]) -> dict[str, Any]:
     def each(of: Any) -> dict[str, Any]:
         return {str(n): of(*runs) for n, runs in results.items()}
 
+    def per_call_ms(run: Run, seconds: float) -> float:
+        return round(seconds / run.num_calls * 1e3, 3)
+
     d, g, r = results[max(results)]
     per_call = {"engine_besides_generate": "bookkeeping_cpu_s", "http_server": "server_cpu_s", "clients": "client_cpu_s"}
     return {
@@ -436,24 +392,36 @@ def figures(results: dict[int, tuple[Run, Run, Run]]) -> dict[str, Any]:
         "rounds_direct_openai_plain": each(lambda *runs: [len(x.rounds) for x in runs]),
         "round_ms_direct_openai_plain": each(lambda *runs: [round(x.round_ms, 2) for x in runs]),
         "engine_steps_ratio_at_top": [round(len(d.rounds) / len(x.rounds), 3) for x in (g, r)],
-        "direct_engine_besides_ms_per_call": round(d.bookkeeping_cpu_s / d.num_calls * 1e3, 3),
-        "submit_wall_cpu_ms_per_call_direct_openai_plain": [[round(x.submit_wall_s / x.num_calls * 1e3, 3),
-                                                             round(x.submit_cpu_s / x.num_calls * 1e3, 3)]
-                                                            for x in (d, g, r)],
-        "ms_per_call_at_top": {kind: {k: round(getattr(x, a) / x.num_calls * 1e3, 3) for k, a in per_call.items()}
+        "direct_engine_besides_ms_per_call": per_call_ms(d, d.bookkeeping_cpu_s),
+        "submit_wall_cpu_ms_per_call_direct_openai_plain": [[per_call_ms(x, x.submit_wall_s),
+                                                             per_call_ms(x, x.submit_cpu_s)] for x in (d, g, r)],
+        "ms_per_call_at_top": {kind: {k: per_call_ms(x, getattr(x, a)) for k, a in per_call.items()}
                                for kind, x in (("openai", g), ("plain", r))}}
 
 
+def make_backend(name: str, max_num_seqs: int) -> Any:
+    from loraflow.common.tiny_model import resolve_model
+    from loraflow.rollout_worker.backends.base import Sampling
+
+    model_dir = resolve_model("builtin:tiny")
+    if name == "vllm":
+        from loraflow.rollout_worker.backends.vllm import VllmBackend
+
+        backend = VllmBackend(model_dir, sampling=Sampling(), max_loras=1, max_lora_rank=8, max_model_len=512,
+                              max_num_seqs=max_num_seqs, seed=0)
+    else:
+        from loraflow.rollout_worker.backends.hf import HfBackend
+
+        backend = HfBackend(model_dir, sampling=Sampling(), device="cpu", seed=0)
+    BACKEND_CPU.install(backend)
+    return backend
+
+
 def main() -> None:
-    parser = harness.parser(__doc__, repeats=3)
+    parser = harness.flags(harness.parser(__doc__, repeats=3), {"tokens": 32, "calls": 4, "sessions": "1,8,64",
+                                                               "latency_requests": 40, "chunk": 16,
+                                                               "cores": "shared,split"})
     parser.add_argument("--backend", choices=("vllm", "hf"), default="vllm")
-    parser.add_argument("--tokens", type=int, default=32)
-    parser.add_argument("--calls", type=int, default=4)
-    parser.add_argument("--sessions", default="1,8,64")
-    parser.add_argument("--latency-requests", type=int, default=40)
-    parser.add_argument("--chunk", type=int, default=16)
-    parser.add_argument("--cores", default="shared,split", help="shared, split, or both (interleaved; the JSON "
-                        "ratio is the first's)")
     parser.add_argument("--openai-http", choices=("aiohttp", "httpx"), default="aiohttp",
                         help="the openai clients' transport (aiohttp: the worker's; httpx: openai's default)")
     args = harness.parse(parser, None, backend="hf", tokens=8, calls=2, sessions="2", latency_requests=2,
@@ -464,27 +432,13 @@ def main() -> None:
     counts = harness.sizes(args.sessions)
     os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
     load_start = load()
+    import torch
+
     from loraflow.common.logging import setup_logging
 
     setup_logging("bench", level="warning")
-
-    import torch
-
     torch.set_num_threads(1)
-    from loraflow.common.tiny_model import resolve_model
-    from loraflow.rollout_worker.backends.base import Sampling
-
-    model_dir = resolve_model("builtin:tiny")
-    if args.backend == "vllm":
-        from loraflow.rollout_worker.backends.vllm import VllmBackend
-
-        backend = VllmBackend(model_dir, sampling=Sampling(), max_loras=1, max_lora_rank=8, max_model_len=512,
-                              max_num_seqs=max(64, *counts), seed=0)
-    else:
-        from loraflow.rollout_worker.backends.hf import HfBackend
-
-        backend = HfBackend(model_dir, sampling=Sampling(), device="cpu", seed=0)
-    BACKEND_CPU.install(backend)
+    backend = make_backend(args.backend, max(64, *counts))
     placement = Placement(backend.streaming)
     gateway = Gateway(backend, args.chunk, args.tokens, args.openai_http)
     direct(backend, args.chunk, 2, args.tokens, 2)  # warm-up
@@ -496,33 +450,33 @@ def main() -> None:
     gateway.client_cpus = placement.apply(configs[0])
     direct_lat = [direct(backend, args.chunk, 1, args.tokens, 1).wall_s for _ in range(args.latency_requests)]
     gateway_lat = gateway.run(args.latency_requests, args.tokens, 1, serial=True).latencies
-    print(f"latency ({configs[0]}), 1 session, {args.tokens} tokens: direct {ms(direct_lat)} | gateway "
-          f"{ms(gateway_lat)} | overhead median "
-          f"{(statistics.median(gateway_lat) - statistics.median(direct_lat)) * 1e3:.1f} ms")
+    print(f"latency ({configs[0]}), 1 session, {args.tokens} tokens: direct {ms(direct_lat)} | gateway {ms(gateway_lat)}"
+          f" | overhead median {(statistics.median(gateway_lat) - statistics.median(direct_lat)) * 1e3:.1f} ms")
+
+    shown: set[str] = set()
+
+    def placed(config: str, n: int) -> tuple[Run, Run, Run]:
+        """Direct, gateway (openai clients) and gateway (plain HTTP) at ``n`` sessions in placement ``config``."""
+        gateway.client_cpus = placement.apply(config)
+        if config not in shown:
+            shown.add(config)
+            print(f"[{config} cores] threads' CPUs: {placement.state()}; clients: "
+                  f"{','.join(map(str, sorted(gateway.client_cpus)))}", flush=True)
+        return (direct(backend, args.chunk, n, args.tokens, args.calls), gateway.run(n, args.tokens, args.calls),
+                gateway.run(n, args.tokens, args.calls, "raw"))
 
     results: dict[str, dict[int, tuple[Run, Run, Run]]] = {c: {} for c in configs}
-    shown: set[str] = set()
     for n in counts:
-        runs: dict[str, list[list[Run]]] = {c: [[], [], []] for c in configs}
-        for _ in range(args.repeats):  # interleaved: a shared machine's load hits both sides and placements alike
-            for config in configs:
-                gateway.client_cpus = placement.apply(config)
-                if config not in shown:
-                    shown.add(config)
-                    print(f"[{config} cores] threads' CPUs: {placement.state()}; clients: "
-                          f"{','.join(map(str, sorted(gateway.client_cpus)))}", flush=True)
-                runs[config][0].append(direct(backend, args.chunk, n, args.tokens, args.calls))
-                runs[config][1].append(gateway.run(n, args.tokens, args.calls))
-                runs[config][2].append(gateway.run(n, args.tokens, args.calls, "raw"))
+        runs = harness.interleave({c: lambda c=c, n=n: placed(c, n) for c in configs}, args.repeats)
         for config in configs:
-            results[config][n] = d, g, r = tuple(median_run(x) for x in runs[config])
+            by_kind = zip(*runs[config], strict=True)  # the median run by tok/s of direct, openai, plain
+            results[config][n] = d, g, r = tuple(sorted(x, key=lambda run: run.tok_s)[len(x) // 2] for x in by_kind)
             print(f"[{config} cores] {describe_count(n, (d, g, r))}")
         print(f"load average {load()}", flush=True)
-    gateway.close()
+    gateway.server.close()
     backend.close()
     top = max(counts)
-    ratio = {c: results[c][top][1].tok_s / results[c][top][0].tok_s for c in configs}
-    plain = {c: results[c][top][2].tok_s / results[c][top][0].tok_s for c in configs}
+    ratio, plain = ({c: results[c][top][k].tok_s / results[c][top][0].tok_s for c in configs} for k in (1, 2))
     print(f"at {top} sessions, gateway / direct tok/s: " + "; ".join(
         f"{c} cores {ratio[c]:.3f} (openai clients), {plain[c]:.3f} (plain HTTP)" for c in configs))
     d, g, _ = results[configs[0]][top]
@@ -534,7 +488,8 @@ def main() -> None:
                    load_average_end=load(), latency_median_ms=round(statistics.median(gateway_lat) * 1e3, 2),
                    latency_p99_ms=round(pct(gateway_lat, 0.99) * 1e3, 2),
                    direct_latency_median_ms=round(statistics.median(direct_lat) * 1e3, 2),
-                   direct_latency_p99_ms=round(pct(direct_lat, 0.99) * 1e3, 2), by_cores={c: figures(results[c]) for c in configs})
+                   direct_latency_p99_ms=round(pct(direct_lat, 0.99) * 1e3, 2),
+                   by_cores={c: figures(results[c]) for c in configs})
 
 
 if __name__ == "__main__":

@@ -87,11 +87,9 @@ def play(chat: Any, end_id: int, turns: list[tuple[str, bool, dict[str, Any] | N
         generated.append((len(ids), turn))
         session.record(chat, prompt_ids=ids, token_ids=turn, logprobs=[0.0] * len(turn), version=0,
                        finish_reason="stop" if ended else "length", turn_text=text, served=ServedAdapter(version=0))
-        parsed = parse_hermes(text)
-        if parsed.tool_calls:  # as an OpenAI client sends it back
-            messages.append({"role": "assistant", "content": None, "tool_calls": parsed.tool_calls})
-        else:
-            messages.append({"role": "assistant", "content": text})
+        tool_calls = parse_hermes(text).tool_calls  # sent back as an OpenAI client does
+        messages.append({"role": "assistant", "content": None, "tool_calls": tool_calls} if tool_calls
+                        else {"role": "assistant", "content": text})
         if follow is not None:
             messages.append(dict(follow))
     final = chat.encode_text(chat.render(template_messages(messages), add_generation_prompt=False, tools=tools),
@@ -109,7 +107,7 @@ def main() -> None:
     from loraflow.common.chat import ChatFormat
     from loraflow.common.model_zoo import FAMILIES, build_model
 
-    rows, clean, cells = [], 0, 0
+    rows = []
     with tempfile.TemporaryDirectory() as tmp:
         for family in args.families.split(",") if args.families else [*FAMILIES, "qwen2.5"]:
             base = "qwen2" if family == "qwen2.5" else family
@@ -122,14 +120,13 @@ def main() -> None:
                 tokenizer.chat_template, tools = QWEN25_TEMPLATE, [CALCULATOR]
             chat = ChatFormat(tokenizer, name=family)
             end_id = tokenizer.convert_tokens_to_ids(END_OF_TURN[base])
-            cells_of = {name: play(chat, end_id, turns, tools) for name, turns in SCENARIOS.items()}
-            clean += sum(c[0] == 0 for c in cells_of.values())
-            cells += len(cells_of)
-            rows.append((family, cells_of))
+            rows.append((family, {name: play(chat, end_id, turns, tools) for name, turns in SCENARIOS.items()}))
+
     def cell(div: int, drift: int, reasons: dict) -> str:
         why = " (" + ", ".join(f"{k} {v}" for k, v in sorted(reasons.items())) + ")" if reasons else ""
         return f"div {div}{why} / drift {drift}"
 
+    clean, cells = sum(c[n][0] == 0 for _, c in rows for n in SCENARIOS), len(rows) * len(SCENARIOS)
     harness.table(["family", *SCENARIOS, "prefix-preserving"],
                   [(family, *(cell(*c[n]) for n in SCENARIOS), f"{sum(c[n][0] == 0 for n in SCENARIOS)}/{len(SCENARIOS)}")
                    for family, c in rows])
