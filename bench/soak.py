@@ -72,7 +72,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--sample-every", type=float, default=10.0, help="seconds between samples")
     parser.add_argument("--window-s", type=float, default=60.0, help="seconds of one rate window (the first is "
                         "the warm-up and the reference)")
-    args = harness.parse(parser, argv, minutes=0.3, workers=2, groups=2, sample_every=1.0, window_s=6.0)
+    args = harness.parse(parser, argv, minutes=0.2, workers=2, groups=2, sample_every=1.0, window_s=4.0)
     with tempfile.TemporaryDirectory(prefix="soak-") as tmp:
         tmp_path, procs = Path(tmp), Processes(Path(tmp))
         run_dir = tmp_path / "run"
