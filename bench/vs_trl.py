@@ -29,25 +29,14 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import statistics
 import sys
-import tempfile
 import time
 from pathlib import Path
 
 from bench import harness
+from bench.accuracy_runs import Side, child_side, median_breakdown, median_of, print_races, race
 from bench.report import report
-from bench.time_to_accuracy import (
-    Side,
-    child_side,
-    demo_base,
-    describe,
-    loraflow_breakdown,
-    loraflow_side,
-    make_evaluate,
-    run_demo,
-)
-from loraflow.common.config import Config, load_config
+from loraflow.common.config import load_config
 from loraflow.deploy.launcher import DEMO_CONFIG
 
 
@@ -118,25 +107,6 @@ def trl_side(config_path: Path, base: Path, out: Path, args: argparse.Namespace)
     return child_side("TRL GRPOTrainer", command, out, args.max_duration + 600)[0]
 
 
-def one_seed(seed: int, tmp: Path, args: argparse.Namespace) -> tuple[Side, Side, dict[str, float]]:
-    base = demo_base(args, seed)
-    print(f"seed {seed}: demo base {base}; load average {os.getloadavg()[0]:.1f}", flush=True)
-    run_dir = tmp / f"loraflow-{seed}"
-    run_demo(run_dir, args, seed, base)
-    config: Config = load_config(run_dir / "config.toml")
-    ours = loraflow_side(run_dir, config)
-    peer = trl_side(run_dir / "config.toml", base, tmp / f"trl-{seed}", args)
-    evaluate = make_evaluate(config, args.num_prompts)
-    for side in (ours, peer):
-        side.reach(args.target, evaluate)
-        print(f"seed {seed} {describe(side)}", flush=True)
-    if ours.seconds_to_target is None or peer.seconds_to_target is None:
-        raise SystemExit("a side did not reach the target; raise --max-steps or lower --target")
-    timeline = loraflow_breakdown(run_dir, ours)
-    print(f"seed {seed} loraflow's step timeline: " + json.dumps(timeline), flush=True)
-    return ours, peer, timeline
-
-
 def main() -> None:
     demo = load_config(DEMO_CONFIG)
     parser = harness.parser(__doc__)
@@ -149,7 +119,7 @@ def main() -> None:
     parser.add_argument("--max-staleness", type=int, default=None, help="loraflow's (default: the demo's)")
     parser.add_argument("--set", action="append", default=[], help="a config override for both sides")
     parser.add_argument("--trl-child", nargs=3, metavar=("CONFIG", "BASE", "OUT"), help=argparse.SUPPRESS)
-    args = parser.parse_args()
+    args = harness.parse(parser, None, seeds="0", max_steps=4, target=0.0, adapter_every=2, num_prompts=20)
     if args.trl_child:
         trl_child(Path(args.trl_child[0]), Path(args.trl_child[1]), Path(args.trl_child[2]), args.max_steps,
                   args.adapter_every)
@@ -158,36 +128,21 @@ def main() -> None:
         import trl  # noqa: F401
     except ImportError:
         raise SystemExit("bench/vs_trl.py needs TRL: pip install -e '.[peer]'") from None
-    if args.quick:
-        args.seeds, args.max_steps, args.target, args.adapter_every, args.num_prompts = "0", 4, 0.0, 2, 20
-    seeds = [int(s) for s in args.seeds.split(",")]
-    rows = []
-    with tempfile.TemporaryDirectory(prefix="bench-vs-trl-") as tmp:
-        for seed in seeds:
-            rows.append((seed, *one_seed(seed, Path(tmp), args)))
-    print("\n| seed | loraflow start-up | loraflow training to target | samples | TRL start-up | TRL training | "
-          "samples | ratio | samples ratio |\n|---|---|---|---|---|---|---|---|---|")
-    for seed, ours, peer, _ in rows:
-        print(f"| {seed} | {ours.startup_s:.1f} s | {ours.seconds_to_target:.1f} s (v{ours.version_at_target}) | "
-              f"{ours.samples_to_target} | {peer.startup_s:.1f} s | {peer.seconds_to_target:.1f} s "
-              f"(v{peer.version_at_target}) | {peer.samples_to_target} | "
-              f"{ours.seconds_to_target / max(peer.seconds_to_target, 1e-9):.2f} | "
-              f"{ours.samples_to_target / peer.samples_to_target:.2f} |")
-    median = statistics.median
-    timeline = {key: round(median(t.get(key, 0.0) for *_, t in rows), 4) for key in rows[0][3]}
-    report("vs_trl", f"training_s_to_{args.target:.2f}", median(o.seconds_to_target for _, o, _, _ in rows), "s",
-           median(p.seconds_to_target for _, _, p, _ in rows),
-           ratio=median(o.seconds_to_target / max(p.seconds_to_target, 1e-9) for _, o, p, _ in rows),
-           samples_ratio=round(median(o.samples_to_target / p.samples_to_target for _, o, p, _ in rows), 4),
-           startup_s_loraflow=round(median(o.startup_s for _, o, _, _ in rows), 2),
-           startup_s_trl=round(median(p.startup_s for _, _, p, _ in rows), 2),
-           seeds=seeds, loraflow_s=[round(o.seconds_to_target, 2) for _, o, _, _ in rows],
-           trl_s=[round(p.seconds_to_target, 2) for _, _, p, _ in rows],
-           loraflow_samples=[o.samples_to_target for _, o, _, _ in rows],
-           trl_samples=[p.samples_to_target for _, _, p, _ in rows],
-           loraflow_s_per_step=round(median(o.seconds_per_step for _, o, _, _ in rows), 4),
-           trl_s_per_step=round(median(p.seconds_per_step for _, _, p, _ in rows), 4),
-           load_average=round(os.getloadavg()[0], 2), loraflow_timeline=timeline)
+    races = race(args, lambda run_dir, tmp, seed, base: trl_side(run_dir / "config.toml", base, tmp / f"trl-{seed}",
+                                                                 args))
+    print_races(races, "TRL")
+    report("vs_trl", f"training_s_to_{args.target:.2f}", median_of(races, lambda r: r.ours.seconds_to_target), "s",
+           median_of(races, lambda r: r.peer.seconds_to_target), ratio=median_of(races, lambda r: r.ratio),
+           samples_ratio=round(median_of(races, lambda r: r.samples_ratio), 4),
+           startup_s_loraflow=round(median_of(races, lambda r: r.ours.startup_s), 2),
+           startup_s_trl=round(median_of(races, lambda r: r.peer.startup_s), 2),
+           seeds=[r.seed for r in races], loraflow_s=[round(r.ours.seconds_to_target, 2) for r in races],
+           trl_s=[round(r.peer.seconds_to_target, 2) for r in races],
+           loraflow_samples=[r.ours.samples_to_target for r in races],
+           trl_samples=[r.peer.samples_to_target for r in races],
+           loraflow_s_per_step=round(median_of(races, lambda r: r.ours.seconds_per_step), 4),
+           trl_s_per_step=round(median_of(races, lambda r: r.peer.seconds_per_step), 4),
+           load_average=round(os.getloadavg()[0], 2), loraflow_timeline=median_breakdown([r.ours for r in races]))
 
 
 if __name__ == "__main__":
