@@ -236,6 +236,21 @@ class Race:
         return self.ours.samples_to_target / self.peer.samples_to_target
 
 
+def race_parser(doc: str | None) -> argparse.ArgumentParser:
+    """The flags of a race (:func:`race`), on :func:`bench.harness.parser`; the demo's config gives the defaults."""
+    demo = load_config(DEMO_CONFIG)
+    parser = harness.parser(doc)
+    parser.add_argument("--seeds", default="0,1,2", help="comma-separated run.seed values (each its own base)")
+    parser.add_argument("--target", type=float, default=demo.eval.target_accuracy)
+    parser.add_argument("--max-steps", type=int, default=100, help="learner steps of each side")
+    parser.add_argument("--max-duration", type=float, default=240.0, help="per loraflow run, seconds")
+    parser.add_argument("--adapter-every", type=int, default=2, help="save a PEFT adapter every N versions/steps")
+    parser.add_argument("--num-prompts", type=int, default=demo.eval.num_prompts, help="held-out prompts")
+    parser.add_argument("--max-staleness", type=int, default=None, help="loraflow's (default: the demo's)")
+    parser.add_argument("--set", action="append", default=[], help="a config override for both sides")
+    return parser
+
+
 def race(args: argparse.Namespace, peer: Callable[[Path, Path, int, Path], Side]) -> list[Race]:
     """For each of ``args.seeds``: the demo (:func:`run_demo`), then ``peer(run_dir, scratch, seed, base)`` on the
     same base and resolved config; both sides' adapters evaluated to ``args.target``, loraflow's breakdown kept."""

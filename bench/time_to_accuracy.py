@@ -37,10 +37,8 @@ import sys
 from pathlib import Path
 
 from bench import harness
-from bench.accuracy_runs import Side, child_side, median_breakdown, median_of, print_races, race
+from bench.accuracy_runs import Side, child_side, median_breakdown, median_of, print_races, race, race_parser
 from bench.report import report
-from loraflow.common.config import load_config
-from loraflow.deploy.launcher import DEMO_CONFIG
 
 
 def reference_side(run_dir: Path, out: Path, args: argparse.Namespace) -> Side:
@@ -55,17 +53,8 @@ def reference_side(run_dir: Path, out: Path, args: argparse.Namespace) -> Side:
 
 
 def main() -> None:
-    demo = load_config(DEMO_CONFIG)
-    parser = harness.parser(__doc__)
-    parser.add_argument("--seeds", default="0,1,2", help="comma-separated run.seed values (each its own base)")
-    parser.add_argument("--target", type=float, default=demo.eval.target_accuracy)
-    parser.add_argument("--max-steps", type=int, default=100, help="learner steps of each run")
-    parser.add_argument("--max-duration", type=float, default=240.0, help="per loraflow run, seconds")
-    parser.add_argument("--adapter-every", type=int, default=2, help="save a PEFT adapter every N versions")
-    parser.add_argument("--num-prompts", type=int, default=demo.eval.num_prompts, help="held-out prompts")
+    parser = race_parser(__doc__)
     parser.add_argument("--threads", type=int, default=0, help="the reference's torch threads (0 = every core)")
-    parser.add_argument("--max-staleness", type=int, default=None, help="loraflow's (default: the demo's)")
-    parser.add_argument("--set", action="append", default=[], help="a config override for both sides")
     args = harness.parse(parser, None, seeds="0", target=0.0, max_steps=2, max_duration=120.0, num_prompts=4)
     races = race(args, lambda run_dir, tmp, seed, base: reference_side(run_dir, tmp / f"reference-{seed}", args))
     print_races(races, "reference")

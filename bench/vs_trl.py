@@ -34,10 +34,9 @@ import time
 from pathlib import Path
 
 from bench import harness
-from bench.accuracy_runs import Side, child_side, median_breakdown, median_of, print_races, race
+from bench.accuracy_runs import Side, child_side, median_breakdown, median_of, print_races, race, race_parser
 from bench.report import report
 from loraflow.common.config import load_config
-from loraflow.deploy.launcher import DEMO_CONFIG
 
 
 def trl_child(config_path: Path, base: Path, out: Path, steps: int, adapter_every: int) -> None:
@@ -108,16 +107,7 @@ def trl_side(config_path: Path, base: Path, out: Path, args: argparse.Namespace)
 
 
 def main() -> None:
-    demo = load_config(DEMO_CONFIG)
-    parser = harness.parser(__doc__)
-    parser.add_argument("--seeds", default="0,1,2", help="comma-separated run.seed values (each its own base)")
-    parser.add_argument("--target", type=float, default=demo.eval.target_accuracy)
-    parser.add_argument("--max-steps", type=int, default=100, help="learner steps of each side")
-    parser.add_argument("--max-duration", type=float, default=240.0, help="per loraflow run, seconds")
-    parser.add_argument("--adapter-every", type=int, default=2, help="save a PEFT adapter every N versions/steps")
-    parser.add_argument("--num-prompts", type=int, default=demo.eval.num_prompts, help="held-out prompts")
-    parser.add_argument("--max-staleness", type=int, default=None, help="loraflow's (default: the demo's)")
-    parser.add_argument("--set", action="append", default=[], help="a config override for both sides")
+    parser = race_parser(__doc__)
     parser.add_argument("--trl-child", nargs=3, metavar=("CONFIG", "BASE", "OUT"), help=argparse.SUPPRESS)
     args = harness.parse(parser, None, seeds="0", max_steps=4, target=0.0, adapter_every=2, num_prompts=20)
     if args.trl_child:
