@@ -28,6 +28,7 @@ Last line: value = median load (ms) with the busy thread, reference = without, r
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import statistics
 import subprocess
@@ -35,6 +36,7 @@ import sys
 import tempfile
 import threading
 import time
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -65,7 +67,7 @@ def measure(model: Path, dirs: list[Path], dtype: str, generate_tokens: int) -> 
     generate 16 samples of ``generate_tokens`` tokens without, then with, one."""
     import torch
 
-    from loraflow.rollout_worker.adapters import WEIGHTS_FILE, ReceivedAdapter, tensors_sha256
+    from loraflow.rollout_worker.adapters import WEIGHTS_FILE
     from loraflow.rollout_worker.backends.base import GenRequest, Sampling
     from loraflow.rollout_worker.backends.hf import HfBackend
 
@@ -73,25 +75,8 @@ def measure(model: Path, dirs: list[Path], dtype: str, generate_tokens: int) -> 
     backend = HfBackend(model, sampling=Sampling(), device="cpu", dtype=dtype)
     out: dict[str, Any] = {}
     for busy in (False, True):
-        stop = threading.Event()
-        spinner = threading.Thread(target=_spin, args=(stop,), daemon=True)
-        if busy:
-            spinner.start()
-        times = []
-        for version, path in enumerate(dirs, 1):
-            weights = path / WEIGHTS_FILE
-            adapter = ReceivedAdapter(version=version, sha256=tensors_sha256(weights), path=path,
-                                      config=json.loads((path / "adapter_config.json").read_text()),
-                                      num_bytes=weights.stat().st_size, received_unix=time.time())
-            started = time.perf_counter()
-            backend.add_adapter(adapter)
-            times.append((time.perf_counter() - started) * 1000)
-            backend.retain({version})
-            if backend.served(version).sha256 != adapter.sha256:
-                raise SystemExit(f"v{version}: the backend holds other weights than the file's")
-        stop.set()
-        if busy:
-            spinner.join()
+        with spinning(busy):
+            times = load_each(backend, dirs)
         backend.retain(set())
         later = times[2:]
         out["busy" if busy else "idle"] = {"median_ms": round(statistics.median(later), 2),
@@ -101,17 +86,46 @@ def measure(model: Path, dirs: list[Path], dtype: str, generate_tokens: int) -> 
     requests = [GenRequest(token_ids=backend.encode("12+34="), max_tokens=generate_tokens, version=0, key=f"s{i}")
                 for i in range(16)]
     for busy in (False, True):
-        stop = threading.Event()
-        spinner = threading.Thread(target=_spin, args=(stop,), daemon=True)
-        if busy:
-            spinner.start()
+        with spinning(busy):
+            started = time.perf_counter()
+            tokens = sum(len(o.token_ids) for o in backend.generate(requests))
+            elapsed = time.perf_counter() - started
+        out[f"generate_tok_s_{'busy' if busy else 'idle'}"] = round(tokens / elapsed, 1)
+    return out
+
+
+def load_each(backend: Any, dirs: list[Path]) -> list[float]:
+    """Milliseconds of each version's ``add_adapter`` (then ``retain`` of it alone), checking what is served."""
+    from loraflow.rollout_worker.adapters import WEIGHTS_FILE, ReceivedAdapter, tensors_sha256
+
+    times = []
+    for version, path in enumerate(dirs, 1):
+        weights = path / WEIGHTS_FILE
+        adapter = ReceivedAdapter(version=version, sha256=tensors_sha256(weights), path=path,
+                                  config=json.loads((path / "adapter_config.json").read_text()),
+                                  num_bytes=weights.stat().st_size, received_unix=time.time())
         started = time.perf_counter()
-        tokens = sum(len(o.token_ids) for o in backend.generate(requests))
-        out[f"generate_tok_s_{'busy' if busy else 'idle'}"] = round(tokens / (time.perf_counter() - started), 1)
+        backend.add_adapter(adapter)
+        times.append((time.perf_counter() - started) * 1000)
+        backend.retain({version})
+        if backend.served(version).sha256 != adapter.sha256:
+            raise SystemExit(f"v{version}: the backend holds other weights than the file's")
+    return times
+
+
+@contextlib.contextmanager
+def spinning(busy: bool) -> Iterator[None]:
+    """With ``busy``, a thread spinning in Python meanwhile (the worker's own threads competing for the GIL)."""
+    stop = threading.Event()
+    spinner = threading.Thread(target=_spin, args=(stop,), daemon=True)
+    if busy:
+        spinner.start()
+    try:
+        yield
+    finally:
         stop.set()
         if busy:
             spinner.join()
-    return out
 
 
 def _spin(stop: threading.Event) -> None:
