@@ -3,12 +3,10 @@
     sudo .venv/bin/python -m bench.net_faults [--prompts 300] [--repeats 2] [--fault-prompts 520]
                                               [--fault-tokens-per-s 10]
 
-Runs on the bed of bench/netbed.py (CURVE on, every role started by deploy/scripts, tiny model, sim generation):
-``loopback`` (every role on one host, the reference) and ``multi_host`` (each role on its own host), interleaved
-``--repeats`` times, ``--prompts`` each; then one multi-host run of ``--fault-prompts`` paced at
-``--fault-tokens-per-s`` through netbed.FAULTS in turn (what recovery took, which groups were generated again
-and why). Every run ends with tests/fault's ledger audit. The figure: the multi-host runs' median groups trained
-per second (first to last learner step); the reference: the loopback runs'. Needs root.
+On the bed of bench/netbed.py (tiny model, sim generation): ``loopback`` (every role on one host) and
+``multi_host`` runs of ``--prompts``, interleaved ``--repeats`` times, then one multi-host run of ``--fault-prompts``
+at ``--fault-tokens-per-s`` through netbed.FAULTS in turn; each run ends with tests/fault's audit. The figure: the
+multi-host runs' median groups trained per second (first to last step); the reference: the loopback runs'.
 """
 
 from __future__ import annotations
@@ -50,9 +48,8 @@ def one_run(root: Path, model_dir: Path, *, loopback: bool, prompts: int, tokens
             print(f"  {json.dumps(results[-1])}", flush=True)
         c.wait_all_trained(600)
         c.stop()
-        audit = c.audit()
-        return {"start_to_first_step_s": round(first_step_s, 1), "groups_per_s": round(c.throughput(), 2),
-                "faults": results, "audit": audit.summary()}
+        return {"start_to_first_step_s": round(first_step_s, 1), "groups_per_s": round(c.rate(), 2),
+                "faults": results, "audit": c.audit().summary()}
     except BaseException:
         print(c.procs.logs()[-6000:], file=sys.stderr)
         raise

@@ -1,16 +1,6 @@
-"""A multi-host loraflow test bed in Linux network namespaces: the hosts, their network, the roles and faults.
-
-:class:`Network`: one namespace per host, veth pairs to a bridge in a namespace of its own (the "switch"), one
-address each in a private /24, no route beyond it; each host has its own hostname (a UTS namespace) and an
-``/etc/netns/<ns>/hosts`` naming every test host. :meth:`Network.destroy` kills what is left (by pid) and removes
-it all, after any failure; names carry the creator's pid, so :func:`sweep_orphans` removes beds of a killed creator.
-
-:class:`Cluster` runs loraflow on those hosts with the scripts the systemd units call (``deploy/scripts`` under
-``ip netns exec``): a broker host, a learner of ``learner_nodes`` torchrun nodes (one rank each, c10d on node 0,
-gloo, one shared run dir), worker hosts, CURVE on (each client host holds ``broker.key`` and its own secret).
-:data:`FAULTS` (bench/net_faults.py, tests/net) measure from the files the roles write: the learner's ledger and
-the roles' JSON logs. ``loopback=True`` puts every role on one host: the throughput reference. Needs root and
-iproute2 (:func:`require_root`).
+"""A multi-host loraflow test bed in Linux network namespaces: the hosts and their network (:class:`Network`),
+loraflow on them started by ``deploy/scripts`` as the systemd units start it, CURVE on (:class:`Cluster`), and
+:data:`FAULTS`, measured from the files the roles write (the learner's ledger, the roles' JSON logs). Needs root.
 """
 
 from __future__ import annotations
@@ -24,7 +14,6 @@ import signal
 import subprocess
 import sys
 import time
-import uuid
 from collections import Counter
 from collections.abc import Iterator
 from dataclasses import dataclass, field
@@ -38,11 +27,14 @@ from tests.fault.system import write_config
 from tests.support import Proc, Processes, child_env, wait_for
 
 REPO = Path(__file__).resolve().parent.parent
-
 SCRIPTS = REPO / "deploy" / "scripts"
-BROKER_PORT = 5555
-RDZV_PORT = 29500
-RELAY_PORT = 6555
+BROKER_PORT, RDZV_PORT, RELAY_PORT = 5555, 29500, 6555
+PROBE_BYTES = 96 * 1024  # bandwidth_limited's link probe: ~0.7 s at 1 mbit, a few ms unlimited
+# Network.transfer_s's ends (argv: address, port, bytes): a sink answering the last byte, a sender timing the answer
+_SINK = ("import socket,sys\ns=socket.create_server((sys.argv[1],int(sys.argv[2])))\nprint('up',flush=True)\n"
+         "c,_=s.accept()\nc.makefile('rb').read(int(sys.argv[3]))\nc.sendall(b'k')\n")
+_SENDER = ("import socket,sys,time\nt=time.monotonic()\nc=socket.create_connection((sys.argv[1],int(sys.argv[2])))\n"
+           "c.sendall(bytes(int(sys.argv[3])))\nc.recv(1)\nprint(time.monotonic()-t)\n")
 
 
 class BedUnavailable(RuntimeError):
@@ -64,15 +56,19 @@ def _sh(*argv: str, check: bool = True) -> subprocess.CompletedProcess:
     return done
 
 
+def _ip(ns: str, *commands: str) -> None:
+    for command in commands:  # each as typed after ``ip -n <ns>``: "link set eth0 up"
+        _sh("ip", "-n", ns, *command.split())
+
+
 @dataclass
 class Network:
-    """Hosts as namespaces on one bridge. ``hosts``: names in order; host i gets ``<prefix>.<i + 2>``."""
+    """Hosts as namespaces cabled (veths) to a bridge in a "switch" namespace; host i is ``<prefix>.<i + 2>``/24."""
 
     hosts: list[str]
     prefix: str = "10.231.7"
-    # names carry the creating process's pid, so a bed whose creator was killed outright can be swept later
-    tag: str = field(default_factory=lambda: f"{os.getpid()}.{uuid.uuid4().hex[:4]}")
-    made: list[str] = field(default_factory=list)  # namespaces made so far (destroy removes exactly these)
+    tag: str = field(default_factory=lambda: f"{os.getpid()}.{os.urandom(2).hex()}")  # the creator's: sweep_orphans
+    made: list[str] = field(default_factory=list)  # the namespaces made so far: what destroy() removes
 
     def ns(self, host: str) -> str:
         return f"lf{self.tag}-{host}"
@@ -91,31 +87,22 @@ class Network:
     def create(self) -> Network:
         require_root()
         sweep_orphans()
+        names = "".join(f"{self.address(h)} {h}\n" for h in self.hosts)
         try:
-            self._add_ns(self.switch)
-            _sh("ip", "-n", self.switch, "link", "add", "br0", "type", "bridge")
-            _sh("ip", "-n", self.switch, "link", "set", "br0", "up")
-            names = "".join(f"{self.address(h)} {h}\n" for h in self.hosts)
+            for ns in [self.switch, *map(self.ns, self.hosts)]:
+                _sh("ip", "netns", "add", ns)
+                self.made.append(ns)
+            _ip(self.switch, "link add br0 type bridge", "link set br0 up")
             for host in self.hosts:
-                ns = self.ns(host)
-                self._add_ns(ns)
-                _sh("ip", "-n", self.switch, "link", "add", self.port(host), "type", "veth", "peer", "name", "eth0",
-                    "netns", ns)
-                _sh("ip", "-n", self.switch, "link", "set", self.port(host), "master", "br0", "up")
-                _sh("ip", "-n", ns, "addr", "add", f"{self.address(host)}/24", "dev", "eth0")
-                _sh("ip", "-n", ns, "link", "set", "eth0", "up")
-                _sh("ip", "-n", ns, "link", "set", "lo", "up")
-                etc = Path("/etc/netns") / ns
+                ns, port, etc = self.ns(host), self.port(host), Path("/etc/netns") / self.ns(host)
+                _ip(self.switch, f"link add {port} type veth peer name eth0 netns {ns}", f"link set {port} master br0 up")
+                _ip(ns, f"addr add {self.address(host)}/24 dev eth0", "link set eth0 up", "link set lo up")
                 etc.mkdir(parents=True, exist_ok=True)
                 (etc / "hosts").write_text(f"127.0.0.1 localhost\n{names}")
         except BaseException:
             self.destroy()
             raise
         return self
-
-    def _add_ns(self, ns: str) -> None:
-        _sh("ip", "netns", "add", ns)
-        self.made.append(ns)
 
     def argv(self, host: str, argv: list[str]) -> list[str]:
         """``argv`` run on ``host``: in its namespace, with its own hostname (a UTS namespace), as on a machine."""
@@ -125,55 +112,44 @@ class Network:
     def pids(self, host: str) -> list[int]:
         return _pids(self.ns(host))
 
-    def kill_host(self, host: str) -> list[int]:
-        """SIGKILL every process of the host (a power cut); returns their pids."""
+    def kill_host(self, host: str) -> list[int]:  # a power cut: every process SIGKILLed; their pids
         return _kill(self.ns(host))
 
     def link(self, host: str, up: bool) -> None:
         """Pull (or plug back) the host's cable: its switch port goes down, the host sees no carrier."""
-        _sh("ip", "-n", self.switch, "link", "set", self.port(host), "up" if up else "down")
+        _ip(self.switch, f"link set {self.port(host)} {'up' if up else 'down'}")
 
-    def limit(self, host: str, rate: str) -> None:
-        """A token bucket of ``rate`` (tc syntax, e.g. 2mbit) on the host's link, both directions."""
-        for ns, dev in ((self.ns(host), "eth0"), (self.switch, self.port(host))):
-            _sh("ip", "netns", "exec", ns, "tc", "qdisc", "replace", "dev", dev, "root", "tbf", "rate", rate,
-                "burst", "16kb", "latency", "500ms")
+    def unplug(self, host: str, down_s: float) -> tuple[float, float]:
+        """The host's cable out for ``down_s``: (when it was pulled, when it was back)."""
+        t_down = time.time()
+        self.link(host, False)
+        time.sleep(down_s)
+        self.link(host, True)
+        return t_down, time.time()
 
-    def unlimit(self, host: str) -> None:
+    def limit(self, host: str, rate: str | None) -> None:
+        """A token bucket of ``rate`` (tc syntax, e.g. 2mbit) on the host's link, both ways; None lifts it."""
         for ns, dev in ((self.ns(host), "eth0"), (self.switch, self.port(host))):
-            _sh("ip", "netns", "exec", ns, "tc", "qdisc", "del", "dev", dev, "root", check=False)
+            tc = f"replace dev {dev} root tbf rate {rate} burst 16kb latency 500ms" if rate else f"del dev {dev} root"
+            _sh("ip", "netns", "exec", ns, "tc", "qdisc", *tc.split(), check=rate is not None)
 
     def transfer_s(self, src: str, dst: str, num_bytes: int, port: int = 6999, timeout_s: float = 30.0) -> float:
-        """Seconds to move ``num_bytes`` over TCP from ``src`` to ``dst`` (a listener on ``dst``, a sender on
-        ``src``, each in its host's namespace): what the link itself carries now, apart from any loraflow
-        message. The sender times connect -> the listener's one-byte answer after it read every byte."""
-        listener = ("import socket,sys\ns=socket.create_server((sys.argv[1],int(sys.argv[2])))\nprint('up',flush=True)\n"
-                    "c,_=s.accept()\nn=0\nwhile n<int(sys.argv[3]):\n b=c.recv(1<<16)\n if not b: break\n n+=len(b)\n"
-                    "c.sendall(b'k')\n")
-        sender = ("import socket,sys,time\nt=time.monotonic()\nc=socket.create_connection((sys.argv[1],int(sys.argv[2])))\n"
-                  "c.sendall(bytes(int(sys.argv[3])))\nc.recv(1)\nprint(time.monotonic()-t)\n")
+        """Seconds to move ``num_bytes`` over TCP from ``src`` to ``dst``: what the link carries, loraflow aside."""
         args = [self.address(dst), str(port), str(num_bytes)]
-        server = subprocess.Popen(["ip", "netns", "exec", self.ns(dst), sys.executable, "-c", listener, *args],
-                                  stdout=subprocess.PIPE, text=True)
+        sink = subprocess.Popen(["ip", "netns", "exec", self.ns(dst), sys.executable, "-c", _SINK, *args],
+                                stdout=subprocess.PIPE, text=True)
         try:
-            assert server.stdout is not None and server.stdout.readline().strip() == "up", "the listener did not start"
-            done = subprocess.run(["ip", "netns", "exec", self.ns(src), sys.executable, "-c", sender, *args],
-                                  capture_output=True, text=True, timeout=timeout_s, check=True)
-            return float(done.stdout)
+            assert sink.stdout is not None and sink.stdout.readline().strip() == "up", "the listener did not start"
+            return float(subprocess.run(["ip", "netns", "exec", self.ns(src), sys.executable, "-c", _SENDER, *args],
+                                        capture_output=True, text=True, timeout=timeout_s, check=True).stdout)
         finally:
-            server.kill()
-            server.wait()
+            sink.kill()
+            sink.wait()
 
     def destroy(self) -> None:
-        """Every process in the namespaces killed, then namespaces (with their veths and bridge) and hosts files."""
-        for ns in self.made:
-            _kill(ns)
-        deadline = time.monotonic() + 10
-        while any(_pids(ns) for ns in self.made) and time.monotonic() < deadline:
-            time.sleep(0.05)
-        for ns in reversed(self.made):
-            _del(ns)
-        self.made.clear()
+        """Every namespace made removed (hosts before the switch), with its processes, veths and hosts file."""
+        while self.made:
+            _remove(self.made.pop())
 
 
 def _pids(ns: str) -> list[int]:
@@ -188,38 +164,40 @@ def _kill(ns: str) -> list[int]:
     return pids
 
 
-def _del(ns: str) -> None:
+def _remove(ns: str) -> None:
+    """The namespace's processes SIGKILLed (10 s at most to go), then the namespace and its hosts file removed."""
+    _kill(ns)
+    deadline = time.monotonic() + 10
+    while _pids(ns) and time.monotonic() < deadline:
+        time.sleep(0.05)
     _sh("ip", "netns", "del", ns, check=False)
     shutil.rmtree(Path("/etc/netns") / ns, ignore_errors=True)
+
+
+def sweep_orphans() -> list[str]:
+    """Remove the namespaces and hosts files of beds whose creator is gone (``lf<pid>.<hex>-<host>``, no pid)."""
+    orphans = [ns for ns in _sh("ip", "netns", "list", check=False).stdout.split()
+               if (made := re.fullmatch(r"lf(\d+)\.[0-9a-f]{4}-[\w-]+", ns)) and not Path(f"/proc/{made[1]}").exists()]
+    for ns in orphans:
+        _remove(ns)
+    return orphans
+
+
+def _ts(line: dict[str, Any]) -> float:  # structlog's ISO timestamp (local time) as Unix seconds
+    return datetime.fromisoformat(line["timestamp"]).timestamp()
 
 
 def _since(t: float | None, t0: float) -> float | None:
     return None if t is None else round(t - t0, 2)
 
 
-def sweep_orphans() -> list[str]:
-    """Remove the namespaces (and hosts files) of beds whose creating process is gone: a run killed with SIGKILL
-    never reached :meth:`Network.destroy`. Only names this module makes (``lf<pid>.<hex>-<host>``) are touched."""
-    swept = []
-    for line in _sh("ip", "netns", "list", check=False).stdout.splitlines():
-        ns = line.split()[0] if line.split() else ""
-        match = re.fullmatch(r"lf(\d+)\.[0-9a-f]{4}-[\w-]+", ns)
-        if match is None or Path(f"/proc/{match.group(1)}").exists():
-            continue
-        _kill(ns)
-        _del(ns)
-        swept.append(ns)
-    return swept
-
-
-def _ts(line: dict[str, Any]) -> float:
-    """A JSON log line's time (structlog's ISO timestamp, local time) as Unix seconds."""
-    return datetime.fromisoformat(line["timestamp"]).timestamp()
+def _first(lines: list[dict[str, Any]]) -> float | None:  # when the first of these lines was logged (None: none)
+    return min((_ts(x) for x in lines), default=None)
 
 
 @dataclass
 class Cluster:
-    """loraflow on a :class:`Network`: broker, learner nodes and workers started by deploy/scripts."""
+    """Broker, learner nodes (c10d on node 0, gloo) and workers on their hosts, or all on one if ``loopback``."""
 
     procs: Processes
     root: Path
@@ -234,13 +212,6 @@ class Cluster:
     net: Network | None = None
     roles: dict[str, Proc] = field(default_factory=dict)  # role -> its newest process
     incarnations: Counter = field(default_factory=Counter)
-    # made by setup(): each host's run dir (the learner nodes share one), the config, the CURVE key dirs
-    run_dirs: dict[str, Path] = field(default_factory=dict, init=False)
-    config: Path = field(init=False)
-    broker_keys: Path = field(init=False)
-    client_keys: dict[str, Path] = field(default_factory=dict, init=False)
-
-    # -- layout ------------------------------------------------------------------------------------------------
 
     @property
     def workers(self) -> list[str]:
@@ -250,124 +221,92 @@ class Cluster:
     def nodes(self) -> list[str]:
         return [f"learner-{r}" for r in range(self.learner_nodes)]
 
-    def host(self, role: str) -> str:
-        """The host (namespace) a role runs on: its own, or the one shared host of a loopback run."""
+    def host(self, role: str) -> str:  # the one host of a loopback run, else the role's own
         return "solo" if self.loopback else role
 
-    def setup(self) -> Cluster:
-        hosts = ["solo"] if self.loopback else ["broker", *self.nodes, *self.workers]
-        self.net = Network(hosts).create()
-        self.run_dirs = {h: self.root / "hosts" / h for h in ["broker", "learner", *self.workers]}
-        for path in self.run_dirs.values():
-            path.mkdir(parents=True, exist_ok=True)
-        self.config = write_config(
-            self.root / "run.toml", run_dir=self.root / "unused", model_dir=self.model_dir, backend="sim",
-            num_prompts=self.num_prompts, checkpoint_every=self.checkpoint_every, seed=17)
-        text = self.config.read_text()
-        assert "tokens_per_s = 200" in text, "tests/fault/system.write_config changed its [worker.sim] section"
-        self.config.write_text(text.replace("tokens_per_s = 200", f"tokens_per_s = {self.tokens_per_s}"))
-        self._make_keys()
-        return self
-
-    def _make_keys(self) -> None:
-        keys = self.root / "keys"
-        argv = [str(Path(sys.executable).parent / "loraflow"), "keys", str(keys), "--learner", "trainer"]
-        for w in self.workers:
-            argv += ["--worker", w]
-        subprocess.run(argv, check=True, capture_output=True, timeout=60, env=child_env())
-        # each client machine gets the broker's public key and its own key pair only
-        for name in ["trainer", *self.workers]:
-            own = self.root / "hosts" / f"keys-{name}"
-            own.mkdir(parents=True, exist_ok=True)
-            for f in ("broker.key", f"{name}.key_secret"):
-                shutil.copy(keys / f, own / f)
-            self.client_keys[name] = own
-        self.broker_keys = keys
+    def _host_port(self, host: str, port: int) -> str:
+        return f"127.0.0.1:{port}" if self.loopback else f"{host}:{port}"
 
     @property
     def endpoint(self) -> str:
-        return f"tcp://127.0.0.1:{BROKER_PORT}" if self.loopback else f"tcp://broker:{BROKER_PORT}"
+        return f"tcp://{self._host_port('broker', BROKER_PORT)}"
 
-    def _env(self, **extra: str) -> dict[str, str]:
-        return child_env(**{"LORAFLOW_VENV": str(Path(sys.executable).parent.parent), "LORAFLOW_CONFIG": str(self.config),
-                            "LORAFLOW_ENDPOINT": self.endpoint, **extra})
+    def _dir(self, name: str) -> Path:
+        """A run dir (``broker``, ``learner``, a worker's), a client's key dir (``keys-<client>``), a relay's file."""
+        return self.root / "hosts" / name
 
-    def _spawn(self, role: str, argv: list[str], env: dict[str, str], host: str | None = None) -> Proc:
+    def setup(self) -> Cluster:
+        """The network, the run dirs, one config, and per client a key dir: the broker's public key, its own pair."""
+        self.net = Network(["solo"] if self.loopback else ["broker", *self.nodes, *self.workers]).create()
+        for name in ["broker", "learner", *self.workers]:
+            self._dir(name).mkdir(parents=True, exist_ok=True)
+        config = write_config(self.root / "run.toml", run_dir=self.root / "unused", model_dir=self.model_dir,
+                              backend="sim", num_prompts=self.num_prompts, checkpoint_every=self.checkpoint_every, seed=17)
+        text = config.read_text()
+        assert "tokens_per_s = 200" in text, "tests/fault/system.write_config changed its [worker.sim] section"
+        config.write_text(text.replace("tokens_per_s = 200", f"tokens_per_s = {self.tokens_per_s}"))
+        subprocess.run([str(Path(sys.executable).parent / "loraflow"), "keys", str(self.root / "keys"), "--learner",
+                        "trainer", *(arg for w in self.workers for arg in ("--worker", w))],
+                       check=True, capture_output=True, timeout=60, env=child_env())
+        for name in ["trainer", *self.workers]:
+            self._dir(f"keys-{name}").mkdir(parents=True, exist_ok=True)
+            for f in ("broker.key", f"{name}.key_secret"):
+                shutil.copy(self.root / "keys" / f, self._dir(f"keys-{name}") / f)
+        return self
+
+    def _spawn(self, role: str, argv: list[str], host: str | None = None, **env: str) -> Proc:
         self.incarnations[role] += 1
-        proc = self.procs.spawn(f"{role}.{self.incarnations[role]}", self.net.argv(self.host(host or role), argv),
-                                env=env)
-        self.roles[role] = proc
-        return proc
-
-    # -- starting ----------------------------------------------------------------------------------------------
+        env = child_env(**{"LORAFLOW_VENV": str(Path(sys.executable).parent.parent), "LORAFLOW_ENDPOINT": self.endpoint,
+                           "LORAFLOW_CONFIG": str(self.root / "run.toml"), **env})
+        self.roles[role] = self.procs.spawn(f"{role}.{self.incarnations[role]}",
+                                            self.net.argv(self.host(host or role), argv), env=env)
+        return self.roles[role]
 
     def start(self) -> None:
         self.start_broker()
         for w in self.workers:
-            self.start_worker(w)
+            self._start_worker(w)
         self.start_learner()
 
     def start_broker(self) -> None:
-        endpoint_file = self.run_dirs["broker"] / "broker" / "endpoint"
+        endpoint_file = self._dir("broker") / "broker" / "endpoint"
         endpoint_file.unlink(missing_ok=True)
-        bind = f"tcp://127.0.0.1:{BROKER_PORT}" if self.loopback else f"tcp://0.0.0.0:{BROKER_PORT}"
-        proc = self._spawn("broker", [str(SCRIPTS / "broker.sh")], self._env(
-            LORAFLOW_BIND=bind, LORAFLOW_RUN_DIR=str(self.run_dirs["broker"]), LORAFLOW_KEYS_DIR=str(self.broker_keys)))
+        proc = self._spawn("broker", [str(SCRIPTS / "broker.sh")], LORAFLOW_RUN_DIR=str(self._dir("broker")),
+                           LORAFLOW_BIND=f"tcp://{self._host_port('0.0.0.0', BROKER_PORT)}",
+                           LORAFLOW_KEYS_DIR=str(self.root / "keys"))
         wait_for(lambda: endpoint_file.is_file() and endpoint_file.read_text().strip() or not proc.alive(), 60,
                  "the broker to bind", self.procs)
         assert proc.alive(), proc.log()[-3000:]
 
-    def start_worker(self, w: str) -> None:
-        endpoint = {}
+    def _start_worker(self, w: str) -> None:
+        """Worker ids are <hostname>-<instance>: w2-1, or solo-2 in a loopback run. A proxied one dials its relay."""
+        endpoint = f"tcp://127.0.0.1:{RELAY_PORT}" if w in self.proxied else self.endpoint
         if w in self.proxied:
-            self._start_relay(w)
-            endpoint = {"LORAFLOW_ENDPOINT": f"tcp://127.0.0.1:{RELAY_PORT}"}
-        # the worker id is <hostname>-<instance>: w2-1 (w2's loraflow-worker@1); in a loopback run solo-2
-        self._spawn(w, [str(SCRIPTS / "worker.sh"), w[1:] if self.loopback else "1"], self._env(
-            LORAFLOW_RUN_DIR=str(self.run_dirs[w]), LORAFLOW_KEYS_DIR=str(self.client_keys[w]), LORAFLOW_WORKER_KEY=w,
-            **endpoint))
+            relay = self._spawn(f"{w}-relay", [sys.executable, str(REPO / "bench" / "netproxy.py"), f"127.0.0.1:{RELAY_PORT}",
+                                               self.endpoint.removeprefix("tcp://"), str(self.relay(w, delay_ms=0, reset=0))], host=w)
+            wait_for(lambda: "listening" in relay.log() or not relay.alive(), 30, f"the relay on {w}", self.procs)
+            assert relay.alive(), relay.log()
+        self._spawn(w, [str(SCRIPTS / "worker.sh"), w[1:] if self.loopback else "1"], LORAFLOW_ENDPOINT=endpoint,
+                    LORAFLOW_RUN_DIR=str(self._dir(w)), LORAFLOW_KEYS_DIR=str(self._dir(f"keys-{w}")),
+                    LORAFLOW_WORKER_KEY=w)
 
-    def _start_relay(self, w: str) -> None:
-        role = f"{w}-relay"
-        if role in self.roles and self.roles[role].alive():
-            return
-        self.relay(w, delay_ms=0, reset=0)
-        proc = self._spawn(role, [sys.executable, str(REPO / "bench" / "netproxy.py"), f"127.0.0.1:{RELAY_PORT}",
-                                  self.endpoint.removeprefix("tcp://"), str(self._relay_control(w))], child_env(), host=w)
-        wait_for(lambda: "listening" in proc.log() or not proc.alive(), 30, f"the relay on {w}", self.procs)
-        assert proc.alive(), proc.log()
-
-    def _relay_control(self, w: str) -> Path:
-        return self.root / "hosts" / f"{w}-relay.json"
-
-    def relay(self, w: str, **settings: float) -> None:
-        """Change the relay's settings (``delay_ms``, ``reset``: see bench/netproxy.py); it reads them in 50 ms."""
-        path = self._relay_control(w)
-        current = json.loads(path.read_text()) if path.is_file() else {}
-        tmp = path.with_suffix(".tmp")
-        tmp.write_text(json.dumps({**current, **settings}))
-        tmp.replace(path)
+    def relay(self, w: str, **settings: float) -> Path:
+        """Change the relay's settings (``delay_ms``, ``reset``: bench/netproxy.py, read every 50 ms); its file."""
+        path, tmp = self._dir(f"{w}-relay.json"), self._dir(f"{w}-relay.tmp")
+        tmp.write_text(json.dumps({**(json.loads(path.read_text()) if path.is_file() else {}), **settings}))
+        return tmp.replace(path)
 
     def start_learner(self) -> None:
-        for node in self.nodes:
-            self.start_learner_node(node)
-
-    def start_learner_node(self, node: str) -> None:
-        rank = node.rsplit("-", 1)[1]
-        rdzv = f"127.0.0.1:{RDZV_PORT}" if self.loopback else f"learner-0:{RDZV_PORT}"
-        self._spawn(node, [str(SCRIPTS / "learner.sh")], self._env(
-            LORAFLOW_RUN_DIR=str(self.run_dirs["learner"]), LORAFLOW_KEYS_DIR=str(self.client_keys["trainer"]),
-            LORAFLOW_LEARNER_KEY="trainer", LORAFLOW_LEARNER_NNODES=str(self.learner_nodes),
-            LORAFLOW_LEARNER_NODE_RANK=rank, LORAFLOW_RDZV_ENDPOINT=rdzv))
-
-    # -- observing (files only: nothing outside the namespaces can reach the broker) ---------------------------
-
-    @property
-    def ledger_path(self) -> Path:
-        return self.run_dirs["learner"] / "learner" / "ledger.jsonl"
+        for rank, node in enumerate(self.nodes):
+            self._spawn(node, [str(SCRIPTS / "learner.sh")], LORAFLOW_RUN_DIR=str(self._dir("learner")),
+                        LORAFLOW_KEYS_DIR=str(self._dir("keys-trainer")), LORAFLOW_LEARNER_KEY="trainer",
+                        LORAFLOW_LEARNER_NNODES=str(self.learner_nodes), LORAFLOW_LEARNER_NODE_RANK=str(rank),
+                        LORAFLOW_RDZV_ENDPOINT=self._host_port("learner-0", RDZV_PORT))
 
     def ledger(self) -> list[dict[str, Any]]:
-        return read_ledger(self.ledger_path) if self.ledger_path.is_file() else []
+        """The learner's ledger (the roles are observed through their files only: nothing outside reaches them)."""
+        path = self._dir("learner") / "learner" / "ledger.jsonl"
+        return read_ledger(path) if path.is_file() else []
 
     def trained_ids(self, lines: list[dict[str, Any]] | None = None) -> set[str]:
         chain, _ = committed_chain(self.ledger() if lines is None else lines)
@@ -383,83 +322,53 @@ class Cluster:
     def role_logs(self, role: str) -> list[Path]:
         return sorted(self.root.glob(f"{role}.*.log"))
 
-    def log_lines(self, role: str) -> list[dict[str, Any]]:
-        return [x for p in self.role_logs(role) for x in read_json_lines(p) if "timestamp" in x]
+    def events(self, role: str, event: str | None = None, t0: float = -float("inf"),
+               t1: float = float("inf")) -> list[dict[str, Any]]:
+        """``role``'s JSON log lines (of ``event``, if given) logged in (t0, t1]."""
+        return [x for p in self.role_logs(role) for x in read_json_lines(p)
+                if "timestamp" in x and event in (None, x.get("event")) and t0 < _ts(x) <= t1]
 
-    def accepted_after(self, w: str, t: float) -> float | None:
-        """When the broker first accepted a group of worker ``w`` after ``t`` (the worker's ack; None: not yet)."""
-        return min((_ts(x) for x in _accepted(self, w, t, float("inf"))), default=None)
+    def accepted(self, w: str, t0: float, t1: float = float("inf")) -> list[dict[str, Any]]:
+        """Worker ``w``'s acks, logged in (t0, t1], of groups the broker accepted."""
+        return [x for x in self.events(w, "group_acked", t0, t1) if x.get("status") == "accepted"]
 
-    def event_after(self, role: str, event: str, t: float) -> float | None:
-        """When ``role`` (a worker or a learner node) first logged ``event`` after ``t`` (None: not yet)."""
-        return min((_ts(x) for x in self.log_lines(role) if x.get("event") == event and _ts(x) > t), default=None)
+    def wait_accepted(self, w: str, t: float, what: str) -> float:
+        return wait_for(lambda: _first(self.accepted(w, t)), 90, f"a group from {w} accepted after {what}",
+                        self.procs, interval_s=0.1)
 
     def regenerated(self, t0: float, t1: float) -> dict[str, Any]:
-        """Groups leased again in [t0, t1] after an earlier lease (generated twice), and the reasons the logs give:
-        how many times each of the broker's lines about expiries, dead peers, drops and restores was logged (one
-        line may cover several groups) and the workers' acks other than accepted, by status."""
-        leases: list[tuple[float, str]] = sorted(
-            (_ts(x), x["group_id"]) for w in self.workers for x in self.log_lines(w) if x.get("event") == "lease_granted")
-        seen: set[str] = set()
-        again = []
-        for t, gid in leases:
-            if gid in seen and t0 <= t <= t1:
-                again.append(gid)
-            seen.add(gid)
-        why: Counter[str] = Counter()
-        for x in self.log_lines("broker"):
-            if t0 <= _ts(x) <= t1 and x.get("event") in ("lease_expired", "peer_dead", "peer_restarted",
-                                                         "stale_groups_dropped", "withdrawn_groups_dropped",
-                                                         "group_refused", "state_restored", "learner_restarted"):
-                why[x["event"]] += 1
-        for w in self.workers:
-            for x in self.log_lines(w):
-                if t0 <= _ts(x) <= t1 and x.get("event") == "group_acked" and x.get("status") != "accepted":
-                    why[f"ack_{x.get('status')}"] += 1
-        return {"groups": len(set(again)), "why": dict(why)}
+        """Groups leased again in [t0, t1] (generated twice), and why: the broker's lines, workers' acks by status."""
+        leases = sorted((_ts(x), x["group_id"]) for w in self.workers for x in self.events(w, "lease_granted"))
+        first = {gid: t for t, gid in reversed(leases)}
+        again = {gid for t, gid in leases if t0 <= t <= t1 and t > first[gid]}
+        why = Counter(x["event"] for x in self.events("broker") if t0 <= _ts(x) <= t1 and x.get("event") in (
+            "lease_expired", "peer_dead", "peer_restarted", "stale_groups_dropped", "withdrawn_groups_dropped",
+            "group_refused", "state_restored", "learner_restarted"))
+        why.update(f"ack_{x.get('status')}" for w in self.workers for x in self.events(w, "group_acked")
+                   if t0 <= _ts(x) <= t1 and x.get("status") != "accepted")
+        return {"groups": len(again), "why": dict(why)}
 
-    def audit_so_far(self) -> Audit:
-        """The ledger part of the audit on a run still training: nothing trained twice, no withdrawn version."""
-        lines = self.ledger()  # read once: a step committed between two reads would look lost
-        return audit_learner(lines, self.trained_ids(lines))
-
-    def throughput(self) -> float:
-        """Groups trained per second in the committed history, from the first step to the last (start-up out)."""
+    def rate(self, t0: float | None = None, t1: float | None = None) -> float:
+        """Groups trained per second in the committed history in (t0, t1], by default its first step to its last."""
         chain, _ = committed_chain(self.ledger())
-        assert len(chain) >= 2, "a throughput needs two steps"
-        return self.rate(chain[0]["time_unix"], chain[-1]["time_unix"])
-
-    def rate(self, t0: float, t1: float) -> float:
-        """Groups trained per second in the committed history between t0 and t1."""
-        chain, _ = committed_chain(self.ledger())
+        if t0 is None or t1 is None:
+            assert len(chain) >= 2, "a throughput needs two steps"
+            t0, t1 = chain[0]["time_unix"], chain[-1]["time_unix"]
         n = sum(len(s["trained"]) + len(s["zero_variance"]) for s in chain if t0 < s["time_unix"] <= t1)
         return n / max(t1 - t0, 1e-9)
 
-    # -- stopping ----------------------------------------------------------------------------------------------
-
     def wait_all_trained(self, timeout_s: float) -> None:
-        expected = {f"0:{i}" for i in range(self.num_prompts)}
-        wait_for(lambda: self.trained_ids() >= expected, timeout_s, f"all {self.num_prompts} prompts trained",
+        wait_for(lambda: self.trained_ids() >= {f"0:{i}" for i in range(self.num_prompts)}, timeout_s, f"all {self.num_prompts} prompts trained",
                  self.procs, interval_s=0.2)
 
-    def rank_pids(self) -> list[int]:
-        """The learner's rank processes (torchrun's children, which carry RANK in their environment)."""
-        pids = []
-        for node in self.nodes:
-            for pid in self.net.pids(self.host(node)):
-                with contextlib.suppress(OSError):
-                    environ = Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
-                    if any(e.startswith(b"RANK=") for e in environ) and b"TORCHELASTIC_RUN_ID=loraflow-learner" in environ:
-                        pids.append(pid)
-        return sorted(set(pids))
-
     def stop(self) -> None:
-        """Clean stop as systemd would do it, learner first (its final checkpoint needs the broker): SIGTERM to
-        the ranks (torchrun's agent would turn its own SIGTERM into a failure), then workers, then the broker;
-        every script must exit 0."""
-        for pid in self.rank_pids():
-            with contextlib.suppress(ProcessLookupError):
-                os.kill(pid, signal.SIGTERM)
+        """As systemd stops it, each script exiting 0: learner first (its last checkpoint needs the broker), SIGTERM
+        to its ranks (torchrun's agent would make its own SIGTERM a failure), then workers, then the broker."""
+        for pid in sorted({pid for node in self.nodes for pid in self.net.pids(self.host(node))}):
+            with contextlib.suppress(OSError):
+                environ = Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
+                if any(e.startswith(b"RANK=") for e in environ) and b"TORCHELASTIC_RUN_ID=loraflow-learner" in environ:
+                    os.kill(pid, signal.SIGTERM)
         for node in self.nodes:
             proc = self.roles[node]
             wait_for(lambda proc=proc: not proc.alive(), 90, f"{node} to stop", self.procs)
@@ -472,12 +381,10 @@ class Cluster:
         """tests/fault's audit over the stopped run: the learner's and the broker's state read from their hosts."""
         view = self.root / "audit-view"
         view.mkdir(exist_ok=True)
-        for part, host in (("learner", "learner"), ("broker", "broker")):
-            link = view / part
-            if not link.exists():
-                link.symlink_to(self.run_dirs[host] / part)
-        worker_logs = [p for w in self.workers for p in self.role_logs(w)]
-        return audit_run(view, worker_logs, self.num_prompts)
+        for part in ("learner", "broker"):
+            if not (view / part).exists():
+                (view / part).symlink_to(self._dir(part) / part)
+        return audit_run(view, [p for w in self.workers for p in self.role_logs(w)], self.num_prompts)
 
     def teardown(self) -> None:
         self.procs.cleanup()
@@ -488,7 +395,6 @@ class Cluster:
 # -- faults, each while the run trains; each returns what it measured ------------------------------------------
 
 def remaining(c: Cluster) -> int:
-    """Prompts of the epoch not yet in the committed history."""
     return c.num_prompts - len(c.trained_ids())
 
 
@@ -505,68 +411,46 @@ def _fault(c: Cluster, fault: str, steps: int = 2, same: list[str] | None = None
         proc = c.roles[role]
         assert proc.pid == pid and proc.alive(), (
             f"{role} was restarted or died during the {fault} (it must reconnect by itself)\n{proc.log()[-3000:]}")
-    c.audit_so_far()
+    lines = c.ledger()  # read once: a step committed between two reads would look lost
+    audit_learner(lines, c.trained_ids(lines))  # nothing trained twice, no withdrawn version
 
 
-def _wait_accepted(c: Cluster, w: str, t: float, what: str) -> float:
-    return wait_for(lambda: c.accepted_after(w, t), 90, f"a group from {w} accepted after {what}", c.procs,
-                    interval_s=0.1)
+def _median_rtt(acks: list[dict[str, Any]]) -> float:
+    return round(sorted(x["rtt_ms"] for x in acks)[len(acks) // 2], 1) if acks else float("nan")
 
 
 def worker_link_down(c: Cluster, w: str = "w1", down_s: float = 10.0) -> dict[str, Any]:
-    """Pull the worker host's cable for ``down_s``: the others train on; after the restore the same worker process
-    gets a group accepted again, and every lease it held was returned or finished."""
+    """The worker host's cable out for ``down_s``: the others train on, then it does; its leases return or finish."""
     with _fault(c, "worker link fault"):
-        t_down = time.time()
-        c.net.link(w, False)
-        time.sleep(down_s)
-        c.net.link(w, True)
-        t_up = time.time()
+        t_down, t_up = c.net.unplug(w, down_s)
         steps_during = len([s for s in c.steps_since(t_down) if s["time_unix"] <= t_up])
-        t_back = _wait_accepted(c, w, t_up, "its link came back")
-    held, returned, finished = _leases_across(c, w, t_down)
+        t_back = c.wait_accepted(w, t_up, "its link came back")
+    held = ({x["group_id"] for x in c.events(w, "lease_granted", t1=t_down)}
+            - {x["group_id"] for x in c.events(w, "group_acked", t1=t_down)})
+    returned = held & {x["group_id"] for v in c.workers for x in c.events(v, "lease_granted", t_down)}
+    finished = held & {x["group_id"] for x in c.accepted(w, t_down)}
     assert held <= returned | finished, f"leases of {w} neither returned nor finished: {sorted(held - returned - finished)}"
-    return {"fault": "worker_link_down", "host": w, "down_s": round(t_up - t_down, 2), "steps_while_down": steps_during,
-            "restore_to_leased_s": _since(c.event_after(w, "lease_granted", t_up), t_up),
-            "restore_to_accepted_s": round(t_back - t_up, 2),
-            "leases_held": len(held), "leases_returned": len(held & returned), "leases_finished": len(held & finished),
-            "regenerated": c.regenerated(t_down, t_back)}
-
-
-def _leases_across(c: Cluster, w: str, t: float) -> tuple[set[str], set[str], set[str]]:
-    """The groups ``w`` held at ``t`` (leased, no ack yet), those leased again later (returned to the queue) and
-    those ``w`` itself got accepted later (finished)."""
-    lines = c.log_lines(w)
-    held = ({x["group_id"] for x in lines if x.get("event") == "lease_granted" and _ts(x) <= t}
-            - {x["group_id"] for x in lines if x.get("event") == "group_acked" and _ts(x) <= t})
-    returned = {x["group_id"] for v in c.workers for x in c.log_lines(v)
-                if x.get("event") == "lease_granted" and _ts(x) > t and x["group_id"] in held}
-    finished = {x["group_id"] for x in _accepted(c, w, t, float("inf")) if x["group_id"] in held}
-    return held, returned, finished
+    return {"fault": "worker_link_down", "host": w, "down_s": _since(t_up, t_down), "steps_while_down": steps_during,
+            "restore_to_leased_s": _since(_first(c.events(w, "lease_granted", t_up)), t_up),
+            "restore_to_accepted_s": _since(t_back, t_up), "leases_held": len(held), "leases_returned": len(returned),
+            "leases_finished": len(finished), "regenerated": c.regenerated(t_down, t_back)}
 
 
 def broker_link_down(c: Cluster, down_s: float = 10.0) -> dict[str, Any]:
-    """Pull the broker host's cable: after the restore every worker and the learner carry on, same processes."""
+    """The broker host's cable out: after it every worker and the learner carry on, the same processes."""
     with _fault(c, "broker link fault"):
-        t_down = time.time()
-        c.net.link("broker", False)
-        time.sleep(down_s)
-        c.net.link("broker", True)
-        t_up = time.time()
+        t_down, t_up = c.net.unplug("broker", down_s)
         # a step after the restore trained a batch that came over the restored link (a step takes < 1 s)
         step = c.wait_steps(1, t_up, 90, "the broker's link came back")[0]["time_unix"]
-        accepted = {w: _wait_accepted(c, w, t_up, "the broker's link came back") for w in c.workers}
-    t_back = max(step, *accepted.values())
-    return {"fault": "broker_link_down", "down_s": round(t_up - t_down, 2),
-            "restore_to_step_s": round(step - t_up, 2),
-            "restore_to_leased_s": {w: _since(c.event_after(w, "lease_granted", t_up), t_up) for w in c.workers},
-            "restore_to_accepted_s": {w: round(t - t_up, 2) for w, t in accepted.items()},
-            "regenerated": c.regenerated(t_down, t_back)}
+        accepted = {w: c.wait_accepted(w, t_up, "the broker's link came back") for w in c.workers}
+    return {"fault": "broker_link_down", "down_s": _since(t_up, t_down), "restore_to_step_s": _since(step, t_up),
+            "restore_to_leased_s": {w: _since(_first(c.events(w, "lease_granted", t_up)), t_up) for w in c.workers},
+            "restore_to_accepted_s": {w: _since(t, t_up) for w, t in accepted.items()},
+            "regenerated": c.regenerated(t_down, max(step, *accepted.values()))}
 
 
 def broker_reboot(c: Cluster) -> dict[str, Any]:
-    """Every process of the broker host SIGKILLed, the broker started again from its state dir; the learner and
-    the workers reconnect by themselves."""
+    """Every process of the broker host SIGKILLed, the broker started again from its state dir; the rest reconnect."""
     with _fault(c, "broker reboot", same=[r for r in c.roles if r != "broker"]):
         t_kill = time.time()
         killed = c.net.kill_host("broker")
@@ -575,21 +459,21 @@ def broker_reboot(c: Cluster) -> dict[str, Any]:
         c.start_broker()
         t_bound = time.time()
         # the learner may finish a step of a batch it had before the kill: count from its new session
-        rejoined = wait_for(lambda: c.event_after(c.nodes[0], "broker_reconnected", t_start), 90,
+        rejoined = wait_for(lambda: _first(c.events(c.nodes[0], "broker_reconnected", t_start)), 90,
                             "the learner to reconnect to the restarted broker", c.procs, interval_s=0.1)
         step = c.wait_steps(1, rejoined, 120, "the broker restarted")[0]["time_unix"]
-        accepted = {w: _wait_accepted(c, w, t_start, "the broker restarted") for w in c.workers}
-        assert c.event_after("broker", "state_restored", t_start), \
-            f"the restarted broker did not restore its state\n{c.roles['broker'].log()[-3000:]}"
-    return {"fault": "broker_reboot", "processes_killed": len(killed), "restart_to_bound_s": round(t_bound - t_start, 2),
-            "restart_to_learner_reconnected_s": round(rejoined - t_start, 2), "restart_to_step_s": round(step - t_start, 2),
-            "restart_to_accepted_s": {w: round(t - t_start, 2) for w, t in accepted.items()},
+        accepted = {w: c.wait_accepted(w, t_start, "the broker restarted") for w in c.workers}
+        restored = c.events("broker", "state_restored", t_start)
+        assert restored, f"the restarted broker did not restore its state\n{c.roles['broker'].log()[-3000:]}"
+    return {"fault": "broker_reboot", "processes_killed": len(killed), "restart_to_bound_s": _since(t_bound, t_start),
+            "restart_to_learner_reconnected_s": _since(rejoined, t_start), "restart_to_step_s": _since(step, t_start),
+            "restart_to_accepted_s": {w: _since(t, t_start) for w, t in accepted.items()},
             "regenerated": c.regenerated(t_kill, max(step, *accepted.values()))}
 
 
 def learner_node_killed(c: Cluster, node: str = "learner-1", restart_after_s: float = 60.0) -> dict[str, Any]:
-    """Every process of one learner node SIGKILLed: the other node's torchrun stops; the supervisor (systemd's
-    Restart=, here this function) starts each node's learner.sh again, resuming from the newest checkpoint."""
+    """One learner node's processes SIGKILLed; the others' torchrun stops, and as systemd's Restart= would, this
+    starts every node's learner.sh again, resuming from the newest checkpoint."""
     with _fault(c, "learner node kill", steps=c.checkpoint_every + 1, same=[]):
         starts_before = len([x for x in c.ledger() if x["event"] == "start"])
         t_kill = time.time()
@@ -607,18 +491,13 @@ def learner_node_killed(c: Cluster, node: str = "learner-1", restart_after_s: fl
         resumed = starts[-1]
         assert resumed["step"] >= c.checkpoint_every, f"the learner resumed at step {resumed['step']}, not from a checkpoint"
     return {"fault": "learner_node_killed", "node": node, "exit_codes": codes,
-            "kill_to_all_stopped_s": round(t_start - t_kill, 2), "restart_to_step_s": round(step - t_start, 2),
-            "resumed_step": resumed["step"], "withdrawn": resumed["withdrawn"],
-            "regenerated": c.regenerated(t_kill, step)}
-
-
-PROBE_BYTES = 96 * 1024  # bandwidth_limited's link probe: ~0.7 s at 1 mbit, a few ms unlimited
+            "kill_to_all_stopped_s": _since(t_start, t_kill), "restart_to_step_s": _since(step, t_start),
+            "resumed_step": resumed["step"], "withdrawn": resumed["withdrawn"], "regenerated": c.regenerated(t_kill, step)}
 
 
 def bandwidth_limited(c: Cluster, w: str = "w3", rate: str = "1mbit", hold_s: float = 10.0) -> dict[str, Any]:
     """A token bucket of ``rate`` on one worker's link (both ways) for ``hold_s``: it keeps submitting, slower.
-    ``link_probe_s`` times a TCP transfer of ``PROBE_BYTES`` to the broker's host with the limit on and off (a
-    sim group is smaller than the bucket's burst, so its ack time alone need not show the limit)."""
+    ``link_probe_s``: a TCP transfer with the limit on and off (a sim group fits in the bucket's burst)."""
     with _fault(c, "bandwidth limit"):
         t0 = time.time()
         time.sleep(hold_s)
@@ -629,9 +508,9 @@ def bandwidth_limited(c: Cluster, w: str = "w3", rate: str = "1mbit", hold_s: fl
             t_free = time.time()  # the windows end here: the probes below do not share the link with them
             probe_s = {"limited": c.net.transfer_s(w, "broker", PROBE_BYTES)}
         finally:
-            c.net.unlimit(w)
+            c.net.limit(w, None)
         probe_s["normal"] = c.net.transfer_s(w, "broker", PROBE_BYTES)
-        normal, limited = _accepted(c, w, t0, t_limit), _accepted(c, w, t_limit, t_free)
+        normal, limited = c.accepted(w, t0, t_limit), c.accepted(w, t_limit, t_free)
         assert limited, f"no group of {w} accepted in {hold_s} s at {rate}"
     return {"fault": "bandwidth_limited", "host": w, "rate": rate,
             "groups_per_s": {"normal": round(len(normal) / (t_limit - t0), 2),
@@ -640,16 +519,6 @@ def bandwidth_limited(c: Cluster, w: str = "w3", rate: str = "1mbit", hold_s: fl
             "link_probe_s": {k: round(v, 3) for k, v in probe_s.items()}, "probe_bytes": PROBE_BYTES,
             "run_groups_per_s": {"normal": round(c.rate(t0, t_limit), 2), "limited": round(c.rate(t_limit, t_free), 2)},
             "regenerated": c.regenerated(t_limit, t_free)}
-
-
-def _accepted(c: Cluster, w: str, t0: float, t1: float) -> list[dict[str, Any]]:
-    return [x for x in c.log_lines(w) if x.get("event") == "group_acked" and x.get("status") == "accepted"
-            and t0 < _ts(x) <= t1]
-
-
-def _median_rtt(acks: list[dict[str, Any]]) -> float:
-    """The median submit -> ack time of these acks (ms)."""
-    return round(sorted(x["rtt_ms"] for x in acks)[len(acks) // 2], 1) if acks else float("nan")
 
 
 def latency_and_resets(c: Cluster, w: str = "w2", delay_ms: float = 100, hold_s: float = 8.0,
@@ -665,13 +534,13 @@ def latency_and_resets(c: Cluster, w: str = "w2", delay_ms: float = 100, hold_s:
         time.sleep(hold_s)
         c.relay(w, delay_ms=0)
         t_clear = time.time()
-        normal, delayed = _accepted(c, w, t0, t_delay), _accepted(c, w, t_delay, t_clear)
+        normal, delayed = c.accepted(w, t0, t_delay), c.accepted(w, t_delay, t_clear)
         assert delayed, f"no group of {w} accepted in {hold_s} s with {delay_ms} ms more each way"
         recover = []
         for i in range(1, resets + 1):
             t_reset = time.time()
             c.relay(w, reset=i)
-            recover.append(round(_wait_accepted(c, w, t_reset, f"reset {i}") - t_reset, 2))
+            recover.append(_since(c.wait_accepted(w, t_reset, f"reset {i}"), t_reset))
     return {"fault": "latency_and_resets", "host": w, "delay_ms_each_way": delay_ms,
             "median_ack_rtt_ms": {"normal": _median_rtt(normal), "delayed": _median_rtt(delayed)},
             "reset_to_accepted_s": recover, "regenerated": c.regenerated(t_delay, time.time())}

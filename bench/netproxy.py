@@ -1,11 +1,9 @@
-"""A user-space TCP relay for the test bed: latency and lost connections, which this kernel's tc cannot make.
+"""A user-space TCP relay on a worker host of bench/netbed.py: the latency and lost connections this kernel's tc
+cannot make. ``python -m bench.netproxy LISTEN_HOST:PORT TARGET_HOST:PORT CONTROL_FILE``
 
-    python -m bench.netproxy LISTEN_HOST:PORT TARGET_HOST:PORT CONTROL_FILE
-
-bench/netbed.py starts it on a worker host, the worker pointed at it. ``CONTROL_FILE`` (JSON, re-read every
-50 ms): ``delay_ms`` delays each chunk either way (order kept); ``reset``, a counter, closes every open
-connection at once when it grows (in-flight data gone, as a dropped route or NAT state). Prints ``listening``
-once bound and ``reset N`` per reset.
+``CONTROL_FILE`` (JSON, re-read every 50 ms): ``delay_ms`` delays each chunk either way (order kept); ``reset``, a
+counter, closes every open connection at once when it grows (in-flight data lost, as with a dropped route or NAT
+state). Prints ``listening`` once bound and ``reset N`` per reset.
 """
 
 from __future__ import annotations
@@ -53,10 +51,9 @@ class Relay:
 
         sender = asyncio.create_task(send())
         try:
-            while data := await reader.read(65536):
-                queue.put_nowait((time.monotonic() + self.delay_s, data))
-        except OSError:
-            pass
+            with contextlib.suppress(OSError):
+                while data := await reader.read(65536):
+                    queue.put_nowait((time.monotonic() + self.delay_s, data))
         finally:
             queue.put_nowait((0.0, b""))
             with contextlib.suppress(OSError, asyncio.CancelledError):
@@ -77,7 +74,8 @@ class Relay:
 
 
 def _address(text: str) -> tuple[str, int]:
-    return text.rsplit(":", 1)[0], int(text.rsplit(":", 1)[1])
+    host, port = text.rsplit(":", 1)
+    return host, int(port)
 
 
 async def main(listen: str, target: str, control: str) -> None:
