@@ -50,7 +50,7 @@ lint: $(VENV)/.test
 	$(PY) -m ruff check .
 
 # The benches (bench/harness.py BENCHES; tests/bench/test_quick.py runs each): every bench/*.py but the libraries
-# (report, broker_proc, harness, netbed, netproxy, accuracy_runs, single_process) and gpu_smoke (the GPU run's helper,
+# (report, broker_proc, harness, netns, netbed, netproxy, accuracy_runs, single_process) and gpu_smoke (the GPU run's helper,
 # bench/gpu_smoke.sh, GPU only). BENCH_ARGS defaults to --quick (seconds each; net_faults needs root): the code paths.
 # The figures in BENCHMARKS.md: `make bench BENCH_ARGS=` (hours), or the command lines written there.
 BENCHES := adapter_fanout adapter_load adapter_swap adapter_write agent_demo async_vs_sync broker_core_cpu \

@@ -27,7 +27,7 @@ codec = importlib.import_module("loraflow.common.codec" if importlib.util.find_s
                                 else "loraflow.common.protocol")
 
 #: the benches ``make bench`` and tests/bench/test_quick.py run (the rest of bench/ are their libraries:
-#: report, broker_proc, harness, netbed, netproxy, accuracy_runs, single_process, gpu_smoke)
+#: report, broker_proc, harness, netns, netbed, netproxy, accuracy_runs, single_process, gpu_smoke)
 BENCHES = (
     "adapter_fanout", "adapter_load", "adapter_swap", "adapter_write", "agent_demo", "async_vs_sync",
     "broker_core_cpu", "broker_memory", "broker_scale", "broker_throughput", "broker_waiters", "gateway",

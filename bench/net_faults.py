@@ -20,7 +20,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from bench import harness, netbed
+from bench import harness, netbed, netns
 from tests.support import Processes
 
 FAULTS = [("bandwidth_limited", {"w": "w3", "rate": "1mbit", "hold_s": 6}),
@@ -65,8 +65,8 @@ def main() -> None:
     parser.add_argument("--fault-tokens-per-s", type=float, default=10)
     args = harness.parse(parser, None, prompts=40, repeats=1, fault_prompts=0)
     try:
-        netbed.require_root()
-    except netbed.BedUnavailable as exc:
+        netns.require_root()
+    except netns.BedUnavailable as exc:
         sys.exit(f"net_faults: {exc}")
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # the bed's teardown runs on a SIGTERM too
 

@@ -74,6 +74,6 @@ def test_make_bench_runs_these_benches() -> None:
     makefile = (REPO / "Makefile").read_text()
     listed = makefile.split("BENCHES :=", 1)[1].split("\nBENCH_ARGS", 1)[0].replace("\\", " ").split()
     assert tuple(listed) == BENCHES
-    libraries = {"__init__", "report", "broker_proc", "harness", "netbed", "netproxy", "accuracy_runs",
+    libraries = {"__init__", "report", "broker_proc", "harness", "netbed", "netns", "netproxy", "accuracy_runs",
                  "single_process", "gpu_smoke"}
     assert {p.stem for p in (REPO / "bench").glob("*.py")} == set(BENCHES) | libraries

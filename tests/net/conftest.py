@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import pytest
 
-from bench.netbed import BedUnavailable, require_root
+from bench.netns import BedUnavailable, require_root
 
 
 @pytest.fixture(scope="session")

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from bench.netbed import BedUnavailable, Network, require_root, sweep_orphans
+from bench.netns import BedUnavailable, Network, require_root, sweep_orphans
 
 pytestmark = pytest.mark.net
 
@@ -98,7 +98,7 @@ def test_a_bed_whose_creator_was_killed_is_swept(root_and_ip: None) -> None:
     """A creator SIGKILLed before its teardown leaves its namespaces; the next bed's create() removes them."""
     code = textwrap.dedent("""
         import os, signal, sys
-        from bench.netbed import Network
+        from bench.netns import Network
         net = Network(["a"], prefix="10.231.11").create()
         print(net.ns("a"), net.switch, flush=True)
         os.kill(os.getpid(), signal.SIGKILL)
