@@ -123,11 +123,23 @@ def learn(session: BrokerSession, args: argparse.Namespace, max_staleness: int) 
                       staleness=dict(sorted(staleness.items())))
 
 
-FLAGS = {"workers": 8, "capacity": 2,  # groups each worker generates at once
-         "steps": 24, "warmup": 4, "groups": 16, "group_size": 8,  # groups per step, samples per group
-         "train_s": "auto",  # the learner's step cost in s; auto: the generation time of a step
-         "tokens_per_s": 1000.0, "mean_tokens": 48.0, "sigma": 1.0, "max_tokens": 512,  # sim decode speed, lengths
-         "chunk_tokens": 16, "staleness": [0, 1, 2, 4], "report_staleness": 4, "seed": 0}
+FLAGS = {
+    "workers": 8,
+    "capacity": (2, "groups each worker generates at once"),
+    "steps": 24,
+    "warmup": 4,
+    "groups": (16, "groups per step"),
+    "group_size": 8,
+    "train_s": ("auto", "the learner's step cost in s; auto = generation time"),
+    "tokens_per_s": (1000.0, "sim decode speed per stream"),
+    "mean_tokens": 48.0,
+    "sigma": (1.0, "lognormal sigma of completion lengths"),
+    "max_tokens": 512,
+    "chunk_tokens": 16,
+    "staleness": [0, 1, 2, 4],
+    "report_staleness": 4,
+    "seed": 0,
+}
 
 
 def main() -> None:

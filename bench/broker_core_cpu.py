@@ -156,7 +156,10 @@ def run_child(tree: Path, num_groups: int, group_bytes: int) -> float:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = harness.flags(harness.parser(__doc__, repeats=5), {"groups": 4000, "sizes": "16384,262144"})
+    parser = harness.flags(harness.parser(__doc__, repeats=5), {
+        "groups": (4000, "groups per run"),
+        "sizes": ("16384,262144", "group sizes in bytes, comma-separated"),
+    })
     parser.add_argument("--reference-tree", type=Path, help="another checkout of this repository (the reference)")
     parser.add_argument("--breakdown", action="store_true", help="this tree only: its CPU per group by handler/step")
     parser.add_argument("--child", action="store_true", help=argparse.SUPPRESS)

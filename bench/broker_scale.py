@@ -404,7 +404,12 @@ def fanout(workdir: Path, counts: list[int], mb: float) -> dict[int, dict]:
 
 def main(argv: list[str] | None = None) -> int:
     parser = harness.flags(harness.parser(__doc__, seconds=10.0), {
-        "fleets": "256,1024,4096", "generate_ms": 100.0, "fanout": "64,256", "mb": 50.0, "fleet_nice": 10})
+        "fleets": ("256,1024,4096", "connected workers, comma-separated, ascending"),
+        "generate_ms": (100.0, "active workers: grant to submission"),
+        "fanout": ("64,256", "fetchers for the adapter fan-out ('' for none)"),
+        "mb": (50.0, "adapter size for the fan-out"),
+        "fleet_nice": (10, "niceness of the fleet processes"),
+    })
     parser.add_argument("--reference-tree", type=Path, default=None, help="another checkout whose broker is "
                         "measured first, with the same clients")
     parser.add_argument("--unlimited-reference", action="store_true", help="measure this broker first with no "

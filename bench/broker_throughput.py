@@ -265,11 +265,15 @@ def run_mode(mode: str, num_bytes: int, args, workdir: Path) -> tuple[float, dic
 
 
 def main(argv: list[str] | None = None) -> int:
-    # broker modes: bytes per learner batch (groups per batch: this / group size, 2..64), capacity_groups in
-    # batches, batch requests kept outstanding
     parser = harness.flags(harness.parser(__doc__, repeats=3, seconds=3.0), {
-        "producers": 3, "sizes": "16384,262144,4194304", "modes": "direct,relay,pyrelay,broker,curve",
-        "batch_bytes": 4 << 20, "capacity_batches": 4, "prefetch": 2})
+        "producers": 3,
+        "sizes": ("16384,262144,4194304", "group sizes in bytes, comma-separated"),
+        "modes": "direct,relay,pyrelay,broker,curve",
+        "batch_bytes": (4 << 20, "broker mode: bytes per learner batch (groups per batch: this / group size, "
+                                 "2..64)"),
+        "capacity_batches": (4, "broker mode: capacity_groups in batches"),
+        "prefetch": (2, "broker mode: batch requests kept outstanding"),
+    })
     args = harness.parse(parser, argv, producers=2, seconds=0.3, repeats=1, sizes="262144", modes="relay,broker,curve")
     modes = args.modes.split(",")
     rates: dict[int, dict[str, float]] = {}

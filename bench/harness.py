@@ -213,10 +213,12 @@ def adapter_tensors(num_bytes: int) -> list[tuple[str, Any]]:
 
 
 def flags(p: argparse.ArgumentParser, defaults: dict[str, Any]) -> argparse.ArgumentParser:
-    """``--name-with-dashes`` for each key of ``defaults``, typed by its default value (a list: ``nargs="+"``)."""
-    for name, default in defaults.items():
+    """``--name-with-dashes`` for each key of ``defaults``, typed by its default value (a list: ``nargs="+"``); a
+    value ``(default, "what it is")`` gives the flag its ``--help`` text."""
+    for name, value in defaults.items():
+        default, text = value if isinstance(value, tuple) else (value, None)
         if isinstance(default, list):
-            p.add_argument("--" + name.replace("_", "-"), type=type(default[0]), nargs="+", default=default)
+            p.add_argument("--" + name.replace("_", "-"), type=type(default[0]), nargs="+", default=default, help=text)
         else:
-            p.add_argument("--" + name.replace("_", "-"), type=type(default), default=default)
+            p.add_argument("--" + name.replace("_", "-"), type=type(default), default=default, help=text)
     return p

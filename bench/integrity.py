@@ -50,12 +50,16 @@ STEPS_AFTER = 5
 SHAPES = {"harness": (4, 4, 6, 12), "demo": (16, 8, 8, 6), "smoke": (8, 8, 5, 64)}
 #: the flags and their defaults besides --no-vllm, --no-late and --set (``--quick``: the clean run alone, hf, a
 #: quarter minute: the run, the checks and the cost figures)
-FLAGS = {"clean_minutes": 10.0,
-         "faults": "all",  # comma-separated faults to inject: all, or none (the clean run alone, the cost figures)
-         "isolated": 0,  # REPEATS: instead, the check's cost in one process (no run), min of REPEATS timings
-         # with --isolated: another commit's learner/integrity.py timed beside this one, batch shapes (of SHAPES),
-         # the policy's base model (a directory, e.g. bench/learner_memory.py build's, or a built-in)
-         "reference": "", "shapes": "harness,demo", "model": "builtin:tiny"}
+FLAGS = {
+    "clean_minutes": 10.0,
+    "faults": ("all", "comma-separated faults to inject (all, or none: the clean run alone, for the cost figures)"),
+    "isolated": (0, "N: instead, the check's cost in one process (no run), min of N timings"),
+    "reference": ("", "with --isolated: also time this learner/integrity.py's check (another commit's, from a git "
+                      "worktree) on the same policy and batches, interleaved"),
+    "shapes": ("harness,demo", f"with --isolated: batch shapes, of {', '.join(SHAPES)}"),
+    "model": ("builtin:tiny", "with --isolated: the policy's base model (a directory, e.g. bench/learner_memory.py "
+                              "build's, or a built-in)"),
+}
 
 
 @contextlib.contextmanager

@@ -32,7 +32,15 @@ from bench import harness
 
 ADAPTER_VERSION = 1
 TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
-FLAGS = {"model": "builtin:demo", "prompts": 256, "samples": 4, "max_new_tokens": 0, "seed": 0, "device": "cpu"}
+FLAGS = {
+    "model": ("builtin:demo", "model.path (default: the demo base)"),
+    "prompts": 256,
+    "samples": (4, "completions per prompt and policy"),
+    "max_new_tokens": (0, "0: worker.max_new_tokens"),
+    "seed": 0,
+    "device": ("cpu", "where the hf engines run (cuda: GPU kernels' bf16 rounding; the fp32 reference stays on "
+                      "the CPU)"),
+}
 
 
 def write_adapter(model_dir: Path, out: Path, seed: int) -> Path:
