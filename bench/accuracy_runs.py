@@ -24,6 +24,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from bench import harness
+from bench.report import report
 from loraflow.common.config import Config, load_config
 from loraflow.common.tasks import load_task
 from loraflow.deploy import rundir
@@ -291,3 +292,21 @@ def median_of(races: list[Race], figure: Callable[[Race], float]) -> float:
 
 def median_breakdown(sides: list[Side]) -> dict[str, float]:
     return {key: round(statistics.median(s.breakdown.get(key, 0.0) for s in sides), 4) for key in sides[0].breakdown}
+
+
+def race_report(bench: str, races: list[Race], target: float, peer: str, **extra: object) -> None:
+    """The race's JSON line: value = loraflow's median training seconds to ``target``, reference = the peer's,
+    ``ratio`` and ``samples_ratio`` (medians over seeds), per-seed lists and s/step under ``loraflow_*`` and
+    ``<peer>_*`` names, then ``extra``."""
+    def median(figure: Callable[[Race], float], digits: int) -> float:
+        return round(median_of(races, figure), digits)
+
+    sides = {"loraflow": lambda r: r.ours, peer: lambda r: r.peer}
+    report(bench, f"training_s_to_{target:.2f}", median_of(races, lambda r: r.ours.seconds_to_target), "s",
+           median_of(races, lambda r: r.peer.seconds_to_target), ratio=median_of(races, lambda r: r.ratio),
+           samples_ratio=median(lambda r: r.samples_ratio, 4), seeds=[r.seed for r in races],
+           **{f"{name}_s": [round(side(r).seconds_to_target, 2) for r in races] for name, side in sides.items()},
+           **{f"{name}_samples": [side(r).samples_to_target for r in races] for name, side in sides.items()},
+           **{f"{name}_s_per_step": median(lambda r, side=side: side(r).seconds_per_step, 4)
+              for name, side in sides.items()},
+           load_average=round(os.getloadavg()[0], 2), **extra)

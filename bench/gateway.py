@@ -419,13 +419,8 @@ def make_backend(name: str, max_num_seqs: int) -> Any:
 
 def main() -> None:
     parser = harness.flags(harness.parser(__doc__, repeats=3), {
-        "tokens": 32,
-        "calls": 4,
-        "sessions": "1,8,64",
-        "latency_requests": 40,
-        "chunk": 16,
-        "cores": ("shared,split", "shared, split, or both (interleaved; the JSON ratio is the first's)"),
-    })
+        "tokens": 32, "calls": 4, "sessions": "1,8,64", "latency_requests": 40, "chunk": 16,
+        "cores": ("shared,split", "shared, split, or both (interleaved; the JSON ratio is the first's)")})
     parser.add_argument("--backend", choices=("vllm", "hf"), default="vllm")
     parser.add_argument("--openai-http", choices=("aiohttp", "httpx"), default="aiohttp",
                         help="the openai clients' transport (aiohttp: the worker's; httpx: openai's default)")

@@ -31,14 +31,21 @@ the same for samples.
 from __future__ import annotations
 
 import argparse
-import os
 import statistics
 import sys
 from pathlib import Path
 
 from bench import harness
-from bench.accuracy_runs import Side, child_side, median_breakdown, median_of, print_races, race, race_parser
-from bench.report import report
+from bench.accuracy_runs import (
+    Side,
+    child_side,
+    median_breakdown,
+    median_of,
+    print_races,
+    race,
+    race_parser,
+    race_report,
+)
 
 
 def reference_side(run_dir: Path, out: Path, args: argparse.Namespace) -> Side:
@@ -59,20 +66,9 @@ def main() -> None:
     races = race(args, lambda run_dir, tmp, seed, base: reference_side(run_dir, tmp / f"reference-{seed}", args))
     print_races(races, "reference")
     breakdown = {**median_breakdown([r.ours for r in races]), **median_breakdown([r.peer for r in races])}
-    report("time_to_accuracy", f"training_s_to_{args.target:.2f}",
-           median_of(races, lambda r: r.ours.seconds_to_target), "s",
-           median_of(races, lambda r: r.peer.seconds_to_target), ratio=median_of(races, lambda r: r.ratio),
-           samples_ratio=round(median_of(races, lambda r: r.samples_ratio), 4),
-           seeds=[r.seed for r in races], loraflow_s=[round(r.ours.seconds_to_target, 2) for r in races],
-           reference_s=[round(r.peer.seconds_to_target, 2) for r in races],
-           loraflow_samples=[r.ours.samples_to_target for r in races],
-           reference_samples=[r.peer.samples_to_target for r in races],
-           loraflow_startup_s=round(median_of(races, lambda r: r.ours.startup_s), 2),
-           reference_startup_s=round(median_of(races, lambda r: r.peer.startup_s), 2),
-           loraflow_s_per_step=round(median_of(races, lambda r: r.ours.seconds_per_step), 4),
-           reference_s_per_step=round(median_of(races, lambda r: r.peer.seconds_per_step), 4),
-           load_average=round(os.getloadavg()[0], 2), breakdown=breakdown)
-
+    race_report("time_to_accuracy", races, args.target, "reference",
+                loraflow_startup_s=round(median_of(races, lambda r: r.ours.startup_s), 2),
+                reference_startup_s=round(median_of(races, lambda r: r.peer.startup_s), 2), breakdown=breakdown)
 
 if __name__ == "__main__":
     main()

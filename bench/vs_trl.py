@@ -28,14 +28,21 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import sys
 import time
 from pathlib import Path
 
 from bench import harness
-from bench.accuracy_runs import Side, child_side, median_breakdown, median_of, print_races, race, race_parser
-from bench.report import report
+from bench.accuracy_runs import (
+    Side,
+    child_side,
+    median_breakdown,
+    median_of,
+    print_races,
+    race,
+    race_parser,
+    race_report,
+)
 from loraflow.common.config import load_config
 
 
@@ -121,19 +128,10 @@ def main() -> None:
     races = race(args, lambda run_dir, tmp, seed, base: trl_side(run_dir / "config.toml", base, tmp / f"trl-{seed}",
                                                                  args))
     print_races(races, "TRL")
-    report("vs_trl", f"training_s_to_{args.target:.2f}", median_of(races, lambda r: r.ours.seconds_to_target), "s",
-           median_of(races, lambda r: r.peer.seconds_to_target), ratio=median_of(races, lambda r: r.ratio),
-           samples_ratio=round(median_of(races, lambda r: r.samples_ratio), 4),
-           startup_s_loraflow=round(median_of(races, lambda r: r.ours.startup_s), 2),
-           startup_s_trl=round(median_of(races, lambda r: r.peer.startup_s), 2),
-           seeds=[r.seed for r in races], loraflow_s=[round(r.ours.seconds_to_target, 2) for r in races],
-           trl_s=[round(r.peer.seconds_to_target, 2) for r in races],
-           loraflow_samples=[r.ours.samples_to_target for r in races],
-           trl_samples=[r.peer.samples_to_target for r in races],
-           loraflow_s_per_step=round(median_of(races, lambda r: r.ours.seconds_per_step), 4),
-           trl_s_per_step=round(median_of(races, lambda r: r.peer.seconds_per_step), 4),
-           load_average=round(os.getloadavg()[0], 2), loraflow_timeline=median_breakdown([r.ours for r in races]))
-
+    race_report("vs_trl", races, args.target, "trl",
+                startup_s_loraflow=round(median_of(races, lambda r: r.ours.startup_s), 2),
+                startup_s_trl=round(median_of(races, lambda r: r.peer.startup_s), 2),
+                loraflow_timeline=median_breakdown([r.ours for r in races]))
 
 if __name__ == "__main__":
     main()
