@@ -397,6 +397,12 @@ class BrokerCore:
                      self.batching.waiters.next_deadline_s(), self.notices.next_due_s())
         return min(self._next_stats_s, self._next_peer_check_s, *(d for d in deadlines if d is not None))
 
+    def stop_leasing(self, now_s: float) -> None:
+        """The run was cancelled: no lease from now on (parked requests answered ``draining``); what is buffered
+        can still be trained and acknowledged."""
+        self.progress.draining = True
+        self.leasing.drain(now_s)
+
     def drain(self, now_s: float) -> list[Outgoing]:
         """Shutting down: answer every parked long-poll (empty, reason draining) and write the state."""
         self.progress.draining = True

@@ -21,7 +21,9 @@ import os
 import signal
 import sys
 from pathlib import Path
+from typing import TYPE_CHECKING
 
+from loraflow.common import pool_runs
 from loraflow.common.cli import config_from_args, config_parser, run_main
 from loraflow.common.config import Config, ConfigError, write_resolved
 from loraflow.common.logging import get_logger, setup_logging
@@ -29,6 +31,9 @@ from loraflow.common.metrics import serve_prometheus
 from loraflow.common.startup import check_port_free, check_run_dir, check_task, check_writable, resolve_model
 from loraflow.common.task_base import Task
 from loraflow.common.tiny_model import default_cache_dir, model_vocab_size
+
+if TYPE_CHECKING:
+    from loraflow.broker.core import BrokerCore
 
 log = get_logger("broker")
 
@@ -72,6 +77,7 @@ def bind_setting(config: Config) -> str:
 
 def run(config: Config, task: Task) -> int:
     from loraflow.broker.core import BrokerCore
+    from loraflow.broker.pool import BrokerPool
     from loraflow.broker.server import BrokerServer
     from loraflow.common.run_token import broker_token
     from loraflow.common.sockets import AddressInUse, CannotBind
@@ -90,8 +96,11 @@ def run(config: Config, task: Task) -> int:
         raise
     except ValueError as exc:  # a state file that does not fit this config (broker.state_path)
         raise ConfigError(str(exc)) from None
+    pool = BrokerPool(core, make_core=lambda run_id: run_core(config, run_id, vocab_size=vocab_size,
+                                                              security=security),
+                      runs_dir=pool_runs.runs_dir(config) if config.broker.pool else None)
     try:
-        server = BrokerServer(config, core, security=security)
+        server = BrokerServer(config, pool, security=security)
     except AddressInUse as exc:
         raise ConfigError(f"{bind_setting(config)}: {exc}: another broker may be running there (`loraflow status` "
                           f"asks it), or another program holds the port; stop it, or set {bind_setting(config)} "
@@ -119,6 +128,20 @@ def run(config: Config, task: Task) -> int:
     gc.freeze()
     server.serve()
     return 0
+
+
+def run_core(pool: Config, run_id: str, *, vocab_size: int, security: object) -> BrokerCore:
+    """The core of a run submitted to this pool broker: its config (the pool's with its own settings on top;
+    ConfigError for what the pool refuses), its task, its state file (restored if there) and its run token."""
+    from loraflow.broker.core import BrokerCore
+    from loraflow.common.run_token import broker_token
+
+    directory = pool_runs.run_dir(pool, run_id)
+    config = pool_runs.run_config(pool, run_id, pool_runs.read_settings(directory / pool_runs.SUBMITTED))
+    task = check_task(config)
+    write_resolved(config, directory / pool_runs.RESOLVED)
+    return BrokerCore(config, task=task, vocab_size=vocab_size, state_path=config.run_dir / "broker" / "state.json",
+                      run_token=None if security is not None else broker_token(config))
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -63,6 +63,7 @@ from zmq.utils.monitor import recv_monitor_message
 
 from loraflow.broker.core import BrokerCore
 from loraflow.broker.dispatch import HalfApplied
+from loraflow.broker.pool import BrokerPool
 from loraflow.broker.peers import display_name
 from loraflow.common import sockets
 from loraflow.common.config import Config
@@ -97,9 +98,9 @@ def _user_id(frame: Any) -> str | None:
 class BrokerServer:
     """Binds the ROUTER and runs the loop until :meth:`stop`."""
 
-    def __init__(self, config: Config, core: BrokerCore, *, ctx: zmq.Context | None = None,
+    def __init__(self, config: Config, core: BrokerCore | BrokerPool, *, ctx: zmq.Context | None = None,
                  security: Any = None) -> None:
-        self.core = core
+        self.pool = core if isinstance(core, BrokerPool) else BrokerPool(core)  # a core alone: a pool of one run
         self.ctx = ctx or sockets.make_context()
         self.security = security
         if security is not None:
@@ -108,13 +109,12 @@ class BrokerServer:
             self.ctx, config.bind_endpoint, max_message_bytes=config.broker.max_message_bytes, security=security)
         self.endpoint = sockets.connect_endpoint(self.bound_endpoint)
         self.monitor = self.sock.get_monitor_socket(sum(MONITOR_EVENTS) | HANDSHAKE_FAILURES)
-        core.stats.encryption = "curve" if security is not None else "off"
+        self.pool.stats.encryption = "curve" if security is not None else "off"
         self._handshake_logged: dict[str, tuple[float, int]] = {}  # cause -> (last logged at, count then)
         self._wake_r, self._wake_w = os.pipe()  # the state writer's "write is durable" signal
         os.set_blocking(self._wake_r, False)
         os.set_blocking(self._wake_w, False)
-        if core.writer is not None:
-            core.writer.on_durable = self._wake
+        self.pool.set_on_durable(self._wake)
         self.poller = zmq.Poller()
         self.poller.register(self.sock, zmq.POLLIN)
         self.poller.register(self.monitor, zmq.POLLIN)
@@ -132,19 +132,20 @@ class BrokerServer:
 
     def serve(self) -> None:
         """Run until stop(); then answer parked long-polls, write the state and close."""
-        core = self.core
-        loop_times = core.loop_times
+        pool = self.pool
+        loop_times = pool.loop_times
         gc.callbacks.append(loop_times.on_gc)
-        log.info("broker_serving", endpoint=self.endpoint, broker_id=core.broker_id,
-                 latest_version=core.latest_version, capacity_groups=core.capacity_groups)
+        own = pool.default
+        log.info("broker_serving", endpoint=self.endpoint, broker_id=own.broker_id,
+                 latest_version=own.latest_version, capacity_groups=own.capacity_groups)
         last_ended = 0.0
         try:
             while not self._stop_requested:
                 now_s = time.monotonic()
-                if core.has_work(now_s):
+                if pool.has_work(now_s):
                     timeout_ms = 0
                 else:
-                    timeout_ms = min(MAX_POLL_MS, max(0, int((core.next_wakeup_s(now_s) - now_s) * 1000) + 1))
+                    timeout_ms = min(MAX_POLL_MS, max(0, int((pool.next_wakeup_s(now_s) - now_s) * 1000) + 1))
                 events = dict(self.poller.poll(timeout_ms))
                 started, started_cpu = time.perf_counter(), time.thread_time()
                 if self._wake_r in events:
@@ -156,25 +157,26 @@ class BrokerServer:
                 now_s = time.monotonic()
                 self._count_refused_handshakes()
                 ticked = time.perf_counter()
-                core.tick(now_s)
+                pool.tick(now_s)
                 flushed = time.perf_counter()
-                self._send_all(core.flush(now_s))
+                self._send_all(pool.flush(now_s))
                 ended = time.perf_counter()
                 loop_times.step("tick", flushed - ticked)
                 loop_times.step("flush", ended - flushed)
                 loop_times.pass_done(ended - started, time.thread_time() - started_cpu)
                 waited, last_ended = started - last_ended, ended  # how long the loop had nothing to do before
-                if handled == 1 and waited < GATHER_S and not core.has_work(now_s):
+                if handled == 1 and waited < GATHER_S and not pool.has_work(now_s):
                     time.sleep(GATHER_S)
-            self._send_all(core.drain(time.monotonic()))
-            log.info("broker_stopped", latest_version=core.latest_version, cursor=list(core.ledger.source.cursor))
+            self._send_all(pool.drain(time.monotonic()))
+            log.info("broker_stopped", latest_version=own.latest_version, cursor=list(own.ledger.source.cursor),
+                     num_runs=len(pool.cores))
         finally:
             gc.callbacks.remove(loop_times.on_gc)
             self.close()
 
     def _receive(self) -> int:
         """Handle what has arrived, within MAX_DRAIN messages and MAX_DRAIN_S; returns how many were handled."""
-        core = self.core
+        pool = self.pool
         until_s = time.monotonic() + MAX_DRAIN_S
         handled = 0
         for _ in range(MAX_DRAIN):
@@ -190,14 +192,14 @@ class BrokerServer:
             role = role_of(frames[1]) if user_id else None
             started = time.perf_counter()
             try:
-                core.handle(identity, frames[1:], now_s, authenticated_role=role, authenticated_key=user_id)
-                core.loop_times.step(core.handled_kind, time.perf_counter() - started)
+                pool.handle(identity, frames[1:], now_s, authenticated_role=role, authenticated_key=user_id)
+                pool.loop_times.step(pool.handled_kind, time.perf_counter() - started)
             except HalfApplied:  # a bug after the state began to change: end the process (loraflow.broker.dispatch)
                 log.exception("handler_failed_applying", peer=display_name(identity)[:64])
                 raise
             except Exception:  # a bug in a validation costs one message, not the broker: nothing was changed
                 log.exception("handler_failed", peer=display_name(identity)[:64])
-                core.internal_error(identity, frames[1:])
+                pool.internal_error(identity, frames[1:])
             if last:
                 return handled
         return handled
@@ -208,7 +210,7 @@ class BrokerServer:
             return
         refused = self.security.num_refused
         if refused != self._refused_counted:
-            self.core.stats.count("auth", "refused", refused - self._refused_counted)
+            self.pool.stats.count("auth", "refused", refused - self._refused_counted)
             self._refused_counted = refused
 
     def _send_all(self, outgoing: list) -> None:
@@ -216,11 +218,11 @@ class BrokerServer:
             try:
                 sockets.send_frames(self.sock, [out.identity, *out.frames], zmq.NOBLOCK)
             except zmq.Again:
-                self.core.send_failed(out, "hwm")
+                self.pool.send_failed(out, "hwm")
             except zmq.ZMQError as exc:
                 if exc.errno != zmq.EHOSTUNREACH:
                     raise
-                self.core.send_failed(out, "unreachable")
+                self.pool.send_failed(out, "unreachable")
 
     def _read_monitor(self) -> None:
         while True:
@@ -230,7 +232,7 @@ class BrokerServer:
                 return
             name = MONITOR_EVENTS.get(event["event"])
             if name:
-                self.core.stats.count("connections", name)
+                self.pool.stats.count("connections", name)
             elif event["event"] & HANDSHAKE_FAILURES:
                 self._handshake_failed(event["event"], event["value"])
 
@@ -248,8 +250,8 @@ class BrokerServer:
                                      "without CURVE that noticed the mismatch first, as libzmq reports it then")
         else:
             cause, why = "handshake_failed", f"zmq handshake error {value:#x}"
-        self.core.stats.count("auth", cause)
-        total = self.core.stats.get("auth", cause)
+        self.pool.stats.count("auth", cause)
+        total = self.pool.stats.get("auth", cause)
         now_s = time.monotonic()
         last_s, logged = self._handshake_logged.get(cause, (-HANDSHAKE_LOG_INTERVAL_S, 0))
         if now_s - last_s >= HANDSHAKE_LOG_INTERVAL_S:

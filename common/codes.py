@@ -29,6 +29,7 @@ class ErrorCode(enum.StrEnum):
     STALE_VERSION = "stale_version"  # an adapter version that does not advance the latest one
     REPLACED = "replaced"  # a learner replaced by another learner process: it must stop (two never train one run)
     INTERNAL = "internal"
+    UNKNOWN_RUN = "unknown_run"  # a Hello or StatsRequest naming a run the pool broker does not hold
     QUARANTINED = "quarantined"  # a worker whose rollouts failed the learner's policy check (common/integrity.py)
 
 

@@ -33,6 +33,8 @@ class ConfigError(ValueError):
 class RunConfig:
     name: str = rule("demo", max_len=128, doc="run name, used in logs and the default run directory")
     run_dir: str = rule("", doc="where logs, metrics, checkpoints and adapters go; default runs/<name>")
+    pool_run: str = rule("", max_len=48, doc="the run this learner or worker joins on a pool broker (a run "
+                          "`loraflow submit` added; its id); '' = the broker's own run")
     seed: int = rule(0, ge=0, doc="seed for prompts, sampling and initialisation")
     group_size: int = rule(8, ge=1, le=1024, doc="samples per prompt (a GRPO group; travels whole)")
     groups_per_step: int = rule(16, ge=1, le=4096, doc="groups in one learner step")
@@ -92,6 +94,8 @@ class BrokerConfig:
     prompt_limit: int = rule(0, ge=0, doc="prompts per epoch for generated tasks (0 = unbounded)")
     num_epochs: int = rule(0, ge=0, doc="stop leasing after this many epochs; 0 = forever")
     metrics_port: int = rule(0, ge=0, le=65535, doc="Prometheus /metrics port; 0 = off")
+    pool: bool = rule(False, doc="serve runs submitted while it runs (`loraflow submit`, found under "
+                      "<run_dir>/runs/), each with its own ledger and adapter lineage, beside its own run")
 
 
 @dataclass(slots=True, kw_only=True)
@@ -343,10 +347,15 @@ def load_config(path: str | os.PathLike | None = None, overrides: list[str] | tu
             raise ConfigError(f"{path}: not valid TOML: {exc}") from None
     for override in overrides:
         apply_override(raw, override)
+    return from_raw(raw, f"{path}: " if path else "")
+
+
+def from_raw(raw: dict[str, Any], where: str = "") -> Config:
+    """The validated config of a raw mapping (sections of keys, as TOML reads them); ConfigError starts with
+    ``where``."""
     try:
         config = build(Config, raw, "config")
     except SchemaError as exc:
-        where = f"{path}: " if path else ""
         text = str(exc).removeprefix("config.").replace("config: unknown field(s)", "unknown section(s)")
         raise ConfigError(f"{where}{text}") from None
     validate(config)

@@ -127,6 +127,7 @@ class Hello(Message, kw_only=True):
     KIND: ClassVar[Kind] = Kind.HELLO
     role: Role  # what the client is
     client_id: Id  # stable name of the client (worker id, 'learner')
+    run: Id = ""  # the pool run it joins (run.pool_run); "" = the broker's own run (loraflow.broker.pool)
     backend: text(64) = ""  # generation backend of a worker
     capacity: Annotated[int, Meta(ge=1, le=1024)] = 1  # leases a worker can hold at once
     adapter_version: Version = 0  # policy version the client holds
@@ -421,6 +422,7 @@ class BatchAck(Message, kw_only=True):
 
 class StatsRequest(Message, kw_only=True):
     KIND: ClassVar[Kind] = Kind.STATS_REQUEST
+    run: Id = ""  # whose picture: a pool run's id, "" = the broker's own run
 
 
 class Stats(Message, kw_only=True):

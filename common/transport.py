@@ -452,14 +452,15 @@ class BrokerLink:
 
 
 def fetch_stats(endpoint: str, *, timeout_s: float = 5.0, ctx: zmq.Context | None = None,
-                security: Any = None) -> dict[str, Any]:
-    """One StatsRequest to the broker without registering; returns the snapshot or raises BrokerUnavailable
-    (HandshakeFailed when the keys or security settings do not match the broker's)."""
+                security: Any = None, run: str = "") -> dict[str, Any]:
+    """One StatsRequest to the broker without registering (of the pool run ``run``; "" = the broker's own);
+    returns the snapshot or raises BrokerUnavailable (HandshakeFailed when the keys or security settings do not
+    match the broker's)."""
     ctx = ctx or zmq.Context.instance()
     sock, watch = watched_dealer(ctx, endpoint, identity=f"observer/{uuid.uuid4().hex[:8]}".encode(),
                                  security=security, role="observer")
     try:
-        sock.send_multipart(codec.encode(protocol.StatsRequest()))
+        sock.send_multipart(codec.encode(protocol.StatsRequest(run=run)))
         poller = zmq.Poller()
         poller.register(sock, zmq.POLLIN)
         poller.register(watch.monitor, zmq.POLLIN)

@@ -68,7 +68,7 @@ class BrokerSession:
 
         broker = config.broker
         self._config = config
-        hello = Hello(role="learner", client_id=client_id, adapter_version=version)
+        hello = Hello(role="learner", client_id=client_id, run=config.run.pool_run, adapter_version=version)
         self.link = BrokerLink(broker.endpoint, hello, security=client_security(config, role="learner"),
                                heartbeat_interval_s=broker.heartbeat_interval_s,
                                heartbeat_timeout_s=broker.heartbeat_interval_s * broker.heartbeat_misses,

@@ -83,7 +83,7 @@ class BrokerSession:
     def __init__(self, config: Config, *, worker_id: str, store: AdapterStore, metrics: Metrics,
                  wake: threading.Event, security: Any = None) -> None:
         broker = config.broker
-        hello = Hello(role="worker", client_id=worker_id, backend=config.worker.backend,
+        hello = Hello(role="worker", client_id=worker_id, run=config.run.pool_run, backend=config.worker.backend,
                       capacity=config.worker.capacity, batched_acks=True)
         self.link = BrokerLink(broker.endpoint, hello, security=security,
                                heartbeat_interval_s=broker.heartbeat_interval_s,

@@ -1,0 +1,92 @@
+"""What a run submitted to a pool may set, where its files lie, and its config built from the pool's.
+
+A pool is one broker (and the processes around it) on one base model; runs are submitted to it while it serves
+(:mod:`loraflow.broker.pool` holds one broker core per run). A run's directory is ``<pool run_dir>/runs/<id>/``::
+
+    submitted.toml   the run's own settings, as ``loraflow submit`` wrote them (a TOML table per section)
+    config.toml      the run's resolved config: the pool's with submitted.toml on top (written by the broker)
+    cancelled        present once ``loraflow cancel`` asked the run to stop (its text: why)
+    refused          present when the pool refused the run (its text: why), e.g. a setting only the pool owns
+    broker/          the run's ledger state and run token; the learner's and workers' files as in any run dir
+
+A run may set its task, data, learner (optimizer, LoRA rank and targets, loss), evaluation, sampling and reward
+settings, its group size, max_staleness and budget (``run.num_steps``, ``run.max_duration_s``). What the
+processes of the pool share is the pool's: the base model, the broker, security, the launcher, the generation
+backend and the devices (:data:`POOL_KEYS`); a run that sets one is refused with the key named.
+"""
+
+from __future__ import annotations
+
+import re
+import tomllib
+from pathlib import Path
+from typing import Any
+
+from loraflow.common.config import Config, ConfigError, from_raw
+from loraflow.common.schema import dump
+
+RUN_ID = re.compile(r"[a-z0-9][a-z0-9_-]{0,47}")
+#: sections, or section.key, that belong to the pool: every run on it has the pool's value
+POOL_KEYS = (
+    "model", "broker", "security", "launch", "worker.backend", "worker.device", "worker.num_threads",
+    "worker.vllm", "worker.sim", "worker.id", "worker.adapter_dir", "worker.metrics_port", "learner.device",
+    "learner.num_threads", "learner.metrics_port", "learner.mixed_precision", "eval.device", "run.run_dir",
+    "run.pool_run", "run.name", "run.log_format", "run.log_level", "run.connect_timeout_s",
+)
+SUBMITTED = "submitted.toml"
+RESOLVED = "config.toml"
+CANCELLED = "cancelled"
+REFUSED = "refused"
+
+
+def runs_dir(pool: Config) -> Path:
+    """Where the pool's submitted runs lie."""
+    return pool.run_dir / "runs"
+
+
+def run_dir(pool: Config, run_id: str) -> Path:
+    return runs_dir(pool) / run_id
+
+
+def check_run_id(run_id: str) -> str:
+    if not RUN_ID.fullmatch(run_id):
+        raise ConfigError(f"run id {run_id!r}: 1-48 characters of a-z, 0-9, '-' and '_', starting with a letter "
+                          "or digit")
+    return run_id
+
+
+def pool_keys_in(settings: dict[str, Any]) -> list[str]:
+    """The keys of a run's settings (a TOML mapping) that only the pool may set, as ``section.key``."""
+    found = []
+    for section, table in settings.items():
+        if section in POOL_KEYS:
+            found.append(section)
+        elif isinstance(table, dict):
+            found.extend(f"{section}.{key}" for key in table if f"{section}.{key}" in POOL_KEYS)
+    return found
+
+
+def run_config(pool: Config, run_id: str, settings: dict[str, Any]) -> Config:
+    """The config of run ``run_id``: the pool's, with the run's settings on top, its name and directory set.
+    Raises ConfigError naming the key for a setting only the pool owns, or one the config rules refuse."""
+    check_run_id(run_id)
+    owned = pool_keys_in(settings)
+    if owned:
+        raise ConfigError(f"run {run_id}: {', '.join(owned)} belong to the pool (every run on it shares "
+                          f"them); remove them from the run's config")
+    raw = dump(pool)
+    for section, table in settings.items():
+        if not isinstance(table, dict):
+            raise ConfigError(f"run {run_id}: {section} must be a table of settings (e.g. [learner] lr = 3e-4)")
+        raw.setdefault(section, {}).update(table)
+    raw["run"].update(name=run_id, pool_run=run_id, run_dir=str(run_dir(pool, run_id)))
+    raw["security"].update(run_token="", run_token_file="")  # each run's learner proves itself with its own token
+    return from_raw(raw, f"run {run_id}: ")
+
+
+def read_settings(path: Path) -> dict[str, Any]:
+    try:
+        with open(path, "rb") as f:
+            return tomllib.load(f)
+    except tomllib.TOMLDecodeError as exc:
+        raise ConfigError(f"{path}: not valid TOML: {exc}") from None
