@@ -63,8 +63,8 @@ from zmq.utils.monitor import recv_monitor_message
 
 from loraflow.broker.core import BrokerCore
 from loraflow.broker.dispatch import HalfApplied
-from loraflow.broker.pool import BrokerPool
 from loraflow.broker.peers import display_name
+from loraflow.broker.pool import BrokerPool
 from loraflow.common import sockets
 from loraflow.common.config import Config
 from loraflow.common.logging import get_logger

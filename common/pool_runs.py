@@ -72,8 +72,9 @@ def run_config(pool: Config, run_id: str, settings: dict[str, Any]) -> Config:
     check_run_id(run_id)
     owned = pool_keys_in(settings)
     if owned:
-        raise ConfigError(f"run {run_id}: {', '.join(owned)} belong to the pool (every run on it shares "
-                          f"them); remove them from the run's config")
+        raise ConfigError(f"run {run_id}: {', '.join(owned)} {'is' if len(owned) == 1 else 'are'} the pool's "
+                          f"(every run on it shares {'it' if len(owned) == 1 else 'them'}); remove "
+                          f"{'it' if len(owned) == 1 else 'them'} from the run's config")
     raw = dump(pool)
     for section, table in settings.items():
         if not isinstance(table, dict):

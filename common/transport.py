@@ -408,11 +408,12 @@ class BrokerLink:
             self._timeout_s = self._own_timeout_s * interval_s / self._own_interval_s
 
     def _identity(self) -> bytes:
-        """``<role>/<client_id>``; with CURVE, plus a random route token: an identity another authorised client
+        """``<role>/<client_id>`` (``@<run>`` after it for a pool run's client); with CURVE, plus a random route token: an identity another authorised client
         cannot guess, so it cannot take over this client's route (zmq hands an identity to its newest holder).
         A learner always has one: a second learner process gets another route, so the broker can tell the two
         apart and fence the one it replaced."""
-        base = f"{self.hello.role}/{self.hello.client_id}"[:200]
+        run = f"@{self.hello.run}" if self.hello.run else ""  # a pool run's clients: apart from other runs' namesakes
+        base = f"{self.hello.role}/{self.hello.client_id}{run}"[:200]
         return (f"{base}/{self._route_token}" if self._route_token else base).encode()
 
     def _handle(self, frames: list[Any]) -> bool:

@@ -4,7 +4,9 @@
     loraflow worker  [config.toml] [...]   one rollout worker (hf, vllm or sim backend)
     loraflow learner [config.toml] [...]   the learner (use torchrun for several ranks)
     loraflow run     [config.toml] [...]   broker + workers + learner on this machine, supervised
-    loraflow status  [config.toml] [...]   the live picture of a running broker
+    loraflow status  [config.toml] [...]   the live picture of a running broker (--run RUN: a pool's run)
+    loraflow pool    [config.toml] [...]   one broker and base model running every run submitted to it
+    loraflow submit  RUN.toml --pool DIR   add a run to a pool (prints its id); runs / cancel RUN list, stop
     loraflow keys    DIR [...]             CURVE key pairs for secure multi-machine runs
     loraflow config  [config.toml] [...]   print the resolved config or the configuration reference
 
@@ -26,6 +28,10 @@ SUBCOMMANDS = {
     "learner": ("loraflow.learner.main", "the learner (LoRA on FSDP2; run under torchrun for several ranks)"),
     "run": ("loraflow.deploy.launcher", "a complete local run: broker, workers and learner, supervised"),
     "status": ("loraflow.deploy.status", "the live picture of a running broker"),
+    "pool": ("loraflow.deploy.pool", "one broker on one base model running every run submitted to it"),
+    "submit": ("loraflow.deploy.pool_cmds:main_submit", "add a run to a pool; prints its id"),
+    "runs": ("loraflow.deploy.pool_cmds:main_runs", "the runs of a pool: state, step, reward, accuracy"),
+    "cancel": ("loraflow.deploy.pool_cmds:main_cancel", "stop one run of a pool"),
     "keys": ("loraflow.deploy.keys", "generate CURVE key pairs"),
     "config": ("loraflow.deploy.config_cmd", "print the resolved config or the configuration reference"),
 }
@@ -47,7 +53,7 @@ def main(argv: list[str] | None = None) -> int:
     if name not in SUBCOMMANDS:
         print(f"loraflow: unknown command {name!r}\n\n{usage()}", file=sys.stderr)
         return 2
-    module_name = SUBCOMMANDS[name][0]
+    module_name, _, function = SUBCOMMANDS[name][0].partition(":")
     try:
         module = importlib.import_module(module_name)
     except ModuleNotFoundError as exc:
@@ -55,7 +61,7 @@ def main(argv: list[str] | None = None) -> int:
             print(f"loraflow {name}: not available in this installation ({exc})", file=sys.stderr)
             return 2
         raise
-    return run_main(f"loraflow {name}", lambda: module.main(rest))
+    return run_main(f"loraflow {name}", lambda: getattr(module, function or "main")(rest))
 
 
 if __name__ == "__main__":

@@ -169,10 +169,15 @@ class Launch:
             self.display.event(self.placement.describe())
         self.start_broker(self.config.broker.bind)
         self.display.event(f"broker listening on {self.endpoint}; live picture: loraflow status {self.config_path}")
-        self.progress = Progress(self.run_dir, self.endpoint, security=self._client_security())
+        self.start_clients()
+
+    def start_clients(self) -> None:
+        """The learner and launch.num_workers workers of this run, on the broker at ``self.endpoint``."""
+        self.progress = Progress(self.run_dir, self.endpoint, security=self._client_security(),
+                                 run=self.config.run.pool_run)
         self.rl_started_s = time.monotonic()
         self.supervisor.add(self._child("learner", self.learner_argv()))
-        for i in range(1, launch.num_workers + 1):
+        for i in range(1, self.config.launch.num_workers + 1):
             self.supervisor.add(self._child(f"worker-{i}", self.worker_argv(str(i))))
 
     def start_broker(self, bind: str) -> None:
@@ -227,26 +232,33 @@ class Launch:
 
     def watch(self) -> str:
         """Supervise until a stop condition holds; returns the stop reason."""
-        run, launch = self.config.run, self.config.launch
         next_progress_s = 0.0
         while not self.stop_requested:
             now_s = time.monotonic()
-            for child in self.supervisor.check(now_s):
-                if child.name == "learner":
-                    return f"run.num_steps ({run.num_steps}) reached"
-            if run.max_duration_s and now_s - self.started_s >= run.max_duration_s:
-                return f"run.max_duration_s ({run.max_duration_s:.0f} s) reached"
-            reason = self.collect_eval()
+            reason = self.check(now_s)
             if reason:
                 return reason
-            self.maybe_start_eval(now_s)
             if now_s >= next_progress_s and self.progress is not None:
                 self.display.status(render(self.progress.poll(stats_timeout_s=0.5)))
-                next_progress_s = now_s + launch.progress_every_s
+                next_progress_s = now_s + self.config.launch.progress_every_s
             time.sleep(TICK_S)
         if self.stop_signal:
             self.display.event(f"{self.stop_signal}: stopping every process cleanly (again to kill at once)")
         return self.stop_requested
+
+    def check(self, now_s: float) -> str:
+        """One look at the run: crashed children restarted (Unrecoverable when one cannot be), a held-out
+        measurement collected or started; the stop reason once a stop condition holds, else ""."""
+        run = self.config.run
+        for child in self.supervisor.check(now_s):
+            if child.name == "learner":
+                return f"run.num_steps ({run.num_steps}) reached"
+        if run.max_duration_s and now_s - self.started_s >= run.max_duration_s:
+            return f"run.max_duration_s ({run.max_duration_s:.0f} s) reached"
+        reason = self.collect_eval()
+        if not reason:
+            self.maybe_start_eval(now_s)
+        return reason
 
     def maybe_start_eval(self, now_s: float) -> None:
         every_s = self.config.eval.every_s

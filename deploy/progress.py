@@ -74,8 +74,10 @@ class MetricsTail:
 class Progress:
     """Collects a :class:`Snapshot` from the broker and the learner's metrics file."""
 
-    def __init__(self, run_dir: str | Path, endpoint: str = "", *, reward_window: int = 5, security: Any = None) -> None:
+    def __init__(self, run_dir: str | Path, endpoint: str = "", *, reward_window: int = 5, security: Any = None,
+                 run: str = "") -> None:
         self.endpoint = endpoint
+        self.run = run  # the pool run whose broker picture is shown ("" = the broker's own)
         self.security = security
         self.tail = MetricsTail(rundir.metrics_path(run_dir))
         self.started_s = time.monotonic()
@@ -102,7 +104,8 @@ class Progress:
             snap.reward_mean = sum(self.recent_rewards) / len(self.recent_rewards)
         if self.endpoint:  # a broker that is starting or restarting keeps the last known figures
             with contextlib.suppress(BrokerUnavailable, ValueError):
-                self.apply_stats(fetch_stats(self.endpoint, timeout_s=stats_timeout_s, security=self.security))
+                self.apply_stats(fetch_stats(self.endpoint, timeout_s=stats_timeout_s, security=self.security,
+                                             run=self.run))
         return snap
 
     def apply_stats(self, stats: dict[str, Any]) -> None:

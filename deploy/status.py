@@ -1,6 +1,6 @@
 """``loraflow status``: the live picture of a running broker, as tables (or JSON), once or refreshing.
 
-    loraflow status [config.toml] [--endpoint tcp://host:port] [--watch [SECONDS]] [--json] [--timeout S]
+    loraflow status [config.toml] [--endpoint tcp://host:port] [--run RUN] [--watch [SECONDS]] [--json] [--timeout S]
 
 The broker is found by ``--endpoint``, else the file named by ``broker.endpoint_file`` (written by a broker
 bound to port 0), else ``broker.endpoint``. One StatsRequest is sent without registering (the broker answers
@@ -22,6 +22,7 @@ from pathlib import Path
 from typing import Any
 
 from loraflow.common.cli import config_from_args, config_parser
+from loraflow.common.codes import ProtocolError
 from loraflow.common.config import Config
 from loraflow.common.transport import BrokerUnavailable, fetch_stats
 from loraflow.deploy import rundir
@@ -56,7 +57,8 @@ def _histogram(mapping: dict[str, Any]) -> str:
     return " ".join(f"{k}:{v}" for k, v in mapping.items()) if mapping else "-"
 
 
-def _table(headers: list[str], rows: list[list[str]]) -> list[str]:
+def text_table(headers: list[str], rows: list[list[str]]) -> list[str]:
+    """Columns padded to their widest cell, each line indented by two spaces."""
     widths = [max(len(h), *(len(r[i]) for r in rows)) for i, h in enumerate(headers)]
     lines = ["  " + "  ".join(h.ljust(w) for h, w in zip(headers, widths, strict=True)).rstrip()]
     lines += ["  " + "  ".join(c.ljust(w) for c, w in zip(row, widths, strict=True)).rstrip() for row in rows]
@@ -91,7 +93,7 @@ def integrity_lines(integrity: dict[str, Any], learner: dict[str, Any] | None = 
                      f"{last['max_abs_diff']:.3g}" if "max_abs_diff" in last else "-",
                      f"{_duration(last['age_s'])} ago" if "age_s" in last else "-"])
     if rows:
-        lines += _table(["WORKER", "SESSION", "STATUS", "FAILED", "REASON", "VERSION", "OFF/CHECKED", "MAX-DIFF",
+        lines += text_table(["WORKER", "SESSION", "STATUS", "FAILED", "REASON", "VERSION", "OFF/CHECKED", "MAX-DIFF",
                          "WHEN"], rows)
     return lines
 
@@ -159,7 +161,7 @@ def render(snap: dict[str, Any]) -> str:
                  _share(w.get("busy_share")), f"{w.get('last_seen_s', 0):.1f}s", w.get("backend", ""),
                  f"{w.get('host', '')}:{w.get('pid', '')}"]
                 for w in sorted(workers, key=lambda w: w.get("id", ""))]
-        lines += _table(["ID", "STATE", "VERSION", "LEASES", "ACCEPTED", "REJECTED", "REWARD-FAILED", "BUSY", "SEEN",
+        lines += text_table(["ID", "STATE", "VERSION", "LEASES", "ACCEPTED", "REJECTED", "REWARD-FAILED", "BUSY", "SEEN",
                          "BACKEND", "HOST:PID"], rows)
     adapters = snap.get("adapters", [])
     lines.append("adapters  " + (", ".join(f"v{a['version']} ({_bytes(a.get('num_bytes', 0))})" for a in adapters)
@@ -228,6 +230,8 @@ def main(argv: list[str] | None = None) -> int:
                         help="refresh every SECONDS (default 2) until Ctrl-C")
     parser.add_argument("--json", action="store_true", help="print the raw snapshot as JSON")
     parser.add_argument("--timeout", type=float, default=5.0, help="seconds to wait for the broker")
+    parser.add_argument("--run", default="", metavar="RUN",
+                        help="on a pool (loraflow pool): the picture of the submitted run RUN")
     args = parser.parse_args(sys.argv[1:] if argv is None else argv)
     config = config_from_args(args)
     endpoint = resolve_endpoint(config, args.flag_endpoint)
@@ -239,9 +243,12 @@ def main(argv: list[str] | None = None) -> int:
     try:
         while True:
             try:
-                snap = fetch_stats(endpoint, timeout_s=args.timeout, security=security)
+                snap = fetch_stats(endpoint, timeout_s=args.timeout, security=security, run=args.run)
                 text = json.dumps(snap, indent=None if args.watch else 2) if args.json else render(snap)
                 ok = True
+            except ProtocolError as exc:  # a run the pool does not hold (--run), say
+                print(f"loraflow status: {exc}", file=sys.stderr)
+                return 1
             except BrokerUnavailable as exc:
                 text, ok = f"loraflow status: {exc}", False
                 ended = ended_run(config.run_dir)

@@ -91,7 +91,7 @@ def test_a_run_setting_what_the_pool_owns_is_refused_with_the_key(pool: Pool, tm
     pool.rescan()
     assert "bad" not in pool.pool.cores
     why = (tmp_path / "runs/bad" / pool_runs.REFUSED).read_text()
-    assert "model, worker.backend belong to the pool" in why
+    assert "model, worker.backend are the pool's" in why
     assert pool.hello(A_WORKER, "bad").code == "unknown_run"
 
 

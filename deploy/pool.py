@@ -1,0 +1,224 @@
+"""``loraflow pool [config.toml]``: one broker on one base model that runs every run submitted to it, supervised.
+
+    loraflow pool pool.toml --run-dir runs/pool          the pool (ctrl-C stops every run cleanly)
+    loraflow submit run.toml --pool runs/pool            -> the run's id          (loraflow.deploy.pool_cmds)
+    loraflow runs --pool runs/pool                       state, step, reward, held-out accuracy of each run
+    loraflow cancel RUN --pool runs/pool                 stop one run; the others go on
+    loraflow status runs/pool/config.toml --run RUN      the broker's live picture of one run
+
+The pool's config names what every run shares (the base model, the broker, security, the backend and devices:
+:data:`loraflow.common.pool_runs.POOL_KEYS`); a submitted run names the rest. The pool::
+
+    prepare   the base model, resolved once (builtin:demo built and cached as for loraflow run); the pool's
+              resolved config (broker.pool = true) in <run_dir>/config.toml, which submit reads
+    start     the broker (port 0 unless broker.bind names one), restarted on its address if it dies
+    watch     every TICK_S: each run the broker accepted (its runs/<id>/config.toml) gets its learner and
+              launch.num_workers workers and its evaluations, exactly as one loraflow run would
+              (:class:`loraflow.deploy.launcher.Launch`); a run stops on its own stop conditions (run.num_steps,
+              run.max_duration_s, eval.target_accuracy), on a cancel, or when one of its processes cannot be
+              recovered, and then writes its final adapter, summary.json and plots; the others go on
+    stop      ctrl-C / SIGTERM: every active run stops as above, then the broker
+
+A run's state is kept in ``runs/<id>/run_state.json`` (running, finished, cancelled, failed; with the reason), so
+a restarted pool resumes the runs that were running (their learners from their checkpoints, the broker from
+each run's ledger) and leaves the ended ones alone.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import signal
+import time
+from pathlib import Path
+from typing import Any
+
+from loraflow.common import pool_runs
+from loraflow.common.cli import config_from_args, config_parser, run_main
+from loraflow.common.config import Config, load_config
+from loraflow.common.logging import get_logger, setup_logging
+from loraflow.deploy import preflight
+from loraflow.deploy.launcher import BROKER_STOP_TIMEOUT_S, EXTRA_FLAGS, TICK_S, Launch
+from loraflow.deploy.processes import Unrecoverable
+from loraflow.deploy.progress import Display
+
+log = get_logger("pool")
+
+RUN_STATE = "run_state.json"
+ENDED = ("finished", "cancelled", "failed")
+
+
+def read_state(directory: Path) -> dict[str, Any]:
+    """A run's ``run_state.json`` ({} before the pool started it, or when it cannot be read)."""
+    try:
+        state = json.loads((directory / RUN_STATE).read_text())
+    except (OSError, ValueError):
+        return {}
+    return state if isinstance(state, dict) else {}
+
+
+def write_state(directory: Path, state: str, reason: str = "") -> None:
+    tmp = directory / f".{RUN_STATE}.{os.getpid()}.tmp"
+    tmp.write_text(json.dumps({"state": state, "reason": reason, "time_unix": round(time.time(), 3)}) + "\n")
+    os.replace(tmp, directory / RUN_STATE)
+
+
+class RunDisplay:
+    """The pool's display, each line of one run prefixed with its id (a run's progress line is not drawn)."""
+
+    def __init__(self, display: Display, run_id: str) -> None:
+        self._display, self._prefix = display, f"[{run_id}] "
+
+    def event(self, line: str) -> None:
+        self._display.event(self._prefix + line)
+
+    def status(self, line: str, *, force: bool = False) -> None:
+        pass
+
+    def close(self) -> None:
+        pass
+
+
+class Pool:
+    """One ``loraflow pool``: the broker (in ``self.own``, the pool's own Launch) and a Launch per active run."""
+
+    def __init__(self, config: Config, display: Display, *, started_s: float) -> None:
+        config = dataclasses.replace(config, broker=dataclasses.replace(config.broker, pool=True))
+        self.own = Launch(config, display, started_s=started_s)
+        self.display = display
+        self.runs: dict[str, Launch] = {}
+        self.stop_requested = ""
+
+    @property
+    def runs_dir(self) -> Path:
+        return pool_runs.runs_dir(self.own.config)
+
+    def start(self) -> None:
+        # imported here once: two runs' evaluation threads importing transformers at once see it half imported
+        import peft  # noqa: F401
+        from transformers import AutoModelForCausalLM, AutoTokenizer  # noqa: F401
+
+        self.own.prepare_model()
+        self.own.write_config()
+        self.own.start_broker(self.own.config.broker.bind)
+        self.display.event(f"pool broker on {self.own.endpoint}, base model {self.own.config.model.path}; submit "
+                           f"runs with: loraflow submit RUN.toml --pool {self.own.run_dir}")
+
+    def watch(self) -> None:
+        while not self.stop_requested:
+            now_s = time.monotonic()
+            self.own.supervisor.check(now_s)  # the broker, restarted on its address (Unrecoverable: give up)
+            self.start_new_runs()
+            for run_id, launch in list(self.runs.items()):
+                reason, state = self.check_run(run_id, launch, now_s)
+                if reason:
+                    self.end_run(run_id, launch, state, reason)
+            time.sleep(TICK_S)
+
+    def start_new_runs(self) -> None:
+        """A Launch for every run the broker accepted that is neither active nor ended."""
+        try:
+            directories = sorted(p for p in self.runs_dir.iterdir() if p.is_dir())
+        except FileNotFoundError:
+            return
+        for directory in directories:
+            run_id = directory.name
+            if run_id in self.runs or read_state(directory).get("state") in ENDED:
+                continue
+            if (directory / pool_runs.CANCELLED).exists():
+                write_state(directory, "cancelled", "cancelled before it started")
+                continue
+            if not (directory / pool_runs.RESOLVED).is_file():
+                continue  # not accepted (yet): the broker writes the resolved config, or a refused file
+            self.start_run(run_id, directory)
+
+    def start_run(self, run_id: str, directory: Path) -> None:
+        config = load_config(directory / pool_runs.RESOLVED)
+        launch = Launch(config, RunDisplay(self.display, run_id), started_s=time.monotonic())  # type: ignore[arg-type]
+        launch.endpoint, launch.model_ready = self.own.endpoint, True
+        write_state(directory, "running")
+        launch.display.event(f"started: task {config.run.task}, seed {config.run.seed}, lr {config.learner.lr:g}, "
+                             f"{config.launch.num_workers} worker(s); run dir {directory}")
+        launch.start_clients()
+        if config.eval.num_prompts:
+            launch.pending_eval = launch.evaluator.submit(launch.measure, 0, None, "base")
+        self.runs[run_id] = launch
+
+    def check_run(self, run_id: str, launch: Launch, now_s: float) -> tuple[str, str]:
+        """(stop reason, the state it ends in) of an active run, ("", "") while it goes on."""
+        cancelled = self.runs_dir / run_id / pool_runs.CANCELLED
+        if cancelled.exists():
+            return f"cancelled: {cancelled.read_text().strip() or 'loraflow cancel'}", "cancelled"
+        try:
+            return launch.check(now_s), "finished"
+        except Exception as exc:  # a process that cannot be recovered (Unrecoverable), a failed evaluation: this run
+            log.exception("run_failed", run=run_id)
+            launch.summary.error = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
+            return f"error: {launch.summary.error}", "failed"
+
+    def end_run(self, run_id: str, launch: Launch, state: str, reason: str) -> None:
+        launch.display.event(f"stopping: {reason}")
+        launch.summary.stop_reason = reason if state != "failed" else "error"
+        launch.shutdown()
+        launch.finish()
+        launch.evaluator.shutdown(wait=True)
+        write_state(self.runs_dir / run_id, state, reason)
+        summary = launch.summary
+        launch.display.event(f"{state}: final accuracy "
+                             f"{'-' if summary.final_accuracy is None else f'{summary.final_accuracy:.1%}'} at "
+                             f"v{summary.final_version}, {summary.steps} steps; {summary.final_adapter or 'no adapter'}")
+        del self.runs[run_id]
+
+    def shutdown(self, reason: str) -> None:
+        for run_id, launch in list(self.runs.items()):
+            launch.summary.stop_reason = reason
+            self.end_run(run_id, launch, "running", reason)  # resumed by the next loraflow pool
+        self.own.supervisor.stop(["broker"], BROKER_STOP_TIMEOUT_S)
+
+
+def main(argv: list[str]) -> int:
+    return run_main("loraflow pool", lambda: _main(argv))
+
+
+def _main(argv: list[str]) -> int:
+    parser = config_parser("loraflow pool", "One broker on one base model running every run submitted to it "
+                           "(loraflow submit), each with its own learner, workers, ledger and adapter lineage.",
+                           {k: v for k, v in EXTRA_FLAGS.items() if k == "--workers"})
+    args = parser.parse_args(argv)
+    config = config_from_args(args)
+    if not config.run.run_dir:
+        config = dataclasses.replace(config, run=dataclasses.replace(config.run, run_dir=f"runs/pool-{config.run.name}"))
+    preflight.check(config, starting=True)
+    (config.run_dir / "logs").mkdir(parents=True, exist_ok=True)
+    log_file = open(config.run_dir / "logs" / "pool.log", "a")  # noqa: SIM115 - open for the whole pool
+    setup_logging("pool", fmt=config.run.log_format, level=config.run.log_level, stream=log_file)
+    display = Display(every_s=max(10.0, config.launch.progress_every_s))
+    pool = Pool(config, display, started_s=time.monotonic())
+
+    def request_stop(signum: int, _frame: Any) -> None:
+        if pool.stop_requested:
+            raise KeyboardInterrupt
+        pool.stop_requested = signal.Signals(signum).name
+
+    signal.signal(signal.SIGINT, request_stop)
+    signal.signal(signal.SIGTERM, request_stop)
+    code = 0
+    try:
+        import torch
+
+        torch.set_num_threads(1)  # the pool only evaluates; leave the cores to the roles
+        pool.start()
+        pool.watch()
+        display.event(f"{pool.stop_requested}: stopping every run cleanly (again to kill at once)")
+    except KeyboardInterrupt:
+        for launch in pool.runs.values():
+            launch.supervisor.kill_all()
+        pool.own.supervisor.kill_all()
+        display.event("stopped at once: every process killed")
+        return 130
+    except Unrecoverable as exc:
+        display.event(f"error: {exc}")
+        code = 1
+    pool.shutdown(f"the pool stopped ({pool.stop_requested or 'error'})")
+    return code

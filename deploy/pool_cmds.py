@@ -1,0 +1,161 @@
+"""``loraflow submit`` / ``runs`` / ``cancel``: add a run to a pool, list its runs, stop one.
+
+    loraflow submit RUN.toml --pool POOL_DIR [--id ID] [--set section.key=value ...]
+    loraflow runs --pool POOL_DIR [--json]
+    loraflow cancel RUN --pool POOL_DIR [--reason TEXT]
+
+``POOL_DIR`` is the run directory of a ``loraflow pool`` (it holds the pool's resolved ``config.toml``). Submit
+checks the run's settings against the pool's config before anything is written (a setting only the pool owns, or
+one the config rules refuse, is one line naming the key, exit 2), then writes ``runs/<id>/submitted.toml``; the
+pool's broker picks it up within a second and the pool starts its processes. The id is ``--id``, else the run
+file's ``run.name`` when it sets one, else ``run-N`` (the first free N). Runs lists every run with its state
+(submitted, refused, running, finished, cancelled, failed), learner step, mean reward of its last step, newest
+held-out accuracy and the version it was measured at, read from the run directories (nothing needs the pool to
+answer). Cancel writes ``runs/<id>/cancelled``: the broker stops leasing that run's prompts and the pool stops
+its processes (the learner writes its last adapter first).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+from pathlib import Path
+from typing import Any
+
+from loraflow.common import pool_runs
+from loraflow.common.cli import run_main
+from loraflow.common.config import ConfigError, apply_override, load_config
+from loraflow.deploy import rundir
+from loraflow.deploy.pool import read_state
+from loraflow.deploy.status import text_table
+
+
+def _pool_config(pool_dir: str) -> Any:
+    path = Path(pool_dir) / "config.toml"
+    if not path.is_file():
+        raise ConfigError(f"--pool {pool_dir}: no config.toml there; give the run directory of a loraflow pool")
+    return load_config(path)
+
+
+def submit(argv: list[str]) -> int:
+    parser = argparse.ArgumentParser(prog="loraflow submit", description="Add a run to a running pool.")
+    parser.add_argument("config", help="the run's settings (TOML: the sections a run may set)")
+    parser.add_argument("--pool", required=True, help="the pool's run directory")
+    parser.add_argument("--id", default="", help="the run's id (default: its run.name, else run-N)")
+    parser.add_argument("--set", action="append", default=[], metavar="SECTION.KEY=VALUE", dest="overrides")
+    args = parser.parse_args(argv)
+    pool = _pool_config(args.pool)
+    settings = pool_runs.read_settings(Path(args.config))
+    for override in args.overrides:
+        apply_override(settings, override)
+    run_table = settings.get("run") if isinstance(settings.get("run"), dict) else {}
+    run_id = args.id or str(run_table.pop("name", "")) or _free_id(pool)
+    directory = pool_runs.run_dir(pool, pool_runs.check_run_id(run_id))
+    if directory.exists():
+        raise ConfigError(f"run {run_id} exists in this pool already ({directory}); choose another --id")
+    pool_runs.run_config(pool, run_id, settings)  # refuses here, before anything is written
+    directory.mkdir(parents=True)
+    tmp = directory / f".{pool_runs.SUBMITTED}.{os.getpid()}.tmp"
+    tmp.write_text(_toml(settings))
+    os.replace(tmp, directory / pool_runs.SUBMITTED)
+    print(run_id)
+    return 0
+
+
+def _free_id(pool: Any) -> str:
+    n = 1
+    while pool_runs.run_dir(pool, f"run-{n}").exists():
+        n += 1
+    return f"run-{n}"
+
+
+def _toml(settings: dict[str, Any]) -> str:
+    """TOML text of a run's settings: sections of keys, a key's table as its own [section.key]."""
+    lines: list[str] = []
+
+    def emit(table: dict[str, Any], name: str) -> None:
+        lines.append(f"[{name}]")
+        lines.extend(f"{key} = {json.dumps(value)}" for key, value in table.items() if not isinstance(value, dict))
+        for key, value in table.items():
+            if isinstance(value, dict):
+                emit(value, f"{name}.{key}")
+
+    for section, table in settings.items():
+        emit(table, section)
+    return "\n".join(lines) + "\n"
+
+
+def run_rows(pool: Any) -> list[dict[str, Any]]:
+    """One row per run of the pool, from its directory."""
+    rows = []
+    root = pool_runs.runs_dir(pool)
+    for directory in sorted(p for p in root.iterdir() if p.is_dir()) if root.is_dir() else ():
+        state = read_state(directory)
+        refused = directory / pool_runs.REFUSED
+        if refused.exists():
+            state = {"state": "refused", "reason": refused.read_text().strip()}
+        metrics = rundir.read_jsonl(rundir.metrics_path(directory))
+        last = metrics[-1] if metrics else {}
+        evals = [e for e in rundir.read_jsonl(rundir.evals_path(directory)) if e.get("kind") != "base"]
+        rows.append({"run": directory.name, "state": state.get("state", "submitted"),
+                     "reason": state.get("reason", ""), "step": last.get("step"), "version": last.get("version"),
+                     "reward": last.get("reward_mean"), "accuracy": evals[-1]["accuracy"] if evals else None,
+                     "accuracy_version": evals[-1]["version"] if evals else None})
+    return rows
+
+
+def render_rows(rows: list[dict[str, Any]]) -> str:
+    if not rows:
+        return "no runs in this pool (loraflow submit RUN.toml --pool DIR adds one)"
+    headers = ["run", "state", "step", "version", "reward", "held-out", "reason"]
+
+    def cell(row: dict[str, Any], key: str) -> str:
+        if key == "held-out":
+            acc = row["accuracy"]
+            return "-" if acc is None else f"{acc:.1%} (v{row['accuracy_version']})"
+        value = row[key]
+        if key == "reward":
+            return "-" if value is None else f"{value:.3f}"
+        if key == "version":
+            return "-" if value is None else f"v{value}"
+        return "-" if value is None or value == "" else str(value)[:80]
+
+    return "\n".join(text_table(headers, [[cell(row, h) for h in headers] for row in rows]))
+
+
+def runs(argv: list[str]) -> int:
+    parser = argparse.ArgumentParser(prog="loraflow runs", description="The runs of a pool.")
+    parser.add_argument("--pool", required=True, help="the pool's run directory")
+    parser.add_argument("--json", action="store_true", help="one JSON object per run")
+    args = parser.parse_args(argv)
+    rows = run_rows(_pool_config(args.pool))
+    print("\n".join(json.dumps(row) for row in rows) if args.json else render_rows(rows))
+    return 0
+
+
+def cancel(argv: list[str]) -> int:
+    parser = argparse.ArgumentParser(prog="loraflow cancel", description="Stop one run of a pool.")
+    parser.add_argument("run", help="the run's id (loraflow runs lists them)")
+    parser.add_argument("--pool", required=True, help="the pool's run directory")
+    parser.add_argument("--reason", default="loraflow cancel", help="why (kept in the run's state)")
+    args = parser.parse_args(argv)
+    directory = pool_runs.run_dir(_pool_config(args.pool), pool_runs.check_run_id(args.run))
+    if not (directory / pool_runs.SUBMITTED).is_file():
+        raise ConfigError(f"the pool holds no run {args.run!r} (loraflow runs --pool {args.pool} lists them)")
+    (directory / pool_runs.CANCELLED).write_text(args.reason + "\n")
+    print(f"cancelling {args.run}: its leases stop now; the pool stops its processes within a second")
+    return 0
+
+
+def main_submit(argv: list[str]) -> int:
+    return run_main("loraflow submit", lambda: submit(argv))
+
+
+def main_runs(argv: list[str]) -> int:
+    return run_main("loraflow runs", lambda: runs(argv))
+
+
+def main_cancel(argv: list[str]) -> int:
+    return run_main("loraflow cancel", lambda: cancel(argv))
+
