@@ -137,6 +137,8 @@ def diagnose_file(path: Path) -> str | None:
     """Where a JSON, JSONL or CSV file is malformed (file, line or row, column), or None if no fault is found."""
     suffix = path.suffix.lower()
     try:
+        if path.is_file() and not path.read_bytes().strip():
+            return f"{path}: the file is empty (a dataset needs at least one row)"
         if suffix == ".csv":
             return _diagnose_csv(path)
         if suffix == ".jsonl" or (suffix == ".json" and not path.read_text().lstrip().startswith("[")):

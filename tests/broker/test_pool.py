@@ -166,3 +166,14 @@ def test_a_restarted_pool_broker_continues_every_run(pool: Pool, tmp_path: Path)
     # run b's two leased prompts are queued again, ahead of its cursor; run a's ledger never saw them
     regranted = restarted.lease(B_WORKER, n=2) if restarted.hello(B_WORKER, "b") else None
     assert {lease.group_id for lease in regranted.leases} == {lease.group_id for lease in leased}
+
+
+def test_a_run_with_an_empty_dataset_is_refused_and_the_others_go_on(pool: Pool, tmp_path: Path) -> None:
+    empty = tmp_path / "empty.jsonl"
+    empty.write_text("")
+    submit(tmp_path, "empty", f"[run]\ntask = '{empty}'\n")
+    pool.rescan()
+    assert "empty" not in pool.pool.cores
+    assert "the file is empty" in (tmp_path / "runs/empty" / pool_runs.REFUSED).read_text()
+    pool.hello(A_WORKER, "a")
+    assert len(pool.lease(A_WORKER).leases) == 1

@@ -4,8 +4,8 @@ Two runs of one epoch each (24 prompts, 4 groups a step, 6 steps, different seed
 sizes) on the quick demo base; mid-run the pool's broker is SIGKILLed, then run a's learner. The pool restarts
 both; every run completes by itself and passes the audit of tests/fault on its own run directory (every prompt
 of its epoch trained exactly once in its committed history, nothing of a withdrawn version trained). A run that
-sets what only the pool owns is refused at submit (exit 2, the key named); a third run is cancelled mid-run and
-the others go on; ``loraflow runs`` and ``loraflow status --run`` show each run; ctrl-C stops the pool cleanly.
+sets what only the pool owns is refused at submit (exit 2, the key named); a third run is cancelled mid-run, a
+fourth whose reward fails on every sample is stopped with that reason, and the others go on; ``loraflow runs`` and ``loraflow status --run`` show each run; ctrl-C stops the pool cleanly.
 """
 
 from __future__ import annotations
@@ -71,7 +71,11 @@ def test_a_pool_runs_submitted_runs_apart_through_a_killed_broker_and_learner(pr
     endless = tmp_path / "endless.toml"
     endless.write_text("[run]\nnum_steps = 0\nseed = 3\n")
     assert cli("submit", str(endless), "--pool", str(pool_dir), "--id", "c").stdout.strip() == "c"
-    a, b, c = (pool_dir / "runs" / name for name in "abc")
+    failing = cli("submit", str(run_file), "--pool", str(pool_dir), "--id", "d", "--set",
+                  'worker.reward="tests.worker.test_reward_failures:always_raises"',
+                  "--set", "worker.max_failed_reward_groups=2")
+    assert failing.returncode == 0, failing.stderr
+    a, b, c, d = (pool_dir / "runs" / name for name in "abcd")
 
     wait_for(lambda: steps_of(a) >= 2 and steps_of(b) >= 2, TIMEOUT_S, "two steps of runs a and b", procs)
     status = cli("status", str(pool_dir / "config.toml"), "--run", "b", "--json")
@@ -83,10 +87,12 @@ def test_a_pool_runs_submitted_runs_apart_through_a_killed_broker_and_learner(pr
     wait_for(lambda: steps_of(c) >= 1, TIMEOUT_S, "a step of run c", procs)
     assert cli("cancel", "c", "--pool", str(pool_dir), "--reason", "by the test").returncode == 0
 
-    wait_for(lambda: run_state(a) == run_state(b) == "finished" and run_state(c) == "cancelled", TIMEOUT_S,
-             "runs a and b to finish and c to be cancelled", procs)
+    wait_for(lambda: (run_state(a), run_state(b), run_state(c), run_state(d)) == (
+        "finished", "finished", "cancelled", "failed"), TIMEOUT_S, "a and b to finish, c cancelled, d failed", procs)
     rows = {row["run"]: row for row in map(json.loads, cli("runs", "--pool", str(pool_dir), "--json").stdout.splitlines())}
-    assert {name: row["state"] for name, row in rows.items()} == {"a": "finished", "b": "finished", "c": "cancelled"}
+    assert {name: row["state"] for name, row in rows.items()} == {
+        "a": "finished", "b": "finished", "c": "cancelled", "d": "failed"}
+    assert "every sample of 2 groups in a row failed its reward" in rows["d"]["reason"], rows["d"]
     assert rows["a"]["step"] == rows["b"]["step"] == 6 and rows["c"]["reason"] == "cancelled: by the test"
     pool.signal(signal.SIGINT)
     wait_for(lambda: not pool.alive(), 60, "the pool to stop", procs)
@@ -103,4 +109,4 @@ def test_a_pool_runs_submitted_runs_apart_through_a_killed_broker_and_learner(pr
         assert (run_dir / "final_adapter" / "adapter_model.safetensors").is_file()
     assert len(audit_run(a, [a / "logs" / "worker-1.log"], PROMPTS).starts) == 2  # a's learner resumed once
     assert json.loads((c / "summary.json").read_text())["stop_reason"] == "cancelled: by the test"
-    assert sorted(p.name for p in (pool_dir / "runs").iterdir()) == ["a", "b", "c"]
+    assert sorted(p.name for p in (pool_dir / "runs").iterdir()) == ["a", "b", "c", "d"]
