@@ -55,7 +55,7 @@ lint: $(VENV)/.test
 # The figures in BENCHMARKS.md: `make bench BENCH_ARGS=` (hours), or the command lines written there.
 BENCHES := adapter_fanout adapter_load adapter_swap adapter_write agent_demo async_vs_sync broker_core_cpu \
            broker_memory broker_scale broker_throughput broker_waiters gateway gateway_conformance generation \
-           integrity integrity_bf16 join_time learner_memory learner_step net_faults prompt_render soak \
+           integrity integrity_bf16 join_time learner_memory learner_step multi_tenant net_faults prompt_render soak \
            staleness_lengths time_to_accuracy vs_trl weight_sync
 BENCH_ARGS ?= --quick
 

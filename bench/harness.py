@@ -32,7 +32,7 @@ BENCHES = (
     "adapter_fanout", "adapter_load", "adapter_swap", "adapter_write", "agent_demo", "async_vs_sync",
     "broker_core_cpu", "broker_memory", "broker_scale", "broker_throughput", "broker_waiters", "gateway",
     "gateway_conformance", "generation", "integrity", "integrity_bf16", "join_time", "learner_memory",
-    "learner_step", "net_faults", "prompt_render", "soak", "staleness_lengths", "time_to_accuracy", "vs_trl",
+    "learner_step", "multi_tenant", "net_faults", "prompt_render", "soak", "staleness_lengths", "time_to_accuracy", "vs_trl",
     "weight_sync",
 )
 

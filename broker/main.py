@@ -96,8 +96,7 @@ def run(config: Config, task: Task) -> int:
         raise
     except ValueError as exc:  # a state file that does not fit this config (broker.state_path)
         raise ConfigError(str(exc)) from None
-    pool = BrokerPool(core, make_core=lambda run_id: run_core(config, run_id, vocab_size=vocab_size,
-                                                              security=security),
+    pool = BrokerPool(core, make_core=lambda run_id: run_core(config, run_id, vocab_size=vocab_size),
                       runs_dir=pool_runs.runs_dir(config) if config.broker.pool else None)
     try:
         server = BrokerServer(config, pool, security=security)
@@ -130,9 +129,10 @@ def run(config: Config, task: Task) -> int:
     return 0
 
 
-def run_core(pool: Config, run_id: str, *, vocab_size: int, security: object) -> BrokerCore:
+def run_core(pool: Config, run_id: str, *, vocab_size: int) -> BrokerCore:
     """The core of a run submitted to this pool broker: its config (the pool's with its own settings on top;
-    ConfigError for what the pool refuses), its task, its state file (restored if there) and its run token."""
+    ConfigError for what the pool refuses), its task, its state file (restored if there) and its run token,
+    required with CURVE on too: a learner key authorises the role on every run, the token names one run."""
     from loraflow.broker.core import BrokerCore
     from loraflow.common.run_token import broker_token
 
@@ -141,7 +141,7 @@ def run_core(pool: Config, run_id: str, *, vocab_size: int, security: object) ->
     task = check_task(config)
     write_resolved(config, directory / pool_runs.RESOLVED)
     return BrokerCore(config, task=task, vocab_size=vocab_size, state_path=config.run_dir / "broker" / "state.json",
-                      run_token=None if security is not None else broker_token(config))
+                      run_token=broker_token(config))
 
 
 def main(argv: list[str] | None = None) -> int:

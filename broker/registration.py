@@ -52,8 +52,8 @@ class Registrar:
         """(code, message, reason) when a Hello is refused before anything is registered."""
         if hello.role == "learner" and self.run_token and not hmac.compare_digest(hello.token.encode(),
                                                                                   self.run_token.encode()):
-            return "forbidden", ("a learner's Hello needs the run token (security is off): the learner reads it "
-                                 "from security.run_token_file (default <run_dir>/broker/run_token, written by the "
+            return "forbidden", ("a learner's Hello needs the run token (security off, or a pool run): the learner "
+                                 "reads it from security.run_token_file (default <run_dir>/broker/run_token, written by the "
                                  "broker) or security.run_token; give it the broker's"), "run_token"
         return None
 

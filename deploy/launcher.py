@@ -211,9 +211,13 @@ class Launch:
         return [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={ranks}",
                 "-m", "loraflow.learner", *args]
 
-    def worker_argv(self, worker_id: str) -> list[str]:
-        port = devices.worker_metrics_port(self.config, int(worker_id))  # worker.metrics_port + index - 1
-        return self._module("loraflow.rollout_worker", "--endpoint", self.endpoint, "--worker-id", worker_id,
+    def worker_argv(self, index: str) -> list[str]:
+        """The worker ``index``'s command; on a pool its id names its run (``<run>-<index>``), as the broker and the
+        learner's ledger name it."""
+        port = devices.worker_metrics_port(self.config, int(index))  # worker.metrics_port + index - 1
+        pool_run = self.config.run.pool_run
+        return self._module("loraflow.rollout_worker", "--endpoint", self.endpoint,
+                            "--worker-id", f"{pool_run}-{index}" if pool_run else index,
                             *(("--set", f"worker.metrics_port={port}") if port else ()))
 
     def _child(self, name: str, argv: list[str]) -> Managed:

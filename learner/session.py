@@ -85,7 +85,9 @@ class BrokerSession:
 
     def start(self, timeout_s: float) -> Welcome:
         deadline = time.monotonic() + timeout_s
-        if not self._config.security.enabled:  # read now, not at construction: a broker started at the same time
+        # a pool run's learner proves its run with the run's token under CURVE too (a key is a role, not a run);
+        # read now, not at construction: a broker started at the same time
+        if not self._config.security.enabled or self._config.run.pool_run:
             from loraflow.common.run_token import (  # as this learner has written it by then
                 learner_token,
                 token_path,

@@ -24,12 +24,15 @@ MARKS = {
     "time_to_accuracy": [pytest.mark.slow],
     "vs_trl": [pytest.mark.slow],
     "integrity": [pytest.mark.slow],
+    "multi_tenant": [pytest.mark.slow],
 }
 #: benches whose quick mode trains on a quick base (deploy/demo_base.py ensure_quick_base, deploy/agent_base.py
 #: ensure_quick_agent_base): the suite's own, built once per test run, is linked into their cache
-QUICK_BASES = {"time_to_accuracy": "quick_base_dir", "vs_trl": "quick_base_dir", "agent_demo": "quick_agent_base"}
+QUICK_BASES = {"time_to_accuracy": "quick_base_dir", "vs_trl": "quick_base_dir", "agent_demo": "quick_agent_base",
+               "multi_tenant": "quick_base_dir"}
 #: seconds a quick run may take at most (a quick run takes seconds; the slow-marked ones a minute or two)
-TIMEOUT_S = {"agent_demo": 420, "time_to_accuracy": 300, "vs_trl": 300, "integrity": 240, "net_faults": 300}
+TIMEOUT_S = {"agent_demo": 420, "time_to_accuracy": 300, "vs_trl": 300, "integrity": 240, "net_faults": 300,
+             "multi_tenant": 300}
 
 
 @pytest.fixture(scope="module")

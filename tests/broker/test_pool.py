@@ -33,7 +33,7 @@ class Pool:
         own = BrokerCore(self.config, task=load_task("arith", 0), vocab_size=200,
                          state_path=run_dir / "broker" / "state.json", now_s=self.now)
         self.pool = BrokerPool(own, runs_dir=pool_runs.runs_dir(self.config),
-                               make_core=lambda run_id: run_core(self.config, run_id, vocab_size=200, security=None))
+                               make_core=lambda run_id: run_core(self.config, run_id, vocab_size=200))
 
     def flush(self) -> list[tuple[bytes, Any]]:
         replies, deadline = [], time.monotonic() + 10

@@ -56,3 +56,12 @@ def test_demo_run_fits_the_five_minute_target() -> None:
     config = load_config(CONFIGS / "demo.toml")
     assert 0 < config.run.max_duration_s < 300
     assert config.eval.num_prompts == 200 and config.eval.every_s > 0
+
+
+@pytest.mark.parametrize("path", sorted((CONFIGS / "pool-runs").glob("*.toml")), ids=lambda p: p.name)
+def test_example_run_files_fit_the_demo_pool(path: Path) -> None:
+    """The run files README.md submits to a pool of the demo config set only what a run may set."""
+    from loraflow.common import pool_runs
+
+    config = pool_runs.run_config(load_config(CONFIGS / "demo.toml"), "example", pool_runs.read_settings(path))
+    assert (config.run.pool_run, config.model.path) == ("example", "builtin:demo")

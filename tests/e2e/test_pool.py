@@ -104,6 +104,8 @@ def test_a_pool_runs_submitted_runs_apart_through_a_killed_broker_and_learner(pr
     for run_dir in (a, b):
         audit = audit_run(run_dir, [run_dir / "logs" / "worker-1.log"], PROMPTS)
         assert len(audit.chain) == 6, audit.summary()
+        trained_from = {worker for step in audit.chain for worker in step["workers"].values()}
+        assert trained_from == {f"{run_dir.name}-1"}, trained_from  # only its own run's worker, as the broker names it
         summary = json.loads((run_dir / "summary.json").read_text())
         assert summary["stop_reason"] == "run.num_steps (6) reached" and summary["final_version"] >= 6
         assert (run_dir / "final_adapter" / "adapter_model.safetensors").is_file()

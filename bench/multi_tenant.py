@@ -1,0 +1,199 @@
+"""Many runs on one pool against the same runs one after another on it: experiments per hour, accuracy, isolation.
+
+For each count N of ``--runs`` the same N demo runs (seed i, learning rate ``LRS[i]``, each stopping at
+``--target`` held-out accuracy or after ``--max-steps`` steps) are run twice on a ``loraflow pool`` of the demo
+base: one after another (each submitted when the previous one ended) and all at once (submitted together). Both
+sides pay the same start-up per run (each run's learner and workers start when it is submitted).
+
+    experiments_per_hour   runs that reached the target, per hour of the side's wall time (first submit to the
+                           last run's end); ``ratio`` = all at once / one after another (the reference)
+    accuracy_gap_points    per run, |final held-out accuracy alone - in the shared pool| in points; the max
+    isolation_violations   groups a run trained that a worker of another run submitted (the learner's ledger
+                           names the worker of each trained group; a pool run's workers are ``<run>-<i>``)
+    fairness               max over runs of |its share of the samples served while all N ran - 1/N| x N (equal
+                           weights; samples = groups x group size of each learner step)
+
+Each run has its own learner and ``--workers`` workers (the pool shares its broker, base model and supervisor:
+README.md "Many runs on one pool" says what is shared and what is not yet). Every figure comes from what the runs left in their
+directories (metrics.jsonl, evals.jsonl, learner/ledger.jsonl, run_state.json).
+
+    python -m bench.multi_tenant                 # N = 1, 4, 8 (about an hour on 2 cores)
+    python -m bench.multi_tenant --runs 1,4      # the figures BENCHMARKS.md records
+    python -m bench.multi_tenant --quick         # two quick runs of a few steps on the quick base: the code path
+"""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+from bench import harness
+from loraflow.deploy import rundir
+from loraflow.deploy.demo_base import ensure_demo_base, ensure_quick_base
+from loraflow.deploy.pool import read_state
+from tests.fault.ledger import read_json_lines
+from tests.support import child_env
+
+LRS = (1e-3, 1.5e-3, 7e-4, 1.2e-3, 8e-4, 1e-3, 1.3e-3, 9e-4)
+ENDED = ("finished", "cancelled", "failed")
+
+
+def parse(argv: list[str] | None = None) -> Any:
+    p = harness.parser(__doc__)
+    harness.flags(p, dict(runs=("1,4,8", "comma-separated run counts N"),
+                          target=(0.9, "held-out accuracy a run stops at (and counts as an experiment reaching)"),
+                          max_steps=(150, "learner steps a run may take at most"),
+                          workers=(1, "workers per run"), eval_prompts=(100, "held-out prompts per evaluation"),
+                          timeout_s=(3600.0, "one side's wall time at most")))
+    return harness.parse(p, argv, runs="2", target=0.0, max_steps=4, eval_prompts=20, timeout_s=600.0)
+
+
+class PoolSide:
+    """One ``loraflow pool`` process and the runs submitted to it."""
+
+    def __init__(self, directory: Path, base: Path, args: Any) -> None:
+        self.directory, self.args = directory, args
+        log = open(directory.with_suffix(".log"), "wb")  # noqa: SIM115 - owned by the child
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "loraflow.deploy.cli", "pool", "--model", str(base), "--run-dir", str(directory),
+             "--workers", str(args.workers), "--log-format", "json", "--set", f"eval.num_prompts={args.eval_prompts}",
+             "--set", "eval.every_s=5", "--set", "launch.progress_every_s=60"],
+            stdout=log, stderr=subprocess.STDOUT, env=child_env(), start_new_session=True)
+        self._wait(lambda: (directory / "config.toml").is_file() and (directory / "broker" / "endpoint").is_file(),
+                   120, "the pool's broker")
+
+    def submit(self, index: int) -> str:
+        run_id = f"r{index}"
+        subprocess.run([sys.executable, "-m", "loraflow.deploy.cli", "submit", "/dev/null", "--pool",
+                        str(self.directory), "--id", run_id, *run_settings(self.args, index)], check=True,
+                       capture_output=True, env=child_env())
+        return run_id
+
+    def run_dir(self, run_id: str) -> Path:
+        return self.directory / "runs" / run_id
+
+    def wait_ended(self, run_ids: list[str]) -> None:
+        self._wait(lambda: all(read_state(self.run_dir(r)).get("state") in ENDED for r in run_ids),
+                   self.args.timeout_s, f"runs {run_ids} to end")
+
+    def _wait(self, condition: Any, timeout_s: float, what: str) -> None:
+        deadline = time.monotonic() + timeout_s
+        while not condition():
+            if self.proc.poll() is not None or time.monotonic() > deadline:
+                self.close()
+                raise SystemExit(f"multi_tenant: the pool in {self.directory} stopped or timed out waiting for {what}; "
+                                 f"see {self.directory.with_suffix('.log')}")
+            time.sleep(0.5)
+
+    def close(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.send_signal(2)
+            try:
+                self.proc.wait(120)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+
+
+def run_settings(args: Any, index: int) -> list[str]:
+    return ["--set", f"run.seed={index}", "--set", f"learner.lr={LRS[index % len(LRS)]}",
+            "--set", f"run.num_steps={args.max_steps}", "--set", f"eval.target_accuracy={args.target}"]
+
+
+def run_side(directory: Path, base: Path, args: Any, n: int, together: bool) -> dict[str, Any]:
+    pool = PoolSide(directory, base, args)
+    try:
+        started = time.time()
+        if together:
+            run_ids = [pool.submit(i) for i in range(n)]
+            pool.wait_ended(run_ids)
+        else:
+            run_ids = []
+            for i in range(n):
+                run_ids.append(pool.submit(i))
+                pool.wait_ended(run_ids)
+        wall_s = time.time() - started
+    finally:
+        pool.close()
+    runs = {r: read_run(pool.run_dir(r), args.target) for r in run_ids}
+    reached = sum(run["reached"] for run in runs.values())
+    return {"wall_s": wall_s, "reached": reached, "per_hour": reached / (wall_s / 3600), "runs": runs,
+            "fairness": fairness([pool.run_dir(r) for r in run_ids]) if together and n > 1 else 0.0}
+
+
+def read_run(run_dir: Path, target: float) -> dict[str, Any]:
+    evals = [e for e in rundir.read_jsonl(rundir.evals_path(run_dir)) if e.get("kind") != "base"]
+    final = [e["accuracy"] for e in evals if e.get("kind") == "final"]
+    steps = rundir.read_jsonl(rundir.metrics_path(run_dir))
+    violations = 0
+    for line in read_json_lines(run_dir / "learner" / "ledger.jsonl"):
+        if line.get("event") == "step":
+            violations += sum(not str(w).startswith(f"{run_dir.name}-") for w in line.get("workers", {}).values())
+    return {"reached": any(e["accuracy"] >= target for e in evals if e.get("kind") == "periodic") or
+            bool(final and final[-1] >= target), "final": final[-1] if final else None,
+            "steps": steps[-1]["step"] if steps else 0, "violations": violations}
+
+
+def fairness(run_dirs: list[Path]) -> float:
+    """Max relative error of each run's share of the samples served while every run was training."""
+    lines = {d: rundir.read_jsonl(rundir.metrics_path(d)) for d in run_dirs}
+    if not all(lines.values()):
+        return float("nan")
+    start = max(min(s["time_unix"] for s in steps) for steps in lines.values())
+    end = min(max(s["time_unix"] for s in steps) for steps in lines.values())
+    served = {d: sum(s["num_groups"] * group_size(d) for s in steps if start <= s["time_unix"] <= end)
+              for d, steps in lines.items()}
+    total = sum(served.values())
+    if not total:
+        return float("nan")
+    n = len(run_dirs)
+    return max(abs(share / total - 1 / n) * n for share in served.values())
+
+
+def group_size(run_dir: Path) -> int:
+    from loraflow.common.config import load_config
+
+    return load_config(run_dir / "config.toml").run.group_size
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse(argv)
+    counts = [int(n) for n in str(args.runs).split(",")]
+    base = ensure_quick_base(0) if args.quick else ensure_demo_base(0)
+    scratch = Path(harness.scratch_dir("multi-tenant-"))
+    results: dict[int, dict[str, dict[str, Any]]] = {}
+    for n in counts:
+        results[n] = {side: run_side(scratch / f"{side}-{n}", base, args, n, side == "together")
+                      for side in ("sequential", "together")}
+        seq, tog = results[n]["sequential"], results[n]["together"]
+        print(f"N={n}: one after another {seq['reached']}/{n} at target in {seq['wall_s']:.0f} s; all at once "
+              f"{tog['reached']}/{n} in {tog['wall_s']:.0f} s", flush=True)
+    rows, gaps, violations = [], [], 0
+    for n, sides in results.items():
+        seq, tog = sides["sequential"], sides["together"]
+        for run_id, alone in seq["runs"].items():
+            shared = tog["runs"][run_id]
+            if alone["final"] is not None and shared["final"] is not None:
+                gaps.append(abs(alone["final"] - shared["final"]) * 100)
+        violations += sum(r["violations"] for side in sides.values() for r in side["runs"].values())
+        ratio = tog["per_hour"] / seq["per_hour"] if seq["per_hour"] else float("nan")
+        rows.append([n, f"{seq['per_hour']:.1f}", f"{tog['per_hour']:.1f}", f"{ratio:.2f}", f"{seq['wall_s']:.0f}",
+                     f"{tog['wall_s']:.0f}", f"{tog['fairness']:.3f}"])
+    harness.table(["runs", "exp/h one after another", "exp/h all at once", "ratio", "wall seq (s)",
+                   "wall together (s)", "fairness err"], rows)
+    top = results[counts[-1]]
+    seq_h, tog_h = top["sequential"]["per_hour"], top["together"]["per_hour"]
+    harness.report("multi_tenant", "experiments_per_hour", tog_h, "experiments/h", seq_h,
+                   tog_h / seq_h if seq_h else float("nan"), runs=counts[-1],
+                   experiments_per_hour_ratio={n: round(s["together"]["per_hour"] / s["sequential"]["per_hour"], 3)
+                                               if s["sequential"]["per_hour"] else None for n, s in results.items()},
+                   accuracy_gap_points=round(max(gaps), 2) if gaps else None,
+                   isolation_violations=violations, fairness=round(top["together"]["fairness"], 4),
+                   target=args.target, max_steps=args.max_steps, workers_per_run=args.workers)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
