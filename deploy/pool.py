@@ -165,7 +165,8 @@ class Pool:
         launch.evaluator.shutdown(wait=True)
         write_state(self.runs_dir / run_id, state, reason)
         summary = launch.summary
-        launch.display.event(f"{state}: final accuracy "
+        ended = "stopped with the pool (resumed by the next loraflow pool)" if state == "running" else state
+        launch.display.event(f"{ended}: final accuracy "
                              f"{'-' if summary.final_accuracy is None else f'{summary.final_accuracy:.1%}'} at "
                              f"v{summary.final_version}, {summary.steps} steps; {summary.final_adapter or 'no adapter'}")
         del self.runs[run_id]
