@@ -20,7 +20,6 @@ import contextlib
 import multiprocessing as mp
 import os
 import signal
-import subprocess
 import sys
 import tempfile
 import time
@@ -34,9 +33,7 @@ from bench import harness
 from bench.adapter_fanout import direct_time, fanout_times
 from bench.broker_throughput import end_step
 from bench.harness import REPO, adapter_tensors, codec, group_record, group_tensors
-from bench.report import checkout_env
 from loraflow.broker.stats import pass_quantile
-from loraflow.common import framing
 from loraflow.common.protocol import AdapterUpdate, BatchRequest, Heartbeat, Hello, Kind, LeaseRequest
 from loraflow.common.transport import fetch_stats
 
@@ -54,10 +51,6 @@ FLEET_TICK_S = 0.005  # the fleet's send/read granularity
 SLOW_GRANT_MS = 20.0  # the lease p99 target: slower grants are the tail the bench attributes
 NEAR_PUBLISH_S = 0.1  # a grant asked for this long before a publish, or while it went out, overlaps its burst
 INTERVAL_S, MISSES = 1.0, 5  # the broker's default heartbeat interval and misses (common/config.py)
-
-
-def kind_of(frames: list) -> int:
-    return framing.PREAMBLE.unpack(frames[0].buffer)[2]
 
 
 def stats(endpoint: str) -> dict:
@@ -91,7 +84,7 @@ def connect_workers(ctx: zmq.Context, endpoint: str, names: list[str]) -> list[z
 
 def asked_interval(frames: list, interval_s: float) -> float:
     """A pong's ``interval_s`` when longer than the worker's own (as BrokerLink._follow), else ``interval_s``."""
-    if kind_of(frames) != Kind.HEARTBEAT:
+    if harness.kind(frames) != Kind.HEARTBEAT:
         return interval_s
     return max(INTERVAL_S, msgpack.unpackb(frames[1].buffer).get("interval_s", 0.0))
 
@@ -193,7 +186,7 @@ def learner(endpoint: str, ready: mp.Queue, stop: mp.Event, publishes: Path) -> 
     while not stop.is_set():
         sock.send_multipart(codec.encode(BatchRequest(num_groups=GROUPS_PER_STEP, wait_ms=1000,
                                                       learner_version=version)))
-        while not stop.is_set() and not (sock.poll(100) and kind_of(frames := sock.recv_multipart(copy=False))
+        while not stop.is_set() and not (sock.poll(100) and harness.kind(frames := sock.recv_multipart(copy=False))
                                          == Kind.BATCH):
             pass
         if not stop.is_set() and (batch := msgpack.unpackb(frames[1].buffer))["groups"]:
@@ -251,9 +244,7 @@ print(best * 1e6)
 def core_cost(tree: Path, workers: int, per_pass: int = 4) -> float:
     """Microseconds of ``tree``'s broker core per idle heartbeat (handle + tick + flush every ``per_pass`` beats,
     in-process, no sockets; the best of 4 rounds over ``workers`` peers)."""
-    out = subprocess.run([sys.executable, "-c", CORE_COST, str(workers), str(per_pass), repr(IDLE_COUNTERS)],
-                         cwd=REPO, env=checkout_env(tree), capture_output=True, text=True, check=True, timeout=600)
-    return float(out.stdout.strip().splitlines()[-1])
+    return float(harness.in_tree(["-c", CORE_COST, str(workers), str(per_pass), repr(IDLE_COUNTERS)], tree))
 
 
 def loop_during(before: dict | None, after: dict | None) -> dict | None:
@@ -292,11 +283,8 @@ def tail_causes(grants: list[tuple[float, float, float]], publishes: Path, broke
 
 def at_size(pid: int, endpoint: str, size: int, empty_rss_kb: int, args, results: mp.Queue, publishes: Path) -> dict:
     """The idle window, then the active phase, with ``size`` fleet workers connected."""
-    deadline = time.monotonic() + 60
-    while int(stats(endpoint)["num_workers"]) < size:
-        if time.monotonic() > deadline:
-            raise SystemExit(f"timed out after 60 s waiting for {size} workers counted")
-        time.sleep(0.5)
+    harness.wait_until(lambda: int(stats(endpoint)["num_workers"]) >= size, 60, f"{size} workers counted",
+                       interval_s=0.5)
     asked = stats(endpoint)["settings"].get("heartbeat_interval_asked_s", INTERVAL_S)
     time.sleep(asked * 2)  # every worker has beaten at least once, at the interval it is asked for
     row = {**idle_window(pid, endpoint, args.seconds), "interval_asked_s": asked}
@@ -417,7 +405,7 @@ def main(argv: list[str] | None = None) -> int:
     args = harness.parse(parser, argv, fleets="16", seconds=0.5, fanout="2", mb=1.0)
     sizes = sorted(harness.sizes(args.fleets))
     reference = args.reference_tree.resolve() if args.reference_tree is not None else None
-    print(f"machine load {' '.join(f'{x:.2f}' for x in os.getloadavg())}; fleet at nice {args.fleet_nice}", flush=True)
+    print(f"machine load {harness.load_average()}; fleet at nice {args.fleet_nice}", flush=True)
     core_us = {"after": core_cost(REPO, max(sizes))}
     if reference is not None:
         core_us["before"] = core_cost(reference, max(sizes))

@@ -48,19 +48,16 @@ class Run:
     latencies: list[float] = field(default_factory=list)  # gateway: each call's
 
     def describe(self) -> str:
-        batch = statistics.mean(self.rounds) if self.rounds else 0.0
         per_call = 1e3 / self.num_calls
-        text = f"{self.tok_s:7.0f} tok/s in {self.wall_s:5.2f} s, {len(self.rounds):2d} rounds of mean batch " \
-               f"{batch:4.1f} ({self.round_ms:.1f} ms each); CPU: generate {self.generate_cpu_s:.2f} s"
-        if self.core_cpu_s:
-            text += f", engine core {self.core_cpu_s:.2f} s"
-        text += f", engine thread besides {self.bookkeeping_cpu_s * per_call:.2f} ms/call"
-        if self.submit_wall_s:
-            text += f" (submit: wall {self.submit_wall_s * per_call:.2f}, CPU {self.submit_cpu_s * per_call:.2f} ms/call)"
-        if self.client_cpu_s:
-            text += f", HTTP server {self.server_cpu_s * per_call:.2f} ms/call, clients " \
-                    f"{self.client_cpu_s * per_call:.2f} ms/call"
-        return text
+        return (f"{self.tok_s:7.0f} tok/s in {self.wall_s:5.2f} s, {len(self.rounds):2d} rounds of mean batch "
+                f"{statistics.mean(self.rounds) if self.rounds else 0.0:4.1f} ({self.round_ms:.1f} ms each); CPU: "
+                f"generate {self.generate_cpu_s:.2f} s" + (f", engine core {self.core_cpu_s:.2f} s" if self.core_cpu_s
+                                                            else "")
+                + f", engine thread besides {self.bookkeeping_cpu_s * per_call:.2f} ms/call"
+                + (f" (submit: wall {self.submit_wall_s * per_call:.2f}, CPU {self.submit_cpu_s * per_call:.2f} "
+                   "ms/call)" if self.submit_wall_s else "")
+                + (f", HTTP server {self.server_cpu_s * per_call:.2f} ms/call, clients "
+                   f"{self.client_cpu_s * per_call:.2f} ms/call" if self.client_cpu_s else ""))
 
     @property
     def round_ms(self) -> float:
@@ -350,17 +347,8 @@ class Placement:
         return self.client_cpus if config == "split" else self.everything
 
 
-def pct(values: list[float], q: float) -> float:
-    ordered = sorted(values)
-    return ordered[min(len(ordered) - 1, int(q * len(ordered)))]
-
-
 def ms(values: list[float]) -> str:
-    return f"median {statistics.median(values) * 1e3:.1f} ms p99 {pct(values, 0.99) * 1e3:.1f} ms"
-
-
-def load() -> str:
-    return " ".join(f"{x:.2f}" for x in os.getloadavg())
+    return f"median {statistics.median(values) * 1e3:.1f} ms p99 {harness.pct(values, 0.99) * 1e3:.1f} ms"
 
 
 def describe_count(n: int, runs: tuple[Run, Run, Run]) -> str:
@@ -399,24 +387,6 @@ def figures(results: dict[int, tuple[Run, Run, Run]]) -> dict[str, Any]:
                                for kind, x in (("openai", g), ("plain", r))}}
 
 
-def make_backend(name: str, max_num_seqs: int) -> Any:
-    from loraflow.common.tiny_model import resolve_model
-    from loraflow.rollout_worker.backends.base import Sampling
-
-    model_dir = resolve_model("builtin:tiny")
-    if name == "vllm":
-        from loraflow.rollout_worker.backends.vllm import VllmBackend
-
-        backend = VllmBackend(model_dir, sampling=Sampling(), max_loras=1, max_lora_rank=8, max_model_len=512,
-                              max_num_seqs=max_num_seqs, seed=0)
-    else:
-        from loraflow.rollout_worker.backends.hf import HfBackend
-
-        backend = HfBackend(model_dir, sampling=Sampling(), device="cpu", seed=0)
-    BACKEND_CPU.install(backend)
-    return backend
-
-
 def main() -> None:
     parser = harness.flags(harness.parser(__doc__, repeats=3), {
         "tokens": 32, "calls": 4, "sessions": "1,8,64", "latency_requests": 40, "chunk": 16,
@@ -431,14 +401,16 @@ def main() -> None:
         parser.error(f"--cores {args.cores!r}: shared, split or shared,split")
     counts = harness.sizes(args.sessions)
     os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
-    load_start = load()
+    load_start = harness.load_average()
     import torch
 
     from loraflow.common.logging import setup_logging
 
     setup_logging("bench", level="warning")
     torch.set_num_threads(1)
-    backend = make_backend(args.backend, max(64, *counts))
+    backend = harness.tiny_backend(args.backend, seed=0, **(dict(max_loras=1, max_lora_rank=8, max_model_len=512,
+                                   max_num_seqs=max(64, *counts)) if args.backend == "vllm" else {}))
+    BACKEND_CPU.install(backend)
     placement = Placement(backend.streaming)
     gateway = Gateway(backend, args.chunk, args.tokens, args.openai_http)
     direct(backend, args.chunk, 2, args.tokens, 2)  # warm-up
@@ -472,7 +444,7 @@ def main() -> None:
             by_kind = zip(*runs[config], strict=True)  # the median run by tok/s of direct, openai, plain
             results[config][n] = d, g, r = tuple(sorted(x, key=lambda run: run.tok_s)[len(x) // 2] for x in by_kind)
             print(f"[{config} cores] {describe_count(n, (d, g, r))}")
-        print(f"load average {load()}", flush=True)
+        print(f"load average {harness.load_average()}", flush=True)
     gateway.server.close()
     backend.close()
     top = max(counts)
@@ -485,10 +457,10 @@ def main() -> None:
                    direct_tok_s=round(d.tok_s, 1), ratio_by_cores={c: round(x, 4) for c, x in ratio.items()},
                    plain_http_ratio_by_cores={c: round(x, 4) for c, x in plain.items()},
                    backend=args.backend, openai_http=args.openai_http, load_average_start=load_start,
-                   load_average_end=load(), latency_median_ms=round(statistics.median(gateway_lat) * 1e3, 2),
-                   latency_p99_ms=round(pct(gateway_lat, 0.99) * 1e3, 2),
+                   load_average_end=harness.load_average(), latency_median_ms=round(statistics.median(gateway_lat) * 1e3, 2),
+                   latency_p99_ms=round(harness.pct(gateway_lat, 0.99) * 1e3, 2),
                    direct_latency_median_ms=round(statistics.median(direct_lat) * 1e3, 2),
-                   direct_latency_p99_ms=round(pct(direct_lat, 0.99) * 1e3, 2),
+                   direct_latency_p99_ms=round(harness.pct(direct_lat, 0.99) * 1e3, 2),
                    by_cores={c: figures(results[c]) for c in configs})
 
 

@@ -20,7 +20,8 @@ from pathlib import Path
 from typing import Any
 
 from bench.broker_proc import REPO, RUN_TOKEN, start_broker  # noqa: F401 - re-exported for the benches
-from bench.report import report, scratch_dir  # noqa: F401 - re-exported for the benches
+from bench.report import checkout_env, report, scratch_dir  # noqa: F401 - re-exported for the benches
+from loraflow.common import framing
 
 #: the wire encode/decode, moving from common/protocol.py to common/codec.py (#36): whichever this tree has
 codec = importlib.import_module("loraflow.common.codec" if importlib.util.find_spec("loraflow.common.codec")
@@ -73,6 +74,17 @@ def median(values: Iterable[float]) -> float:
     return statistics.median(values) if values else float("nan")
 
 
+def pct(values: Sequence[float], q: float) -> float:
+    """The ``q`` quantile of ``values``, nearest rank below (``pct(v, 0.99)``: p99)."""
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, int(q * len(ordered)))]
+
+
+def load_average() -> str:
+    """The machine's 1, 5 and 15 minute load averages, as printed beside a figure."""
+    return " ".join(f"{x:.2f}" for x in os.getloadavg())
+
+
 def table(header: Sequence[str], rows: Iterable[Sequence[Any]]) -> None:
     """Print a Markdown table (the form BENCHMARKS.md keeps)."""
     print("| " + " | ".join(map(str, header)) + " |")
@@ -93,15 +105,66 @@ def sizes(text: str) -> list[int]:
     return [int(part) for part in text.split(",") if part.strip()]
 
 
+def in_tree(argv: Sequence[str], tree: Path = REPO, *, timeout_s: float | None = 600, cwd: Path = REPO,
+            **env: str) -> Any:
+    """The JSON of the last stdout line of ``python *argv`` run with ``tree``'s code (bench/report.py
+    checkout_env; ``env`` added): one measurement of another checkout in the same run."""
+    import json
+    import subprocess
+
+    done = subprocess.run([sys.executable, *argv], env={**checkout_env(tree), **env}, cwd=cwd, capture_output=True,
+                          text=True, timeout=timeout_s)
+    if done.returncode != 0:
+        raise RuntimeError(f"{tree}: {' '.join(argv)} exited {done.returncode}:\n{done.stderr[-3000:]}")
+    return json.loads(done.stdout.strip().splitlines()[-1])
+
+
+def wait_until(condition: Callable[[], Any], timeout_s: float, what: str, *, proc: Any = None,
+               interval_s: float = 0.2) -> Any:
+    """``condition()``'s first truthy value, polled every ``interval_s``; SystemExit naming ``what`` after
+    ``timeout_s`` or once ``proc`` (a Popen) has exited."""
+    import time
+
+    deadline = time.monotonic() + timeout_s
+    while not (value := condition()):
+        if time.monotonic() > deadline or (proc is not None and proc.poll() is not None):
+            raise SystemExit(f"timed out after {timeout_s:g} s waiting for {what}" if proc is None or
+                             proc.poll() is None else f"exited ({proc.poll()}) while waiting for {what}")
+        time.sleep(interval_s)
+    return value
+
+
+def tiny_backend(name: str, model_dir: Any = None, **kwargs: Any) -> Any:
+    """A generation backend (``vllm...`` or ``hf...``) on ``model_dir`` (default: the built-in tiny model),
+    default sampling; ``kwargs`` go to the backend's constructor (hf: on the CPU unless ``device`` says)."""
+    from loraflow.rollout_worker.backends.base import Sampling
+
+    if model_dir is None:
+        from loraflow.common.tiny_model import resolve_model
+
+        model_dir = resolve_model("builtin:tiny")
+    kwargs.setdefault("sampling", Sampling())
+    if name.startswith("vllm"):
+        from loraflow.rollout_worker.backends.vllm import VllmBackend
+
+        return VllmBackend(model_dir, **kwargs)
+    from loraflow.rollout_worker.backends.hf import HfBackend
+
+    return HfBackend(model_dir, **{"device": "cpu", **kwargs})
+
+
 # -- raw broker clients (pyzmq DEALERs speaking the wire format, lighter than the real clients) --
+
+def kind(frames: Sequence[Any]) -> int:
+    """The message kind of a received multipart message (``copy=False`` frames), its header left undecoded."""
+    return framing.PREAMBLE.unpack(frames[0].buffer)[2]
+
 
 def kind_and_header(frames: Sequence[Any]) -> tuple[int, dict]:
     """(message kind, msgpack header) of a received multipart message (``copy=False`` frames)."""
     import msgpack
 
-    from loraflow.common import framing
-
-    return framing.PREAMBLE.unpack(frames[0].buffer)[2], msgpack.unpackb(frames[1].buffer)
+    return kind(frames), msgpack.unpackb(frames[1].buffer)
 
 
 def hello(sock: Any, role: str, name: str, **fields: Any) -> None:
