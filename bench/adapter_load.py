@@ -5,8 +5,7 @@
 A worker process is never one thread: its broker session receives, verifies and writes the next adapter while
 the main loop loads the last one. Every torch call releases the GIL, and a busy Python thread then keeps it for
 up to the interpreter's switch interval (5 ms), so a load's cost grows with the number of torch calls it makes,
-not with its bytes (seen on an H200: 392 tensors of a 1.5B model, 1.4-7 s per load with two more workers and
-the learner on the machine, 0.15 s alone). The model here has the tensor count of that case on a tiny shape
+not with its bytes. The model has the tensor count of a 1.5B model's adapter (392 tensors) on a tiny shape
 (``--layers`` decoder layers of hidden 128, rank-16 LoRA on all seven projections: 14 tensors a layer), so the
 figure is about calls, not bandwidth.
 
@@ -31,8 +30,6 @@ import argparse
 import contextlib
 import json
 import statistics
-import subprocess
-import sys
 import tempfile
 import threading
 import time
@@ -41,7 +38,7 @@ from pathlib import Path
 from typing import Any
 
 from bench import harness
-from bench.report import REPO, checkout_env, report
+from bench.harness import REPO, report
 
 
 def build(work: Path, layers: int, versions: int) -> tuple[Path, list[Path]]:
@@ -115,9 +112,15 @@ def load_each(backend: Any, dirs: list[Path]) -> list[float]:
 
 @contextlib.contextmanager
 def spinning(busy: bool) -> Iterator[None]:
-    """With ``busy``, a thread spinning in Python meanwhile (the worker's own threads competing for the GIL)."""
+    """With ``busy``, a thread spinning in Python meanwhile (as a worker's session thread has Python work to do
+    while an adapter arrives, competing for the GIL)."""
     stop = threading.Event()
-    spinner = threading.Thread(target=_spin, args=(stop,), daemon=True)
+
+    def spin() -> None:
+        while not stop.is_set():
+            pass
+
+    spinner = threading.Thread(target=spin, daemon=True)
     if busy:
         spinner.start()
     try:
@@ -128,24 +131,17 @@ def spinning(busy: bool) -> Iterator[None]:
             spinner.join()
 
 
-def _spin(stop: threading.Event) -> None:
-    """A thread with Python work to do, as a worker's session thread has while an adapter arrives."""
-    while not stop.is_set():
-        pass
-
-
 def _header(path: Path) -> bytes:
     with open(path, "rb") as f:
         return f.read(int.from_bytes(f.read(8), "little"))
 
 
 def main() -> None:
-    parser = harness.parser(__doc__)
-    parser.add_argument("--layers", type=int, default=28, help="decoder layers (14 LoRA tensors each)")
+    parser = harness.flags(harness.parser(__doc__), {
+        "layers": (28, "decoder layers (14 LoRA tensors each)"), "reference_tree": ("", "another checkout to "
+        "measure in the same run"), "swaps": (6, "versions loaded per phase (the first 2 create slots)"),
+        "generate_tokens": (16, "tokens per sample of the generation part")})
     parser.add_argument("--dtype", default="float32", choices=("float32", "bfloat16"), help="the engine's dtype")
-    parser.add_argument("--swaps", type=int, default=6, help="versions loaded per phase (the first 2 create slots)")
-    parser.add_argument("--reference-tree", default="", help="another checkout to measure in the same run")
-    parser.add_argument("--generate-tokens", type=int, default=16, help="tokens per sample of the generation part")
     parser.add_argument("--child", nargs=2, metavar=("MODEL", "WORK"), help=argparse.SUPPRESS)
     args = harness.parse(parser, None, layers=2, swaps=3, generate_tokens=4)
     if args.child:  # one measurement with the code on sys.path (the reference tree's), as JSON
@@ -158,13 +154,9 @@ def main() -> None:
         trees = {"this tree": REPO}
         if args.reference_tree:
             trees["reference tree"] = Path(args.reference_tree).resolve()
-        results = {}
-        for name, tree in trees.items():
-            env = checkout_env(tree)
-            done = subprocess.run([sys.executable, str(Path(__file__).resolve()), "--dtype", args.dtype,
-                                   "--generate-tokens", str(args.generate_tokens), "--child", str(model), tmp], cwd=tree, env=env, capture_output=True, text=True,
-                                  check=True)
-            results[name] = json.loads(done.stdout.strip().splitlines()[-1])
+        argv = [str(Path(__file__).resolve()), "--dtype", args.dtype, "--generate-tokens", str(args.generate_tokens),
+                "--child", str(model), tmp]
+        results = {name: harness.in_tree(argv, tree, cwd=tree, timeout_s=None) for name, tree in trees.items()}
     for name, r in results.items():
         print(f"{name}: {r['num_tensors']} tensors ({args.dtype} engine): load {r['idle']['median_ms']} ms alone "
               f"(max {r['idle']['max_ms']}), {r['busy']['median_ms']} ms beside a busy thread "

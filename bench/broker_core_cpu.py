@@ -18,14 +18,13 @@ import importlib
 import json
 import logging
 import os
-import subprocess
 import sys
 import tempfile
 import time
 from pathlib import Path
 
 from bench import harness
-from bench.report import REPO, checkout_env
+from bench.harness import REPO
 
 BATCH = 8
 
@@ -147,19 +146,13 @@ def breakdown(num_groups: int, group_bytes: int) -> dict[str, float]:
 
 
 def run_child(tree: Path, num_groups: int, group_bytes: int) -> float:
-    out = subprocess.run([sys.executable, "-m", "bench.broker_core_cpu", "--child", "--groups", str(num_groups),
-                          "--sizes", str(group_bytes)], env=checkout_env(tree), cwd=REPO, capture_output=True,
-                         text=True, timeout=600)
-    if out.returncode != 0:
-        raise RuntimeError(f"{tree}: {out.stderr[-2000:]}")
-    return json.loads(out.stdout.strip().splitlines()[-1])["us_per_group"]
+    argv = ["-m", "bench.broker_core_cpu", "--child", "--groups", str(num_groups), "--sizes", str(group_bytes)]
+    return harness.in_tree(argv, tree)["us_per_group"]
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = harness.flags(harness.parser(__doc__, repeats=5), {
-        "groups": (4000, "groups per run"),
-        "sizes": ("16384,262144", "group sizes in bytes, comma-separated"),
-    })
+        "groups": (4000, "groups per run"), "sizes": ("16384,262144", "group sizes in bytes, comma-separated")})
     parser.add_argument("--reference-tree", type=Path, help="another checkout of this repository (the reference)")
     parser.add_argument("--breakdown", action="store_true", help="this tree only: its CPU per group by handler/step")
     parser.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
