@@ -178,6 +178,10 @@ class WorkerConfig:
                                 "(keep the held tokens, count tito_divergence{reason}) or refuse the call")
     sim: SimConfig = field(default_factory=SimConfig)
     vllm: VllmConfig = field(default_factory=VllmConfig)
+    pool: bool = rule(False, doc="serve every running run of the pool in run.run_dir with one engine, a thread "
+                      "per run (the shared workers of loraflow pool: launch.shared_workers)")
+    max_runs: int = rule(8, ge=1, le=256, doc="pool workers: runs served at once (vLLM holds max_runs x "
+                         "(run.max_staleness + 2) adapters unless worker.vllm.max_loras says)")
 
 
 @dataclass(slots=True, kw_only=True)
@@ -295,6 +299,8 @@ class LaunchConfig:
     """What `loraflow run` starts on this machine and how it supervises it (other commands ignore it)."""
 
     num_workers: int = rule(2, ge=0, le=256, doc="rollout workers started (more can join from elsewhere)")
+    shared_workers: int = rule(0, ge=0, le=256, doc="loraflow pool: workers that serve every run in one engine "
+                               "(worker.pool); 0 = launch.num_workers workers of each run's own")
     learner_ranks: int = rule(1, ge=1, le=1024, doc="learner ranks; above 1 the learner runs under torchrun")
     restart_backoff_s: float = rule(1.0, gt=0, unit="s", doc="first delay before restarting a dead process; doubles")
     max_backoff_s: float = rule(30.0, gt=0, unit="s", doc="longest delay between restarts")

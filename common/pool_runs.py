@@ -7,6 +7,8 @@ A pool is one broker (and the processes around it) on one base model; runs are s
     config.toml      the run's resolved config: the pool's with submitted.toml on top (written by the broker)
     cancelled        present once ``loraflow cancel`` asked the run to stop (its text: why)
     refused          present when the pool refused the run (its text: why), e.g. a setting only the pool owns
+    run_state.json   what loraflow pool made of it: running, stopping, finished, cancelled, failed (with why)
+    workers/<id>/failed   a shared worker stopped serving the run for a config-class error (its text: why)
     broker/          the run's ledger state and run token; the learner's and workers' files as in any run dir
 
 A run may set its task, data, learner (optimizer, LoRA rank and targets, loss), evaluation, sampling and reward
@@ -17,7 +19,10 @@ backend and the devices (:data:`POOL_KEYS`); a run that sets one is refused with
 
 from __future__ import annotations
 
+import json
+import os
 import re
+import time
 import tomllib
 from pathlib import Path
 from typing import Any
@@ -29,7 +34,7 @@ RUN_ID = re.compile(r"[a-z0-9][a-z0-9_-]{0,47}")
 #: sections, or section.key, that belong to the pool: every run on it has the pool's value
 POOL_KEYS = (
     "model", "broker", "security", "launch", "worker.backend", "worker.device", "worker.num_threads",
-    "worker.vllm", "worker.sim", "worker.id", "worker.adapter_dir", "worker.metrics_port", "learner.device",
+    "worker.vllm", "worker.sim", "worker.pool", "worker.max_runs", "worker.id", "worker.adapter_dir", "worker.metrics_port", "learner.device",
     "learner.num_threads", "learner.metrics_port", "learner.mixed_precision", "eval.device", "run.run_dir",
     "run.pool_run", "run.name", "run.log_format", "run.log_level", "run.connect_timeout_s",
 )
@@ -37,6 +42,9 @@ SUBMITTED = "submitted.toml"
 RESOLVED = "config.toml"
 CANCELLED = "cancelled"
 REFUSED = "refused"
+RUN_STATE = "run_state.json"
+WORKER_FAILED = "failed"
+ENDED = ("finished", "cancelled", "failed")
 
 
 def runs_dir(pool: Config) -> Path:
@@ -91,3 +99,29 @@ def read_settings(path: Path) -> dict[str, Any]:
             return tomllib.load(f)
     except tomllib.TOMLDecodeError as exc:
         raise ConfigError(f"{path}: not valid TOML: {exc}") from None
+
+
+def read_state(directory: Path) -> dict[str, Any]:
+    """A run's ``run_state.json`` ({} before the pool started it, or when it cannot be read)."""
+    try:
+        state = json.loads((directory / RUN_STATE).read_text())
+    except (OSError, ValueError):
+        return {}
+    return state if isinstance(state, dict) else {}
+
+
+def write_state(directory: Path, state: str, reason: str = "") -> None:
+    tmp = directory / f".{RUN_STATE}.{os.getpid()}.tmp"
+    tmp.write_text(json.dumps({"state": state, "reason": reason, "time_unix": round(time.time(), 3)}) + "\n")
+    os.replace(tmp, directory / RUN_STATE)
+
+
+def running_runs(pool: Config) -> list[str]:
+    """The runs loraflow pool is running now (accepted by the broker, started, not stopping or ended): the runs a
+    shared worker serves."""
+    try:
+        directories = sorted(p for p in runs_dir(pool).iterdir() if p.is_dir())
+    except FileNotFoundError:
+        return []
+    return [d.name for d in directories if read_state(d).get("state") == "running"
+            and (d / RESOLVED).is_file() and not (d / CANCELLED).exists()]

@@ -11,24 +11,26 @@ The pool's config names what every run shares (the base model, the broker, secur
 
     prepare   the base model, resolved once (builtin:demo built and cached as for loraflow run); the pool's
               resolved config (broker.pool = true) in <run_dir>/config.toml, which submit reads
-    start     the broker (port 0 unless broker.bind names one), restarted on its address if it dies
+    start     the broker (port 0 unless broker.bind names one), restarted on its address if it dies; with
+              launch.shared_workers = N, N shared workers (worker.pool: one engine serving every running run,
+              a thread per run, loraflow.rollout_worker.pool_worker), restarted like the broker
     watch     every TICK_S: each run the broker accepted (its runs/<id>/config.toml) gets its learner and
-              launch.num_workers workers and its evaluations, exactly as one loraflow run would
-              (:class:`loraflow.deploy.launcher.Launch`); a run stops on its own stop conditions (run.num_steps,
-              run.max_duration_s, eval.target_accuracy), on a cancel, or when one of its processes cannot be
-              recovered, and then writes its final adapter, summary.json and plots; the others go on
-    stop      ctrl-C / SIGTERM: every active run stops as above, then the broker
+              launch.num_workers workers (none with shared workers) and its evaluations, exactly as one loraflow
+              run would (:class:`loraflow.deploy.launcher.Launch`); a run stops on its own stop conditions
+              (run.num_steps, run.max_duration_s, eval.target_accuracy), on a cancel, when one of its processes
+              cannot be recovered, or when a shared worker stopped serving it for a config-class error (its
+              runs/<id>/workers/<id>/failed), and then writes its final adapter, summary.json and plots; the
+              others go on
+    stop      ctrl-C / SIGTERM: every active run stops as above, then the shared workers, then the broker
 
-A run's state is kept in ``runs/<id>/run_state.json`` (running, finished, cancelled, failed; with the reason), so
-a restarted pool resumes the runs that were running (their learners from their checkpoints, the broker from
-each run's ledger) and leaves the ended ones alone.
+A run's state is kept in ``runs/<id>/run_state.json`` (running, stopping, finished, cancelled, failed; with the
+reason; shared workers serve the runs in state running), so a restarted pool resumes the runs that were running
+(their learners from their checkpoints, the broker from each run's ledger) and leaves the ended ones alone.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import json
-import os
 import signal
 import time
 from pathlib import Path
@@ -38,30 +40,14 @@ from loraflow.common import pool_runs
 from loraflow.common.cli import config_from_args, config_parser, run_main
 from loraflow.common.config import Config, load_config
 from loraflow.common.logging import get_logger, setup_logging
+from loraflow.common.pool_runs import ENDED, read_state, write_state
 from loraflow.deploy import preflight
-from loraflow.deploy.launcher import BROKER_STOP_TIMEOUT_S, EXTRA_FLAGS, TICK_S, Launch
+from loraflow.deploy.launcher import BROKER_STOP_TIMEOUT_S, EXTRA_FLAGS, TICK_S, WORKER_STOP_TIMEOUT_S, Launch
 from loraflow.deploy.processes import Unrecoverable
 from loraflow.deploy.progress import Display
 
 log = get_logger("pool")
 
-RUN_STATE = "run_state.json"
-ENDED = ("finished", "cancelled", "failed")
-
-
-def read_state(directory: Path) -> dict[str, Any]:
-    """A run's ``run_state.json`` ({} before the pool started it, or when it cannot be read)."""
-    try:
-        state = json.loads((directory / RUN_STATE).read_text())
-    except (OSError, ValueError):
-        return {}
-    return state if isinstance(state, dict) else {}
-
-
-def write_state(directory: Path, state: str, reason: str = "") -> None:
-    tmp = directory / f".{RUN_STATE}.{os.getpid()}.tmp"
-    tmp.write_text(json.dumps({"state": state, "reason": reason, "time_unix": round(time.time(), 3)}) + "\n")
-    os.replace(tmp, directory / RUN_STATE)
 
 
 class RunDisplay:
@@ -91,6 +77,11 @@ class Pool:
         self.stop_requested = ""
 
     @property
+    def shared_workers(self) -> list[str]:
+        """The shared workers' process names (their worker ids: shared-<i>)."""
+        return [f"worker-shared-{i}" for i in range(1, self.own.config.launch.shared_workers + 1)]
+
+    @property
     def runs_dir(self) -> Path:
         return pool_runs.runs_dir(self.own.config)
 
@@ -102,6 +93,13 @@ class Pool:
         self.own.prepare_model()
         self.own.write_config()
         self.own.start_broker(self.own.config.broker.bind)
+        for name in self.shared_workers:
+            index = name.removeprefix("worker-")
+            self.own.supervisor.add(self.own._child(name, self.own._module(
+                "loraflow.rollout_worker", "--endpoint", self.own.endpoint, "--worker-id", index,
+                "--set", "worker.pool=true")))
+        if self.shared_workers:
+            self.display.event(f"{len(self.shared_workers)} shared worker(s), each serving every running run")
         self.display.event(f"pool broker on {self.own.endpoint}, base model {self.own.config.model.path}; submit "
                            f"runs with: loraflow submit RUN.toml --pool {self.own.run_dir}")
 
@@ -135,11 +133,14 @@ class Pool:
 
     def start_run(self, run_id: str, directory: Path) -> None:
         config = load_config(directory / pool_runs.RESOLVED)
+        if self.shared_workers:  # the shared workers serve it: only its learner is its own
+            config = dataclasses.replace(config, launch=dataclasses.replace(config.launch, num_workers=0))
         launch = Launch(config, RunDisplay(self.display, run_id), started_s=time.monotonic())  # type: ignore[arg-type]
         launch.endpoint, launch.model_ready = self.own.endpoint, True
         write_state(directory, "running")
+        workers = f"{len(self.shared_workers)} shared" if self.shared_workers else str(config.launch.num_workers)
         launch.display.event(f"started: task {config.run.task}, seed {config.run.seed}, lr {config.learner.lr:g}, "
-                             f"{config.launch.num_workers} worker(s); run dir {directory}")
+                             f"{workers} worker(s); run dir {directory}")
         launch.start_clients()
         if config.eval.num_prompts:
             launch.pending_eval = launch.evaluator.submit(launch.measure, 0, None, "base")
@@ -150,6 +151,10 @@ class Pool:
         cancelled = self.runs_dir / run_id / pool_runs.CANCELLED
         if cancelled.exists():
             return f"cancelled: {cancelled.read_text().strip() or 'loraflow cancel'}", "cancelled"
+        failed = sorted((self.runs_dir / run_id / "workers").glob(f"*/{pool_runs.WORKER_FAILED}"))
+        if failed:  # a shared worker stopped serving it (a reward failing on everything, a refused adapter)
+            launch.summary.error = f"{failed[0].parent.name}: {failed[0].read_text().strip()}"
+            return f"error: {launch.summary.error}", "failed"
         try:
             return launch.check(now_s), "finished"
         except Exception as exc:  # a process that cannot be recovered (Unrecoverable), a failed evaluation: this run
@@ -159,6 +164,7 @@ class Pool:
 
     def end_run(self, run_id: str, launch: Launch, state: str, reason: str) -> None:
         launch.display.event(f"stopping: {reason}")
+        write_state(self.runs_dir / run_id, "stopping", reason)  # the shared workers stop serving it
         launch.summary.stop_reason = reason if state != "failed" else "error"
         launch.shutdown()
         launch.finish()
@@ -172,9 +178,11 @@ class Pool:
         del self.runs[run_id]
 
     def shutdown(self, reason: str) -> None:
+        self.own.supervisor.signal(self.shared_workers)  # they return their leases while the runs stop
         for run_id, launch in list(self.runs.items()):
             launch.summary.stop_reason = reason
             self.end_run(run_id, launch, "running", reason)  # resumed by the next loraflow pool
+        self.own.supervisor.stop(self.shared_workers, WORKER_STOP_TIMEOUT_S)
         self.own.supervisor.stop(["broker"], BROKER_STOP_TIMEOUT_S)
 
 
@@ -185,7 +193,9 @@ def main(argv: list[str]) -> int:
 def _main(argv: list[str]) -> int:
     parser = config_parser("loraflow pool", "One broker on one base model running every run submitted to it "
                            "(loraflow submit), each with its own learner, workers, ledger and adapter lineage.",
-                           {k: v for k, v in EXTRA_FLAGS.items() if k == "--workers"})
+                           {**{k: v for k, v in EXTRA_FLAGS.items() if k == "--workers"},
+                            "--shared-workers": ("launch.shared_workers", int, "workers serving every run in one "
+                                                 "engine (then no run has workers of its own)")})
     args = parser.parse_args(argv)
     config = config_from_args(args)
     if not config.run.run_dir:

@@ -26,8 +26,8 @@ from typing import Any
 from loraflow.common import pool_runs
 from loraflow.common.cli import run_main
 from loraflow.common.config import ConfigError, apply_override, load_config
+from loraflow.common.pool_runs import read_state
 from loraflow.deploy import rundir
-from loraflow.deploy.pool import read_state
 from loraflow.deploy.status import text_table
 
 

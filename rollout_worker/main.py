@@ -30,6 +30,11 @@ def _main(argv: list[str]) -> int:
                            "scored groups with the newest adapter, submits them.", EXTRA_FLAGS)
     config = check(config_from_args(parser.parse_args(argv)))
     setup_logging("worker", fmt=config.run.log_format, level=config.run.log_level)
+    if config.worker.pool:  # one engine for every running run of the pool
+        from loraflow.rollout_worker.pool_worker import run as serve_pool
+        from loraflow.rollout_worker.worker import end_process
+
+        end_process(serve_pool(config))
     from loraflow.rollout_worker.worker import run
 
     return run(config)

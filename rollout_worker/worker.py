@@ -166,6 +166,11 @@ class Worker:
             return code
         return 0
 
+    @property
+    def fatal_error(self) -> str:
+        """Why the loop stopped with a non-zero code ("" when it did not)."""
+        return self._fatal[2].get("error", self._fatal[1]) if self._fatal else ""
+
     def _reward_failing(self, finished: FinishedGroup) -> bool:
         """Count groups in a row whose every sample failed; True (and ``stop`` set) at the limit."""
         group = finished.group

@@ -15,8 +15,9 @@ __all__ = ["Backend", "GenOutput", "GenRequest", "Sampling", "make_backend", "re
 
 
 def resident_count(config: Config, max_staleness: int) -> int:
-    """Adapter versions a worker keeps loaded: ``vllm.max_loras``, by default max_staleness + 2."""
-    return config.worker.vllm.max_loras or max_staleness + 2
+    """Adapter versions a worker keeps loaded: ``vllm.max_loras``, by default max_staleness + 2 (for each of
+    ``worker.max_runs`` runs on a pool's shared worker)."""
+    return config.worker.vllm.max_loras or (max_staleness + 2) * (config.worker.max_runs if config.worker.pool else 1)
 
 
 def make_backend(config: Config, *, worker_id: str, max_staleness: int) -> Backend:

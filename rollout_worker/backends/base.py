@@ -281,6 +281,10 @@ class Backend(abc.ABC):
     @abc.abstractmethod
     def _generate(self, requests: Sequence[GenRequest], greedy: bool) -> list[GenOutput]: ...
 
+    def sampling_problem(self, sampling: Sampling) -> str:
+        """Why this engine cannot sample a run of a shared engine as ``sampling`` says ("" when it can)."""
+        return ""
+
     def describe(self) -> dict[str, Any]:
         """A few facts for logs and stats."""
         return {"backend": self.name, "vocab_size": self.vocab_size, "resident": sorted(self.adapters)}

@@ -156,7 +156,7 @@ class HfBackend(TokenizerMixin, Backend):
         self._lora_layer: Any = None  # one LoRA layer of the model: which slot it serves
         self._free_slots: list[str] = []
         self._num_slots = 0
-        self._configs: dict[tuple[bool, int], GenerationConfig] = {}
+        self._configs: dict[tuple[bool, int, Sampling], GenerationConfig] = {}
         self._prefixes: dict[str, Prefix] = {}  # generation key -> what its last chunk fed (see .hf_decode)
         self.num_prefix_tokens_reused = 0  # tokens not read again thanks to a held prefix (stats, the bench)
         self.num_tokens_read = 0  # tokens fed to the model before a chunk's first new token
@@ -279,7 +279,7 @@ class HfBackend(TokenizerMixin, Backend):
     # -- generation --------------------------------------------------------------------------------------------
 
     def _generation_config(self, greedy: bool, max_new_tokens: int) -> GenerationConfig:
-        key = (greedy, max_new_tokens)
+        key = (greedy, max_new_tokens, self.sampling)  # a shared engine's runs sample each their own way
         if key not in self._configs:
             self._configs[key] = generation_config(
                 greedy=greedy, max_new_tokens=max_new_tokens, eos_token_ids=self.eos_token_ids,
@@ -293,7 +293,11 @@ class HfBackend(TokenizerMixin, Backend):
         by_version: dict[int, list[int]] = {}
         for index, request in enumerate(requests):
             by_version.setdefault(request.version, []).append(index)
-        held, self._prefixes = self._prefixes, {}  # a prefix not asked for in this call is dropped
+        # a prefix not asked for in this call is dropped; on a shared engine only one of the call's run's
+        # (keys "r<slot>:...", rollout_worker/backends/shared.py): the other runs' calls come in between
+        callers = {_namespace(r.key) for r in requests}
+        held = self._prefixes
+        self._prefixes = {k: p for k, p in held.items() if _namespace(k) not in callers}
         for version, indices in by_version.items():
             with self._using(version):
                 batch = [requests[i] for i in indices]
@@ -352,3 +356,8 @@ class HfBackend(TokenizerMixin, Backend):
     def describe(self) -> dict[str, Any]:
         return {**super().describe(), "device": str(self.device), "slots": self._num_slots,
                 "kv_cache": self.kv_cache, "held_prefixes": len(self._prefixes)}
+
+
+def _namespace(key: str) -> str:
+    """The run a generation key belongs to on a shared engine ("" for a worker of one run)."""
+    return key.partition(":")[0] if ":" in key else ""

@@ -256,7 +256,7 @@ class VllmBackend(TokenizerMixin, Backend):
     # -- generation --------------------------------------------------------------------------------------------
 
     def _params_for(self, max_tokens: int, greedy: bool, stream: bool = False) -> Any:
-        key = (max_tokens, greedy, stream)
+        key = (max_tokens, greedy, stream, self.sampling)  # a shared engine's runs sample each their own way
         if key not in self._params:
             from vllm.sampling_params import RequestOutputKind
 
@@ -270,6 +270,14 @@ class VllmBackend(TokenizerMixin, Backend):
                                                    detokenize=False, stop_token_ids=self._stop_token_ids, **kind)
             self._params[key] = params
         return self._params[key]
+
+    def sampling_problem(self, sampling: Sampling) -> str:
+        if logprobs_plan(sampling) == (self.logprobs_mode, self._num_logprobs):
+            return ""
+        return (f"temperature {sampling.temperature:g} / top_p {sampling.top_p:g} need vLLM logprobs_mode "
+                f"{logprobs_plan(sampling)[0]}; this engine runs {self.logprobs_mode} (the pool's worker.temperature "
+                f"{self.sampling.temperature:g} / top_p {self.sampling.top_p:g}), so its log-probs would not be the "
+                "behaviour log-probs")
 
     def _logprobs(self, ids: Sequence[int], entries: Sequence[Any], greedy: bool) -> list[float]:
         """The behaviour log-probs of the sampled ``ids`` from vLLM's per-token logprob entries."""

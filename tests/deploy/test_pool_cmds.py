@@ -9,8 +9,8 @@ import pytest
 
 from loraflow.common import pool_runs
 from loraflow.common.config import ConfigError, load_config, write_resolved
+from loraflow.common.pool_runs import write_state
 from loraflow.deploy import pool_cmds, rundir
-from loraflow.deploy.pool import write_state
 
 
 @pytest.fixture

@@ -126,8 +126,9 @@ def audit_learner(lines: list[dict[str, Any]], expected_ids: set[str]) -> Audit:
     return Audit(chain=chain, starts=starts, publishes=publishes, withdrawn=withdrawn, steps_lost=lost)
 
 
-def audit_run(run_dir: Path, worker_logs: list[Path], num_prompts: int) -> Audit:
-    """Every check of the module docstring over a finished (cleanly stopped) single-epoch run."""
+def audit_run(run_dir: Path, worker_logs: list[Path], num_prompts: int, *, run: str | None = None) -> Audit:
+    """Every check of the module docstring over a finished (cleanly stopped) single-epoch run; ``run``: only the
+    lines of that run in the worker logs (a pool's shared worker logs every run it serves, each line naming it)."""
     expected = {f"0:{i}" for i in range(num_prompts)}
     audit = audit_learner(read_ledger(run_dir / "learner" / "ledger.jsonl"), expected)
 
@@ -148,6 +149,8 @@ def audit_run(run_dir: Path, worker_logs: list[Path], num_prompts: int) -> Audit
     names = {"lease_granted": "leased", "group_submitted": "submitted"}
     for path in worker_logs:
         for line in read_json_lines(path):
+            if run is not None and line.get("run") != run:
+                continue
             if line.get("event") in names:
                 events[names[line["event"]]].add(line["group_id"])
             elif line.get("event") == "group_acked" and line.get("status") == "accepted":

@@ -19,6 +19,7 @@ import os
 import stat
 import subprocess
 import sys
+import threading
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -27,7 +28,8 @@ import pytest
 from loraflow.common.config import WorkerConfig
 from loraflow.rollout_worker import rollout
 from loraflow.rollout_worker.adapters import AdapterStore
-from loraflow.rollout_worker.backends.base import Backend, GenRequest
+from loraflow.rollout_worker.backends.base import Backend, GenRequest, Sampling
+from loraflow.rollout_worker.backends.shared import SharedEngine
 from loraflow.rollout_worker.backends.vllm import private_rpc_dir
 from loraflow.rollout_worker.envs import EnvResolver
 from loraflow.rollout_worker.rollout import Rollouts
@@ -258,3 +260,33 @@ def test_the_private_socket_directory_is_removed_at_exit(tmp_path: Path, preset:
     else:
         assert Path(path).parent == tmp_path and variable == path
         assert not Path(path).exists() and not list(tmp_path.iterdir())
+
+
+def test_two_runs_stream_through_one_engine(vllm: Backend, tmp_path: Path, adapters: list[Adapter]) -> None:
+    """A pool worker's engine (rollout_worker/backends/shared.py): two runs' v1 are two adapters, each run's
+    thread streams its requests through one engine and gets its own adapter's tokens, ids and evidence."""
+    engine = SharedEngine(vllm)
+    views = [engine.view(run, sampling=Sampling(), wake=threading.Event()) for run in ("a", "b")]
+    for view, adapter in zip(views, adapters[:2], strict=True):
+        view.add_adapter(receive(AdapterStore(tmp_path / view.run), adapter, version=1))
+    requests = [GenRequest(token_ids=vllm.encode(p), max_tokens=12, version=v) for p, v in zip(PROMPTS, (1, 1, 0), strict=True)]
+    expected = {view.run: view.generate(requests, greedy=True) for view in views}
+    assert expected["a"][0].token_ids != expected["b"][0].token_ids  # two adapters, two continuations
+    got: dict[str, dict] = {}
+
+    def stream(view: Backend, run: str) -> None:
+        for i, request in enumerate(requests):
+            view.submit(f"q{i}", request, greedy=True)
+        got[run] = drain(view, [f"q{i}" for i in range(len(requests))])
+
+    threads = [threading.Thread(target=stream, args=(view, view.run)) for view in views]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(timeout=120)
+    for view, adapter in zip(views, adapters[:2], strict=True):
+        assert [got[view.run][f"q{i}"][0] for i in range(len(requests))] == \
+            [out.token_ids for out in expected[view.run]]
+        assert (view.served(1).version, view.served(1).sha256) == (1, adapter.update.sha256)
+        engine.release(view)
+    assert vllm.adapters == {} and vllm.num_streams == 0

@@ -1,0 +1,74 @@
+"""`loraflow pool --shared-workers 1`: one worker process, one engine, serving every run of the pool.
+
+Two runs of one epoch each (24 prompts, 6 steps, different seeds, learning rates and group sizes) and a third
+whose reward fails on every sample, all served by one shared worker (a thread per run over one hf engine;
+rollout_worker/pool_worker.py). Mid-run the shared worker is SIGKILLed and the pool restarts it. Each of the two
+runs passes the audit of tests/fault on its own run directory from the shared worker's log lines of that run
+(every prompt of its epoch trained exactly once, nothing lost, nothing of a withdrawn version trained); every
+trained group came from the shared worker and no group was refused for its evidence (``policy_mismatch``: a
+token served by another run's adapter would carry that adapter's sha256). The failing run is stopped with its
+reason and the others go on; each run's versions are its own (v1.. in each lineage).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import sys
+from pathlib import Path
+
+from tests.e2e.test_pool import cli, run_state, started_pid, steps_of
+from tests.fault.ledger import audit_run
+from tests.support import Processes, wait_for
+
+TIMEOUT_S = 300
+PROMPTS = 24
+
+
+def test_one_shared_worker_serves_every_run_through_its_own_kill(procs: Processes, tmp_path: Path,
+                                                                 quick_base_dir: Path) -> None:
+    pool_dir = tmp_path / "pool"
+    pool = procs.spawn("pool", [
+        sys.executable, "-m", "loraflow.deploy.cli", "pool", "--model", str(quick_base_dir), "--run-dir",
+        str(pool_dir), "--shared-workers", "1", "--log-format", "json", "--set", "broker.prompt_limit=24",
+        "--set", "broker.num_epochs=1", "--set", "broker.heartbeat_interval_s=0.2",
+        "--set", "launch.restart_backoff_s=0.5", "--set", "eval.num_prompts=0", "--set", "worker.capacity=2",
+        "--set", "learner.checkpoint_every=2", "--set", "run.groups_per_step=4", "--set", "run.max_staleness=1"])
+    wait_for(lambda: started_pid(pool_dir, "worker-shared-1"), 120, "the pool's shared worker", procs)
+    run_file = tmp_path / "run.toml"
+    run_file.write_text("[run]\nnum_steps = 6\n")
+    assert cli("submit", str(run_file), "--pool", str(pool_dir), "--id", "a", "--set", "run.seed=1",
+               "--set", "learner.lr=2e-3").returncode == 0
+    assert cli("submit", str(run_file), "--pool", str(pool_dir), "--id", "b", "--set", "run.seed=2",
+               "--set", "run.group_size=4", "--set", "worker.temperature=0.8").returncode == 0
+    assert cli("submit", str(run_file), "--pool", str(pool_dir), "--id", "d", "--set",
+               'worker.reward="tests.worker.test_reward_failures:always_raises"',
+               "--set", "worker.max_failed_reward_groups=2").returncode == 0
+    a, b, d = (pool_dir / "runs" / name for name in "abd")
+
+    wait_for(lambda: steps_of(a) >= 2 and steps_of(b) >= 2, TIMEOUT_S, "two steps of runs a and b", procs)
+    os.kill(started_pid(pool_dir, "worker-shared-1"), signal.SIGKILL)
+    wait_for(lambda: (run_state(a), run_state(b), run_state(d)) == ("finished", "finished", "failed"), TIMEOUT_S,
+             "a and b to finish, d to fail", procs)
+    rows = {r["run"]: r for r in map(json.loads, cli("runs", "--pool", str(pool_dir), "--json").stdout.splitlines())}
+    assert "every sample of 2 groups in a row failed its reward" in rows["d"]["reason"], rows["d"]
+    assert rows["a"]["step"] == rows["b"]["step"] == 6
+    pool.signal(signal.SIGINT)
+    wait_for(lambda: not pool.alive(), 60, "the pool to stop", procs)
+    assert pool.popen.returncode == 0, pool.log()
+    assert "worker-shared-1 stopped unexpectedly (signal SIGKILL); restarting" in pool.log()
+
+    shared_log = pool_dir / "logs" / "worker-shared-1.log"
+    for run_dir in (a, b):
+        audit = audit_run(run_dir, [shared_log], PROMPTS, run=run_dir.name)
+        assert len(audit.chain) == 6, audit.summary()
+        trained_from = {worker for step in audit.chain for worker in step["workers"].values()}
+        assert trained_from == {"shared-1"}, trained_from
+        learner_log = (run_dir / "logs" / "learner.log").read_text()
+        assert "policy_mismatch" not in learner_log  # every token's evidence is this run's own adapter
+        assert not list((run_dir / "workers").glob("*/failed"))
+        summary = json.loads((run_dir / "summary.json").read_text())
+        assert 6 <= summary["final_version"] < 1 << 20  # its own lineage, numbered from 1 (not an engine version)
+    served = [json.loads(line) for line in shared_log.read_text().splitlines() if '"run_served"' in line]
+    assert {line["run"] for line in served} >= {"a", "b", "d"} and len({line["run_slot"] for line in served}) >= 3
