@@ -8,6 +8,9 @@ runs passes the audit of tests/fault on its own run directory from the shared wo
 trained group came from the shared worker and no group was refused for its evidence (``policy_mismatch``: a
 token served by another run's adapter would carry that adapter's sha256). The failing run is stopped with its
 reason and the others go on; each run's versions are its own (v1.. in each lineage).
+
+Two runs whose rewards are opposite (short completions paid in one, long ones in the other), on one shared
+worker: each run's reward rises towards its own maximum.
 """
 
 from __future__ import annotations
@@ -18,12 +21,14 @@ import signal
 import sys
 from pathlib import Path
 
+from loraflow.deploy import rundir
 from tests.e2e.test_pool import cli, run_state, started_pid, steps_of
 from tests.fault.ledger import audit_run
 from tests.support import Processes, wait_for
 
 TIMEOUT_S = 300
 PROMPTS = 24
+OPPOSITE_STEPS = 20
 
 
 def test_one_shared_worker_serves_every_run_through_its_own_kill(procs: Processes, tmp_path: Path,
@@ -72,3 +77,35 @@ def test_one_shared_worker_serves_every_run_through_its_own_kill(procs: Processe
         assert 6 <= summary["final_version"] < 1 << 20  # its own lineage, numbered from 1 (not an engine version)
     served = [json.loads(line) for line in shared_log.read_text().splitlines() if '"run_served"' in line]
     assert {line["run"] for line in served} >= {"a", "b", "d"} and len({line["run_slot"] for line in served}) >= 3
+
+
+def mean_reward(run_dir: Path, steps: slice) -> float:
+    committed = rundir.learner_history(rundir.read_jsonl(rundir.metrics_path(run_dir))).committed
+    rewards = [line["reward_mean"] for line in committed[steps]]
+    return sum(rewards) / len(rewards)
+
+
+def test_two_runs_with_opposite_rewards_each_learn_their_own(procs: Processes, tmp_path: Path,
+                                                             quick_base_dir: Path) -> None:
+    """One run is paid for short completions, the other for long ones (tests/e2e/pool_rewards.py), both served by
+    one shared worker from one engine: each run's reward rises, so each trained its own adapter on its own
+    samples (one adapter, or samples of the other run's, could not raise both)."""
+    pool_dir = tmp_path / "pool"
+    procs.spawn("pool", [
+        sys.executable, "-m", "loraflow.deploy.cli", "pool", "--model", str(quick_base_dir), "--run-dir",
+        str(pool_dir), "--shared-workers", "1", "--log-format", "json", "--set", "eval.num_prompts=0",
+        "--set", "worker.capacity=2", "--set", "worker.max_new_tokens=16", "--set", "run.groups_per_step=4",
+        "--set", "run.max_staleness=1"])
+    wait_for(lambda: started_pid(pool_dir, "worker-shared-1"), 120, "the pool's shared worker", procs)
+    run_file = tmp_path / "run.toml"
+    run_file.write_text(f"[run]\nnum_steps = {OPPOSITE_STEPS}\n[learner]\nlr = 5e-3\n")
+    for name in ("short", "long"):
+        assert cli("submit", str(run_file), "--pool", str(pool_dir), "--id", name,
+                   "--set", f'worker.rewards=["tests.e2e.pool_rewards:{name}"]').returncode == 0
+    runs = [pool_dir / "runs" / name for name in ("short", "long")]
+    wait_for(lambda: all(run_state(r) == "finished" for r in runs), TIMEOUT_S, "both runs to finish", procs)
+    for run_dir in runs:
+        first, last = mean_reward(run_dir, slice(0, 3)), mean_reward(run_dir, slice(-3, None))
+        # at least 40 % of the way to the most it can be paid (1.0); measured: short 0.77 -> 0.94, long 0.23 -> 1.0
+        assert last >= first + 0.4 * (1.0 - first), f"run {run_dir.name}: reward {first:.2f} over its first 3 " \
+                                                    f"steps, {last:.2f} over its last 3"
