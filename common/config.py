@@ -36,6 +36,8 @@ class RunConfig:
     pool_run: str = rule("", max_len=48, doc="the run this learner or worker joins on a pool broker (a run "
                           "`loraflow submit` added; its id); '' = the broker's own run")
     seed: int = rule(0, ge=0, doc="seed for prompts, sampling and initialisation")
+    weight: float = rule(1.0, gt=0, le=1000, doc="a pool run's share of its shared workers' engines: tokens "
+                         "generated per unit of weight are kept level between the runs that want to generate")
     group_size: int = rule(8, ge=1, le=1024, doc="samples per prompt (a GRPO group; travels whole)")
     groups_per_step: int = rule(16, ge=1, le=4096, doc="groups in one learner step")
     max_staleness: int = rule(1, ge=0, le=1000,

@@ -8,12 +8,14 @@ run's own workers. The process loads the pool's base model once and then, every 
                                                           leases returned, acks awaited, Bye; its adapters unloaded
     a thread that ended                                -> its run's view released; a config-class end written to
                                                           <run dir>/workers/<id>/failed for the pool to read
+    every SHARES_EVERY_S                               -> engine_shares: each run's tokens, weight, seconds held
 
 Each RunThread is an unchanged :class:`~loraflow.rollout_worker.worker.Worker` over the run's own resolved
 config (its task, rewards, sampling, group size), its own broker session (the run named in its Hello), its own
 adapter store under the run's directory, and the run's view of the shared engine
 (:mod:`loraflow.rollout_worker.backends.shared`): versions, requests and evidence are the run's own, so the run's
-learner checks every token as for a worker of one run. Log lines carry ``run``.
+learner checks every token as for a worker of one run, and the engine is shared by the runs' ``run.weight``.
+Log lines carry ``run``.
 
 A run whose reward fails on every sample, or whose adapter the engine refuses, stops being served by this
 worker (the file above says why) while the others go on; user code stuck past its timeout holds the whole
@@ -45,6 +47,7 @@ from loraflow.rollout_worker.worker import Worker, default_worker_id, install_st
 log = get_logger("worker")
 
 RUN_SCAN_S = 1.0
+SHARES_EVERY_S = 10.0  # how often the runs' shares of the engine are logged (engine_shares)
 
 
 def run_config(pool: Config, run_id: str, worker_id: str) -> Config:
@@ -77,7 +80,7 @@ class RunThread(threading.Thread):
         try:
             session.start(config.run.connect_timeout_s)
             sampling = Sampling(temperature=config.worker.temperature, top_p=config.worker.top_p)
-            view = self.engine.view(self.run_id, sampling=sampling, wake=self.wake)
+            view = self.engine.view(self.run_id, sampling=sampling, wake=self.wake, weight=config.run.weight)
             log.info("run_served", **view.describe())
             worker = Worker(config, worker_id=self.worker_id, session=session, backend=view, store=store,
                             metrics=metrics, wake=self.wake, stop=self.stop,
@@ -112,8 +115,12 @@ def serve(pool: Config, worker_id: str, *, stop: threading.Event) -> int:
              **backend.describe())
     threads: dict[str, RunThread] = {}
     code = 0
+    next_shares_s = time.monotonic() + SHARES_EVERY_S
     try:
         while not stop.is_set():
+            if time.monotonic() >= next_shares_s and threads:
+                next_shares_s += SHARES_EVERY_S
+                log.info("engine_shares", runs=engine.shares())
             running = set(pool_runs.running_runs(pool))
             for run_id, thread in list(threads.items()):
                 if run_id not in running:

@@ -16,6 +16,14 @@ own run's versions; a view released (its run ended) aborts its requests and unlo
 
 Sampling (``worker.temperature``, ``worker.top_p``) is each run's: the view sets it on the backend for each call.
 
+Fair share: each run has a weight (``run.weight``). The engine keeps each view's weighted tokens (tokens it
+generated / its weight) and, before a view starts a chunk or submits a request, holds it while it is more than
+``SLACK_TOKENS`` ahead of the least-served run that wants to generate too (one that asked within ``IDLE_S`` or has
+requests in the engine). A run that wants nothing holds nobody back, and a run that joins or comes back from idle
+starts level with the others (not with a credit of everything it missed). Waiting is bounded by ``MAX_WAIT_S``,
+so a run whose partner stalls mid-call never stops. Tokens per weight are what is shared because they are what
+the engine spends; a streaming engine's share is settled at submission (a turn's requests, once in, run out).
+
 Threads: each run's :class:`~loraflow.rollout_worker.worker.Worker` drives its view from a thread of its own, and
 ``lock`` makes the engine's calls one at a time (a chunked engine, hf, runs one run's batch per call: grouping
 per run). A streaming engine's step (vllm) reports every run's requests: the view that waits for the step keeps
@@ -27,6 +35,7 @@ from __future__ import annotations
 import dataclasses
 import itertools
 import threading
+import time
 from collections.abc import Sequence
 from typing import Any
 
@@ -39,6 +48,9 @@ from loraflow.rollout_worker.backends.base import Backend, GenDelta, GenOutput, 
 
 RUN_SHIFT = 20
 MAX_RUN_VERSION = (1 << RUN_SHIFT) - 1  # a run's versions above this cannot be told from the next slot's
+SLACK_TOKENS = 64.0  # weighted tokens a run may be ahead of the least-served run that wants to generate
+IDLE_S = 0.5  # a run that asked for nothing this long (and has nothing in the engine) wants nothing
+MAX_WAIT_S = 2.0  # the longest one call is held for the others
 
 
 class SharedEngine:
@@ -47,18 +59,54 @@ class SharedEngine:
     def __init__(self, backend: Backend) -> None:
         self.backend = backend
         self.lock = threading.RLock()
+        self._turns = threading.Condition(self.lock)  # notified whenever a view's weighted tokens grow
         self.views: dict[int, RunView] = {}
         self._slots = itertools.count(1)
 
-    def view(self, run: str, *, sampling: Sampling, wake: threading.Event) -> RunView:
-        """A view for run ``run`` (a slot of its own, never reused in this process)."""
+    def view(self, run: str, *, sampling: Sampling, wake: threading.Event, weight: float = 1.0) -> RunView:
+        """A view for run ``run`` (a slot of its own, never reused in this process), sharing the engine by
+        ``weight``."""
         problem = self.backend.sampling_problem(sampling)
         if problem:
             raise ValueError(f"run {run}: {problem}")
         with self.lock:
-            view = RunView(self, run, slot=next(self._slots), sampling=sampling, wake=wake)
+            view = RunView(self, run, slot=next(self._slots), sampling=sampling, wake=wake, weight=weight)
             self.views[view.slot] = view
             return view
+
+    # -- fair share (see the module docstring) -------------------------------------------------------------
+
+    def wait_turn(self, view: RunView) -> float:
+        """Hold ``view`` while it is ahead of its share; returns the seconds it was held."""
+        started = now = time.monotonic()
+        with self._turns:
+            others = self._wanting(view, now)
+            if now - view.asked_s > IDLE_S and not view.num_streams and others:  # back from idle: level
+                view.weighted_tokens = max(view.weighted_tokens, min(o.weighted_tokens for o in others))
+            view.asked_s = now
+            while (others and view.weighted_tokens > min(o.weighted_tokens for o in others) + SLACK_TOKENS
+                   and now - started < MAX_WAIT_S):
+                self._turns.wait(0.05)
+                now = view.asked_s = time.monotonic()
+                others = self._wanting(view, now)
+        view.held_s += now - started
+        return now - started
+
+    def charge(self, view: RunView, num_tokens: int) -> None:
+        """``num_tokens`` generated for ``view``'s run."""
+        with self._turns:
+            view.num_tokens += num_tokens
+            view.weighted_tokens += num_tokens / view.weight
+            self._turns.notify_all()
+
+    def _wanting(self, view: RunView, now: float) -> list[RunView]:
+        return [o for o in self.views.values() if o is not view and (o.num_streams or now - o.asked_s <= IDLE_S)]
+
+    def shares(self) -> dict[str, dict[str, float]]:
+        """Each served run's tokens, weight and seconds held for the others (logs and the pool bench)."""
+        with self.lock:
+            return {v.run: {"tokens": v.num_tokens, "weight": v.weight, "held_s": round(v.held_s, 3)}
+                    for v in self.views.values()}
 
     def release(self, view: RunView) -> None:
         """The run is no longer served: its requests aborted, its adapters unloaded."""
@@ -66,6 +114,11 @@ class SharedEngine:
             view.abort_all()
             self.backend.retain([v for v in self.backend.adapters if v >> RUN_SHIFT != view.slot])
             self.views.pop(view.slot, None)
+
+    def level(self) -> float:
+        """The weighted tokens of the least-served run (where a joining run starts)."""
+        with self.lock:
+            return min((v.weighted_tokens for v in self.views.values()), default=0.0)
 
     def advance_for(self, view: RunView) -> list[GenDelta]:
         """``view``'s deltas: those filed for it, else one engine step's (filing every other run's for it)."""
@@ -77,6 +130,7 @@ class SharedEngine:
                     if owner is None:
                         continue  # a released run's request, aborted
                     owner.filed.append(owner.local_delta(delta, request_id))
+                    self.charge(owner, len(delta.token_ids))
                     if owner is not view:
                         owner.wake.set()
             taken, view.filed = view.filed, []
@@ -87,7 +141,7 @@ class RunView(Backend):
     """The backend as one run sees it: its own versions, its own requests, its own sampling."""
 
     def __init__(self, engine: SharedEngine, run: str, *, slot: int, sampling: Sampling,
-                 wake: threading.Event) -> None:
+                 wake: threading.Event, weight: float) -> None:
         super().__init__(sampling)
         shared = engine.backend
         self.engine, self.run, self.slot, self.wake = engine, run, slot, wake
@@ -96,6 +150,11 @@ class RunView(Backend):
         self.vocab_size, self.chat, self.engine_dtype = shared.vocab_size, shared.chat, shared.engine_dtype
         self.filed: list[GenDelta] = []  # this run's deltas of engine steps another view waited for
         self._prefix = f"r{slot}:"
+        self.weight = weight
+        self.num_tokens = 0  # generated for this run
+        self.weighted_tokens = engine.level()  # num_tokens / weight, from where the others were when it joined
+        self.asked_s = time.monotonic()  # when it last wanted to generate
+        self.held_s = 0.0  # seconds held for the other runs' share
 
     # -- versions and ids ----------------------------------------------------------------------------------
 
@@ -151,14 +210,17 @@ class RunView(Backend):
     # -- generation ------------------------------------------------------------------------------------------
 
     def _generate(self, requests: Sequence[GenRequest], greedy: bool) -> list[GenOutput]:
+        self.engine.wait_turn(self)
         with self.engine.lock:
             self.engine.backend.sampling = self.sampling
             outputs = self.engine.backend.generate([self._engine_request(r) for r in requests], greedy=greedy)
+        self.engine.charge(self, sum(len(o.token_ids) for o in outputs))
         for output in outputs:
             output.served = self._local(output.served)
         return outputs
 
     def _submit(self, request_id: str, request: GenRequest, greedy: bool) -> None:
+        self.engine.wait_turn(self)
         with self.engine.lock:
             self.engine.backend.sampling = self.sampling
             self.engine.backend.submit(self._prefix + request_id, self._engine_request(request), greedy=greedy)
@@ -175,15 +237,9 @@ class RunView(Backend):
         self.abort(list(self._streams))
 
     def describe(self) -> dict[str, Any]:
-        return {**self.engine.backend.describe(), "run": self.run, "run_slot": self.slot,
+        return {**self.engine.backend.describe(), "run": self.run, "run_slot": self.slot, "weight": self.weight,
                 "resident": sorted(self.adapters)}
 
     def close(self) -> None:
         self.engine.release(self)
-
-
-def served_runs(engine: SharedEngine) -> dict[str, list[int]]:
-    """Each served run's resident versions (its own numbering), for logs and stats."""
-    with engine.lock:
-        return {view.run: sorted(view.adapters) for view in engine.views.values()}
 
