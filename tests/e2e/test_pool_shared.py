@@ -1,13 +1,14 @@
 """`loraflow pool --shared-workers 1`: one worker process, one engine, serving every run of the pool.
 
-Two runs of one epoch each (24 prompts, 6 steps, different seeds, learning rates and group sizes) and a third
-whose reward fails on every sample, all served by one shared worker (a thread per run over one hf engine;
-rollout_worker/pool_worker.py). Mid-run the shared worker is SIGKILLed and the pool restarts it. Each of the two
-runs passes the audit of tests/fault on its own run directory from the shared worker's log lines of that run
-(every prompt of its epoch trained exactly once, nothing lost, nothing of a withdrawn version trained); every
-trained group came from the shared worker and no group was refused for its evidence (``policy_mismatch``: a
-token served by another run's adapter would carry that adapter's sha256). The failing run is stopped with its
-reason and the others go on; each run's versions are its own (v1.. in each lineage).
+Three runs of one epoch each (24 prompts, 6 steps, different seeds, learning rates, group sizes and sampling)
+and a fourth whose reward fails on every sample, all served by one shared worker (a thread per run over one hf
+engine; rollout_worker/pool_worker.py). While the four are active the shared worker is SIGKILLed, then the
+pool's broker, then run b's learner; the pool restarts each. Each of the three runs passes the audit of
+tests/fault on its own run directory from the shared worker's log lines of that run (every prompt of its epoch
+trained exactly once, nothing lost, nothing of a withdrawn version trained); every trained group came from the
+shared worker and no group was refused for its evidence (``policy_mismatch``: a token served by another run's
+adapter would carry that adapter's sha256). The failing run is stopped with its reason and the others go on;
+each run's versions are its own (v1.. in each lineage).
 
 Two runs whose rewards are opposite (short completions paid in one, long ones in the other), on one shared
 worker: each run's reward rises towards its own maximum.
@@ -31,7 +32,7 @@ PROMPTS = 24
 OPPOSITE_STEPS = 20
 
 
-def test_one_shared_worker_serves_every_run_through_its_own_kill(procs: Processes, tmp_path: Path,
+def test_one_shared_worker_serves_four_runs_through_kills_of_itself_the_broker_and_a_learner(procs: Processes, tmp_path: Path,
                                                                  quick_base_dir: Path) -> None:
     pool_dir = tmp_path / "pool"
     pool = procs.spawn("pool", [
@@ -47,25 +48,33 @@ def test_one_shared_worker_serves_every_run_through_its_own_kill(procs: Processe
                "--set", "learner.lr=2e-3").returncode == 0
     assert cli("submit", str(run_file), "--pool", str(pool_dir), "--id", "b", "--set", "run.seed=2",
                "--set", "run.group_size=4", "--set", "worker.temperature=0.8").returncode == 0
+    assert cli("submit", str(run_file), "--pool", str(pool_dir), "--id", "c", "--set", "run.seed=3",
+               "--set", "learner.lr=5e-4").returncode == 0
     assert cli("submit", str(run_file), "--pool", str(pool_dir), "--id", "d", "--set",
                'worker.reward="tests.worker.test_reward_failures:always_raises"',
                "--set", "worker.max_failed_reward_groups=2").returncode == 0
-    a, b, d = (pool_dir / "runs" / name for name in "abd")
+    a, b, c, d = (pool_dir / "runs" / name for name in "abcd")
 
-    wait_for(lambda: steps_of(a) >= 2 and steps_of(b) >= 2, TIMEOUT_S, "two steps of runs a and b", procs)
+    wait_for(lambda: started_pid(d, "learner") and all(steps_of(r) >= 1 for r in (a, b, c)), TIMEOUT_S,
+             "a step of runs a, b and c with d started", procs)
     os.kill(started_pid(pool_dir, "worker-shared-1"), signal.SIGKILL)
-    wait_for(lambda: (run_state(a), run_state(b), run_state(d)) == ("finished", "finished", "failed"), TIMEOUT_S,
-             "a and b to finish, d to fail", procs)
+    wait_for(lambda: all(steps_of(r) >= 2 for r in (a, b, c)), TIMEOUT_S, "two steps of a, b and c", procs)
+    os.kill(started_pid(pool_dir, "broker"), signal.SIGKILL)
+    wait_for(lambda: all(steps_of(r) >= 3 for r in (a, b, c)), TIMEOUT_S, "a step of each after the broker", procs)
+    os.kill(started_pid(b, "learner"), signal.SIGKILL)
+    wait_for(lambda: tuple(map(run_state, (a, b, c, d))) == ("finished", "finished", "finished", "failed"),
+             TIMEOUT_S, "a, b and c to finish, d to fail", procs)
     rows = {r["run"]: r for r in map(json.loads, cli("runs", "--pool", str(pool_dir), "--json").stdout.splitlines())}
     assert "every sample of 2 groups in a row failed its reward" in rows["d"]["reason"], rows["d"]
-    assert rows["a"]["step"] == rows["b"]["step"] == 6
+    assert rows["a"]["step"] == rows["b"]["step"] == rows["c"]["step"] == 6
     pool.signal(signal.SIGINT)
     wait_for(lambda: not pool.alive(), 60, "the pool to stop", procs)
     assert pool.popen.returncode == 0, pool.log()
-    assert "worker-shared-1 stopped unexpectedly (signal SIGKILL); restarting" in pool.log()
+    for restarted in ("worker-shared-1", "broker", "[b] learner"):
+        assert f"{restarted} stopped unexpectedly (signal SIGKILL); restarting" in pool.log()
 
     shared_log = pool_dir / "logs" / "worker-shared-1.log"
-    for run_dir in (a, b):
+    for run_dir in (a, b, c):
         audit = audit_run(run_dir, [shared_log], PROMPTS, run=run_dir.name)
         assert len(audit.chain) == 6, audit.summary()
         trained_from = {worker for step in audit.chain for worker in step["workers"].values()}
@@ -76,7 +85,8 @@ def test_one_shared_worker_serves_every_run_through_its_own_kill(procs: Processe
         summary = json.loads((run_dir / "summary.json").read_text())
         assert 6 <= summary["final_version"] < 1 << 20  # its own lineage, numbered from 1 (not an engine version)
     served = [json.loads(line) for line in shared_log.read_text().splitlines() if '"run_served"' in line]
-    assert {line["run"] for line in served} >= {"a", "b", "d"} and len({line["run_slot"] for line in served}) >= 3
+    assert {line["run"] for line in served} >= {"a", "b", "c", "d"} and len({line["run_slot"] for line in served}) >= 4
+    assert len(audit_run(b, [shared_log], PROMPTS, run="b").starts) == 2  # b's learner resumed once
 
 
 def mean_reward(run_dir: Path, steps: slice) -> float:
