@@ -9,12 +9,14 @@ sides pay the same start-up per run (each run's learner and workers start when i
                            last run's end); ``ratio`` = all at once / one after another (the reference)
     accuracy_gap_points    per run, |final held-out accuracy alone - in the shared pool| in points; the max
     isolation_violations   groups a run trained that a worker of another run submitted (the learner's ledger
-                           names the worker of each trained group; a pool run's workers are ``<run>-<i>``)
+                           names the worker of each trained group; a pool run's workers are ``<run>-<i>``, shared
+                           workers ``shared-<i>``), and groups its learner refused for another adapter's evidence
+                           (``policy_mismatch`` in its log)
     fairness               max over runs of |its share of the samples served while all N ran - 1/N| x N (equal
                            weights; samples = groups x group size of each learner step)
 
-Each run has its own learner and ``--workers`` workers (the pool shares its broker, base model and supervisor:
-README.md "Many runs on one pool" says what is shared and what is not yet). Every figure comes from what the runs left in their
+Each run has its own learner and ``--workers`` workers, or, with ``--shared-workers N``, every run is served by
+the pool's N shared workers (one engine each; README.md "Many runs on one pool"). Every figure comes from what the runs left in their
 directories (metrics.jsonl, evals.jsonl, learner/ledger.jsonl, run_state.json).
 
     python -m bench.multi_tenant                 # N = 1, 4, 8 (about an hour on 2 cores)
@@ -46,7 +48,9 @@ def parse(argv: list[str] | None = None) -> Any:
     harness.flags(p, dict(runs=("1,4,8", "comma-separated run counts N"),
                           target=(0.9, "held-out accuracy a run stops at (and counts as an experiment reaching)"),
                           max_steps=(150, "learner steps a run may take at most"),
-                          workers=(1, "workers per run"), eval_prompts=(100, "held-out prompts per evaluation"),
+                          workers=(1, "workers per run"),
+                          shared_workers=(0, "workers serving every run in one engine (0: each run its own)"),
+                          eval_prompts=(100, "held-out prompts per evaluation"),
                           timeout_s=(3600.0, "one side's wall time at most")))
     return harness.parse(p, argv, runs="2", target=0.0, max_steps=4, eval_prompts=20, timeout_s=600.0)
 
@@ -59,7 +63,7 @@ class PoolSide:
         log = open(directory.with_suffix(".log"), "wb")  # noqa: SIM115 - owned by the child
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "loraflow.deploy.cli", "pool", "--model", str(base), "--run-dir", str(directory),
-             "--workers", str(args.workers), "--log-format", "json", "--set", f"eval.num_prompts={args.eval_prompts}",
+             "--workers", str(args.workers), "--shared-workers", str(args.shared_workers), "--log-format", "json", "--set", f"eval.num_prompts={args.eval_prompts}",
              "--set", "eval.every_s=5", "--set", "launch.progress_every_s=60"],
             stdout=log, stderr=subprocess.STDOUT, env=child_env(), start_new_session=True)
         self._wait(lambda: (directory / "config.toml").is_file() and (directory / "broker" / "endpoint").is_file(),
@@ -130,7 +134,10 @@ def read_run(run_dir: Path, target: float) -> dict[str, Any]:
     violations = 0
     for line in read_json_lines(run_dir / "learner" / "ledger.jsonl"):
         if line.get("event") == "step":
-            violations += sum(not str(w).startswith(f"{run_dir.name}-") for w in line.get("workers", {}).values())
+            violations += sum(not str(w).startswith((f"{run_dir.name}-", "shared-"))
+                              for w in line.get("workers", {}).values())
+    log = run_dir / "logs" / "learner.log"
+    violations += log.read_text().count("policy_mismatch") if log.is_file() else 0
     return {"reached": any(e["accuracy"] >= target for e in evals if e.get("kind") == "periodic") or
             bool(final and final[-1] >= target), "final": final[-1] if final else None,
             "steps": steps[-1]["step"] if steps else 0, "violations": violations}
@@ -191,7 +198,8 @@ def main(argv: list[str] | None = None) -> int:
                                                if s["sequential"]["per_hour"] else None for n, s in results.items()},
                    accuracy_gap_points=round(max(gaps), 2) if gaps else None,
                    isolation_violations=violations, fairness=round(top["together"]["fairness"], 4),
-                   target=args.target, max_steps=args.max_steps, workers_per_run=args.workers)
+                   target=args.target, max_steps=args.max_steps, workers_per_run=args.workers,
+                   shared_workers=args.shared_workers)
     return 0
 
 
