@@ -27,10 +27,7 @@ def timed(write: Callable[[], object]) -> float:
 
 
 def main() -> None:
-    p = harness.flags(harness.parser(__doc__, repeats=8), {
-        "mb": (37.0, "adapter size in MB"),
-        "tensors": 392,
-    })
+    p = harness.flags(harness.parser(__doc__, repeats=8), {"mb": (37.0, "adapter size in MB"), "tensors": 392})
     p.add_argument("--dir", default=None, help="where to write (default: the temp dir)")
     args = harness.parse(p, None, mb=2.0, tensors=20, repeats=2)
     frames = [os.urandom(64)] + [os.urandom(int(args.mb * 1e6) // args.tensors) for _ in range(args.tensors)]

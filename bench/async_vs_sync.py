@@ -66,10 +66,7 @@ def settings(args: argparse.Namespace, max_staleness: int) -> list[str]:
 
 def run_mode(tmp: Path, args: argparse.Namespace, max_staleness: int) -> ModeResult:
     tmp.mkdir(parents=True, exist_ok=True)
-    procs = Processes(tmp)
-    run_dir = tmp / "run"
-    overrides = settings(args, max_staleness)
-    session = None
+    procs, run_dir, overrides, session = Processes(tmp), tmp / "run", settings(args, max_staleness), None
     try:
         broker = start_broker(procs, *overrides, run_dir=run_dir)
         worker_args = ["--run-dir", str(run_dir), "--endpoint", broker.endpoint,
@@ -93,11 +90,8 @@ def run_mode(tmp: Path, args: argparse.Namespace, max_staleness: int) -> ModeRes
 
 def learn(session: BrokerSession, args: argparse.Namespace, max_staleness: int) -> ModeResult:
     """The learner with a controlled step cost: batch in, sleep ``train_s``, publish v+1, ack."""
-    version = 0
-    staleness: dict[int, int] = {}
-    waits = []
+    version, staleness, waits, started = 0, {}, [], 0.0
     session.want_batch(args.groups, 1000, version)
-    started = 0.0
     for step in range(1, args.steps + 1):
         if step == args.warmup + 1:
             started = time.monotonic()
@@ -123,23 +117,12 @@ def learn(session: BrokerSession, args: argparse.Namespace, max_staleness: int) 
                       staleness=dict(sorted(staleness.items())))
 
 
-FLAGS = {
-    "workers": 8,
-    "capacity": (2, "groups each worker generates at once"),
-    "steps": 24,
-    "warmup": 4,
-    "groups": (16, "groups per step"),
-    "group_size": 8,
-    "train_s": ("auto", "the learner's step cost in s; auto = generation time"),
-    "tokens_per_s": (1000.0, "sim decode speed per stream"),
-    "mean_tokens": 48.0,
-    "sigma": (1.0, "lognormal sigma of completion lengths"),
-    "max_tokens": 512,
-    "chunk_tokens": 16,
-    "staleness": [0, 1, 2, 4],
-    "report_staleness": 4,
-    "seed": 0,
-}
+FLAGS = {"workers": 8, "capacity": (2, "groups each worker generates at once"), "steps": 24, "warmup": 4,
+         "groups": (16, "groups per step"), "group_size": 8,
+         "train_s": ("auto", "the learner's step cost in s; auto = generation time"),
+         "tokens_per_s": (1000.0, "sim decode speed per stream"), "mean_tokens": 48.0,
+         "sigma": (1.0, "lognormal sigma of completion lengths"), "max_tokens": 512, "chunk_tokens": 16,
+         "staleness": [0, 1, 2, 4], "report_staleness": 4, "seed": 0}
 
 
 def main() -> None:
@@ -155,10 +138,8 @@ def main() -> None:
         print(f"generation alone: {gen_s * 1000:.0f} ms per step of {samples_per_step} samples; learner step cost "
               f"{train_s * 1000:.0f} ms", flush=True)
         results = [run_mode(Path(tmp) / str(m), args, m) for m in args.staleness]
-    sync = results[0]
-    ideal_step_s = max(gen_s, train_s)
-    bound = (gen_s + train_s) / ideal_step_s
-    ideal_rate = samples_per_step / ideal_step_s
+    sync, ideal_step_s = results[0], max(gen_s, train_s)
+    bound, ideal_rate = (gen_s + train_s) / ideal_step_s, samples_per_step / ideal_step_s
     print(f"ideal overlap: a step of {ideal_step_s * 1000:.0f} ms instead of {(gen_s + train_s) * 1000:.0f} ms, "
           f"{bound:.2f}x over sync ({ideal_rate:.1f} samples/s)")
     harness.table(("max_staleness", "samples/s", "vs sync", "of ideal overlap", "learner busy", "step", "wait",

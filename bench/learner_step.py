@@ -38,30 +38,21 @@ from tests.support import Processes, child_env, start_broker
 
 def run_learner(tmp: Path, model_dir: Path, ranks: int, args: argparse.Namespace) -> list[dict]:
     """One broker + producer + learner run; returns the learner's per-step metrics."""
-    procs = Processes(tmp)
-    run_dir = tmp / f"run-{ranks}"
+    procs, run_dir, producer = Processes(tmp), tmp / f"run-{ranks}", None
     settings = [f"run.groups_per_step={args.groups}", f"run.group_size={args.group_size}", "run.max_staleness=1",
                 f"model.path=\"{model_dir}\"", "learner.checkpoint_every=0", "learner.save_adapter_every=0",
                 f"learner.lora_rank={args.rank}",
                 "integrity.check=false",  # the scripted producer's log-probs come from no model (tests/learner/scripted.py)
                 *args.settings]
-    producer = None
     try:
         broker = start_broker(procs, *settings, name=f"broker-{ranks}", run_dir=run_dir)
         producer = Producer(broker.endpoint, max_prompt=args.max_prompt, max_completion=args.max_completion)
         producer.start()
-        learner_args = ["-m", "loraflow.learner", "--run-dir", str(run_dir), "--endpoint", broker.endpoint,
-                        "--num-steps", str(args.steps)]
-        for setting in settings:
-            learner_args += ["--set", setting]
-        if ranks == 1:
-            argv = [sys.executable, *learner_args]
-            env = child_env(OMP_NUM_THREADS=str(args.threads))
-        else:
-            argv = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={ranks}",
-                    *learner_args]
-            env = child_env(OMP_NUM_THREADS="1")
-        learner = procs.spawn(f"learner-{ranks}", argv, env=env)
+        launcher = [] if ranks == 1 else ["-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={ranks}"]
+        argv = [sys.executable, *launcher, "-m", "loraflow.learner", "--run-dir", str(run_dir), "--endpoint",
+                broker.endpoint, "--num-steps", str(args.steps), *(a for s in settings for a in ("--set", s))]
+        learner = procs.spawn(f"learner-{ranks}", argv,
+                              env=child_env(OMP_NUM_THREADS=str(args.threads) if ranks == 1 else "1"))
         if learner.popen.wait(timeout=1800) != 0:
             raise SystemExit(f"learner with {ranks} rank(s) failed:\n{procs.logs()}")
     finally:
@@ -74,19 +65,11 @@ def run_learner(tmp: Path, model_dir: Path, ranks: int, args: argparse.Namespace
 
 
 def summarize(lines: list[dict]) -> dict[str, float]:
-    def median(key: str) -> float:
-        return statistics.median(m[key] for m in lines)
-
-    compute_s = sum(m["compute_s"] for m in lines)
-    return {
-        "wait_ms": 1000 * median("wait_s"),
-        "compute_ms": 1000 * median("compute_s"),
-        "publish_ms": 1000 * median("publish_s"),
-        "step_ms": 1000 * statistics.median(m["wait_s"] + m["compute_s"] + m["publish_s"] for m in lines),
-        "tokens_per_step": statistics.mean(m["num_tokens"] for m in lines),
-        "positions_per_step": statistics.mean(m["num_positions"] for m in lines),
-        "tokens_per_s": sum(m["num_tokens"] for m in lines) / compute_s,
-    }
+    out = {f"{k}_ms": 1000 * statistics.median(m[f"{k}_s"] for m in lines) for k in ("wait", "compute", "publish")}
+    return {**out, "step_ms": 1000 * statistics.median(m["wait_s"] + m["compute_s"] + m["publish_s"] for m in lines),
+            "tokens_per_step": statistics.mean(m["num_tokens"] for m in lines),
+            "positions_per_step": statistics.mean(m["num_positions"] for m in lines),
+            "tokens_per_s": sum(m["num_tokens"] for m in lines) / sum(m["compute_s"] for m in lines)}
 
 
 def synthetic_step_batch(args: argparse.Namespace, seed: int) -> Any:
@@ -181,18 +164,12 @@ def interleaved(args: argparse.Namespace) -> None:
 
 
 def main() -> None:
-    parser = harness.parser(__doc__)
-    parser.add_argument("--steps", type=int, default=30)
-    parser.add_argument("--warmup", type=int, default=3)
-    parser.add_argument("--groups", type=int, default=16, help="groups per step")
-    parser.add_argument("--group-size", type=int, default=8)
-    parser.add_argument("--max-prompt", type=int, default=12)
-    parser.add_argument("--max-completion", type=int, default=48)
-    parser.add_argument("--rank", type=int, default=16, help="LoRA rank")
-    parser.add_argument("--threads", type=int, default=1, help="torch threads of the 1-rank run (ranks get 1)")
+    parser = harness.flags(harness.parser(__doc__), {
+        "steps": 30, "warmup": 3, "groups": (16, "groups per step"), "group_size": 8, "max_prompt": 12,
+        "max_completion": 48, "rank": (16, "LoRA rank"), "ranks": ("1,2", "which runs (comma-separated rank counts)"),
+        "threads": (1, "torch threads of the 1-rank run (ranks get 1)")})
     parser.add_argument("--set", dest="settings", action="append", default=[], metavar="SECTION.KEY=VALUE",
                         help='extra settings of both runs, e.g. learner.activation_checkpointing="on"')
-    parser.add_argument("--ranks", default="1,2", help="which runs (comma-separated rank counts)")
     parser.add_argument("--interleaved", action="store_true",
                         help="old vs new step code in one process, alternating (no broker)")
     args = harness.parse(parser, None, steps=3, warmup=1, groups=2, group_size=4, max_completion=8)

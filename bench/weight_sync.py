@@ -29,8 +29,7 @@ import torch
 from safetensors.torch import save_file
 
 from bench import harness
-from bench.broker_proc import RUN_TOKEN
-from bench.report import report
+from bench.harness import RUN_TOKEN, report
 from loraflow.common.config import load_config
 from loraflow.common.metrics import Metrics
 from loraflow.common.tiny_model import TinyShape, build_tiny_model, resolve_model
@@ -59,9 +58,8 @@ def full_save_ms(model_dir: Path, tmp: Path, repeats: int) -> tuple[float, int]:
     state = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32).state_dict()
     state = {k: v.contiguous() for k, v in state.items()}
     num_bytes = sum(t.numel() * t.element_size() for t in state.values())
-    times = []
-    for i in range(repeats):
-        path = tmp / f"full-{i}.safetensors"
+    path, times = tmp / "full.safetensors", []
+    for _ in range(repeats):
         started = time.perf_counter()
         save_file(state, str(path))
         times.append(1000 * (time.perf_counter() - started))
@@ -70,20 +68,13 @@ def full_save_ms(model_dir: Path, tmp: Path, repeats: int) -> tuple[float, int]:
 
 
 def main() -> None:
-    parser = harness.parser(__doc__)
-    parser.add_argument("--versions", type=int, default=20)
-    parser.add_argument("--rank", type=int, default=16, help="LoRA rank (all 7 projections)")
-    parser.add_argument("--hidden", type=int, default=128)
-    parser.add_argument("--layers", type=int, default=4)
-    parser.add_argument("--intermediate", type=int, default=512)
+    parser = harness.flags(harness.parser(__doc__), {"versions": 20, "rank": (16, "LoRA rank (all 7 projections)"),
+                                                     "hidden": 128, "layers": 4, "intermediate": 512})
     args = harness.parse(parser, None, versions=3)
     torch.set_num_threads(1)
     with tempfile.TemporaryDirectory(prefix="bench-sync-") as tmp_name:
         tmp = Path(tmp_name)
-        model_dir = model_dir_for(args, tmp)
-        procs = Processes(tmp)
-        parallel = init_parallel("cpu")
-        session = None
+        model_dir, procs, parallel, session = model_dir_for(args, tmp), Processes(tmp), init_parallel("cpu"), None
         try:
             # its own broker with a known run token (bench/broker_proc.py's): nothing outside the temp dir is read
             token = f'security.run_token="{RUN_TOKEN}"'
@@ -107,9 +98,8 @@ def main() -> None:
                 session.publish(snap)
                 if not session.drain(30):
                     raise SystemExit(f"the broker did not acknowledge adapter version {version} within 30 s")
-                acked = time.perf_counter()
+                sync_ms.append(1000 * (time.perf_counter() - stepped))
                 session.adapter_acks.clear()
-                sync_ms.append(1000 * (acked - stepped))
                 gather_ms.append(1000 * (gathered - stepped))
                 num_bytes = snap.num_bytes
             save_ms, full_bytes = full_save_ms(model_dir, tmp, repeats=5)
