@@ -35,17 +35,10 @@ def swap_latency(name: str, model_dir: Path, updates: list, batch: int) -> dict[
     """Per-swap timings (ms) of one backend; ``updates`` are (version, frames) pairs as received."""
     from bench.harness import codec
     from loraflow.rollout_worker.adapters import AdapterStore
-    from loraflow.rollout_worker.backends.base import GenRequest, Sampling
+    from loraflow.rollout_worker.backends.base import GenRequest
 
-    if name == "vllm":
-        from loraflow.rollout_worker.backends.vllm import VllmBackend
-
-        backend = VllmBackend(model_dir, sampling=Sampling(), max_loras=RESIDENT, max_lora_rank=LORA_RANK,
-                              max_model_len=512, max_num_seqs=64)
-    else:
-        from loraflow.rollout_worker.backends.hf import HfBackend
-
-        backend = HfBackend(model_dir, sampling=Sampling(), device="cpu")
+    backend = harness.tiny_backend(name, model_dir, **(dict(max_loras=RESIDENT, max_lora_rank=LORA_RANK,
+                                   max_model_len=512, max_num_seqs=64) if name == "vllm" else {}))
     store = AdapterStore(scratch_dir(prefix=f"bench-swap-{name}-"))
     prompts = [backend.encode(f"{10 + i}+{20 + i}=") for i in range(batch)]
 
@@ -120,10 +113,7 @@ def sync_bytes_for_a_05b_model() -> dict[str, float]:
 
 
 def main() -> None:
-    parser = harness.parser(__doc__)
-    parser.add_argument("--swaps", type=int, default=12)
-    parser.add_argument("--batch", type=int, default=8)
-    parser.add_argument("--backends", default="hf,vllm")
+    parser = harness.flags(harness.parser(__doc__), {"swaps": 12, "batch": 8, "backends": "hf,vllm"})
     args = harness.parse(parser, None, swaps=RESIDENT + 3, batch=2, backends="hf")
     if args.swaps < RESIDENT + 3:
         parser.error(f"--swaps must be >= {RESIDENT + 3} (the figure is the median once slots are reused)")

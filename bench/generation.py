@@ -163,34 +163,14 @@ def swap_label(every: int, finish_within: int = 0, keep_within: int = 0) -> str:
     return label + (f", keep within {keep_within}" if keep_within else "")
 
 
-def make_backend(name: str, model_dir, seed: int):  # noqa: ANN001, ANN201
-    from loraflow.rollout_worker.backends.base import Sampling
-
-    if name.startswith("vllm"):
-        from loraflow.rollout_worker.backends.vllm import VllmBackend
-
-        return VllmBackend(model_dir, sampling=Sampling(), max_loras=3, max_lora_rank=16, max_model_len=512,
-                           seed=seed, grouped_lora_ops=name != "vllm-stock")
-    from loraflow.rollout_worker.backends.hf import HfBackend
-
-    return HfBackend(model_dir, sampling=Sampling(), device="cpu", seed=seed, kv_cache=name != "hf-nocache")
-
-
-def median_or_nan(values: list[float]) -> float:
-    return statistics.median(values) if values else float("nan")
-
-
 def main() -> None:
-    parser = harness.parser(__doc__, repeats=1)
-    parser.add_argument("--leases", type=int, default=48)
-    parser.add_argument("--tokens", type=int, default=256, help="max new tokens per sample")
-    parser.add_argument("--capacity", type=int, default=16, help="groups in hand (worker.capacity)")
-    parser.add_argument("--swap-every", default="256", help="decode steps between adapter versions (list; 0: none)")
-    parser.add_argument("--chunk", type=int, default=16, help="tokens per round of a backend that does not stream")
-    parser.add_argument("--backends", default="vllm", help="list of: vllm, vllm-stock, hf, hf-nocache")
-    parser.add_argument("--finish-within", default="0", help="worker.finish_within_tokens (list)")
-    parser.add_argument("--keep-within", default="0", help="worker.keep_version_within (list)")
-    parser.add_argument("--seed", type=int, default=0)
+    parser = harness.flags(harness.parser(__doc__, repeats=1), {
+        "leases": 48, "tokens": (256, "max new tokens per sample"), "capacity": (16, "groups in hand (worker.capacity)"),
+        "swap_every": ("256", "decode steps between adapter versions (list; 0: none)"),
+        "chunk": (16, "tokens per round of a backend that does not stream"),
+        "backends": ("vllm", "list of: vllm, vllm-stock, hf, hf-nocache"), "seed": 0,
+        "finish_within": ("0", "worker.finish_within_tokens (list)"),
+        "keep_within": ("0", "worker.keep_version_within (list)")})
     args = harness.parse(parser, None, backends="hf", leases=4, tokens=16, capacity=4, swap_every="8")
     swap_everies = harness.sizes(args.swap_every)
     variants = [(every, w, k) for every in swap_everies for w in harness.sizes(args.finish_within)
@@ -219,7 +199,9 @@ def main() -> None:
         num_versions = 1 + args.repeats * sum(4000 // v[0] for v in variants if v[0])
         received = [receive(store, published[(v - 1) % 2], version=v) for v in range(1, 2 + num_versions)]
         started = time.perf_counter()
-        backend = make_backend(name, model_dir, args.seed)
+        backend = harness.tiny_backend(name, model_dir, seed=args.seed, **(
+            dict(max_loras=3, max_lora_rank=16, max_model_len=512, grouped_lora_ops=name != "vllm-stock")
+            if name.startswith("vllm") else dict(kv_cache=name != "hf-nocache")))
         start_s = time.perf_counter() - started
         backend.add_adapter(received[0])
         one_call(backend, leases[:2], 8, version=1)  # warm-up
@@ -233,15 +215,15 @@ def main() -> None:
                                chunk=args.chunk, capacity=args.capacity, swap_every=every or 10**9,
                                finish_within=within, keep_within=keep)
             next_version += num
-            swap = median_or_nan(path.swap_steps)
+            swap = harness.median(path.swap_steps)
             runs.setdefault((name, every, within, keep), []).append((reference, path, swap))
             print(f"{name:10s} {swap_label(every, within, keep):11s} start {start_s:5.1f} s   one call "
                   f"{reference.tokens_per_s:7.0f} tok/s   worker path {path.tokens_per_s:7.0f} tok/s ({path.num_tokens} "
                   f"tokens, {path.num_swaps} swaps, {path.tokens_moved_per_swap:.0f} tokens re-read and "
-                  f"{median_or_nan(path.swap_cost_s) * 1e3:.0f} ms beyond the median round per swap)   ratio "
+                  f"{harness.median(path.swap_cost_s) * 1e3:.0f} ms beyond the median round per swap)   ratio "
                   f"{path.tokens_per_s / reference.tokens_per_s:.3f}   swap -> first token {swap:.2f} decode steps "
-                  f"(one {path.decode_step_ms:.1f} ms; the load {median_or_nan(path.load_ms):.1f} ms, then "
-                  f"{median_or_nan(path.steps_after_load)} engine steps)   load average {os.getloadavg()[0]:.1f}",
+                  f"(one {path.decode_step_ms:.1f} ms; the load {harness.median(path.load_ms):.1f} ms, then "
+                  f"{harness.median(path.steps_after_load)} engine steps)   load average {os.getloadavg()[0]:.1f}",
                   flush=True)
             if not backend.streaming:
                 print(f"{'':10s} {path.num_rounds} rounds: {path.tokens_read_per_round:.0f} tokens read per round, "
@@ -272,10 +254,10 @@ def main() -> None:
         extra["hf_kv_cache_speedup"] = round(cached.tokens_per_s / uncached.tokens_per_s, 3)
     harness.report("generation", f"{main_key[0]}_worker_path_tokens_per_s", path.tokens_per_s, "tokens/s",
                    reference.tokens_per_s, swap_decode_steps=round(swap, 2), decode_step_ms=round(path.decode_step_ms, 2),
-                   swap_load_ms=round(median_or_nan(path.load_ms), 1),
-                   swap_engine_steps=median_or_nan(path.steps_after_load),
+                   swap_load_ms=round(harness.median(path.load_ms), 1),
+                   swap_engine_steps=harness.median(path.steps_after_load),
                    tokens_moved_per_swap=round(path.tokens_moved_per_swap), num_swaps=path.num_swaps,
-                   leases=args.leases, swap_cost_ms=round(median_or_nan(path.swap_cost_s) * 1e3, 1),
+                   leases=args.leases, swap_cost_ms=round(harness.median(path.swap_cost_s) * 1e3, 1),
                    samples=num_samples, tokens=args.tokens, capacity=args.capacity, swap_every=main_key[1],
                    finish_within_tokens=main_key[2], keep_version_within=main_key[3], lora_rank=16,
                    load_average=round(os.getloadavg()[0], 1), **extra)

@@ -187,15 +187,10 @@ def spawn(argv: list[str], log: Path) -> subprocess.Popen:
 
 
 def main() -> None:
-    parser = harness.parser(__doc__)
+    parser = harness.flags(harness.parser(__doc__), {
+        "endpoint": "", "model_dir": "", "adapter_dir": "", "workers": 3, "warmup_versions": 50, "timeout": 180.0,
+        "rate": (0.0, "versions/s at most; 0 = as fast as it can")})
     parser.add_argument("--role", choices=("bench", "learner", "reference"), default="bench")
-    parser.add_argument("--endpoint", default="")
-    parser.add_argument("--model-dir", default="")
-    parser.add_argument("--adapter-dir", default="")
-    parser.add_argument("--workers", type=int, default=3)
-    parser.add_argument("--rate", type=float, default=0.0, help="versions/s at most; 0 = as fast as it can")
-    parser.add_argument("--warmup-versions", type=int, default=50)
-    parser.add_argument("--timeout", type=float, default=180.0)
     args = harness.parse(parser, None, workers=1, warmup_versions=5, timeout=120.0)
     if args.role == "learner":
         return run_learner(args.endpoint, Path(args.model_dir), args.rate, batch_groups=4)
@@ -209,20 +204,18 @@ def main() -> None:
     work = Path(scratch_dir(prefix="bench-join-"))
     layout, config = lora_layout(model_dir)
     (work / "layout.json").write_text(json.dumps({"layout": layout, "config": config}))
-    procs: list[subprocess.Popen] = []
     broker, endpoint = start_broker(work, f'model.path="{model_dir}"', "run.max_staleness=1000",
                                     f"run.group_size={GROUP_SIZE}", "run.groups_per_step=4",
                                     "broker.heartbeat_interval_s=0.5", "broker.heartbeat_misses=20")
-    procs.append(broker)
+    procs: list[subprocess.Popen] = [broker]
     try:
         procs.append(spawn([sys.executable, __file__, "--role", "learner", "--endpoint", endpoint, "--model-dir",
                             str(model_dir), "--rate", str(args.rate)], work / "learner.log"))
-        deadline = time.monotonic() + 120
-        while fetch_stats(endpoint, timeout_s=5)["latest_version"] < args.warmup_versions:
-            if time.monotonic() > deadline or procs[-1].poll() is not None:
-                raise SystemExit(f"the learner did not publish {args.warmup_versions} versions: "
-                                 f"{(work / 'learner.log').read_text()[-2000:]}")
-            time.sleep(0.2)
+        try:
+            harness.wait_until(lambda: fetch_stats(endpoint, timeout_s=5)["latest_version"] >= args.warmup_versions,
+                               120, f"{args.warmup_versions} versions published", proc=procs[-1])
+        except SystemExit as e:
+            raise SystemExit(f"{e}: {(work / 'learner.log').read_text()[-2000:]}") from None
         version_at_join, joined_at = fetch_stats(endpoint)["latest_version"], time.monotonic()
         spawned = {}
         for name in (f"joiner{i}" for i in range(args.workers)):
@@ -237,8 +230,7 @@ def main() -> None:
         ref = json.loads(reference.stdout.strip().splitlines()[-1])
         reference_s = ref["done_unix"] - reference_spawned
         pieces: dict[str, dict[str, float]] = {}
-        max_dirs = 0
-        deadline = time.monotonic() + args.timeout
+        max_dirs, deadline = 0, time.monotonic() + args.timeout
         while len(pieces) < args.workers and time.monotonic() < deadline:
             for name in spawned:
                 adapters = work / "run" / "workers" / name / "adapters"
