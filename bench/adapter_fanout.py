@@ -109,9 +109,8 @@ def fanout_times(tensors: list, num_workers: int, repeats: int, workdir: Path, *
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = harness.parser(__doc__, repeats=3)
-    parser.add_argument("--mb", type=float, default=50.0, help="adapter size in MB")
-    parser.add_argument("--workers", default="1,4,16")
+    parser = harness.flags(harness.parser(__doc__, repeats=3), {"mb": (50.0, "adapter size in MB"),
+                                                                "workers": "1,4,16"})
     args = harness.parse(parser, argv, mb=2.0, workers="1,2", repeats=1)
     tensors = adapter_tensors(int(args.mb * (1 << 20)))
     num_bytes = sum(a.nbytes for _, a in tensors)

@@ -46,9 +46,8 @@ def fill(sock: zmq.Socket, group_bytes: int) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = harness.parser(__doc__)
-    parser.add_argument("--bound-mb", type=int, default=256, help="broker.max_buffer_bytes in MB")
-    parser.add_argument("--group-kb", type=int, default=1024, help="rollout group size in KB")
+    parser = harness.flags(harness.parser(__doc__), {"bound_mb": (256, "broker.max_buffer_bytes in MB"),
+                                                     "group_kb": (1024, "rollout group size in KB")})
     args = harness.parse(parser, argv, bound_mb=16, group_kb=256)
     bound, ctx = args.bound_mb * MB, zmq.Context()
     with tempfile.TemporaryDirectory(prefix="bench-memory-", dir=harness.REPO) as tmp:

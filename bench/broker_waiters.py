@@ -76,9 +76,8 @@ def stall_against_a_broker(n: int) -> tuple[float, int]:
 
 
 def main() -> None:
-    parser = harness.parser(__doc__)
-    parser.add_argument("--num-requests", type=int, default=8000)
-    n = harness.parse(parser, None, num_requests=500).num_requests
+    n = harness.parse(harness.flags(harness.parser(__doc__), {"num_requests": 8000}), None,
+                      num_requests=500).num_requests
     before = min(old_expiry_s(n) for _ in range(3))
     after = min(new_expiry_s(n) for _ in range(3))
     longest_ms, peak = stall_against_a_broker(n)

@@ -65,13 +65,10 @@ def account(run_dir: Path) -> dict[str, int]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = harness.parser(__doc__)
-    parser.add_argument("--minutes", type=float, default=10.0)
-    parser.add_argument("--workers", type=int, default=32)
-    parser.add_argument("--groups", type=int, default=16, help="groups per learner step")
-    parser.add_argument("--sample-every", type=float, default=10.0, help="seconds between samples")
-    parser.add_argument("--window-s", type=float, default=60.0, help="seconds of one rate window (the first is "
-                        "the warm-up and the reference)")
+    parser = harness.flags(harness.parser(__doc__), {
+        "minutes": 10.0, "workers": 32, "groups": (16, "groups per learner step"),
+        "sample_every": (10.0, "seconds between samples"),
+        "window_s": (60.0, "seconds of one rate window (the first is the warm-up and the reference)")})
     args = harness.parse(parser, argv, minutes=0.2, workers=2, groups=2, sample_every=1.0, window_s=4.0)
     with tempfile.TemporaryDirectory(prefix="soak-") as tmp:
         tmp_path, procs = Path(tmp), Processes(Path(tmp))
