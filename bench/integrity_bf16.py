@@ -32,15 +32,10 @@ from bench import harness
 
 ADAPTER_VERSION = 1
 TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
-FLAGS = {
-    "model": ("builtin:demo", "model.path (default: the demo base)"),
-    "prompts": 256,
-    "samples": (4, "completions per prompt and policy"),
-    "max_new_tokens": (0, "0: worker.max_new_tokens"),
-    "seed": 0,
-    "device": ("cpu", "where the hf engines run (cuda: GPU kernels' bf16 rounding; the fp32 reference stays on "
-                      "the CPU)"),
-}
+FLAGS = {"model": ("builtin:demo", "model.path (default: the demo base)"), "prompts": 256, "seed": 0,
+         "samples": (4, "completions per prompt and policy"), "max_new_tokens": (0, "0: worker.max_new_tokens"),
+         "device": ("cpu", "where the hf engines run (cuda: GPU kernels' bf16 rounding; the fp32 reference stays "
+                           "on the CPU)")}
 
 
 def write_adapter(model_dir: Path, out: Path, seed: int) -> Path:
@@ -138,16 +133,10 @@ def figures(rows: list[dict[str, Any]], tolerance: float, max_off_fraction: floa
 
 def run_engine(engine: str, dtype: str, model_dir: Path, adapter_dir: Path, prompts: list[str], args: Any,
                sampling: Any) -> tuple[list[dict[str, Any]], str]:
-    if engine == "hf":
-        from loraflow.rollout_worker.backends.hf import HfBackend
-
-        backend = HfBackend(model_dir, sampling=sampling, device=args.device, dtype=dtype, seed=args.seed)
-    else:
-        from loraflow.rollout_worker.backends.vllm import VllmBackend
-
-        backend = VllmBackend(model_dir, sampling=sampling, max_loras=2, max_lora_rank=8, dtype=dtype,
-                              max_model_len=256, max_num_seqs=64, kv_cache_gib=1, gpu_memory_utilization=0.2,
-                              seed=args.seed)
+    backend = harness.tiny_backend(engine, model_dir, sampling=sampling, dtype=dtype, seed=args.seed, **(
+        dict(device=args.device) if engine == "hf" else dict(max_loras=2, max_lora_rank=8, max_model_len=256,
+                                                             max_num_seqs=64, kv_cache_gib=1,
+                                                             gpu_memory_utilization=0.2)))
     try:
         backend.add_adapter(received(adapter_dir))
         rows = generate(backend, [backend.encode(p) for p in prompts], args.samples, args.max_new_tokens)

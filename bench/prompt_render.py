@@ -32,22 +32,19 @@ def median_s(fn, repeats: int) -> float:  # noqa: ANN001
 
 
 def main() -> None:
-    parser = harness.parser(__doc__, repeats=5)
-    parser.add_argument("--group-size", type=int, default=8)
-    parser.add_argument("--tokens", type=int, default=32)
-    args = harness.parse(parser, None, tokens=4, repeats=1)
+    args = harness.parse(harness.flags(harness.parser(__doc__, repeats=5), {"group_size": 8, "tokens": 32}), None,
+                         tokens=4, repeats=1)
 
     import torch
 
     from loraflow.common.model_zoo import FAMILIES, build_model
-    from loraflow.rollout_worker.backends.base import GenRequest, Sampling
-    from loraflow.rollout_worker.backends.hf import HfBackend
+    from loraflow.rollout_worker.backends.base import GenRequest
 
     torch.set_num_threads(1)
     rows = {}
     with tempfile.TemporaryDirectory() as tmp:
         for family in sorted(FAMILIES):
-            backend = HfBackend(build_model(family, Path(tmp) / family), sampling=Sampling(), device="cpu")
+            backend = harness.tiny_backend("hf", build_model(family, Path(tmp) / family))
             prompt_ids = backend.encode(MESSAGES)
             requests = [GenRequest(token_ids=prompt_ids, max_tokens=args.tokens, version=0, key=str(i))
                         for i in range(args.group_size)]
