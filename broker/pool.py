@@ -16,11 +16,19 @@ file, so a restarted broker continues every run where it stopped), one whose set
 ``refused`` file saying why, and a ``cancelled`` file stops that run's leasing (its parked requests are answered
 ``draining``; what is buffered can still be trained and acknowledged).
 
+Tenants (``loraflow submit/cancel --endpoint``, CURVE on): a RunSubmit writes the run into the runs directory
+as ``loraflow submit --pool`` does, with the observer key that sent it as the run's ``owner``; a RunCancel or a
+StatsRequest naming an owned run is answered only for that key or the pool's own observer key
+(``observer:observer``): a tenant submits, watches and cancels its own runs and no other's. Without CURVE there
+is no key to own a run, so the network control plane is refused (the pool's machine submits through the
+directory).
+
 The socket-level counters (connections, CURVE handshakes) and the loop's times are the broker's own run's.
 """
 
 from __future__ import annotations
 
+import tomllib
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -32,13 +40,16 @@ from loraflow.common import codec, pool_runs
 from loraflow.common.codes import ProtocolError
 from loraflow.common.config import ConfigError
 from loraflow.common.logging import get_logger
-from loraflow.common.protocol import Kind
+from loraflow.common.protocol import Kind, RunReply, RunSubmit
+from loraflow.common.security import OBSERVER_KEY
 
 log = get_logger("broker")
 
 RUN_SCAN_S = 1.0  # how often the runs directory is listed for submitted and cancelled runs
 FORGET_S = 30.0  # how often connections whose peer every core has forgotten are dropped from the routing map
 NAMED_KINDS = (Kind.HELLO, Kind.STATS_REQUEST)  # the messages that say which run they are for
+CONTROL_KINDS = (Kind.RUN_SUBMIT, Kind.RUN_CANCEL)  # the tenants' control plane, answered by the pool itself
+ADMIN_KEY = f"observer:{OBSERVER_KEY}"  # the pool's own observer key: watches and cancels every run
 
 
 class BrokerPool:
@@ -82,8 +93,15 @@ class BrokerPool:
         joined = self._run_of.get(identity)
         run = joined or ""
         kind = peek_kind(frames)
+        if kind in CONTROL_KINDS:
+            self._control(identity, frames, kind, authenticated_role, authenticated_key, now_s)
+            return
         if kind in NAMED_KINDS:
             run = self._named_run(frames, default=run)
+        if kind == Kind.STATS_REQUEST and authenticated_role is not None and not self._owns(authenticated_key, run):
+            self._refuse(identity, kind, "forbidden", f"run {run!r} is another tenant's: a key watches the runs "
+                         "it submitted")
+            return
         core = self.cores.get(run)
         if core is None:
             self._refuse(identity, kind, "unknown_run", f"this broker holds no run {run!r} (loraflow runs lists "
@@ -106,6 +124,51 @@ class BrokerPool:
         except ProtocolError:
             return default
         return getattr(record, "run", default) if record is not None else default
+
+    # -- the tenants' control plane (see the module docstring) ------------------------------------------------
+
+    def _owns(self, key: str | None, run: str) -> bool:
+        """Whether the CURVE key ``key`` may watch or cancel ``run``: its owner and the pool's own key (a run put
+        in the directory on the pool's machine has no owner: the pool's key only). The pool's own run ("") is
+        every key's to watch, as for a broker of one run."""
+        if not run or key == ADMIN_KEY:
+            return True
+        return bool(key) and pool_runs.owner_of(self.default.config, run) == key
+
+    def _control(self, identity: bytes, frames: list[Any], kind: int, role: str | None, key: str | None,
+                 now_s: float) -> None:
+        if self._runs_dir is None:
+            return self._refuse(identity, kind, "forbidden", "this broker serves one run (broker.pool = false)")
+        if role != "observer":
+            return self._refuse(identity, kind, "forbidden", "runs are submitted and cancelled over the network "
+                                "with a tenant's observer key and CURVE on (security.enabled; loraflow keys DIR "
+                                "--observer NAME); on the pool's machine: loraflow submit --pool DIR"
+                                if role is None else f"a {role} key may not submit or cancel runs")
+        try:
+            record = codec.decode_envelope(frames, self.default.config.broker.max_message_bytes).record
+        except ProtocolError as exc:
+            return self._refuse(identity, kind, exc.code, str(exc))
+        pool = self.default.config
+        try:
+            if isinstance(record, RunSubmit):
+                run_id = pool_runs.submit(pool, _toml(record.settings), record.run, owner=key or "")
+                state = "submitted"
+                log.info("run_submitted", run=run_id, owner=key)
+                self.scan(now_s)
+            else:
+                run_id = record.run
+                if run_id not in self.cores and run_id not in self.refused:
+                    return self._refuse(identity, kind, "unknown_run", f"this pool holds no run {run_id!r}")
+                if not self._owns(key, run_id):
+                    return self._refuse(identity, kind, "forbidden", f"run {run_id!r} is another tenant's: a key "
+                                        "cancels the runs it submitted")
+                pool_runs.cancel(pool, run_id, record.reason)
+                state = "cancelling"
+                self.scan(now_s)
+        except ConfigError as exc:
+            return self._refuse(identity, kind, "invalid_run", str(exc))
+        self.default.outbox.send_record(identity, RunReply(run=run_id, state=state))
+        self.handled_kind = "run_control"
 
     def _refuse(self, identity: bytes, kind: int, code: str, message: str) -> None:
         self.default.stats.count("messages_in", "refused_run")
@@ -196,6 +259,13 @@ class BrokerPool:
         self.cores[run_id] = core
         log.info("run_added", run=run_id, task=core.config.run.task, latest_version=core.latest_version,
                  cursor=list(core.ledger.source.cursor))
+
+
+def _toml(text: str) -> dict[str, Any]:
+    try:
+        return tomllib.loads(text)
+    except tomllib.TOMLDecodeError as exc:
+        raise ConfigError(f"the run's settings are not valid TOML: {exc}") from None
 
 
 def _text(path: Path) -> str:

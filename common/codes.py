@@ -30,6 +30,7 @@ class ErrorCode(enum.StrEnum):
     REPLACED = "replaced"  # a learner replaced by another learner process: it must stop (two never train one run)
     INTERNAL = "internal"
     UNKNOWN_RUN = "unknown_run"  # a Hello or StatsRequest naming a run the pool broker does not hold
+    INVALID_RUN = "invalid_run"  # a RunSubmit the pool refuses (a pool-owned key, a bad value, an id in use)
     QUARANTINED = "quarantined"  # a worker whose rollouts failed the learner's policy check (common/integrity.py)
 
 

@@ -9,6 +9,7 @@ A pool is one broker (and the processes around it) on one base model; runs are s
     refused          present when the pool refused the run (its text: why), e.g. a setting only the pool owns
     run_state.json   what loraflow pool made of it: running, stopping, finished, cancelled, failed (with why)
     workers/<id>/failed   a shared worker stopped serving the run for a config-class error (its text: why)
+    owner            the CURVE key that submitted it over the network (``observer:<name>``); absent: the pool's
     broker/          the run's ledger state and run token; the learner's and workers' files as in any run dir
 
 A run may set its task, data, learner (optimizer, LoRA rank and targets, loss), evaluation, sampling and reward
@@ -42,6 +43,7 @@ SUBMITTED = "submitted.toml"
 RESOLVED = "config.toml"
 CANCELLED = "cancelled"
 REFUSED = "refused"
+OWNER = "owner"
 RUN_STATE = "run_state.json"
 WORKER_FAILED = "failed"
 ENDED = ("finished", "cancelled", "failed")
@@ -125,3 +127,60 @@ def running_runs(pool: Config) -> list[str]:
         return []
     return [d.name for d in directories if read_state(d).get("state") == "running"
             and (d / RESOLVED).is_file() and not (d / CANCELLED).exists()]
+
+
+def submit(pool: Config, settings: dict[str, Any], run_id: str = "", *, owner: str = "") -> str:
+    """Write a run into the pool (``runs/<id>/submitted.toml``, and ``owner`` when a key submitted it); returns its
+    id: ``run_id``, else the settings' ``run.name``, else run-N. Raises ConfigError, before anything is written,
+    for an id in use or a setting the pool refuses."""
+    run_table = settings.get("run") if isinstance(settings.get("run"), dict) else {}
+    run_id = run_id or str(run_table.pop("name", "")) or _free_id(pool)
+    directory = run_dir(pool, check_run_id(run_id))
+    if directory.exists():
+        raise ConfigError(f"run {run_id} exists in this pool already; choose another id")
+    run_config(pool, run_id, settings)  # refuses here, before anything is written
+    directory.mkdir(parents=True)
+    if owner:
+        (directory / OWNER).write_text(owner + "\n")
+    tmp = directory / f".{SUBMITTED}.{os.getpid()}.tmp"
+    tmp.write_text(settings_toml(settings))
+    os.replace(tmp, directory / SUBMITTED)  # last: the broker takes a run once this file is there
+    return run_id
+
+
+def cancel(pool: Config, run_id: str, reason: str) -> None:
+    directory = run_dir(pool, check_run_id(run_id))
+    if not (directory / SUBMITTED).is_file():
+        raise ConfigError(f"the pool holds no run {run_id!r} (loraflow runs lists them)")
+    (directory / CANCELLED).write_text(reason + "\n")
+
+
+def owner_of(pool: Config, run_id: str) -> str:
+    """The key that submitted the run ("" when the pool's side wrote it)."""
+    try:
+        return (run_dir(pool, run_id) / OWNER).read_text().strip()
+    except OSError:
+        return ""
+
+
+def _free_id(pool: Config) -> str:
+    n = 1
+    while run_dir(pool, f"run-{n}").exists():
+        n += 1
+    return f"run-{n}"
+
+
+def settings_toml(settings: dict[str, Any]) -> str:
+    """TOML text of a run's settings: sections of keys, a key's table as its own [section.key]."""
+    lines: list[str] = []
+
+    def emit(table: dict[str, Any], name: str) -> None:
+        lines.append(f"[{name}]")
+        lines.extend(f"{key} = {json.dumps(value)}" for key, value in table.items() if not isinstance(value, dict))
+        for key, value in table.items():
+            if isinstance(value, dict):
+                emit(value, f"{name}.{key}")
+
+    for section, table in settings.items():
+        emit(table, section)
+    return "\n".join(lines) + "\n"

@@ -61,6 +61,7 @@ MAX_MESSAGES = 4096
 MAX_REWARD_FUNCTIONS = 64
 MAX_COUNTERS = 64  # entries of Heartbeat.counters and RolloutGroup.metrics
 MAX_SERVED = 64  # RolloutGroup.served entries: distinct versions in one group's tokens
+MAX_RUN_SETTINGS_LEN = 64 << 10  # a submitted run file's TOML text
 #: policy versions travel as int32 in the token ``versions`` tensor: no version may exceed this
 MAX_VERSION = (1 << 31) - 1
 
@@ -84,6 +85,9 @@ class Kind(enum.IntEnum):
     BATCH_ACK = 42
     STATS_REQUEST = 50
     STATS = 51
+    RUN_SUBMIT = 60
+    RUN_CANCEL = 61
+    RUN_REPLY = 62
 
 
 KNOWN_KINDS = frozenset(int(k) for k in Kind)
@@ -430,10 +434,34 @@ class Stats(Message, kw_only=True):
     snapshot: dict[str, Any] = field(default_factory=dict)
 
 
+class RunSubmit(Message, kw_only=True):
+    """A tenant's run for a pool broker (``loraflow submit --endpoint``); with CURVE the observer key that sends
+    it owns the run: only that key (or the pool's own observer key) may watch or cancel it."""
+
+    KIND: ClassVar[Kind] = Kind.RUN_SUBMIT
+    run: text(48) = ""  # the id asked for; "" = the run file's run.name, else run-N
+    settings: text(MAX_RUN_SETTINGS_LEN)  # the run file's TOML (the sections a run may set)
+
+
+class RunCancel(Message, kw_only=True):
+    KIND: ClassVar[Kind] = Kind.RUN_CANCEL
+    run: text(48)
+    reason: text(1000) = "loraflow cancel"
+
+
+class RunReply(Message, kw_only=True):
+    """The answer to RunSubmit or RunCancel (a refusal is an Error)."""
+
+    KIND: ClassVar[Kind] = Kind.RUN_REPLY
+    run: text(48)
+    state: text(32)  # submitted | cancelling
+
+
 MESSAGES: dict[int, Any] = {
     int(cls.KIND): cls
     for cls in (Hello, Welcome, Heartbeat, Error, Bye, LeaseRequest, LeaseGrant, LeaseReturn, RolloutGroup,
-                AdapterUpdate, AdapterNotice, AdapterFetch, BatchRequest, Batch, BatchAck, StatsRequest, Stats)
+                AdapterUpdate, AdapterNotice, AdapterFetch, BatchRequest, Batch, BatchAck, StatsRequest, Stats,
+                RunSubmit, RunCancel, RunReply)
 }
 MESSAGES[Kind.ACK] = Ack
 assert set(MESSAGES) == KNOWN_KINDS

@@ -455,13 +455,21 @@ class BrokerLink:
 def fetch_stats(endpoint: str, *, timeout_s: float = 5.0, ctx: zmq.Context | None = None,
                 security: Any = None, run: str = "") -> dict[str, Any]:
     """One StatsRequest to the broker without registering (of the pool run ``run``; "" = the broker's own);
-    returns the snapshot or raises BrokerUnavailable (HandshakeFailed when the keys or security settings do not
-    match the broker's)."""
+    returns the snapshot (see :func:`ask`)."""
+    return ask(endpoint, protocol.StatsRequest(run=run), protocol.Stats, what="stats", timeout_s=timeout_s, ctx=ctx,
+               security=security).snapshot
+
+
+def ask(endpoint: str, record: Any, reply_type: type, *, what: str, timeout_s: float = 5.0,
+        ctx: zmq.Context | None = None, security: Any = None) -> Any:
+    """Send one message as an unregistered observer and return the broker's ``reply_type`` answer; raises
+    BrokerUnavailable without one in time (HandshakeFailed when the keys or security settings do not match the
+    broker's) and ProtocolError (its code) when the broker refuses."""
     ctx = ctx or zmq.Context.instance()
     sock, watch = watched_dealer(ctx, endpoint, identity=f"observer/{uuid.uuid4().hex[:8]}".encode(),
                                  security=security, role="observer")
     try:
-        sock.send_multipart(codec.encode(protocol.StatsRequest(run=run)))
+        sock.send_multipart(codec.encode(record))
         poller = zmq.Poller()
         poller.register(sock, zmq.POLLIN)
         poller.register(watch.monitor, zmq.POLLIN)
@@ -471,15 +479,15 @@ def fetch_stats(endpoint: str, *, timeout_s: float = 5.0, ctx: zmq.Context | Non
             if problem is not None:
                 raise HandshakeFailed(f"cannot talk to the broker at {endpoint}: {problem}")
             if time.monotonic() >= deadline:
-                raise BrokerUnavailable(f"no stats from the broker at {endpoint} within {timeout_s:g} s (is it "
+                raise BrokerUnavailable(f"no {what} from the broker at {endpoint} within {timeout_s:g} s (is it "
                                         "running? raise --timeout if it is busy; the keys may not match or "
                                         "security.enabled may differ from the broker's)")
-        record, _ = codec.decode(sock.recv_multipart(copy=False))
-        if isinstance(record, Error):
-            raise ProtocolError(f"broker refused the stats request: {record.message}", code=record.code)
-        if not isinstance(record, protocol.Stats):
-            raise ProtocolError(f"expected Stats, got {type(record).__name__}")
-        return record.snapshot
+        reply, _ = codec.decode(sock.recv_multipart(copy=False))
+        if isinstance(reply, Error):
+            raise ProtocolError(f"broker refused the {what} request: {reply.message}", code=reply.code)
+        if not isinstance(reply, reply_type):
+            raise ProtocolError(f"expected {reply_type.__name__}, got {type(reply).__name__}")
+        return reply
     finally:
         watch.close()
         sock.close(linger=0)

@@ -4,6 +4,10 @@
     loraflow runs --pool POOL_DIR [--json]
     loraflow cancel RUN --pool POOL_DIR [--reason TEXT]
 
+    loraflow submit RUN.toml --connect TENANT.toml [--id ID] [--set ...]     a tenant, over the network
+    loraflow cancel RUN --connect TENANT.toml                                (CURVE: the key owns its runs)
+    loraflow status TENANT.toml --run RUN                                    watch one of its runs
+
 ``POOL_DIR`` is the run directory of a ``loraflow pool`` (it holds the pool's resolved ``config.toml``). Submit
 checks the run's settings against the pool's config before anything is written (a setting only the pool owns, or
 one the config rules refuse, is one line naming the key, exit 2), then writes ``runs/<id>/submitted.toml``; the
@@ -13,20 +17,27 @@ file's ``run.name`` when it sets one, else ``run-N`` (the first free N). Runs li
 held-out accuracy and the version it was measured at, read from the run directories (nothing needs the pool to
 answer). Cancel writes ``runs/<id>/cancelled``: the broker stops leasing that run's prompts and the pool stops
 its processes (the learner writes its last adapter first).
+
+A tenant elsewhere submits and cancels through the pool's broker instead (``--connect``: a config naming
+``broker.endpoint`` and ``[security]`` ``enabled``, ``keys_dir`` and ``client_key``, the tenant's observer key
+from ``loraflow keys DIR --observer NAME``). The broker checks the run as submit does here and records the key
+as the run's owner; only that key (and the pool's own observer key) may then watch or cancel the run
+(:mod:`loraflow.broker.pool`).
 """
 
 from __future__ import annotations
 
 import argparse
 import json
-import os
 from pathlib import Path
 from typing import Any
 
 from loraflow.common import pool_runs
 from loraflow.common.cli import run_main
+from loraflow.common.codes import ProtocolError
 from loraflow.common.config import ConfigError, apply_override, load_config
 from loraflow.common.pool_runs import read_state
+from loraflow.common.protocol import RunCancel, RunReply, RunSubmit
 from loraflow.deploy import rundir
 from loraflow.deploy.status import text_table
 
@@ -41,49 +52,42 @@ def _pool_config(pool_dir: str) -> Any:
 def submit(argv: list[str]) -> int:
     parser = argparse.ArgumentParser(prog="loraflow submit", description="Add a run to a running pool.")
     parser.add_argument("config", help="the run's settings (TOML: the sections a run may set)")
-    parser.add_argument("--pool", required=True, help="the pool's run directory")
+    _where(parser)
     parser.add_argument("--id", default="", help="the run's id (default: its run.name, else run-N)")
     parser.add_argument("--set", action="append", default=[], metavar="SECTION.KEY=VALUE", dest="overrides")
     args = parser.parse_args(argv)
-    pool = _pool_config(args.pool)
     settings = pool_runs.read_settings(Path(args.config))
     for override in args.overrides:
         apply_override(settings, override)
-    run_table = settings.get("run") if isinstance(settings.get("run"), dict) else {}
-    run_id = args.id or str(run_table.pop("name", "")) or _free_id(pool)
-    directory = pool_runs.run_dir(pool, pool_runs.check_run_id(run_id))
-    if directory.exists():
-        raise ConfigError(f"run {run_id} exists in this pool already ({directory}); choose another --id")
-    pool_runs.run_config(pool, run_id, settings)  # refuses here, before anything is written
-    directory.mkdir(parents=True)
-    tmp = directory / f".{pool_runs.SUBMITTED}.{os.getpid()}.tmp"
-    tmp.write_text(_toml(settings))
-    os.replace(tmp, directory / pool_runs.SUBMITTED)
-    print(run_id)
+    if args.connect:
+        reply = _ask(args.connect, RunSubmit(run=args.id, settings=pool_runs.settings_toml(settings)))
+        print(reply.run)
+        return 0
+    print(pool_runs.submit(_pool_config(args.pool), settings, args.id))
     return 0
 
 
-def _free_id(pool: Any) -> str:
-    n = 1
-    while pool_runs.run_dir(pool, f"run-{n}").exists():
-        n += 1
-    return f"run-{n}"
+def _where(parser: argparse.ArgumentParser) -> None:
+    where = parser.add_mutually_exclusive_group(required=True)
+    where.add_argument("--pool", help="the pool's run directory (on the pool's machine)")
+    where.add_argument("--connect", metavar="TENANT.toml", help="through the pool's broker as a tenant: a config "
+                       "with broker.endpoint and [security] enabled, keys_dir, client_key")
 
 
-def _toml(settings: dict[str, Any]) -> str:
-    """TOML text of a run's settings: sections of keys, a key's table as its own [section.key]."""
-    lines: list[str] = []
+def _ask(tenant_file: str, record: Any) -> Any:
+    """One control message to the pool's broker as the tenant ``tenant_file`` names; a refusal is a ConfigError."""
+    from loraflow.common.security import client_security
+    from loraflow.common.transport import ask
 
-    def emit(table: dict[str, Any], name: str) -> None:
-        lines.append(f"[{name}]")
-        lines.extend(f"{key} = {json.dumps(value)}" for key, value in table.items() if not isinstance(value, dict))
-        for key, value in table.items():
-            if isinstance(value, dict):
-                emit(value, f"{name}.{key}")
-
-    for section, table in settings.items():
-        emit(table, section)
-    return "\n".join(lines) + "\n"
+    tenant = load_config(Path(tenant_file))
+    if not tenant.broker.endpoint or not tenant.security.enabled:
+        raise ConfigError(f"--connect {tenant_file}: set broker.endpoint and security.enabled = true with keys_dir "
+                          "and client_key (the tenant's observer key owns the runs it submits)")
+    try:
+        return ask(tenant.broker.endpoint, record, RunReply, what=type(record).__name__,
+                   security=client_security(tenant, "observer"), timeout_s=10.0)
+    except ProtocolError as exc:
+        raise ConfigError(str(exc)) from None
 
 
 def run_rows(pool: Any) -> list[dict[str, Any]]:
@@ -137,13 +141,13 @@ def runs(argv: list[str]) -> int:
 def cancel(argv: list[str]) -> int:
     parser = argparse.ArgumentParser(prog="loraflow cancel", description="Stop one run of a pool.")
     parser.add_argument("run", help="the run's id (loraflow runs lists them)")
-    parser.add_argument("--pool", required=True, help="the pool's run directory")
+    _where(parser)
     parser.add_argument("--reason", default="loraflow cancel", help="why (kept in the run's state)")
     args = parser.parse_args(argv)
-    directory = pool_runs.run_dir(_pool_config(args.pool), pool_runs.check_run_id(args.run))
-    if not (directory / pool_runs.SUBMITTED).is_file():
-        raise ConfigError(f"the pool holds no run {args.run!r} (loraflow runs --pool {args.pool} lists them)")
-    (directory / pool_runs.CANCELLED).write_text(args.reason + "\n")
+    if args.connect:
+        _ask(args.connect, RunCancel(run=args.run, reason=args.reason))
+    else:
+        pool_runs.cancel(_pool_config(args.pool), args.run, args.reason)
     print(f"cancelling {args.run}: its leases stop now; the pool stops its processes within a second")
     return 0
 

@@ -56,6 +56,9 @@ SAMPLES = [
     protocol.BatchAck(batch_id="b1", step=3, trained_version=2, group_ids=["0:1"], checkpoint_version=1),
     protocol.StatsRequest(),
     protocol.Stats(snapshot={"workers": []}),
+    protocol.RunSubmit(run="a", settings="[run]\nseed = 1\n"),
+    protocol.RunCancel(run="a", reason="by the tenant"),
+    protocol.RunReply(run="a", state="submitted"),
 ]
 
 
