@@ -66,7 +66,6 @@ class Side:
                 return
 
 
-
 def step_s(times: list[float]) -> float:
     return (times[-1] - times[0]) / (len(times) - 1) if len(times) > 1 else float("nan")
 
@@ -114,16 +113,20 @@ def loraflow_side(run_dir: Path, config: Config, name: str = "loraflow") -> Side
     assert learner_ready is not None and workers_ready, f"{run_dir}: the learner or every worker never started"
     train_start = max(learner_ready, min(workers_ready))
     steps = rundir.read_jsonl(rundir.metrics_path(run_dir))
-    made_at, samples_at, total = {}, {}, 0
-    for s in steps:
-        total += s["num_groups"] * config.run.group_size
-        made_at[s["version"]] = s["time_unix"]
-        samples_at[s["version"]] = total
     adapters = sorted((int(p.name[1:]), p) for p in rundir.adapters_root(run_dir).glob("v*")
                       if (p / "adapter_config.json").is_file())
-    return Side(name=name, startup_s=train_start - min(starts), train_start_unix=train_start,
-                made_at=made_at, samples_at=samples_at, adapters=adapters,
-                seconds_per_step=step_s([s["time_unix"] for s in steps]))
+    return Side(name=name, startup_s=train_start - min(starts), train_start_unix=train_start, adapters=adapters,
+                **timeline(steps, [s["num_groups"] * config.run.group_size for s in steps]))
+
+
+def timeline(steps: list[dict], num_samples: list[int]) -> dict:
+    """A Side's ``made_at``, ``samples_at`` and ``seconds_per_step`` from its step lines and samples per step."""
+    made_at, samples_at, total = {}, {}, 0
+    for s, n in zip(steps, num_samples, strict=True):
+        total += n
+        made_at[s["version"]] = s["time_unix"]
+        samples_at[s["version"]] = total
+    return {"made_at": made_at, "samples_at": samples_at, "seconds_per_step": step_s([s["time_unix"] for s in steps])}
 
 
 def loraflow_breakdown(run_dir: Path, side: Side) -> dict[str, float]:
@@ -184,15 +187,9 @@ def child_side(name: str, command: list[str], out: Path, timeout_s: float) -> tu
     if result.returncode != 0:
         raise SystemExit(f"the {name} side failed:\n{result.stdout[-3000:]}\n{result.stderr[-5000:]}")
     ref = json.loads((out / "result.json").read_text())
-    made_at, samples_at, total = {}, {}, 0
-    for s in ref["steps"]:
-        total += s["num_samples"]
-        made_at[s["version"]] = s["time_unix"]
-        samples_at[s["version"]] = total
-    side = Side(name=name, startup_s=ref["startup_s"], train_start_unix=ref["started_unix"], made_at=made_at,
-                samples_at=samples_at, adapters=sorted((int(v), Path(p)) for v, p in ref["adapters"].items()),
-                seconds_per_step=step_s([s["time_unix"] for s in ref["steps"]]))
-    return side, ref
+    return Side(name=name, startup_s=ref["startup_s"], train_start_unix=ref["started_unix"],
+                adapters=sorted((int(v), Path(p)) for v, p in ref["adapters"].items()),
+                **timeline(ref["steps"], [s["num_samples"] for s in ref["steps"]])), ref
 
 
 # -- evaluation --------------------------------------------------------------------------------------------------
@@ -240,13 +237,12 @@ class Race:
 def race_parser(doc: str | None) -> argparse.ArgumentParser:
     """The flags of a race (:func:`race`), on :func:`bench.harness.parser`; the demo's config gives the defaults."""
     demo = load_config(DEMO_CONFIG)
-    parser = harness.parser(doc)
-    parser.add_argument("--seeds", default="0,1,2", help="comma-separated run.seed values (each its own base)")
-    parser.add_argument("--target", type=float, default=demo.eval.target_accuracy)
-    parser.add_argument("--max-steps", type=int, default=100, help="learner steps of each side")
-    parser.add_argument("--max-duration", type=float, default=240.0, help="per loraflow run, seconds")
-    parser.add_argument("--adapter-every", type=int, default=2, help="save a PEFT adapter every N versions/steps")
-    parser.add_argument("--num-prompts", type=int, default=demo.eval.num_prompts, help="held-out prompts")
+    parser = harness.flags(harness.parser(doc), {
+        "seeds": ("0,1,2", "comma-separated run.seed values (each its own base)"),
+        "target": float(demo.eval.target_accuracy), "max_steps": (100, "learner steps of each side"),
+        "max_duration": (240.0, "per loraflow run, seconds"),
+        "adapter_every": (2, "save a PEFT adapter every N versions/steps"),
+        "num_prompts": (demo.eval.num_prompts, "held-out prompts")})
     parser.add_argument("--max-staleness", type=int, default=None, help="loraflow's (default: the demo's)")
     parser.add_argument("--set", action="append", default=[], help="a config override for both sides")
     return parser

@@ -50,15 +50,12 @@ def timed_run(args: argparse.Namespace, base: Path, max_staleness: int) -> Side:
 
 
 def main() -> None:
-    parser = harness.parser(__doc__)
-    parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--target", type=float, default=0.8)
-    parser.add_argument("--max-duration", type=float, default=150.0, help="per run, seconds")
-    parser.add_argument("--max-steps", type=int, default=0, help="learner steps per run (0: until --max-duration)")
-    parser.add_argument("--adapter-every", type=int, default=2, help="save a PEFT adapter every N versions")
-    parser.add_argument("--num-prompts", type=int, default=100, help="held-out prompts per adapter evaluation")
-    parser.add_argument("--tool-median-s", type=float, default=0.2, help="the tool's median latency, seconds")
-    parser.add_argument("--tool-sigma", type=float, default=1.5, help="the lognormal's sigma")
+    parser = harness.flags(harness.parser(__doc__), {
+        "seed": 0, "target": 0.8, "max_duration": (150.0, "per run, seconds"),
+        "max_steps": (0, "learner steps per run (0: until --max-duration)"),
+        "adapter_every": (2, "save a PEFT adapter every N versions"),
+        "num_prompts": (100, "held-out prompts per adapter evaluation"),
+        "tool_median_s": (0.2, "the tool's median latency, seconds"), "tool_sigma": (1.5, "the lognormal's sigma")})
     args = harness.parse(parser, None, target=0.0, max_steps=2, max_duration=60.0, num_prompts=4)
     demo = load_config(CONFIG)
     base = ensure_quick_agent_base(args.seed) if args.quick else ensure_agent_base(args.seed)
