@@ -99,9 +99,8 @@ def play(chat: Any, end_id: int, turns: list[tuple[str, bool, dict[str, Any] | N
 
 
 def main() -> None:
-    parser = harness.parser(__doc__)
-    parser.add_argument("--families", default="", help="comma-separated model_zoo families (default: all, and qwen2.5)")
-    args = harness.parse(parser, None, families="qwen2")
+    args = harness.parse(harness.flags(harness.parser(__doc__), {"families": (
+        "", "comma-separated model_zoo families (default: all, and qwen2.5)")}), None, families="qwen2")
     from transformers import AutoTokenizer
 
     from loraflow.common.chat import ChatFormat

@@ -49,16 +49,13 @@ SHAPES: dict[str, dict[str, int]] = {
 LAYER = re.compile(r"\.layers\.(\d+)\.")
 MB = 1 << 20
 #: the flags and their defaults (``--quick``: the tiny shape, 32 tokens, no before run)
-FLAGS = {
-    "shapes": "0.5b,1.5b",
-    "before_shapes": ("0.5b", "shapes to run the old code path on too (it holds the fp32 base per rank: 1.5b x 2 "
-                              "ranks needs ~14 GB)"),
-    "tokens": (256, "tokens per rank in the measured step"),
-    "long_row": (0, "only this: one sample of N tokens on the 0.5B layer shape (2 layers), unsplit and in segments "
-                    "of --budget tokens"),
-    "budget": (2048, "the token budget of the --long-row split run"),
-    "work_dir": ("", "keep the model directories here (default: a temp dir)"),
-}
+FLAGS = {"shapes": "0.5b,1.5b", "tokens": (256, "tokens per rank in the measured step"),
+         "before_shapes": ("0.5b", "shapes to run the old code path on too (it holds the fp32 base per rank: 1.5b "
+                                   "x 2 ranks needs ~14 GB)"),
+         "long_row": (0, "only this: one sample of N tokens on the 0.5B layer shape (2 layers), unsplit and in "
+                         "segments of --budget tokens"),
+         "budget": (2048, "the token budget of the --long-row split run"),
+         "work_dir": ("", "keep the model directories here (default: a temp dir)")}
 LEARNER_SETTINGS = ["learner.lora_rank=16", 'learner.target_modules="all-linear"', 'learner.mixed_precision="bf16"',
                     'learner.activation_checkpointing="on"']
 

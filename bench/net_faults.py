@@ -58,11 +58,10 @@ def one_run(root: Path, model_dir: Path, *, loopback: bool, prompts: int, tokens
 
 
 def main() -> None:
-    parser = harness.parser(__doc__, repeats=2)
-    parser.add_argument("--prompts", type=int, default=300, help="prompts of the two throughput runs")
-    parser.add_argument("--tokens-per-s", type=float, default=200, help="simulated generation of the throughput runs")
-    parser.add_argument("--fault-prompts", type=int, default=520, help="prompts of the fault run (0: no fault run)")
-    parser.add_argument("--fault-tokens-per-s", type=float, default=10)
+    parser = harness.flags(harness.parser(__doc__, repeats=2), {
+        "prompts": (300, "prompts of the two throughput runs"), "fault_tokens_per_s": 10.0,
+        "tokens_per_s": (200.0, "simulated generation of the throughput runs"),
+        "fault_prompts": (520, "prompts of the fault run (0: no fault run)")})
     args = harness.parse(parser, None, prompts=40, repeats=1, fault_prompts=0)
     try:
         netns.require_root()
