@@ -266,14 +266,10 @@ def run_mode(mode: str, num_bytes: int, args, workdir: Path) -> tuple[float, dic
 
 def main(argv: list[str] | None = None) -> int:
     parser = harness.flags(harness.parser(__doc__, repeats=3, seconds=3.0), {
-        "producers": 3,
-        "sizes": ("16384,262144,4194304", "group sizes in bytes, comma-separated"),
-        "modes": "direct,relay,pyrelay,broker,curve",
-        "batch_bytes": (4 << 20, "broker mode: bytes per learner batch (groups per batch: this / group size, "
-                                 "2..64)"),
-        "capacity_batches": (4, "broker mode: capacity_groups in batches"),
-        "prefetch": (2, "broker mode: batch requests kept outstanding"),
-    })
+        "producers": 3, "sizes": ("16384,262144,4194304", "group sizes in bytes, comma-separated"),
+        "modes": "direct,relay,pyrelay,broker,curve", "prefetch": (2, "broker mode: batch requests kept outstanding"),
+        "batch_bytes": (4 << 20, "broker mode: bytes per learner batch (groups per batch: this / group size, 2..64)"),
+        "capacity_batches": (4, "broker mode: capacity_groups in batches")})
     args = harness.parse(parser, argv, producers=2, seconds=0.3, repeats=1, sizes="262144", modes="relay,broker,curve")
     modes = args.modes.split(",")
     rates: dict[int, dict[str, float]] = {}
