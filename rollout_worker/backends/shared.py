@@ -18,11 +18,13 @@ Sampling (``worker.temperature``, ``worker.top_p``) is each run's: the view sets
 
 Fair share: each run has a weight (``run.weight``). The engine keeps each view's weighted tokens (tokens it
 generated / its weight) and, before a view starts a chunk or submits a request, holds it while it is more than
-``SLACK_TOKENS`` ahead of the least-served run that wants to generate too (one that asked within ``IDLE_S`` or has
-requests in the engine). A run that wants nothing holds nobody back, and a run that joins or comes back from idle
-starts level with the others (not with a credit of everything it missed). Waiting is bounded by ``MAX_WAIT_S``,
-so a run whose partner stalls mid-call never stops. Tokens per weight are what is shared because they are what
-the engine spends; a streaming engine's share is settled at submission (a turn's requests, once in, run out).
+``SLACK_TOKENS`` ahead of the least-served run that is contending now: one waiting for its own turn or inside a
+call, or (a streaming engine) with requests in the engine. The rule is work-conserving: a run busy elsewhere
+(scoring, waiting for leases) holds nobody back, so the engine never idles for fairness' sake. A run that joins
+or comes back after ``IDLE_S`` without a call starts level with the others (not with a credit of everything it
+missed). Waiting is bounded by ``MAX_WAIT_S``, so a run whose partner stalls mid-call never stops. Tokens per
+weight are what is shared because they are what the engine spends; a streaming engine's share is settled at
+submission (a turn's requests, once in, run out).
 
 Threads: each run's :class:`~loraflow.rollout_worker.worker.Worker` drives its view from a thread of its own, and
 ``lock`` makes the engine's calls one at a time (a chunked engine, hf, runs one run's batch per call: grouping
@@ -49,7 +51,7 @@ from loraflow.rollout_worker.backends.base import Backend, GenDelta, GenOutput, 
 RUN_SHIFT = 20
 MAX_RUN_VERSION = (1 << RUN_SHIFT) - 1  # a run's versions above this cannot be told from the next slot's
 SLACK_TOKENS = 64.0  # weighted tokens a run may be ahead of the least-served run that wants to generate
-IDLE_S = 0.5  # a run that asked for nothing this long (and has nothing in the engine) wants nothing
+IDLE_S = 0.5  # a run that made no call this long comes back level with the others
 MAX_WAIT_S = 2.0  # the longest one call is held for the others
 
 
@@ -80,17 +82,24 @@ class SharedEngine:
         """Hold ``view`` while it is ahead of its share; returns the seconds it was held."""
         started = now = time.monotonic()
         with self._turns:
-            others = self._wanting(view, now)
-            if now - view.asked_s > IDLE_S and not view.num_streams and others:  # back from idle: level
+            view.pending = True
+            others = self._contending(view)
+            if now - view.asked_s > IDLE_S and others:  # back from idle: level
                 view.weighted_tokens = max(view.weighted_tokens, min(o.weighted_tokens for o in others))
-            view.asked_s = now
             while (others and view.weighted_tokens > min(o.weighted_tokens for o in others) + SLACK_TOKENS
                    and now - started < MAX_WAIT_S):
                 self._turns.wait(0.05)
-                now = view.asked_s = time.monotonic()
-                others = self._wanting(view, now)
+                now = time.monotonic()
+                others = self._contending(view)
+            view.asked_s = now
         view.held_s += now - started
         return now - started
+
+    def end_turn(self, view: RunView, num_tokens: int = 0) -> None:
+        """``view``'s call is done, ``num_tokens`` generated in it (a streaming engine's: charged per delta)."""
+        with self._turns:
+            view.pending = False
+            self.charge(view, num_tokens)
 
     def charge(self, view: RunView, num_tokens: int) -> None:
         """``num_tokens`` generated for ``view``'s run."""
@@ -99,8 +108,8 @@ class SharedEngine:
             view.weighted_tokens += num_tokens / view.weight
             self._turns.notify_all()
 
-    def _wanting(self, view: RunView, now: float) -> list[RunView]:
-        return [o for o in self.views.values() if o is not view and (o.num_streams or now - o.asked_s <= IDLE_S)]
+    def _contending(self, view: RunView) -> list[RunView]:
+        return [o for o in self.views.values() if o is not view and (o.pending or o.num_streams)]
 
     def shares(self) -> dict[str, dict[str, float]]:
         """Each served run's tokens, weight and seconds held for the others (logs and the pool bench)."""
@@ -153,7 +162,8 @@ class RunView(Backend):
         self.weight = weight
         self.num_tokens = 0  # generated for this run
         self.weighted_tokens = engine.level()  # num_tokens / weight, from where the others were when it joined
-        self.asked_s = time.monotonic()  # when it last wanted to generate
+        self.asked_s = time.monotonic()  # when its last call began
+        self.pending = False  # waiting for its turn or inside a call
         self.held_s = 0.0  # seconds held for the other runs' share
 
     # -- versions and ids ----------------------------------------------------------------------------------
@@ -211,19 +221,25 @@ class RunView(Backend):
 
     def _generate(self, requests: Sequence[GenRequest], greedy: bool) -> list[GenOutput]:
         self.engine.wait_turn(self)
-        with self.engine.lock:
-            self.engine.backend.sampling = self.sampling
-            outputs = self.engine.backend.generate([self._engine_request(r) for r in requests], greedy=greedy)
-        self.engine.charge(self, sum(len(o.token_ids) for o in outputs))
+        outputs: list[GenOutput] = []
+        try:
+            with self.engine.lock:
+                self.engine.backend.sampling = self.sampling
+                outputs = self.engine.backend.generate([self._engine_request(r) for r in requests], greedy=greedy)
+        finally:
+            self.engine.end_turn(self, sum(len(o.token_ids) for o in outputs))
         for output in outputs:
             output.served = self._local(output.served)
         return outputs
 
     def _submit(self, request_id: str, request: GenRequest, greedy: bool) -> None:
         self.engine.wait_turn(self)
-        with self.engine.lock:
-            self.engine.backend.sampling = self.sampling
-            self.engine.backend.submit(self._prefix + request_id, self._engine_request(request), greedy=greedy)
+        try:
+            with self.engine.lock:
+                self.engine.backend.sampling = self.sampling
+                self.engine.backend.submit(self._prefix + request_id, self._engine_request(request), greedy=greedy)
+        finally:
+            self.engine.end_turn(self)
 
     def _abort(self, request_ids: list[str]) -> None:
         with self.engine.lock:

@@ -181,3 +181,16 @@ def test_runs_share_the_engine_by_weight(tmp_path: Path, adapters: list[Adapter]
     expected = weights[1] / sum(weights)
     assert abs(b / (a + b) - expected) / expected <= 0.15, engine.shares()
     assert a + b > 10_000  # the engine kept generating (2 s at 20,000 tokens/s, less the bookkeeping)
+
+
+def test_a_run_busy_elsewhere_holds_nobody_back(tmp_path: Path, adapters: list[Adapter]) -> None:
+    """The share is work-conserving: a run that is not calling the engine now (scoring, waiting for leases) does
+    not hold back a run far ahead of it, so the engine never idles for fairness' sake."""
+    engine = SharedEngine(SimBackend(SimConfig(tokens_per_s=1e6, mean_tokens=16, length_sigma=0.0, vocab_size=259),
+                                     sampling=Sampling()))
+    a = engine.view("a", sampling=Sampling(), wake=threading.Event())
+    b = engine.view("b", sampling=Sampling(), wake=threading.Event())
+    b.generate([GenRequest(token_ids=PROMPT, max_tokens=1, version=0, key="b")])  # b called just now, then idles
+    for i in range(20):  # a runs hundreds of weighted tokens ahead of b
+        a.generate([GenRequest(token_ids=PROMPT, max_tokens=16, version=0, key=f"a{i}") for _ in range(4)])
+    assert engine.shares()["a"]["tokens"] >= 20 * 4 * 16 - 100 and a.held_s < 0.1, engine.shares()
