@@ -105,14 +105,28 @@ def run_rows(pool: Any) -> list[dict[str, Any]]:
         rows.append({"run": directory.name, "state": state.get("state", "submitted"),
                      "reason": state.get("reason", ""), "step": last.get("step"), "version": last.get("version"),
                      "reward": last.get("reward_mean"), "accuracy": evals[-1]["accuracy"] if evals else None,
-                     "accuracy_version": evals[-1]["version"] if evals else None})
+                     "accuracy_version": evals[-1]["version"] if evals else None,
+                     "weight": _weight(pool, directory), "owner": pool_runs.owner_of(pool, directory.name)})
     return rows
+
+
+def _weight(pool: Any, directory: Path) -> float:
+    """The run's ``run.weight`` (its share of a shared engine): its own setting, else the pool's."""
+    try:
+        run = pool_runs.read_settings(directory / pool_runs.SUBMITTED).get("run", {})
+    except (OSError, ConfigError):
+        run = {}
+    return float(run.get("weight", pool.run.weight)) if isinstance(run, dict) else pool.run.weight
 
 
 def render_rows(rows: list[dict[str, Any]]) -> str:
     if not rows:
         return "no runs in this pool (loraflow submit RUN.toml --pool DIR adds one)"
     headers = ["run", "state", "step", "version", "reward", "held-out", "reason"]
+    if any(row["weight"] != 1.0 for row in rows):
+        headers.insert(2, "weight")
+    if any(row["owner"] for row in rows):
+        headers.insert(1, "owner")
 
     def cell(row: dict[str, Any], key: str) -> str:
         if key == "held-out":

@@ -70,3 +70,17 @@ def test_runs_shows_each_runs_state_step_reward_and_accuracy(pool_dir: Path, tmp
     rows = [json.loads(line) for line in capsys.readouterr().out.splitlines()]
     assert [(r["run"], r["state"], r["accuracy"]) for r in rows] == [("a", "running", 0.625), ("b", "refused", None),
                                                                     ("c", "submitted", None)]
+    assert [(r["weight"], r["owner"]) for r in rows] == [(1.0, ""), (1.0, ""), (1.0, "")]
+
+
+def test_runs_shows_weight_and_owner_when_a_run_has_them(pool_dir: Path, tmp_path: Path,
+                                                         capsys: pytest.CaptureFixture) -> None:
+    run_file = tmp_path / "run.toml"
+    run_file.write_text("[run]\nweight = 3\n")
+    pool_cmds.submit([str(run_file), "--pool", str(pool_dir), "--id", "heavy"])
+    (pool_dir / "runs" / "heavy" / pool_runs.OWNER).write_text("observer:alice\n")
+    capsys.readouterr()
+    assert pool_cmds.runs(["--pool", str(pool_dir)]) == 0
+    table = capsys.readouterr().out.splitlines()
+    assert table[0].split()[:4] == ["run", "owner", "state", "weight"]
+    assert table[1].split()[:4] == ["heavy", "observer:alice", "submitted", "3.0"]
