@@ -291,18 +291,13 @@ def run_isolated(shape: str, repeats: int, reference: str | None = None, *, mode
     parallel.close()
     best = {name: min(seconds for seconds, _ in r) for name, r in runs.items()}
     best |= {f"{n}_check": min(check_s for _, check_s in runs[n]) for n in names}
-    nan = float("nan")
+    timings = {"plain": "plain", "free_check": "current_check", "free_total": "current", "forward": "forward",
+               "previous_check": "previous_check", "previous_total": "previous", "two_older_check": "two_older_check",
+               "reference_previous": "reference_previous", "reference_two_older": "reference_two_older"}
     return {"shape": shape, "groups": groups, "group_size": group_size, "tokens": prompt_len + completion_len,
-            "plain_ms": 1000 * best["plain"],
-            "free_check_ms": 1000 * best["current_check"], "free_total_ms": 1000 * best["current"],
-            "previous_check_ms": 1000 * best["previous_check"], "previous_total_ms": 1000 * best["previous"],
-            "forward_ms": 1000 * best["forward"], "rows": len(pairs),
-            "two_older_check_ms": 1000 * best["two_older_check"],
-            "free_share": best["current_check"] / best["plain"],
-            "previous_share": best["previous_check"] / best["plain"],
-            "two_older_share": best["two_older_check"] / best["plain"],
-            "reference_previous_ms": 1000 * best.get("reference_previous", nan),
-            "reference_two_older_ms": 1000 * best.get("reference_two_older", nan)}
+            "rows": len(pairs), **{f"{k}_ms": 1000 * best.get(v, float("nan")) for k, v in timings.items()},
+            **{f"{k}_share": best[f"{v}_check"] / best["plain"]
+               for k, v in (("free", "current"), ("previous", "previous"), ("two_older", "two_older"))}}
 
 
 def main_isolated(repeats: int, reference: str | None, shapes: Sequence[str] = ("harness", "demo"),
