@@ -35,40 +35,32 @@ import statistics
 import sys
 from pathlib import Path
 
+from bench import accuracy_runs as runs
 from bench import harness
-from bench.accuracy_runs import (
-    Side,
-    child_side,
-    median_breakdown,
-    median_of,
-    print_races,
-    race,
-    race_parser,
-    race_report,
-)
 
 
-def reference_side(run_dir: Path, out: Path, args: argparse.Namespace) -> Side:
+def reference_side(run_dir: Path, out: Path, args: argparse.Namespace) -> runs.Side:
     """bench/single_process.py in its own process on the loraflow run's resolved config."""
     command = [sys.executable, "-m", "bench.single_process", "--config", str(run_dir / "config.toml"),
                "--steps", str(args.max_steps), "--out", str(out), "--adapter-every", str(args.adapter_every),
                "--threads", str(args.threads)]
-    side, ref = child_side("single process", command, out, args.max_duration + 300)
+    side, ref = runs.child_side("single process", command, out, args.max_duration + 300)
     side.breakdown = {f"reference_{key}_per_step": round(statistics.fmean(s[key] for s in ref["steps"]), 4)
                       for key in ("generate_s", "train_s", "publish_s")}
     return side
 
 
 def main() -> None:
-    parser = race_parser(__doc__)
+    parser = runs.race_parser(__doc__)
     parser.add_argument("--threads", type=int, default=0, help="the reference's torch threads (0 = every core)")
     args = harness.parse(parser, None, seeds="0", target=0.0, max_steps=2, max_duration=120.0, num_prompts=4)
-    races = race(args, lambda run_dir, tmp, seed, base: reference_side(run_dir, tmp / f"reference-{seed}", args))
-    print_races(races, "reference")
-    breakdown = {**median_breakdown([r.ours for r in races]), **median_breakdown([r.peer for r in races])}
-    race_report("time_to_accuracy", races, args.target, "reference",
-                loraflow_startup_s=round(median_of(races, lambda r: r.ours.startup_s), 2),
-                reference_startup_s=round(median_of(races, lambda r: r.peer.startup_s), 2), breakdown=breakdown)
+    races = runs.race(args, lambda run_dir, tmp, seed, base: reference_side(run_dir, tmp / f"reference-{seed}", args))
+    runs.print_races(races, "reference")
+    breakdown = {**runs.median_breakdown([r.ours for r in races]), **runs.median_breakdown([r.peer for r in races])}
+    runs.race_report("time_to_accuracy", races, args.target, "reference",
+                     loraflow_startup_s=round(runs.median_of(races, lambda r: r.ours.startup_s), 2),
+                     reference_startup_s=round(runs.median_of(races, lambda r: r.peer.startup_s), 2),
+                     breakdown=breakdown)
 
 if __name__ == "__main__":
     main()

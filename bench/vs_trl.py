@@ -32,17 +32,8 @@ import sys
 import time
 from pathlib import Path
 
+from bench import accuracy_runs as runs
 from bench import harness
-from bench.accuracy_runs import (
-    Side,
-    child_side,
-    median_breakdown,
-    median_of,
-    print_races,
-    race,
-    race_parser,
-    race_report,
-)
 from loraflow.common.config import load_config
 
 
@@ -107,14 +98,14 @@ def trl_child(config_path: Path, base: Path, out: Path, steps: int, adapter_ever
     (out / "result.json").write_text(json.dumps(record))
 
 
-def trl_side(config_path: Path, base: Path, out: Path, args: argparse.Namespace) -> Side:
+def trl_side(config_path: Path, base: Path, out: Path, args: argparse.Namespace) -> runs.Side:
     command = [sys.executable, "-m", "bench.vs_trl", "--trl-child", str(config_path), str(base), str(out),
                "--max-steps", str(args.max_steps), "--adapter-every", str(args.adapter_every)]
-    return child_side("TRL GRPOTrainer", command, out, args.max_duration + 600)[0]
+    return runs.child_side("TRL GRPOTrainer", command, out, args.max_duration + 600)[0]
 
 
 def main() -> None:
-    parser = race_parser(__doc__)
+    parser = runs.race_parser(__doc__)
     parser.add_argument("--trl-child", nargs=3, metavar=("CONFIG", "BASE", "OUT"), help=argparse.SUPPRESS)
     args = harness.parse(parser, None, seeds="0", max_steps=4, target=0.0, adapter_every=2, num_prompts=20)
     if args.trl_child:
@@ -125,13 +116,13 @@ def main() -> None:
         import trl  # noqa: F401
     except ImportError:
         raise SystemExit("bench/vs_trl.py needs TRL: pip install -e '.[peer]'") from None
-    races = race(args, lambda run_dir, tmp, seed, base: trl_side(run_dir / "config.toml", base, tmp / f"trl-{seed}",
-                                                                 args))
-    print_races(races, "TRL")
-    race_report("vs_trl", races, args.target, "trl",
-                startup_s_loraflow=round(median_of(races, lambda r: r.ours.startup_s), 2),
-                startup_s_trl=round(median_of(races, lambda r: r.peer.startup_s), 2),
-                loraflow_timeline=median_breakdown([r.ours for r in races]))
+    races = runs.race(args, lambda run_dir, tmp, seed, base: trl_side(run_dir / "config.toml", base,
+                                                                      tmp / f"trl-{seed}", args))
+    runs.print_races(races, "TRL")
+    runs.race_report("vs_trl", races, args.target, "trl",
+                     startup_s_loraflow=round(runs.median_of(races, lambda r: r.ours.startup_s), 2),
+                     startup_s_trl=round(runs.median_of(races, lambda r: r.peer.startup_s), 2),
+                     loraflow_timeline=runs.median_breakdown([r.ours for r in races]))
 
 if __name__ == "__main__":
     main()
