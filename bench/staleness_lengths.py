@@ -40,7 +40,7 @@ from loraflow.common.protocol import AdapterUpdate, Batch, BatchAck, BatchReques
 from loraflow.common.tasks import load_task
 from loraflow.common.versions import StalenessRule
 from loraflow.learner import data
-from loraflow.learner.train import mask_stale_tokens
+from loraflow.learner.data import mask_stale_tokens
 from loraflow.rollout_worker.adapters import WEIGHTS_FILE, ReceivedAdapter, write_safetensors
 from loraflow.rollout_worker.backends import make_backend
 from loraflow.rollout_worker.envs import EnvResolver

@@ -80,7 +80,7 @@ def select_groups(batch: Batch, specs: Sequence[TensorSpec], frames: Sequence[An
 
     - ``already_trained``: its id is in ``trained_group_ids`` or earlier in this batch (acknowledged again);
     - ``stale``: ``version - max_version > max_staleness``, no token within the bound (not acknowledged: the broker
-      re-queues the prompt; the older tokens of a group kept are masked, loraflow.learner.train.mask_stale_tokens);
+      re-queues the prompt; the older tokens of a group kept are masked, loraflow.learner.data.mask_stale_tokens);
     - ``invalid``: tensor contents out of range or an empty prompt (not acknowledged);
     - ``withdrawn``: a token was generated under a version in ``withdrawn`` (rolled back when this learner
       resumed; the broker drops such groups too, this is the learner's own guard; not acknowledged);
@@ -364,3 +364,25 @@ def rank_pass_kinds(step: StepBatch, *, world_size: int, budget_tokens: int, wit
     """Per rank, the kinds of the forward passes its micro-batches need (:func:`loraflow.learner.segments.pass_kinds`)."""
     return [[kind for mb in plan for kind in pass_kinds(_num_segments(step, mb, budget_tokens), with_reference)]
             for plan in _rank_plans(step, world_size, budget_tokens)]
+
+
+def mask_stale_tokens(step: StepBatch, version: int, max_staleness: int) -> int:
+    """Loss mask 0 on the completion tokens older than the bound (:func:`loraflow.common.versions.stale_tokens`): a
+    sample of ``continue`` spans versions and its early tokens may have aged past ``max_staleness`` while it
+    generated; they stay in the context the model reads, and are not trained. Returns how many trained tokens
+    were masked. Every rank calls it with the same batch and version, before the policy check: a masked token is
+    not checked either (its version may be older than the check's history holds; every token left to train is
+    of a version it holds)."""
+    oldest = versions.oldest_trainable(version, max_staleness)
+    if all(v >= oldest for v in step.min_versions):
+        return 0  # the common case, without a tensor op (a group's versions lie in its checked range)
+    num_masked = 0
+    for sample in step.samples:
+        if sample.versions is None or step.min_versions[sample.group] >= oldest:
+            continue
+        stale = sample.loss_mask & versions.stale_tokens(sample.versions, version, max_staleness)   # [C] bool
+        count = int(stale.sum())
+        if count:
+            sample.loss_mask = sample.loss_mask & ~stale
+            num_masked += count
+    return num_masked

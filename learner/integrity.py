@@ -40,7 +40,7 @@ optimizer's next step (:meth:`IntegrityCheck.watch`): with learner.publish_every
 publishes holds no version, and every version is re-scored.
 
 The history (:class:`loraflow.learner.rescoring.AdapterHistory`) holds the last ``run.max_staleness + 1``
-versions; staler tokens never reach the check (:func:`loraflow.learner.train.mask_stale_tokens` gives them loss
+versions; staler tokens never reach the check (:func:`loraflow.learner.data.mask_stale_tokens` gives them loss
 mask 0 first, and a group with no token within the bound is skipped as ``stale``). A version it does not hold can
 only be one from before a learner restart that its checkpoint does not cover (the resumed learner holds the
 checkpoint's weights under its version and the version it republishes them as): its tokens are counted

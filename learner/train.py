@@ -5,7 +5,7 @@
     wait     agree(stop?, batch ready?)  <-----------  poll the broker (long-poll, POLL_S slices);
              broadcast the batch's frames <-----------  select groups: skip trained / stale / invalid /
                                                         zero-variance ones (counted)
-    mask     tokens older than version - max_staleness: loss mask 0 (mask_stale_tokens; a group is kept while its
+    mask     tokens older than version - max_staleness: loss mask 0 (data.mask_stale_tokens; a group is kept while its
              newest token is within the bound, loraflow.common.versions), counted as tokens_masked_stale
     check    the policy check (loraflow.learner.integrity): evidence, and chosen samples re-scored under the older
              versions they claim (no-grad forwards, collective); all ranks drop the same failed groups
@@ -232,7 +232,9 @@ class Learner:
             if got is None:
                 break
             step_batch, received = got
-            num_masked = mask_stale_tokens(step_batch, self.state.version, self.config.run.max_staleness)
+            if self._replayed(received):
+                continue
+            num_masked = data.mask_stale_tokens(step_batch, self.state.version, self.config.run.max_staleness)
             wait_s = time.monotonic() - waited
             self._mark("training")
             computed = time.monotonic()
@@ -263,6 +265,21 @@ class Learner:
                              num_masked=num_masked)
         self.finish()
         return 0
+
+    def _replayed(self, received: Received | None) -> bool:
+        """A batch of groups this learner trained already (a broker serving again what a killed learner's
+        checkpoint holds): acknowledged without a step, so a crash never spends a step of ``run.num_steps`` on
+        nothing (collective: rank 0 decides)."""
+        skipped = received.selection.skipped_ids if received is not None else {}
+        replay = received is not None and not received.selection.train and set(skipped) == {"already_trained"}
+        if not self.parallel.broadcast_int(int(replay)):
+            return False
+        if received is not None:
+            self.metrics.inc("batches_replayed")
+            log.info("batch_replayed", batch_id=received.batch.batch_id, groups=len(skipped["already_trained"]))
+            self._acknowledge(received, self.state.version)
+        self._want_batch()
+        return True
 
     def refuse(self, received: Received | None, verdict: verdicts.Verdict) -> None:
         """Rank 0: the groups the policy check failed (loraflow.learner.integrity) skipped as policy_mismatch, counted,
@@ -365,28 +382,6 @@ class Learner:
         self.tracker.close()
         log.info("learner_stopped", step=self.state.step, version=self.state.version)
         self.timeline.close()  # the final mark: a clean stop
-
-
-def mask_stale_tokens(step: data.StepBatch, version: int, max_staleness: int) -> int:
-    """Loss mask 0 on the completion tokens older than the bound (:func:`loraflow.common.versions.stale_tokens`): a
-    sample of ``continue`` spans versions and its early tokens may have aged past ``max_staleness`` while it
-    generated; they stay in the context the model reads, and are not trained. Returns how many trained tokens
-    were masked. Every rank calls it with the same batch and version, before the policy check: a masked token is
-    not checked either (its version may be older than the check's history holds; every token left to train is
-    of a version it holds)."""
-    oldest = versions.oldest_trainable(version, max_staleness)
-    if all(v >= oldest for v in step.min_versions):
-        return 0  # the common case, without a tensor op (a group's versions lie in its checked range)
-    num_masked = 0
-    for sample in step.samples:
-        if sample.versions is None or step.min_versions[sample.group] >= oldest:
-            continue
-        stale = sample.loss_mask & versions.stale_tokens(sample.versions, version, max_staleness)   # [C] bool
-        count = int(stale.sum())
-        if count:
-            sample.loss_mask = sample.loss_mask & ~stale
-            num_masked += count
-    return num_masked
 
 
 def _zero_variance_staleness(received: Received, trained_version: int) -> dict[str, int]:

@@ -187,6 +187,38 @@ def test_sigkill_then_resume_is_bit_identical_and_sigterm_is_clean(reference_run
     assert [life.ended for life in rundir.timelines(run_dir)["learner"].lives] == ["lost", "stopped"]
 
 
+def test_a_batch_trained_already_is_acknowledged_without_a_step(tiny_model_dir: Path, procs: Processes,
+                                                                tmp_path: Path) -> None:
+    """A learner resuming from its checkpoint against a broker that serves its checkpointed groups again (a
+    BatchAck lost with a killed learner: here a broker whose batches 2 and 3 are batches 0 and 1 again)
+    acknowledges those batches without counting a step (``batch_replayed``), so ``run.num_steps`` buys new
+    training: step 3 trains batch 2's groups, not a replay."""
+    from tests.learner.scripted import make_batch
+
+    run_dir = tmp_path / "replayed"
+    first = ScriptedBroker(seed=11)
+    try:
+        argv = learner_argv(run_dir, first.endpoint, tiny_model_dir, "run.num_steps=2", "learner.checkpoint_every=1")
+        assert procs.spawn("learner-first", argv).popen.wait(timeout=240) == 0
+    finally:
+        first.close()
+    again = [make_batch(11, i, num_groups=2, group_size=4) for i in (0, 1, 0, 1, 2)]  # resumed at v2: from [2]
+    second = ScriptedBroker(seed=11, batches=again)
+    try:
+        argv = learner_argv(run_dir, second.endpoint, tiny_model_dir, "run.num_steps=3", "learner.checkpoint_every=1")
+        learner = procs.spawn("learner-second", argv)
+        assert learner.popen.wait(timeout=240) == 0, learner.log()[-4000:]
+    finally:
+        second.close()
+    assert second.served == [2, 3, 4]
+    assert [(a.batch_id, a.step) for a in second.acks] == [("batch-0", 2), ("batch-1", 2), ("batch-2", 3)]
+    assert sorted(second.acks[0].group_ids) == ["0:0", "0:1"] and learner.log().count("batch_replayed") == 2
+    steps = [line for line in map(json.loads, (run_dir / "learner" / "ledger.jsonl").read_text().splitlines())
+             if line["event"] == "step"]
+    assert [(s["step"], sorted(s["trained"] + s["zero_variance"])) for s in steps] == [
+        (1, ["0:0", "0:1"]), (2, ["1:0", "1:1"]), (3, ["2:0", "2:1"])]
+
+
 def test_a_target_module_that_matches_nothing_exits_2_with_the_setting_named(procs: Processes, tiny_model_dir: Path,
                                                                                tmp_path: Path) -> None:
     """Exit code 2 tells supervisors (loraflow run, systemd) that restarting cannot help."""

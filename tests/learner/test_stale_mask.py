@@ -9,7 +9,7 @@ import torch
 from loraflow.common import codec
 from loraflow.common.protocol import Batch, BatchEntry
 from loraflow.learner import data, evidence
-from loraflow.learner.train import mask_stale_tokens
+from loraflow.learner.data import mask_stale_tokens
 from tests.learner.scripted import make_group
 
 VOCAB = 259
