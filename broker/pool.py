@@ -18,8 +18,9 @@ file, so a restarted broker continues every run where it stopped), one whose set
 
 Tenants (``loraflow submit/cancel --endpoint``, CURVE on): a RunSubmit writes the run into the runs directory
 as ``loraflow submit --pool`` does, with the observer key that sent it as the run's ``owner``; a RunCancel or a
-StatsRequest naming an owned run is answered only for that key or the pool's own observer key
-(``observer:observer``): a tenant submits, watches and cancels its own runs and no other's. Without CURVE there
+StatsRequest from an observer key naming a run is answered only for the run's owner or the pool's own observer
+key (``observer:observer``): a tenant submits, watches and cancels its own runs and no other's (worker and
+learner keys are the pool's own processes, not tenants). Without CURVE there
 is no key to own a run, so the network control plane is refused (the pool's machine submits through the
 directory).
 
@@ -98,7 +99,7 @@ class BrokerPool:
             return
         if kind in NAMED_KINDS:
             run = self._named_run(frames, default=run)
-        if kind == Kind.STATS_REQUEST and authenticated_role is not None and not self._owns(authenticated_key, run):
+        if kind == Kind.STATS_REQUEST and authenticated_role == "observer" and not self._owns(authenticated_key, run):
             self._refuse(identity, kind, "forbidden", f"run {run!r} is another tenant's: a key watches the runs "
                          "it submitted")
             return
@@ -128,9 +129,10 @@ class BrokerPool:
     # -- the tenants' control plane (see the module docstring) ------------------------------------------------
 
     def _owns(self, key: str | None, run: str) -> bool:
-        """Whether the CURVE key ``key`` may watch or cancel ``run``: its owner and the pool's own key (a run put
-        in the directory on the pool's machine has no owner: the pool's key only). The pool's own run ("") is
-        every key's to watch, as for a broker of one run."""
+        """Whether the observer (tenant) key ``key`` may watch or cancel ``run``: its owner and the pool's own key
+        (a run put in the directory on the pool's machine has no owner: the pool's key only). The pool's own run
+        ("") is every key's to watch, as for a broker of one run; worker and learner keys are the pool's own
+        processes and are not tenants."""
         if not run or key == ADMIN_KEY:
             return True
         return bool(key) and pool_runs.owner_of(self.default.config, run) == key
@@ -167,6 +169,7 @@ class BrokerPool:
                 self.scan(now_s)
         except ConfigError as exc:
             return self._refuse(identity, kind, "invalid_run", str(exc))
+        self.default.stats.count("messages_in", "run_submit" if isinstance(record, RunSubmit) else "run_cancel")
         self.default.outbox.send_record(identity, RunReply(run=run_id, state=state))
         self.handled_kind = "run_control"
 

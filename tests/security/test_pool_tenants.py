@@ -4,7 +4,8 @@
   written into the pool with ``owner`` observer:alice, and the id comes back;
 - alice watches her run (``loraflow status alice.toml --run a``) and cancels it; bob, another tenant key, can do
   neither (``forbidden``, exit 2), and cannot watch a run put in the directory on the pool's machine (no owner:
-  the pool's own observer key only); the pool's own key watches every run; the pool's own run stays every key's;
+  the pool's own observer key only); the pool's own key watches every run; the pool's own run stays every key's, and
+  worker and learner keys (the pool's own processes, not tenants) watch runs too;
 - a run setting a pool-owned key is refused over the network with the key named (``invalid_run``), nothing
   written; a worker key may not submit; without CURVE the network control plane is refused.
 """
@@ -92,6 +93,8 @@ def test_a_tenant_submits_watches_and_cancels_its_own_runs_only(pool, tmp_path: 
     with pytest.raises(ProtocolError, match="a worker key may not submit"):
         ask(broker.endpoint, RunSubmit(run="c", settings="[run]\nseed = 1\n"), RunReply, what="submit",
             security=worker_key)
+    assert fetch_stats(broker.endpoint, security=worker_key, run="local")  # the pool's own processes: no tenant
+
 
 
 def test_without_curve_the_network_control_plane_is_refused(procs: Processes, tmp_path: Path) -> None:
