@@ -52,7 +52,7 @@ def parse(argv: list[str] | None = None) -> Any:
                           shared_workers=(0, "workers serving every run in one engine (0: each run its own)"),
                           eval_prompts=(100, "held-out prompts per evaluation"),
                           timeout_s=(3600.0, "one side's wall time at most")))
-    return harness.parse(p, argv, runs="2", target=0.0, max_steps=4, eval_prompts=20, timeout_s=600.0)
+    return harness.parse(p, argv, runs="2", target=0.0, max_steps=2, eval_prompts=8, timeout_s=600.0)
 
 
 class PoolSide:
