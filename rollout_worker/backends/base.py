@@ -55,6 +55,10 @@ from loraflow.common.chat import ChatFormat, Prompt, end_of_turn_ids, pad_token_
 from loraflow.common.protocol import ServedAdapter
 from loraflow.rollout_worker.adapters import ReceivedAdapter
 
+#: ends the run's part of a generation key or request id on a shared engine ("r<slot>|<the run's key>",
+#: rollout_worker/backends/shared.py); group ids ("<epoch>:<index>") never hold it
+RUN_KEY_SEP = "|"
+
 
 @dataclass(slots=True, kw_only=True)
 class GenRequest:

@@ -55,6 +55,7 @@ from loraflow.rollout_worker.adapters import (
     read_tensors,
 )
 from loraflow.rollout_worker.backends.base import (
+    RUN_KEY_SEP,
     Backend,
     GenOutput,
     GenRequest,
@@ -294,7 +295,7 @@ class HfBackend(TokenizerMixin, Backend):
         for index, request in enumerate(requests):
             by_version.setdefault(request.version, []).append(index)
         # a prefix not asked for in this call is dropped; on a shared engine only one of the call's run's
-        # (keys "r<slot>:...", rollout_worker/backends/shared.py): the other runs' calls come in between
+        # (keys "r<slot>|...", rollout_worker/backends/shared.py): the other runs' calls come in between
         callers = {_namespace(r.key) for r in requests}
         held = self._prefixes
         self._prefixes = {k: p for k, p in held.items() if _namespace(k) not in callers}
@@ -360,4 +361,4 @@ class HfBackend(TokenizerMixin, Backend):
 
 def _namespace(key: str) -> str:
     """The run a generation key belongs to on a shared engine ("" for a worker of one run)."""
-    return key.partition(":")[0] if ":" in key else ""
+    return key.partition(RUN_KEY_SEP)[0] if RUN_KEY_SEP in key else ""

@@ -6,7 +6,7 @@ whole :class:`~loraflow.rollout_worker.backends.base.Backend` interface over tha
 engine holds each adapter under a version of its own::
 
     engine version = run slot << RUN_SHIFT | version        v0, the base model, is every run's: 0
-    request id, generation key = "r<slot>:" + the run's     (groups and samples of two runs never collide)
+    request id, generation key = "r<slot>|" + the run's     (groups and samples of two runs never collide)
 
 What comes back (a :class:`GenOutput` or :class:`GenDelta`, its evidence ``ServedAdapter``) carries the run's
 own version again, so the run's learner checks each token's evidence against its own lineage exactly as for a
@@ -46,7 +46,14 @@ from msgspec.structs import replace as replace_record
 from loraflow.common.chat import Prompt
 from loraflow.common.protocol import ServedAdapter
 from loraflow.rollout_worker.adapters import ReceivedAdapter
-from loraflow.rollout_worker.backends.base import Backend, GenDelta, GenOutput, GenRequest, Sampling
+from loraflow.rollout_worker.backends.base import (
+    RUN_KEY_SEP,
+    Backend,
+    GenDelta,
+    GenOutput,
+    GenRequest,
+    Sampling,
+)
 
 RUN_SHIFT = 20
 MAX_RUN_VERSION = (1 << RUN_SHIFT) - 1  # a run's versions above this cannot be told from the next slot's
@@ -134,7 +141,7 @@ class SharedEngine:
         with self.lock:
             if not view.filed:
                 for delta in self.backend.advance():
-                    prefix, _, request_id = delta.request_id.partition(":")
+                    prefix, _, request_id = delta.request_id.partition(RUN_KEY_SEP)
                     owner = self.views.get(int(prefix[1:]))
                     if owner is None:
                         continue  # a released run's request, aborted
@@ -158,7 +165,7 @@ class RunView(Backend):
         self.eos_token_id, self.eos_token_ids = shared.eos_token_id, shared.eos_token_ids
         self.vocab_size, self.chat, self.engine_dtype = shared.vocab_size, shared.chat, shared.engine_dtype
         self.filed: list[GenDelta] = []  # this run's deltas of engine steps another view waited for
-        self._prefix = f"r{slot}:"
+        self._prefix = f"r{slot}{RUN_KEY_SEP}"
         self.weight = weight
         self.num_tokens = 0  # generated for this run
         self.weighted_tokens = engine.level()  # num_tokens / weight, from where the others were when it joined

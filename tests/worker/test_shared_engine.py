@@ -194,3 +194,12 @@ def test_a_run_busy_elsewhere_holds_nobody_back(tmp_path: Path, adapters: list[A
     for i in range(20):  # a runs hundreds of weighted tokens ahead of b
         a.generate([GenRequest(token_ids=PROMPT, max_tokens=16, version=0, key=f"a{i}") for _ in range(4)])
     assert engine.shares()["a"]["tokens"] >= 20 * 4 * 16 - 100 and a.held_s < 0.1, engine.shares()
+
+
+def test_the_hf_engine_keeps_the_other_runs_prefixes_and_only_theirs() -> None:
+    """hf drops the held KV prefixes a call did not ask for, except other runs' on a shared engine: a key's run
+    is what precedes RUN_KEY_SEP, never the epoch of a group id ("0:12"), so a worker of one run drops them all."""
+    from loraflow.rollout_worker.backends.hf import _namespace
+
+    assert _namespace("0:12/0/0/0") == _namespace("1:3/1/0/0") == ""  # one run, two epochs: one namespace
+    assert _namespace("r1|0:12/0/0/0") == "r1" != _namespace("r2|0:12/0/0/0")
