@@ -153,7 +153,9 @@ class BrokerPool:
         pool = self.default.config
         try:
             if isinstance(record, RunSubmit):
-                run_id = pool_runs.submit(pool, _toml(record.settings), record.run, owner=key or "")
+                settings = _toml(record.settings)
+                pool_runs.check_tenant_code(pool, settings)
+                run_id = pool_runs.submit(pool, settings, record.run, owner=key or "")
                 state = "submitted"
                 log.info("run_submitted", run=run_id, owner=key)
                 self.scan(now_s)

@@ -98,6 +98,9 @@ class BrokerConfig:
     metrics_port: int = rule(0, ge=0, le=65535, doc="Prometheus /metrics port; 0 = off")
     pool: bool = rule(False, doc="serve runs submitted while it runs (`loraflow submit`, found under "
                       "<run_dir>/runs/), each with its own ledger and adapter lineage, beside its own run")
+    tenant_code: list[str] = rule(default_factory=lambda: ["loraflow"], max_len=64,
+                                  doc="packages whose code a run submitted over the network (--connect) may name "
+                                  "in worker.reward / rewards / env / agent: that code runs in the pool's workers")
 
 
 @dataclass(slots=True, kw_only=True)

@@ -148,6 +148,24 @@ def submit(pool: Config, settings: dict[str, Any], run_id: str = "", *, owner: s
     return run_id
 
 
+USER_CODE_KEYS = ("reward", "rewards", "env", "agent")  # [worker] settings that name code the workers import
+
+
+def check_tenant_code(pool: Config, settings: dict[str, Any]) -> None:
+    """A network-submitted run may name code only from ``broker.tenant_code`` packages (its tenant does not own
+    the pool's machines); raises ConfigError naming the setting."""
+    worker = settings.get("worker") if isinstance(settings.get("worker"), dict) else {}
+    allowed = pool.broker.tenant_code
+    for key in USER_CODE_KEYS:
+        values = worker.get(key, [])
+        for value in values if isinstance(values, list) else [values]:
+            package = str(value).split(":", 1)[0].split(".", 1)[0]
+            if value and package not in allowed:
+                raise ConfigError(f"worker.{key} = {value!r}: a run submitted over the network may name code of "
+                                  f"{', '.join(allowed) or 'no package'} only (broker.tenant_code: it runs in the "
+                                  "pool's workers)")
+
+
 def cancel(pool: Config, run_id: str, reason: str) -> None:
     directory = run_dir(pool, check_run_id(run_id))
     if not (directory / SUBMITTED).is_file():

@@ -7,7 +7,7 @@
   the pool's own observer key only); the pool's own key watches every run; the pool's own run stays every key's, and
   worker and learner keys (the pool's own processes, not tenants) watch runs too;
 - a run setting a pool-owned key is refused over the network with the key named (``invalid_run``), nothing
-  written; a worker key may not submit; without CURVE the network control plane is refused.
+  written; so is one naming reward code outside ``broker.tenant_code`` (it would run in the pool's workers); a worker key may not submit; without CURVE the network control plane is refused.
 """
 
 from __future__ import annotations
@@ -88,6 +88,12 @@ def test_a_tenant_submits_watches_and_cancels_its_own_runs_only(pool, tmp_path: 
     bad = loraflow("submit", str(run_file), "--connect", str(alice), "--id", "b", "--set", "model.path=elsewhere")
     assert bad.returncode == 2 and "model is the pool's" in bad.stderr, bad.stderr
     assert not (run_dir / "runs" / "b").exists()
+    foreign = loraflow("submit", str(run_file), "--connect", str(alice), "--id", "b", "--set", 'worker.reward="os:system"')
+    assert foreign.returncode == 2 and "broker.tenant_code" in foreign.stderr, foreign.stderr  # code runs in workers
+    assert not (run_dir / "runs" / "b").exists()
+    builtin = loraflow("submit", str(run_file), "--connect", str(alice), "--id", "b", "--set",
+                       'worker.rewards=["loraflow:exact_match"]')
+    assert builtin.returncode == 0, builtin.stderr
     worker_key = client_security(load_config(tenant_file(tmp_path / "w.toml", broker.endpoint, keys, "worker")),
                                  "worker")
     with pytest.raises(ProtocolError, match="a worker key may not submit"):
