@@ -112,8 +112,8 @@ def run_clean(root: Path, model_dir: Path, minutes: float, use_vllm: bool) -> di
             run.workers[2] = procs.python(run._name("vllm"), "loraflow.rollout_worker", str(run.config), "--endpoint",
                                           run.endpoint, "--worker-id", "vllm-worker", "--backend", "vllm")
         started = time.monotonic()
-        wait_for(lambda: time.monotonic() - started >= minutes * 60, minutes * 60 + 60, "the clean run", procs,
-                 interval_s=1.0)
+        wait_for(lambda: time.monotonic() - started >= minutes * 60 and run.ledger_steps() >= 1, minutes * 60 + 180,
+                 "the clean run (its time and one step)", procs, interval_s=1.0)
         stats = run.stats()
         run.stop()
         worker_s = time.monotonic() - started
