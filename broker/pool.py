@@ -155,6 +155,7 @@ class BrokerPool:
             if isinstance(record, RunSubmit):
                 settings = _toml(record.settings)
                 pool_runs.check_tenant_code(pool, settings)
+                pool_runs.check_tenant_data(pool, settings)
                 run_id = pool_runs.submit(pool, settings, record.run, owner=key or "")
                 state = "submitted"
                 log.info("run_submitted", run=run_id, owner=key)

@@ -101,6 +101,10 @@ class BrokerConfig:
     tenant_code: list[str] = rule(default_factory=lambda: ["loraflow"], max_len=64,
                                   doc="packages whose code a run submitted over the network (--connect) may name "
                                   "in worker.reward / rewards / env / agent: that code runs in the pool's workers")
+    tenant_data: list[str] = rule(default_factory=list, max_len=64,
+                                  doc="directories on the pool's machines whose datasets a run submitted over the "
+                                  "network may name in run.task / data.eval_path (symlinks resolved); empty = the "
+                                  "built-in tasks only")
 
 
 @dataclass(slots=True, kw_only=True)

@@ -30,6 +30,7 @@ from typing import Any
 
 from loraflow.common.config import Config, ConfigError, from_raw
 from loraflow.common.schema import dump
+from loraflow.common.tasks import BUILTIN_TASKS
 
 RUN_ID = re.compile(r"[a-z0-9][a-z0-9_-]{0,47}")
 #: sections, or section.key, that belong to the pool: every run on it has the pool's value
@@ -164,6 +165,26 @@ def check_tenant_code(pool: Config, settings: dict[str, Any]) -> None:
                 raise ConfigError(f"worker.{key} = {value!r}: a run submitted over the network may name code of "
                                   f"{', '.join(allowed) or 'no package'} only (broker.tenant_code: it runs in the "
                                   "pool's workers)")
+
+
+DATA_KEYS = (("run", "task"), ("data", "eval_path"))  # settings that name files the workers and learner read
+
+
+def check_tenant_data(pool: Config, settings: dict[str, Any]) -> None:
+    """A network-submitted run may read datasets only under ``broker.tenant_data`` directories (its tenant does
+    not own the pool's files: a path is resolved, symlinks and '..' included, before it is compared); raises
+    ConfigError naming the setting."""
+    roots = [Path(root).expanduser().resolve() for root in pool.broker.tenant_data]
+    for section, key in DATA_KEYS:
+        table = settings.get(section) if isinstance(settings.get(section), dict) else {}
+        value = table.get(key, "")
+        if not value or (section, key) == ("run", "task") and value in BUILTIN_TASKS:
+            continue
+        path = Path(str(value)).expanduser().resolve()
+        if not any(path.is_relative_to(root) for root in roots):
+            where = ", ".join(map(str, roots)) if roots else "nowhere: the built-in tasks only"
+            raise ConfigError(f"{section}.{key} = {value!r}: a run submitted over the network may read data under "
+                              f"{where} (broker.tenant_data: the pool's files are not the tenant's)")
 
 
 def cancel(pool: Config, run_id: str, reason: str) -> None:

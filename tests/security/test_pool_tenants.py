@@ -7,7 +7,9 @@
   the pool's own observer key only); the pool's own key watches every run; the pool's own run stays every key's, and
   worker and learner keys (the pool's own processes, not tenants) watch runs too;
 - a run setting a pool-owned key is refused over the network with the key named (``invalid_run``), nothing
-  written; so is one naming reward code outside ``broker.tenant_code`` (it would run in the pool's workers); a worker key may not submit; without CURVE the network control plane is refused.
+  written; so is one naming reward code outside ``broker.tenant_code`` (it would run in the pool's workers), or a
+  dataset outside ``broker.tenant_data`` (the pool's processes would read it); a worker key may not submit;
+  without CURVE the network control plane is refused.
 """
 
 from __future__ import annotations
@@ -43,8 +45,9 @@ def pool(procs: Processes, tmp_path: Path):
     keys = tmp_path / "keys"
     generate_keys(keys, {"worker": "worker", "observer": "observer", "alice": "observer", "bob": "observer"})
     run_dir = tmp_path / "pool"
+    (tmp_path / "shared-data").mkdir()
     broker = start_broker(procs, "broker.pool=true", "security.enabled=true", f'security.keys_dir="{keys}"',
-                          run_dir=run_dir)
+                          f'broker.tenant_data=["{tmp_path / "shared-data"}"]', run_dir=run_dir)
     return broker, keys, run_dir
 
 
@@ -94,6 +97,16 @@ def test_a_tenant_submits_watches_and_cancels_its_own_runs_only(pool, tmp_path: 
     builtin = loraflow("submit", str(run_file), "--connect", str(alice), "--id", "b", "--set",
                        'worker.rewards=["loraflow:exact_match"]')
     assert builtin.returncode == 0, builtin.stderr
+    data = tmp_path / "shared-data" / "prompts.jsonl"
+    data.write_text('{"prompt": "1+1=", "answer": "2"}\n' * 4)
+    (tmp_path / "secret.jsonl").write_text('{"prompt": "the pool owner\'s", "answer": "x"}\n')
+    for task, key in ((tmp_path / "secret.jsonl", "run.task"), (data.parent / ".." / "secret.jsonl", "run.task"),
+                      (tmp_path / "secret.jsonl", "data.eval_path")):
+        outside = loraflow("submit", str(run_file), "--connect", str(alice), "--id", "d", "--set", f'{key}="{task}"')
+        assert outside.returncode == 2 and "broker.tenant_data" in outside.stderr, (key, task, outside.stderr)
+        assert not (run_dir / "runs" / "d").exists()
+    inside = loraflow("submit", str(run_file), "--connect", str(alice), "--id", "d", "--set", f'run.task="{data}"')
+    assert inside.returncode == 0, inside.stderr
     worker_key = client_security(load_config(tenant_file(tmp_path / "w.toml", broker.endpoint, keys, "worker")),
                                  "worker")
     with pytest.raises(ProtocolError, match="a worker key may not submit"):
