@@ -45,7 +45,7 @@ def _num(value: float) -> str:
     return str(int(value)) if float(value).is_integer() else f"{value:g}"
 
 
-def _range(rule: Rule) -> str:
+def _range(rule: Rule, type_text: str) -> str:
     parts = []
     if rule.choices is not None:
         parts.append(" | ".join(str(c) for c in rule.choices))
@@ -56,7 +56,7 @@ def _range(rule: Rule) -> str:
     if rule.le is not None:
         parts.append(f"<= {_num(rule.le)}")
     if rule.max_len is not None:
-        parts.append(f"at most {rule.max_len} chars")
+        parts.append(f"at most {rule.max_len} {'items' if type_text.startswith(('list', 'dict')) else 'chars'}")
     return ", ".join(parts)
 
 
@@ -70,7 +70,7 @@ def reference_rows(cls: type) -> list[tuple[str, str, str, str, str, str]]:
     for name, type_text, default, rule in describe(cls):
         if dataclasses.is_dataclass(default):
             continue  # a nested section, listed on its own
-        rows.append((name, type_text, _default(default), rule.unit, _range(rule), rule.doc))
+        rows.append((name, type_text, _default(default), rule.unit, _range(rule, type_text), rule.doc))
     return rows
 
 
