@@ -93,7 +93,7 @@ class SingleProcess:
         self.backend = make_backend(config, worker_id="reference", max_staleness=0)
         torch.set_num_threads(num_threads or os.cpu_count() or 1)  # after make_backend, which sets the worker's
         self.parallel = init_parallel(config.learner.device)
-        torch.manual_seed(config.run.seed + self.parallel.rank)  # as loraflow.learner.train.run seeds before the build
+        torch.manual_seed(config.run.seed + self.parallel.rank)  # as loraflow.learner.start.run seeds before the build
         model_dir = resolve_model(config.model.path, config.model.cache_dir)
         self.policy = build_policy(Path(model_dir), config.learner, self.parallel, seed=config.run.seed,
                                    max_message_bytes=config.broker.max_message_bytes)

@@ -233,6 +233,8 @@ class LearnerConfig:
     resume: bool = rule(True, doc="continue from the newest complete checkpoint if there is one")
     metrics_port: int = rule(0, ge=0, le=65535)
     adam_eps: float = rule(1e-8, gt=0, le=1, doc="AdamW epsilon: gradient entries far below it barely move")
+    pool: bool = rule(False, doc="train every running run of the pool in run.run_dir over one frozen base, a "
+                      "thread per run (the shared learner of loraflow pool: launch.shared_learner)")
 
 
 @dataclass(slots=True, kw_only=True)
@@ -310,6 +312,8 @@ class LaunchConfig:
     num_workers: int = rule(2, ge=0, le=256, doc="rollout workers started (more can join from elsewhere)")
     shared_workers: int = rule(0, ge=0, le=256, doc="loraflow pool: workers that serve every run in one engine "
                                "(worker.pool); 0 = launch.num_workers workers of each run's own")
+    shared_learner: bool = rule(False, doc="loraflow pool: one learner process trains every run over one base "
+                                "(learner.pool); false = a learner process of each run's own")
     learner_ranks: int = rule(1, ge=1, le=1024, doc="learner ranks; above 1 the learner runs under torchrun")
     restart_backoff_s: float = rule(1.0, gt=0, unit="s", doc="first delay before restarting a dead process; doubles")
     max_backoff_s: float = rule(30.0, gt=0, unit="s", doc="longest delay between restarts")

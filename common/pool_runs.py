@@ -9,6 +9,7 @@ A pool is one broker (and the processes around it) on one base model; runs are s
     refused          present when the pool refused the run (its text: why), e.g. a setting only the pool owns
     run_state.json   what loraflow pool made of it: running, stopping, finished, cancelled, failed (with why)
     workers/<id>/failed   a shared worker stopped serving the run for a config-class error (its text: why)
+    learner/ended    the shared learner's end of the run (JSON: exit code, why, steps), for the pool to read
     owner            the CURVE key that submitted it over the network (``observer:<name>``); absent: the pool's
     broker/          the run's ledger state and run token; the learner's and workers' files as in any run dir
 
@@ -36,9 +37,10 @@ RUN_ID = re.compile(r"[a-z0-9][a-z0-9_-]{0,47}")
 #: sections, or section.key, that belong to the pool: every run on it has the pool's value
 POOL_KEYS = (
     "model", "broker", "security", "launch", "worker.backend", "worker.device", "worker.num_threads",
-    "worker.vllm", "worker.sim", "worker.pool", "worker.max_runs", "worker.id", "worker.adapter_dir", "worker.metrics_port", "learner.device",
-    "learner.num_threads", "learner.metrics_port", "learner.mixed_precision", "eval.device", "run.run_dir",
-    "run.pool_run", "run.name", "run.log_format", "run.log_level", "run.connect_timeout_s",
+    "worker.vllm", "worker.sim", "worker.pool", "worker.max_runs", "worker.id", "worker.adapter_dir",
+    "worker.metrics_port", "learner.device", "learner.pool", "learner.num_threads", "learner.metrics_port",
+    "learner.mixed_precision", "eval.device", "run.run_dir", "run.pool_run", "run.name", "run.log_format",
+    "run.log_level", "run.connect_timeout_s",
 )
 SUBMITTED = "submitted.toml"
 RESOLVED = "config.toml"
@@ -47,6 +49,7 @@ REFUSED = "refused"
 OWNER = "owner"
 RUN_STATE = "run_state.json"
 WORKER_FAILED = "failed"
+LEARNER_ENDED = "ended"
 ENDED = ("finished", "cancelled", "failed")
 
 

@@ -176,7 +176,8 @@ class Launch:
         self.progress = Progress(self.run_dir, self.endpoint, security=self._client_security(),
                                  run=self.config.run.pool_run)
         self.rl_started_s = time.monotonic()
-        self.supervisor.add(self._child("learner", self.learner_argv()))
+        if not (self.config.run.pool_run and self.config.launch.shared_learner):  # else the pool's trains it
+            self.supervisor.add(self._child("learner", self.learner_argv()))
         for i in range(1, self.config.launch.num_workers + 1):
             self.supervisor.add(self._child(f"worker-{i}", self.worker_argv(str(i))))
 

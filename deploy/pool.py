@@ -13,15 +13,18 @@ The pool's config names what every run shares (the base model, the broker, secur
               resolved config (broker.pool = true) in <run_dir>/config.toml, which submit reads
     start     the broker (port 0 unless broker.bind names one), restarted on its address if it dies; with
               launch.shared_workers = N, N shared workers (worker.pool: one engine serving every running run,
-              a thread per run, loraflow.rollout_worker.pool_worker), restarted like the broker
-    watch     every TICK_S: each run the broker accepted (its runs/<id>/config.toml) gets its learner and
-              launch.num_workers workers (none with shared workers) and its evaluations, exactly as one loraflow
-              run would (:class:`loraflow.deploy.launcher.Launch`); a run stops on its own stop conditions
+              a thread per run, loraflow.rollout_worker.pool_worker), restarted like the broker; with
+              launch.shared_learner, one learner training every running run over one frozen base (learner.pool,
+              loraflow.learner.pool_learner), restarted like the broker
+    watch     every TICK_S: each run the broker accepted (its runs/<id>/config.toml) gets its learner (none with
+              the shared learner), launch.num_workers workers (none with shared workers) and its evaluations,
+              exactly as one loraflow run would (:class:`loraflow.deploy.launcher.Launch`); a run stops on its own stop conditions
               (run.num_steps, run.max_duration_s, eval.target_accuracy), on a cancel, when one of its processes
               cannot be recovered, or when a shared worker stopped serving it for a config-class error (its
-              runs/<id>/workers/<id>/failed), and then writes its final adapter, summary.json and plots; the
-              others go on
-    stop      ctrl-C / SIGTERM: every active run stops as above, then the shared workers, then the broker
+              runs/<id>/workers/<id>/failed), or when the shared learner ended it (runs/<id>/learner/ended),
+              and then writes its final adapter, summary.json and plots; the others go on
+    stop      ctrl-C / SIGTERM: every active run stops as above, then the shared learner and workers, then the
+              broker
 
 A run's state is kept in ``runs/<id>/run_state.json`` (running, stopping, finished, cancelled, failed; with the
 reason; shared workers serve the runs in state running), so a restarted pool resumes the runs that were running
@@ -31,6 +34,7 @@ reason; shared workers serve the runs in state running), so a restarted pool res
 from __future__ import annotations
 
 import dataclasses
+import json
 import signal
 import time
 from pathlib import Path
@@ -42,7 +46,14 @@ from loraflow.common.config import Config, load_config
 from loraflow.common.logging import get_logger, setup_logging
 from loraflow.common.pool_runs import ENDED, read_state, write_state
 from loraflow.deploy import preflight
-from loraflow.deploy.launcher import BROKER_STOP_TIMEOUT_S, EXTRA_FLAGS, TICK_S, WORKER_STOP_TIMEOUT_S, Launch
+from loraflow.deploy.launcher import (
+    BROKER_STOP_TIMEOUT_S,
+    EXTRA_FLAGS,
+    LEARNER_STOP_TIMEOUT_S,
+    TICK_S,
+    WORKER_STOP_TIMEOUT_S,
+    Launch,
+)
 from loraflow.deploy.processes import Unrecoverable
 from loraflow.deploy.progress import Display
 
@@ -82,6 +93,11 @@ class Pool:
         return [f"worker-shared-{i}" for i in range(1, self.own.config.launch.shared_workers + 1)]
 
     @property
+    def shared_learner(self) -> list[str]:
+        """The shared learner's process name, when launch.shared_learner."""
+        return ["learner-shared"] if self.own.config.launch.shared_learner else []
+
+    @property
     def runs_dir(self) -> Path:
         return pool_runs.runs_dir(self.own.config)
 
@@ -98,6 +114,10 @@ class Pool:
             self.own.supervisor.add(self.own._child(name, self.own._module(
                 "loraflow.rollout_worker", "--endpoint", self.own.endpoint, "--worker-id", index,
                 "--set", "worker.pool=true")))
+        for name in self.shared_learner:
+            self.own.supervisor.add(self.own._child(name, self.own._module(
+                "loraflow.learner", "--endpoint", self.own.endpoint, "--set", "learner.pool=true")))
+            self.display.event("a shared learner, training every running run over one base")
         if self.shared_workers:
             self.display.event(f"{len(self.shared_workers)} shared worker(s), each serving every running run")
         self.display.event(f"pool broker on {self.own.endpoint}, base model {self.own.config.model.path}; submit "
@@ -137,6 +157,7 @@ class Pool:
             config = dataclasses.replace(config, launch=dataclasses.replace(config.launch, num_workers=0))
         launch = Launch(config, RunDisplay(self.display, run_id), started_s=time.monotonic())  # type: ignore[arg-type]
         launch.endpoint, launch.model_ready = self.own.endpoint, True
+        (directory / "learner" / pool_runs.LEARNER_ENDED).unlink(missing_ok=True)  # a stop of the last pool's
         write_state(directory, "running")
         workers = f"{len(self.shared_workers)} shared" if self.shared_workers else str(config.launch.num_workers)
         launch.display.event(f"started: task {config.run.task}, seed {config.run.seed}, lr {config.learner.lr:g}, "
@@ -155,6 +176,13 @@ class Pool:
         if failed:  # a shared worker stopped serving it (a reward failing on everything, a refused adapter)
             launch.summary.error = f"{failed[0].parent.name}: {failed[0].read_text().strip()}"
             return f"error: {launch.summary.error}", "failed"
+        ended = self.runs_dir / run_id / "learner" / pool_runs.LEARNER_ENDED
+        if self.shared_learner and ended.is_file():  # the shared learner ended the run by itself
+            end = json.loads(ended.read_text())
+            if end["code"] == 0:
+                return f"run.num_steps ({launch.config.run.num_steps}) reached", "finished"
+            launch.summary.error = f"the shared learner: {end['reason']}"
+            return f"error: {launch.summary.error}", "failed"
         try:
             return launch.check(now_s), "finished"
         except Exception as exc:  # a process that cannot be recovered (Unrecoverable), a failed evaluation: this run
@@ -166,6 +194,12 @@ class Pool:
         launch.display.event(f"stopping: {reason}")
         write_state(self.runs_dir / run_id, "stopping", reason)  # the shared workers stop serving it
         launch.summary.stop_reason = reason if state != "failed" else "error"
+        if self.shared_learner:  # it stops the run's learner on seeing it stopping: the last version published
+            ended = self.runs_dir / run_id / "learner" / pool_runs.LEARNER_ENDED
+            deadline = time.monotonic() + LEARNER_STOP_TIMEOUT_S
+            while not ended.is_file() and time.monotonic() < deadline and self.own.supervisor.children[
+                    self.shared_learner[0]].alive():
+                time.sleep(TICK_S)
         launch.shutdown()
         launch.finish()
         launch.evaluator.shutdown(wait=True)
@@ -182,6 +216,7 @@ class Pool:
         for run_id, launch in list(self.runs.items()):
             launch.summary.stop_reason = reason
             self.end_run(run_id, launch, "running", reason)  # resumed by the next loraflow pool
+        self.own.supervisor.stop(self.shared_learner, LEARNER_STOP_TIMEOUT_S)
         self.own.supervisor.stop(self.shared_workers, WORKER_STOP_TIMEOUT_S)
         self.own.supervisor.stop(["broker"], BROKER_STOP_TIMEOUT_S)
 
@@ -196,7 +231,11 @@ def _main(argv: list[str]) -> int:
                            {**{k: v for k, v in EXTRA_FLAGS.items() if k == "--workers"},
                             "--shared-workers": ("launch.shared_workers", int, "workers serving every run in one "
                                                  "engine (then no run has workers of its own)")})
+    parser.add_argument("--shared-learner", action="store_true", help="one learner training every run over one "
+                        "base (then no run has a learner of its own) [launch.shared_learner]")
     args = parser.parse_args(argv)
+    if args.shared_learner:
+        args.overrides.append("launch.shared_learner=true")
     config = config_from_args(args)
     if not config.run.run_dir:
         config = dataclasses.replace(config, run=dataclasses.replace(config.run, run_dir=f"runs/pool-{config.run.name}"))

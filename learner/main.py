@@ -8,6 +8,10 @@ R ranks on one machine (rank 0 talks to the broker; every rank trains a shard)::
 
     torchrun --nproc_per_node=R -m loraflow.learner run.toml --endpoint tcp://broker-host:5555
 
+Every running run of a pool over one frozen base (a thread per run, :mod:`loraflow.learner.pool_learner`)::
+
+    loraflow learner runs/pool/config.toml --endpoint tcp://broker-host:5555 --set learner.pool=true
+
 ``--resume`` (the default) continues from the newest complete checkpoint in ``<run_dir>/learner/checkpoints``;
 ``--no-resume`` starts from the base model even if checkpoints exist.
 
@@ -103,11 +107,12 @@ def _stop_during_startup(signum: int, _frame: Any) -> None:
 
 
 def _start_and_run(config: Config) -> int:
+    from loraflow.learner import pool_learner, start  # torch is imported only now
     from loraflow.learner.session import LearnerReplaced
-    from loraflow.learner.train import SetupError, run  # torch is imported only now
+    from loraflow.learner.start import SetupError
 
     try:
-        return run(config)
+        return pool_learner.run(config) if config.learner.pool else start.run(config)
     except SetupError as exc:  # found while building the model (learner.target_modules): a config error too
         raise ConfigError(str(exc)) from None
     except LearnerReplaced as exc:

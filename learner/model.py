@@ -44,8 +44,9 @@ import functools
 import json
 import math
 import re
+import threading
 from collections.abc import Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -54,6 +55,7 @@ from peft import LoraConfig, PeftModel, get_peft_model
 from torch import nn
 from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard, register_fsdp_forward_method
+from torch.distributed.tensor import DTensor, distribute_tensor
 from torch.utils.checkpoint import checkpoint
 
 from loraflow.common.config import ConfigError, LearnerConfig
@@ -196,10 +198,12 @@ def check_adapter_fits(model: nn.Module, dtype: torch.dtype, learner: LearnerCon
             '(learner.adapter_dtype = "bfloat16")')
 
 
-def shard(model: nn.Module, layers: list[nn.Module], parallel: Parallel, compute_dtype: torch.dtype) -> None:
+def shard(model: nn.Module, layers: list[nn.Module], parallel: Parallel, compute_dtype: torch.dtype,
+          ignored: set[nn.Parameter] | None = None) -> None:
     """FSDP2 over ``parallel.mesh``: each decoder layer its own group, then the root; below fp32 the parameters are
-    gathered in ``compute_dtype`` and gradients reduced in fp32."""
-    options: dict[str, Any] = {"mesh": parallel.mesh}
+    gathered in ``compute_dtype`` and gradients reduced in fp32. ``ignored``: parameters FSDP2 leaves as they are
+    (a :class:`SharedBase`'s frozen tensors)."""
+    options: dict[str, Any] = {"mesh": parallel.mesh, "ignored_params": ignored}
     if compute_dtype != torch.float32:
         options["mp_policy"] = MixedPrecisionPolicy(param_dtype=compute_dtype, reduce_dtype=torch.float32)
     for layer in layers:
@@ -213,9 +217,45 @@ def _checkpointed(forward: Any, *args: Any, **kwargs: Any) -> Any:
     return forward(*args, **kwargs)
 
 
+@dataclass(slots=True)
+class SharedBase:
+    """The frozen base that every run's policy in one pool learner holds (:mod:`loraflow.learner.pool_learner`).
+
+    The first policy built over it reads the weights; each later one takes these tensors into its own module tree
+    and adds only its LoRA tensors (and, in the learner, their optimizer state), so N runs hold one base. The
+    frozen tensors stay outside FSDP2 (one rank: nothing to shard), which manages each run's LoRA parameters as in
+    a learner of one run, with the same mixed-precision casts."""
+
+    model_dir: Path
+    parameters: dict[str, nn.Parameter] = field(default_factory=dict)  # weights-file name -> the one tensor
+    vocab_rows: dict[str, vocab.VocabRows] = field(default_factory=dict)
+    lock: threading.Lock = field(default_factory=threading.Lock)  # one policy built at a time
+
+    def held_by(self, model: nn.Module) -> bool:
+        """Whether every frozen parameter of ``model`` is this base's tensor (not a copy)."""
+        frozen = [(n, p) for n, p in model.named_parameters() if not p.requires_grad]
+        return bool(frozen) and all(self.parameters.get(_base_key(n)) is p for n, p in frozen)
+
+
 def build_policy(model_dir: Path, learner: LearnerConfig, parallel: Parallel, *, seed: int,
-                 max_message_bytes: int = 0) -> Policy:
-    """The sharded policy, built as the module docstring says; identical on every rank (collective)."""
+                 max_message_bytes: int = 0, shared: SharedBase | None = None) -> Policy:
+    """The sharded policy, built as the module docstring says; identical on every rank (collective). With
+    ``shared`` (one rank only) its frozen base is that base's tensors: read from ``model_dir`` by the first policy
+    built over it, taken as they are by the others."""
+    if shared is None:
+        return _build_policy(model_dir, learner, parallel, seed=seed, max_message_bytes=max_message_bytes)
+    if parallel.world_size > 1:
+        raise ValueError("a shared base (one learner for several runs) is built on one rank; under torchrun each "
+                         "run has its own learner")
+    if shared.model_dir != model_dir:
+        raise ValueError(f"model.path {model_dir}: this learner's shared base is {shared.model_dir}")
+    with shared.lock:
+        return _build_policy(model_dir, learner, parallel, seed=seed, max_message_bytes=max_message_bytes,
+                             shared=shared)
+
+
+def _build_policy(model_dir: Path, learner: LearnerConfig, parallel: Parallel, *, seed: int,
+                  max_message_bytes: int, shared: SharedBase | None = None) -> Policy:
     from accelerate import init_empty_weights
     from transformers import AutoConfig, AutoModelForCausalLM
 
@@ -230,7 +270,10 @@ def build_policy(model_dir: Path, learner: LearnerConfig, parallel: Parallel, *,
         base.requires_grad_(False)
         lora_config = lora_config_for(learner, model_dir, target_modules)
         model = get_peft_model(base, lora_config)  # LoRA parameters in fp32 (peft's autocast_adapter_dtype)
-    vocab_rows = vocab.shard_vocab(base, hf_config, dtype=compute_dtype, parallel=parallel)
+    reuse = shared is not None and bool(shared.parameters)
+    vocab_rows = vocab.shard_vocab(base, hf_config, dtype=compute_dtype, parallel=parallel,
+                                   rows=shared.vocab_rows if reuse else None)
+    held = _take_base(model, shared) if reuse else set()
     adapter_dtype = resolve_adapter_dtype(learner.adapter_dtype, compute_dtype)
     check_adapter_fits(model, adapter_dtype, learner, max_message_bytes)
     layers = decoder_layers(base)
@@ -238,24 +281,52 @@ def build_policy(model_dir: Path, learner: LearnerConfig, parallel: Parallel, *,
     if use_checkpointing:
         for layer in layers:
             layer.forward = functools.partial(_checkpointed, layer.forward)
-    shard(model, layers, parallel, compute_dtype)
+    frozen = {p for p in model.parameters() if not p.requires_grad} if shared is not None else None
+    shard(model, layers, parallel, compute_dtype, ignored=frozen)
     model.trained_logprobs = functools.partial(_trained_logprobs, model)
     register_fsdp_forward_method(model, "trained_logprobs")
-    _materialize(model, parallel.device)
-    load_base_weights(model, model_dir, compute_dtype, is_main=parallel.is_main, vocab_rows=vocab_rows)
+    _materialize(model, parallel.device, keep=held)
+    if not reuse:
+        load_base_weights(model, model_dir, compute_dtype, is_main=parallel.is_main, vocab_rows=vocab_rows)
+    if shared is not None and not reuse:
+        shared.parameters.update((_base_key(n), p) for n, p in model.named_parameters() if not p.requires_grad)
+        shared.vocab_rows.update(vocab_rows)
     init_lora(model, seed=seed)
     return Policy(model=model, lora_config=lora_config, model_dir=model_dir, compute_dtype=compute_dtype,
                   vocab_size=int(hf_config.vocab_size), adapter_dtype=adapter_dtype,
                   activation_checkpointing=use_checkpointing)
 
 
-def _materialize(model: nn.Module, device: torch.device) -> None:
-    """Storage for this rank's shards (``to_empty``); the buffers computed at build time are kept."""
+def _materialize(model: nn.Module, device: torch.device, keep: set[nn.Parameter] = frozenset()) -> None:
+    """Storage for this rank's shards (``to_empty``); the buffers computed at build time are kept, and so are the
+    parameters in ``keep`` (a shared base's tensors: out of the tree while the rest gets its storage)."""
     buffers = [(module, name, buf) for module in model.modules() for name, buf in module._buffers.items()
                if buf is not None]
+    kept = [(module, name, p) for module in model.modules() for name, p in module._parameters.items() if p in keep]
+    for module, name, _ in kept:
+        module._parameters[name] = None
     model.to_empty(device=device)
     for module, name, buf in buffers:
         module._buffers[name] = buf.to(device)
+    for module, name, param in kept:
+        module._parameters[name] = param
+
+
+def _take_base(model: nn.Module, shared: SharedBase) -> set[nn.Parameter]:
+    """Put the shared base's tensors in place of ``model``'s frozen (meta) parameters; returns them."""
+    taken = set()
+    for module_name, module in model.named_modules():
+        for name, param in list(module._parameters.items()):
+            if param is None or param.requires_grad:
+                continue
+            key = _base_key(f"{module_name}.{name}" if module_name else name)
+            tensor = shared.parameters.get(key)
+            if tensor is None or tensor.shape != param.shape or tensor.dtype != param.dtype:
+                raise ValueError(f"{key}: the shared base has no tensor of shape {tuple(param.shape)} and dtype "
+                                 f"{param.dtype}; every run of a pool learner trains over the same base")
+            module._parameters[name] = tensor
+            taken.add(tensor)
+    return taken
 
 
 def _base_key(name: str) -> str:
@@ -320,11 +391,13 @@ def init_lora(model: nn.Module, *, seed: int) -> None:
     """The adapter's initial values on every rank from one seeded generator: ``lora_A`` ~ U(-1/sqrt(in),
     1/sqrt(in)) (peft's kaiming-uniform with a = sqrt(5)), ``lora_B`` = 0, so the policy starts as the base."""
     generator = torch.Generator().manual_seed(seed)
-    full: dict[str, torch.Tensor] = {}
-    for name, param in lora_parameters(model):
-        if ".lora_A." in name:
-            bound = 1.0 / math.sqrt(param.shape[1])
-            full[name] = torch.empty(param.shape, dtype=torch.float32).uniform_(-bound, bound, generator=generator)
-        else:
-            full[name] = torch.zeros(param.shape, dtype=torch.float32)
-    set_model_state_dict(model, full, options=StateDictOptions(full_state_dict=True, strict=False))
+    with torch.no_grad():  # each LoRA tensor alone: a shared base's tensors are another run's (not written)
+        for name, param in lora_parameters(model):
+            if ".lora_A." in name:
+                bound = 1.0 / math.sqrt(param.shape[1])
+                full = torch.empty(param.shape, dtype=torch.float32).uniform_(-bound, bound, generator=generator)
+            else:
+                full = torch.zeros(param.shape, dtype=torch.float32)
+            full = full.to(param.device)
+            param.copy_(distribute_tensor(full, param.device_mesh, param.placements)
+                        if isinstance(param, DTensor) else full)

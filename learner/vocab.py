@@ -113,19 +113,27 @@ def _module_name(model: nn.Module, module: nn.Module) -> str:
     return next(name for name, m in model.named_modules() if m is module)
 
 
-def shard_vocab(base: nn.Module, hf_config, *, dtype: torch.dtype, parallel: Parallel) -> dict[str, VocabRows]:
+def shard_vocab(base: nn.Module, hf_config, *, dtype: torch.dtype, parallel: Parallel,
+                rows: dict[str, VocabRows] | None = None) -> dict[str, VocabRows]:
     """Replace the (meta) input embedding and output head of ``base`` by their row-sharded forms (the head shares
-    the embedding's rows where the config ties them); returns weights-file name -> rows to load."""
+    the embedding's rows where the config ties them); returns weights-file name -> rows to load. ``rows``: loaded
+    rows to hold instead (another model's over the same weights, by weights-file name)."""
     embedding, output = base.get_input_embeddings(), base.get_output_embeddings()
     vocab_size, hidden_size = embedding.weight.shape
     names = {"embedding": _module_name(base, embedding) + ".weight", "head": _module_name(base, output) + ".weight"}
-    rows = VocabRows(vocab_size, hidden_size, dtype=dtype, parallel=parallel)
-    base.set_input_embeddings(ShardedEmbedding(rows, getattr(embedding, "embed_scale", None)))
-    out = {names["embedding"]: rows}
+
+    def take(name: str, size: int) -> VocabRows:
+        if rows is not None:
+            return rows[name]
+        return VocabRows(size, hidden_size, dtype=dtype, parallel=parallel)
+
+    embedding_rows = take(names["embedding"], vocab_size)
+    base.set_input_embeddings(ShardedEmbedding(embedding_rows, getattr(embedding, "embed_scale", None)))
+    out = {names["embedding"]: embedding_rows}
     if getattr(hf_config, "tie_word_embeddings", False):
-        base.set_output_embeddings(ShardedHead(rows))
+        base.set_output_embeddings(ShardedHead(embedding_rows))
     else:
-        head_rows = VocabRows(output.weight.shape[0], hidden_size, dtype=dtype, parallel=parallel)
+        head_rows = take(names["head"], output.weight.shape[0])
         base.set_output_embeddings(ShardedHead(head_rows))
         out[names["head"]] = head_rows
     return out

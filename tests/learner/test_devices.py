@@ -1,6 +1,6 @@
 """learner.device under several ranks: ranks take the GPU of their LOCAL_RANK; an explicit cuda:N for several
 ranks is a config error, at config load (launch.learner_ranks) and in each rank (WORLD_SIZE; exit 2 through
-loraflow.learner.train.SetupError)."""
+loraflow.learner.start.SetupError)."""
 
 from __future__ import annotations
 
