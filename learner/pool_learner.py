@@ -21,7 +21,7 @@ read once, by the first run built) and adds only its LoRA tensors. One rank: the
 
 Steps take turns on the base (:class:`StepTurns`): the run waiting with the fewest steps per ``run.weight``
 goes next, so contending runs get learner steps in proportion to their weights, and a run with no batch holds
-nobody back. Log lines carry ``run``. SIGTERM stops every run's learner, then the process.
+nobody back, and one back from idle is owed at most two steps. Log lines carry ``run``. SIGTERM stops every run's learner, then the process.
 """
 
 from __future__ import annotations
@@ -56,8 +56,10 @@ RETRY_DELAY_S = 2.0
 class StepTurns:
     """Whose step runs next on the shared base: the waiting run with the fewest weighted steps (steps / weight).
 
-    A run that joins, or comes back after waiting for batches, starts level with the least-served run waiting
-    now, so idle time is never banked as a claim on later steps."""
+    A run that joins, or comes back after waiting for batches, is at most ``SLACK`` weighted steps behind the
+    least-served run waiting now, so idle time is never banked as a claim on many later steps."""
+
+    SLACK = 2.0
 
     def __init__(self) -> None:
         self._cond = threading.Condition()
@@ -70,9 +72,9 @@ class StepTurns:
     def turn(self, run: str, weight: float) -> Iterator[None]:
         with self._cond:
             floor = min((self._served[r] for r in self._waiting), default=None)
-            if floor is not None or run not in self._served:
-                self._served[run] = max(self._served.get(run, 0.0), floor if floor is not None else
-                                        min(self._served.values(), default=0.0))
+            if floor is None:
+                floor = min(self._served.values(), default=0.0) + self.SLACK
+            self._served[run] = max(self._served.get(run, 0.0), floor - self.SLACK)
             self._waiting.add(run)
             while self._busy or min(self._waiting, key=lambda r: (self._served[r], r)) != run:
                 self._cond.wait()
