@@ -16,18 +16,23 @@ sides pay the same start-up per run (each run's learner and workers start when i
                            weights; samples = groups x group size of each learner step)
 
 Each run has its own learner and ``--workers`` workers, or, with ``--shared-workers N``, every run is served by
-the pool's N shared workers (one engine each; README.md "Many runs on one pool"). Every figure comes from what the runs left in their
+the pool's N shared workers (one engine each; README.md "Many runs on one pool"); with ``--shared-learner`` one
+learner process trains every run over one base. ``learner_peak_mib``: the most memory the learner processes held
+together (VmRSS, sampled each second), per side. Every other figure comes from what the runs left in their
 directories (metrics.jsonl, evals.jsonl, learner/ledger.jsonl, run_state.json).
 
     python -m bench.multi_tenant                 # N = 1, 4, 8 (about an hour on 2 cores)
     python -m bench.multi_tenant --runs 1,4      # the figures BENCHMARKS.md records
-    python -m bench.multi_tenant --quick         # two quick runs of a few steps on the quick base: the code path
+    python -m bench.multi_tenant --quick         # two quick runs of a few steps on the quick base, one shared
+                                                 # worker and learner: the code path
 """
 
 from __future__ import annotations
 
+import contextlib
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 from typing import Any
@@ -41,6 +46,7 @@ from tests.support import child_env
 
 LRS = (1e-3, 1.5e-3, 7e-4, 1.2e-3, 8e-4, 1e-3, 1.3e-3, 9e-4)
 ENDED = ("finished", "cancelled", "failed")
+SAMPLE_S = 1.0  # how often the learners' memory is sampled
 
 
 def parse(argv: list[str] | None = None) -> Any:
@@ -52,7 +58,10 @@ def parse(argv: list[str] | None = None) -> Any:
                           shared_workers=(0, "workers serving every run in one engine (0: each run its own)"),
                           eval_prompts=(100, "held-out prompts per evaluation"),
                           timeout_s=(3600.0, "one side's wall time at most")))
-    return harness.parse(p, argv, runs="2", target=0.0, max_steps=2, eval_prompts=8, timeout_s=600.0)
+    p.add_argument("--shared-learner", action="store_true", help="one learner process training every run over "
+                   "one base (else each run its own learner)")
+    return harness.parse(p, argv, runs="2", target=0.0, max_steps=2, eval_prompts=8, timeout_s=600.0,
+                         shared_workers=1, shared_learner=True)
 
 
 class PoolSide:
@@ -63,11 +72,30 @@ class PoolSide:
         log = open(directory.with_suffix(".log"), "wb")  # noqa: SIM115 - owned by the child
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "loraflow.deploy.cli", "pool", "--model", str(base), "--run-dir", str(directory),
-             "--workers", str(args.workers), "--shared-workers", str(args.shared_workers), "--log-format", "json", "--set", f"eval.num_prompts={args.eval_prompts}",
-             "--set", "eval.every_s=5", "--set", "launch.progress_every_s=60"],
+             "--workers", str(args.workers), "--shared-workers", str(args.shared_workers),
+             *(["--shared-learner"] if args.shared_learner else []), "--log-format", "json",
+             "--set", f"eval.num_prompts={args.eval_prompts}", "--set", "eval.every_s=5",
+             "--set", "launch.progress_every_s=60"],
             stdout=log, stderr=subprocess.STDOUT, env=child_env(), start_new_session=True)
         self._wait(lambda: (directory / "config.toml").is_file() and (directory / "broker" / "endpoint").is_file(),
                    120, "the pool's broker")
+        self.learner_peak_bytes = 0  # the most memory the learner processes held together (sampled)
+        self._sampling = threading.Event()
+        self._sampler = threading.Thread(target=self._sample_learners, daemon=True)
+        self._sampler.start()
+
+    def _sample_learners(self) -> None:
+        while not self._sampling.wait(SAMPLE_S):
+            pids = []
+            for path in [self.directory, *self.directory.glob("runs/*")]:
+                newest = {e["process"]: e["pid"] for e in rundir.read_jsonl(rundir.processes_path(path))
+                          if e["event"] == "start" and e["process"] in ("learner", "learner-shared")}
+                pids.extend(newest.values())
+            held = 0
+            for pid in pids:
+                with contextlib.suppress(OSError, RuntimeError):  # ended since
+                    held += harness.rss_bytes(pid)
+            self.learner_peak_bytes = max(self.learner_peak_bytes, held)
 
     def submit(self, index: int) -> str:
         run_id = f"r{index}"
@@ -93,6 +121,7 @@ class PoolSide:
             time.sleep(0.5)
 
     def close(self) -> None:
+        self._sampling.set()
         if self.proc.poll() is None:
             self.proc.send_signal(2)
             try:
@@ -124,6 +153,7 @@ def run_side(directory: Path, base: Path, args: Any, n: int, together: bool) -> 
     runs = {r: read_run(pool.run_dir(r), args.target) for r in run_ids}
     reached = sum(run["reached"] for run in runs.values())
     return {"wall_s": wall_s, "reached": reached, "per_hour": reached / (wall_s / 3600), "runs": runs,
+            "learner_peak_mib": pool.learner_peak_bytes / 2**20,
             "fairness": fairness([pool.run_dir(r) for r in run_ids]) if together and n > 1 else 0.0}
 
 
@@ -138,6 +168,9 @@ def read_run(run_dir: Path, target: float) -> dict[str, Any]:
                               for w in line.get("workers", {}).values())
     log = run_dir / "logs" / "learner.log"
     violations += log.read_text().count("policy_mismatch") if log.is_file() else 0
+    shared = run_dir.parents[1] / "logs" / "learner-shared.log"  # the pool's shared learner names each line's run
+    violations += sum(line.get("event") == "policy_mismatch" and line.get("run") == run_dir.name
+                      for line in read_json_lines(shared)) if shared.is_file() else 0
     return {"reached": any(e["accuracy"] >= target for e in evals if e.get("kind") == "periodic") or
             bool(final and final[-1] >= target), "final": final[-1] if final else None,
             "steps": steps[-1]["step"] if steps else 0, "violations": violations}
@@ -176,7 +209,8 @@ def main(argv: list[str] | None = None) -> int:
                       for side in ("sequential", "together")}
         seq, tog = results[n]["sequential"], results[n]["together"]
         print(f"N={n}: one after another {seq['reached']}/{n} at target in {seq['wall_s']:.0f} s; all at once "
-              f"{tog['reached']}/{n} in {tog['wall_s']:.0f} s", flush=True)
+              f"{tog['reached']}/{n} in {tog['wall_s']:.0f} s; learners' peak memory {seq['learner_peak_mib']:.0f} "
+              f"MiB one after another, {tog['learner_peak_mib']:.0f} MiB all at once", flush=True)
     rows, gaps, violations = [], [], 0
     for n, sides in results.items():
         seq, tog = sides["sequential"], sides["together"]
@@ -199,7 +233,9 @@ def main(argv: list[str] | None = None) -> int:
                    accuracy_gap_points=round(max(gaps), 2) if gaps else None,
                    isolation_violations=violations, fairness=round(top["together"]["fairness"], 4),
                    target=args.target, max_steps=args.max_steps, workers_per_run=args.workers,
-                   shared_workers=args.shared_workers)
+                   shared_workers=args.shared_workers, shared_learner=args.shared_learner,
+                   learner_peak_mib={n: {side: round(s[side]["learner_peak_mib"]) for side in s}
+                                     for n, s in results.items()})
     return 0
 
 
