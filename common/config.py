@@ -13,7 +13,6 @@ The resolved config is written into the run directory by :func:`write_resolved` 
 
 from __future__ import annotations
 
-import dataclasses
 import json
 import os
 import tomllib
@@ -101,10 +100,8 @@ class BrokerConfig:
     tenant_code: list[str] = rule(default_factory=lambda: ["loraflow"], max_len=64,
                                   doc="packages whose code a run submitted over the network (--connect) may name "
                                   "in worker.reward / rewards / env / agent: that code runs in the pool's workers")
-    tenant_data: list[str] = rule(default_factory=list, max_len=64,
-                                  doc="directories on the pool's machines whose datasets a run submitted over the "
-                                  "network may name in run.task / data.eval_path (symlinks resolved); empty = the "
-                                  "built-in tasks only")
+    tenant_data: list[str] = rule(default_factory=list, max_len=64, doc="directories whose datasets a run "
+                                  "submitted over the network may name (run.task, data.eval_path); empty = none")
 
 
 @dataclass(slots=True, kw_only=True)
@@ -499,8 +496,3 @@ def write_resolved(config: Config, path: str | os.PathLike) -> None:
     tmp = path.with_suffix(".tmp")
     tmp.write_text(to_toml(config))
     os.replace(tmp, path)
-
-
-def replace(config: Config, **sections: Any) -> Config:
-    """A copy of the config with whole sections replaced (``replace(c, run=dataclasses.replace(c.run, ...))``)."""
-    return dataclasses.replace(config, **sections)
