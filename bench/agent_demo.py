@@ -56,7 +56,8 @@ def main() -> None:
         "adapter_every": (2, "save a PEFT adapter every N versions"),
         "num_prompts": (100, "held-out prompts per adapter evaluation"),
         "tool_median_s": (0.2, "the tool's median latency, seconds"), "tool_sigma": (1.5, "the lognormal's sigma")})
-    args = harness.parse(parser, None, target=0.0, max_steps=2, max_duration=60.0, num_prompts=4)
+    args = harness.parse(parser, None, target=0.0, max_steps=2, max_duration=60.0, num_prompts=4,
+                         tool_median_s=0.02)  # --quick: the code path; the tool's tail is the full run's subject
     demo = load_config(CONFIG)
     base = ensure_quick_agent_base(args.seed) if args.quick else ensure_agent_base(args.seed)
     print(f"agent demo base for seed {args.seed}: {base}", flush=True)
