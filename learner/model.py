@@ -55,7 +55,7 @@ from peft import LoraConfig, PeftModel, get_peft_model
 from torch import nn
 from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard, register_fsdp_forward_method
-from torch.distributed.tensor import DTensor, distribute_tensor
+from torch.distributed.tensor import DTensor
 from torch.utils.checkpoint import checkpoint
 
 from loraflow.common.config import ConfigError, LearnerConfig
@@ -291,7 +291,7 @@ def _build_policy(model_dir: Path, learner: LearnerConfig, parallel: Parallel, *
     if shared is not None and not reuse:
         shared.parameters.update((_base_key(n), p) for n, p in model.named_parameters() if not p.requires_grad)
         shared.vocab_rows.update(vocab_rows)
-    init_lora(model, seed=seed)
+    init_lora(model, seed=seed, shared=shared is not None)
     return Policy(model=model, lora_config=lora_config, model_dir=model_dir, compute_dtype=compute_dtype,
                   vocab_size=int(hf_config.vocab_size), adapter_dtype=adapter_dtype,
                   activation_checkpointing=use_checkpointing)
@@ -387,17 +387,23 @@ def load_base_weights(model: nn.Module, model_dir: Path, dtype: torch.dtype, *, 
         vocab.load_vocab_rows(rows, lambda start, end, k=key: vocab.read_rows(files[k], k, start, end).to(dtype))
 
 
-def init_lora(model: nn.Module, *, seed: int) -> None:
+def init_lora(model: nn.Module, *, seed: int, shared: bool = False) -> None:
     """The adapter's initial values on every rank from one seeded generator: ``lora_A`` ~ U(-1/sqrt(in),
     1/sqrt(in)) (peft's kaiming-uniform with a = sqrt(5)), ``lora_B`` = 0, so the policy starts as the base."""
     generator = torch.Generator().manual_seed(seed)
-    with torch.no_grad():  # each LoRA tensor alone: a shared base's tensors are another run's (not written)
+    full: dict[str, torch.Tensor] = {}
+    for name, param in lora_parameters(model):
+        if ".lora_A." in name:
+            bound = 1.0 / math.sqrt(param.shape[1])
+            full[name] = torch.empty(param.shape, dtype=torch.float32).uniform_(-bound, bound, generator=generator)
+        else:
+            full[name] = torch.zeros(param.shape, dtype=torch.float32)
+    if not shared:
+        set_model_state_dict(model, full, options=StateDictOptions(full_state_dict=True, strict=False))
+        return
+    # set_model_state_dict writes every parameter (the frozen ones onto themselves): on a shared base those are
+    # another run's, maybe inside its backward, so each LoRA tensor is written alone (one rank: the whole tensor)
+    with torch.no_grad():
         for name, param in lora_parameters(model):
-            if ".lora_A." in name:
-                bound = 1.0 / math.sqrt(param.shape[1])
-                full = torch.empty(param.shape, dtype=torch.float32).uniform_(-bound, bound, generator=generator)
-            else:
-                full = torch.zeros(param.shape, dtype=torch.float32)
-            full = full.to(param.device)
-            param.copy_(distribute_tensor(full, param.device_mesh, param.placements)
-                        if isinstance(param, DTensor) else full)
+            local = param.to_local() if isinstance(param, DTensor) else param
+            local.copy_(full[name].to(local.device))

@@ -295,7 +295,7 @@ OOM_CHILD = textwrap.dedent("""
 
 
 def oom_child_argv(role: str, tmp_path: Path, model_dir: Path) -> list[str]:
-    module, run_module = {"learner": ("loraflow.learner.main", "loraflow.learner.train"),
+    module, run_module = {"learner": ("loraflow.learner.main", "loraflow.learner.start"),
                           "worker": ("loraflow.rollout_worker.main", "loraflow.rollout_worker.worker")}[role]
     code = OOM_CHILD.format(module=module, run_module=run_module, message=CUDA_OOM)
     return [sys.executable, "-c", code, "--run-dir", str(tmp_path / "run"), "--model", str(model_dir),
