@@ -19,14 +19,7 @@ import torch
 
 from loraflow.common.config import load_config
 from loraflow.learner.model import SharedBase, build_policy
-from loraflow.learner.parallel import init_parallel
-
-
-@pytest.fixture(scope="module")
-def parallel():
-    p = init_parallel("cpu")
-    yield p
-    p.close()
+from tests.learner.test_trained_logits import parallel  # noqa: F401, F811  (the one-rank group, as a fixture)
 
 
 def learner_config(**learner):
@@ -58,7 +51,7 @@ def logprobs_and_grads(policy):
     return logp.detach(), [p.grad.full_tensor() for p in params]
 
 
-def test_runs_share_one_base_and_compute_as_alone(tiny_model_dir: Path, parallel) -> None:
+def test_runs_share_one_base_and_compute_as_alone(tiny_model_dir: Path, parallel) -> None:  # noqa: F811
     shared = SharedBase(tiny_model_dir)
     first = build_policy(tiny_model_dir, learner_config(), parallel, seed=1, shared=shared)
     writes = {name: p._version for name, p in shared.parameters.items()}
@@ -94,7 +87,7 @@ def test_runs_share_one_base_and_compute_as_alone(tiny_model_dir: Path, parallel
     assert not torch.equal(logprobs_and_grads(second)[0], logp)
 
 
-def test_a_shared_base_refuses_another_model(tiny_model_dir: Path, tmp_path: Path, parallel) -> None:
+def test_a_shared_base_refuses_another_model(tiny_model_dir: Path, tmp_path: Path, parallel) -> None:  # noqa: F811
     shared = SharedBase(tiny_model_dir)
     with pytest.raises(ValueError, match="shared base is"):
         build_policy(tmp_path, learner_config(), parallel, seed=0, shared=shared)
