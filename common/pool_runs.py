@@ -53,6 +53,11 @@ LEARNER_ENDED = "ended"
 ENDED = ("finished", "cancelled", "failed")
 
 
+def learner_ended(directory: Path) -> Path:
+    """Where the shared learner says it ended a run (JSON: code, reason, steps); ``directory``: the run's."""
+    return directory / "learner" / LEARNER_ENDED
+
+
 def runs_dir(pool: Config) -> Path:
     """Where the pool's submitted runs lie."""
     return pool.run_dir / "runs"

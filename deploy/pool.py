@@ -157,7 +157,7 @@ class Pool:
             config = dataclasses.replace(config, launch=dataclasses.replace(config.launch, num_workers=0))
         launch = Launch(config, RunDisplay(self.display, run_id), started_s=time.monotonic())  # type: ignore[arg-type]
         launch.endpoint, launch.model_ready = self.own.endpoint, True
-        (directory / "learner" / pool_runs.LEARNER_ENDED).unlink(missing_ok=True)  # a stop of the last pool's
+        pool_runs.learner_ended(directory).unlink(missing_ok=True)  # a stop of the last pool's
         write_state(directory, "running")
         workers = f"{len(self.shared_workers)} shared" if self.shared_workers else str(config.launch.num_workers)
         launch.display.event(f"started: task {config.run.task}, seed {config.run.seed}, lr {config.learner.lr:g}, "
@@ -176,7 +176,7 @@ class Pool:
         if failed:  # a shared worker stopped serving it (a reward failing on everything, a refused adapter)
             launch.summary.error = f"{failed[0].parent.name}: {failed[0].read_text().strip()}"
             return f"error: {launch.summary.error}", "failed"
-        ended = self.runs_dir / run_id / "learner" / pool_runs.LEARNER_ENDED
+        ended = pool_runs.learner_ended(self.runs_dir / run_id)
         if self.shared_learner and ended.is_file():  # the shared learner ended the run by itself
             end = json.loads(ended.read_text())
             if end["code"] == 0:
@@ -195,7 +195,7 @@ class Pool:
         write_state(self.runs_dir / run_id, "stopping", reason)  # the shared workers stop serving it
         launch.summary.stop_reason = reason if state != "failed" else "error"
         if self.shared_learner:  # it stops the run's learner on seeing it stopping: the last version published
-            ended = self.runs_dir / run_id / "learner" / pool_runs.LEARNER_ENDED
+            ended = pool_runs.learner_ended(self.runs_dir / run_id)
             deadline = time.monotonic() + LEARNER_STOP_TIMEOUT_S
             while not ended.is_file() and time.monotonic() < deadline and self.own.supervisor.children[
                     self.shared_learner[0]].alive():

@@ -150,12 +150,8 @@ class RunLearner(threading.Thread):
             self.turns.forget(self.run_id)
 
 
-def ended_path(directory: Path) -> Path:
-    return directory / "learner" / pool_runs.LEARNER_ENDED
-
-
 def write_ended(directory: Path, code: int, reason: str, steps: int) -> None:
-    path = ended_path(directory)
+    path = pool_runs.learner_ended(directory)
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(f".{path.name}.tmp")
     tmp.write_text(json.dumps({"code": code, "reason": reason, "steps": steps}) + "\n")
@@ -191,7 +187,7 @@ def serve(pool: Config, parallel: Parallel, *, stop: threading.Event) -> int:
                 log.info("run_learner_ended", run=run_id, code=thread.code, reason=reason, steps=steps)
             for run_id in sorted(running - set(threads)):
                 directory = pool_runs.run_dir(pool, run_id)
-                if ended_path(directory).exists() or time.monotonic() < retry_at.get(run_id, 0.0):
+                if pool_runs.learner_ended(directory).exists() or time.monotonic() < retry_at.get(run_id, 0.0):
                     continue  # ended here: the pool has yet to move it on
                 thread = RunLearner(run_config(pool, run_id), parallel, shared, turns)
                 threads[run_id] = thread
