@@ -4,12 +4,18 @@ Every process calls :func:`setup_logging` first thing. Log lines are short event
 fields (``log.info("lease_granted", lease_id=..., worker=...)``); the role, client id, rank and policy
 version are bound into the context with :func:`bind` so that every line of a process carries them.
 Counts and rates go to :mod:`loraflow.common.metrics`, not to log lines.
+
+``kill -USR1 <pid>`` writes the stack of every thread of a process to its log and lets it go on (what a
+hung process is waiting for, without py-spy); ``kill -USR1 -<pgid>`` does it for every rank under torchrun.
 """
 
 from __future__ import annotations
 
+import contextlib
+import faulthandler
 import logging
 import os
+import signal
 import sys
 from typing import Any
 
@@ -44,6 +50,12 @@ def setup_logging(role: str, *, fmt: str = "console", level: str = "info", strea
     bind(role=role, **context)
     # libraries that use stdlib logging (transformers, vLLM) keep their own handlers; quiet the chatty ones
     logging.basicConfig(level=max(_LEVELS[level], logging.WARNING), stream=stream)
+    _dump_stacks_on_sigusr1(stream)
+
+
+def _dump_stacks_on_sigusr1(stream: Any) -> None:
+    with contextlib.suppress(AttributeError, OSError, ValueError):  # a stream without a file descriptor (StringIO)
+        faulthandler.register(signal.SIGUSR1, file=stream, all_threads=True)
 
 
 def bind(**context: Any) -> None:

@@ -38,6 +38,37 @@ from loraflow.common.logging import get_logger
 from loraflow.common.timeline import read_lives
 from loraflow.deploy.rundir import append_jsonl
 
+
+def descendants(pid: int) -> list[int]:
+    """Every living process below ``pid`` (its children, theirs, ...), read from /proc; none where there is no
+    /proc."""
+    children: dict[int, list[int]] = {}
+    with contextlib.suppress(OSError):
+        for entry in os.scandir("/proc"):
+            if entry.name.isdigit():
+                with contextlib.suppress(OSError, IndexError, ValueError):
+                    ppid = int(Path(entry.path, "stat").read_text().rpartition(")")[2].split()[1])
+                    children.setdefault(ppid, []).append(int(entry.name))
+    below, todo = [], [pid]
+    while todo:
+        for child in children.get(todo.pop(), []):
+            below.append(child)
+            todo.append(child)
+    return below
+
+
+def signal_tree(pid: int, sig: int) -> None:
+    """``sig`` to ``pid``'s session (a child started with ``start_new_session``: vLLM's engine core is in it); a
+    SIGKILL also to every process below ``pid``. torchrun starts each rank in a session of its own and forwards a
+    SIGTERM to them itself, but a SIGKILLed torchrun forwards nothing: its ranks would live on without it."""
+    below = descendants(pid) if sig == signal.SIGKILL else []
+    with contextlib.suppress(ProcessLookupError):
+        os.killpg(pid, sig)
+    for child in below:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(child, sig)
+
+
 log = get_logger("launcher")
 
 STABLE_S = 60.0
@@ -121,8 +152,7 @@ class Managed:
             self.terminating = True
         if self.alive():
             assert self.popen is not None
-            with contextlib.suppress(ProcessLookupError):
-                os.killpg(self.popen.pid, sig)  # the whole session: torchrun's ranks, vLLM's engine
+            signal_tree(self.popen.pid, sig)
 
     def wait(self, timeout_s: float) -> int | None:
         if self.popen is None:

@@ -20,6 +20,7 @@ from pathlib import Path
 from typing import Any
 
 from loraflow.common.transport import fetch_stats
+from loraflow.deploy.processes import descendants, signal_tree
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -30,6 +31,7 @@ def child_env(**extra: str) -> dict[str, str]:
     env.setdefault("OMP_NUM_THREADS", "1")
     env.setdefault("TOKENIZERS_PARALLELISM", "false")
     env["PYTHONUNBUFFERED"] = "1"
+    env["PYTHONFAULTHANDLER"] = "1"  # a SIGABRT (stacks_and_abort) writes every thread's stack to the log
     env.update(extra)
     return env
 
@@ -64,6 +66,15 @@ class Proc:
             self.kill()
             return self.popen.returncode
 
+    def wait(self, timeout_s: float) -> int:
+        """Its exit code; past ``timeout_s`` every process of its session writes its stacks and is aborted, and the
+        test fails with the log's tail (where a hung process was waiting)."""
+        try:
+            return self.popen.wait(timeout=timeout_s)
+        except subprocess.TimeoutExpired:
+            stacks_and_abort(self.popen)
+            raise AssertionError(f"{self.name} did not exit in {timeout_s:.0f} s:\n{self.log()[-6000:]}") from None
+
     def log(self) -> str:
         try:
             return self.log_path.read_text(errors="replace")
@@ -97,19 +108,40 @@ class Processes:
     def cleanup(self) -> None:
         for proc in self.procs:
             if proc.alive():
-                with contextlib.suppress(ProcessLookupError):
-                    os.killpg(proc.pid, signal.SIGKILL)
+                signal_tree(proc.pid, signal.SIGKILL)  # torchrun's ranks too (sessions of their own)
                 proc.popen.wait(timeout=10)
+
+
+def stacks_and_abort(popen: subprocess.Popen) -> None:
+    """SIGABRT to ``popen``'s process and every process below it (torchrun's ranks): each Python process writes
+    its threads' stacks (PYTHONFAULTHANDLER, :func:`child_env`) before it dies; then SIGKILL to what is left."""
+    below = descendants(popen.pid)
+    for pid in (*below, popen.pid):  # the ranks first: a torchrun told first would stop them itself
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, signal.SIGABRT)
+    time.sleep(2)
+    signal_tree(popen.pid, signal.SIGKILL)
+    for pid in below:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, signal.SIGKILL)
+    popen.wait(timeout=10)
 
 
 def run_ranks(script: str, ranks: int, *args: str, timeout_s: float = 300) -> str:
     """Run ``tests/learner/<script>`` under torchrun on ``ranks`` CPU ranks (gloo); its stdout, after asserting
-    that every rank exited 0 (the tail of its output otherwise)."""
-    result = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone",
-                             f"--nproc_per_node={ranks}", str(REPO / "tests" / "learner" / script), *args],
-                            capture_output=True, text=True, timeout=timeout_s, env=child_env(), cwd=REPO)
-    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
-    return result.stdout
+    that every rank exited 0 (the tail of its output otherwise, and every rank's stacks past ``timeout_s``)."""
+    popen = subprocess.Popen([sys.executable, "-m", "torch.distributed.run", "--standalone",
+                              f"--nproc_per_node={ranks}", str(REPO / "tests" / "learner" / script), *args],
+                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=child_env(), cwd=REPO,
+                             start_new_session=True)
+    try:
+        out, _ = popen.communicate(timeout=timeout_s)
+    except subprocess.TimeoutExpired:
+        stacks_and_abort(popen)
+        out, _ = popen.communicate()
+        raise AssertionError(f"{script} on {ranks} ranks did not exit in {timeout_s:.0f} s:\n{out[-6000:]}") from None
+    assert popen.returncode == 0, out[-6000:]
+    return out
 
 
 def wait_for(condition: Callable[[], Any], timeout_s: float, what: str, procs: Processes | None = None,

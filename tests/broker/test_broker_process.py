@@ -196,7 +196,7 @@ def test_prometheus_metrics_and_clean_sigterm(procs: Processes) -> None:
     finally:
         worker.close()
     broker.proc.signal(signal.SIGINT)
-    assert broker.proc.popen.wait(timeout=10) == 0
+    assert broker.proc.wait(10) == 0
     assert (broker.run_dir / "broker" / "state.json").is_file()
 
 

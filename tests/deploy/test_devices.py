@@ -335,7 +335,7 @@ def test_a_worker_out_of_memory_loading_an_adapter_is_not_a_refused_adapter(proc
     argv = join_time_worker_argv(broker.endpoint, broker.run_dir, "w1", tiny_model_dir)
     assert argv[1:3] == ["-m", "loraflow.rollout_worker"]
     worker = procs.spawn("worker", [argv[0], "-c", code, *argv[3:]], env=child_env())
-    assert worker.popen.wait(timeout=120) == EXIT_OUT_OF_MEMORY, worker.log()[-3000:]
+    assert worker.wait(120) == EXIT_OUT_OF_MEMORY, worker.log()[-3000:]
     log_text = worker.log()
     assert "adapter_refused" not in log_text and "Traceback" not in log_text, log_text[-3000:]
     last = log_text.strip().splitlines()[-1]

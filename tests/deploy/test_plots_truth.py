@@ -62,8 +62,8 @@ def test_lanes_of_a_killed_a_stopped_and_a_crashed_process(procs: Processes, tmp
     killed_at = time.time()
     wait_for(lambda: any(x["t"] > killed_at + 1.5 for x in lines(survivor_path)), 60, "the survivor later", procs)
     survivor.signal(signal.SIGTERM)
-    assert survivor.popen.wait(timeout=30) == 0, survivor.log()
-    assert crasher.popen.wait(timeout=30) == 1, crasher.log()
+    assert survivor.wait(30) == 0, survivor.log()
+    assert crasher.wait(30) == 1, crasher.log()
 
     lanes = rundir.timelines(tmp_path, now_s=time.time() + 60)  # read after the run (no processes.jsonl: by hand)
     killed = lanes["worker-1"]

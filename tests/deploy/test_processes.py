@@ -178,3 +178,39 @@ def test_exit_2_is_worded_by_whether_the_child_had_started(tmp_path: Path, state
     message = str(stopped.value)
     assert message.startswith(wording) and message.splitlines()[0].endswith(f": {last}; see {worker.log_path}:")
     assert worker.exit_codes == [2] and worker.num_restarts == 0
+
+
+RANK_SCRIPT = """
+import os, sys, time
+print("rank-pid", os.getpid(), flush=True)
+while True:
+    time.sleep(0.05)
+"""
+
+
+def test_a_sigkill_reaches_torchruns_ranks_in_their_own_sessions(tmp_path: Path) -> None:
+    """torchrun starts each rank in a session of its own and forwards nothing once SIGKILLed: the kill goes to
+    every process below the child too, or the ranks would live on (holding their GPU memory)."""
+    script = tmp_path / "rank.py"
+    script.write_text(RANK_SCRIPT)
+    learner = Managed(name="learner", argv=[sys.executable, "-m", "torch.distributed.run", "--standalone",
+                                            "--nproc_per_node=2", str(script)],
+                      log_path=tmp_path / "logs" / "learner.log", env=child_env())
+    learner.start()
+
+    def rank_pids() -> list[int]:
+        return [int(line.split()[-1]) for line in learner.log_path.read_text().splitlines()
+                if line.strip().endswith(tuple("0123456789")) and "rank-pid" in line]
+
+    pids = wait_for(lambda: len(rank_pids()) == 2 and rank_pids(), 120, "both ranks to start")
+    assert all(os.getsid(pid) == pid for pid in pids)  # sessions of their own: the child's session is not theirs
+    learner.signal(signal.SIGKILL)
+    learner.wait(10)
+
+    def gone(pid: int) -> bool:
+        try:
+            return Path(f"/proc/{pid}/stat").read_text().rpartition(")")[2].split()[0] == "Z"
+        except OSError:
+            return True
+
+    wait_for(lambda: all(gone(pid) for pid in pids), 10, "the ranks to be killed")

@@ -175,7 +175,7 @@ check = false
     assert fetch_stats(endpoint)["workers"][0]["id"] == f"{socket.gethostname().split('.')[0]}-1"
     for proc in (worker, learner, broker):
         proc.signal(signal.SIGTERM)
-        assert proc.popen.wait(timeout=60) == 0, proc.log()
+        assert proc.wait(60) == 0, proc.log()
 
 
 def run_keeping_exit_code(tmp_path: Path, child: str, **popen: object) -> subprocess.Popen:

@@ -23,6 +23,7 @@ from pathlib import Path
 from typing import Any
 
 from loraflow.common.transport import BrokerUnavailable, fetch_stats
+from loraflow.deploy.processes import descendants, signal_tree
 from loraflow.learner.ledger import read as read_ledger
 from tests.support import Proc, Processes, wait_for
 
@@ -152,7 +153,7 @@ class System:
         self.start_learner()
 
     def _rank_pid(self, rank: int) -> int | None:
-        for child in _children(self.learner.pid):
+        for child in descendants(self.learner.pid):
             with contextlib.suppress(OSError):
                 environ = Path(f"/proc/{child}/environ").read_bytes().split(b"\0")
                 if f"RANK={rank}".encode() in environ:
@@ -161,8 +162,7 @@ class System:
 
     def _reap_learner(self) -> None:
         """No rank of a dead learner job may linger (it would hold the old session's place)."""
-        with contextlib.suppress(ProcessLookupError):
-            os.killpg(self.learner.pid, signal.SIGKILL)
+        signal_tree(self.learner.pid, signal.SIGKILL)  # the ranks: sessions of their own
         self.learner.popen.wait(timeout=10)
 
     def kill_after_uncommitted_step(self, checkpoint_every: int, tries: int = 3) -> None:
@@ -249,11 +249,3 @@ class System:
         for proc in ([self.learner] if self.learner_ranks == 1 else []) + procs:
             code = proc.stop(timeout_s=60)
             assert code == 0, f"{proc.name} exited with {code}\n{proc.log()[-3000:]}"
-
-
-def _children(pid: int) -> list[int]:
-    out = []
-    for task in Path(f"/proc/{pid}/task").glob("*"):
-        with contextlib.suppress(OSError):
-            out += [int(c) for c in (task / "children").read_text().split()]
-    return out

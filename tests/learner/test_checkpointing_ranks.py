@@ -25,7 +25,7 @@ def test_two_ranks_with_checkpointing_equal_one_rank_without(tiny_model_dir: Pat
                 proc = procs.spawn(name, learner_argv(tmp_path / name, broker.endpoint, tiny_model_dir,
                                                       f"run.num_steps={NUM_STEPS}", RUN_TOKEN,
                                                       f'learner.activation_checkpointing="{setting}"', ranks=ranks))
-                assert proc.popen.wait(timeout=240) == 0, proc.log()[-4000:]
+                assert proc.wait(240) == 0, proc.log()[-4000:]
             finally:
                 broker.close()
             runs[name] = metrics_lines(tmp_path / name)

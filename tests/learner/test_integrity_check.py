@@ -308,7 +308,7 @@ def test_the_learner_loop_drops_a_failed_group_reports_it_and_trains_the_rest(ti
         proc = procs.spawn("learner", learner_argv(tmp_path / "run", broker.endpoint, tiny_model_dir,
                                                    "run.num_steps=2", "learner.checkpoint_every=0",
                                                    "integrity.check=true", ranks=ranks))
-        assert proc.popen.wait(timeout=240) == 0, proc.log()[-4000:]
+        assert proc.wait(240) == 0, proc.log()[-4000:]
     finally:
         broker.close()
         procs.cleanup()
@@ -346,7 +346,7 @@ def test_a_resumed_learner_checks_the_version_of_its_checkpoint(tiny_model_dir: 
                         "learner.checkpoint_every=1", "integrity.check=true")
     try:
         first = procs.spawn("first", argv)
-        assert first.popen.wait(timeout=240) == 0, first.log()[-4000:]
+        assert first.wait(240) == 0, first.log()[-4000:]
         v1 = broker.published[-1]
         assert v1.version == 1
         config = v1.adapter_config
@@ -357,7 +357,7 @@ def test_a_resumed_learner_checks_the_version_of_its_checkpoint(tiny_model_dir: 
                                 [served_for(1, v1.sha256 if k < 2 else "0" * 64)]) for k in range(3)]
         batches.append(encode_groups(groups, batch_id="batch-1"))
         second = procs.spawn("second", [*argv, "--set", "run.num_steps=2"])  # the later setting wins
-        assert second.popen.wait(timeout=240) == 0, second.log()[-4000:]
+        assert second.wait(240) == 0, second.log()[-4000:]
     finally:
         broker.close()
         procs.cleanup()

@@ -67,7 +67,7 @@ def run_to_completion(procs: Processes, name: str, run_dir: Path, model_dir: Pat
     try:
         proc = procs.spawn(name, learner_argv(run_dir, broker.endpoint, model_dir, f"run.num_steps={NUM_STEPS}",
                                               ranks=ranks))
-        returncode = proc.popen.wait(timeout=240)
+        returncode = proc.wait(240)
     finally:
         broker.close()
     return Run(broker, run_dir, returncode, proc.log())
@@ -160,7 +160,7 @@ def test_sigkill_then_resume_is_bit_identical_and_sigterm_is_clean(reference_run
         second = procs.spawn("learner-second", argv)
         wait_for(lambda: any(a.step == NUM_STEPS for a in broker.acks), 120, "step 5 acknowledged", procs)
         second.signal(signal.SIGTERM)
-        assert second.popen.wait(timeout=60) == 0, second.log()[-4000:]
+        assert second.wait(60) == 0, second.log()[-4000:]
     finally:
         broker.close()
     assert [h.adapter_version for h in broker.hellos] == [0, 2]  # resumed at the step-2 checkpoint
@@ -199,7 +199,7 @@ def test_a_batch_trained_already_is_acknowledged_without_a_step(tiny_model_dir: 
     first = ScriptedBroker(seed=11)
     try:
         argv = learner_argv(run_dir, first.endpoint, tiny_model_dir, "run.num_steps=2", "learner.checkpoint_every=1")
-        assert procs.spawn("learner-first", argv).popen.wait(timeout=240) == 0
+        assert procs.spawn("learner-first", argv).wait(240) == 0
     finally:
         first.close()
     again = [make_batch(11, i, num_groups=2, group_size=4) for i in (0, 1, 0, 1, 2)]  # resumed at v2: from [2]
@@ -207,7 +207,7 @@ def test_a_batch_trained_already_is_acknowledged_without_a_step(tiny_model_dir: 
     try:
         argv = learner_argv(run_dir, second.endpoint, tiny_model_dir, "run.num_steps=3", "learner.checkpoint_every=1")
         learner = procs.spawn("learner-second", argv)
-        assert learner.popen.wait(timeout=240) == 0, learner.log()[-4000:]
+        assert learner.wait(240) == 0, learner.log()[-4000:]
     finally:
         second.close()
     assert second.served == [2, 3, 4]
@@ -224,5 +224,5 @@ def test_a_target_module_that_matches_nothing_exits_2_with_the_setting_named(pro
     """Exit code 2 tells supervisors (loraflow run, systemd) that restarting cannot help."""
     proc = procs.spawn("learner-bad", learner_argv(tmp_path / "run", "tcp://127.0.0.1:1", tiny_model_dir,
                                                    'learner.target_modules=["no_such_proj"]'))
-    assert proc.popen.wait(timeout=120) == 2, proc.log()
+    assert proc.wait(120) == 2, proc.log()
     assert "learner.target_modules" in proc.log() and "no_such_proj" in proc.log()

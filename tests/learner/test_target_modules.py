@@ -146,7 +146,7 @@ def test_learner_trains_all_linear_and_publishes_the_expanded_list(procs: Proces
         proc = procs.spawn("learner", learner_argv(tmp_path / "run", broker.endpoint, tiny_model_dir,
                                                    "run.num_steps=2", "learner.checkpoint_every=0",
                                                    'learner.target_modules="all-linear"'))
-        assert proc.popen.wait(timeout=240) == 0, proc.log()[-3000:]
+        assert proc.wait(240) == 0, proc.log()[-3000:]
     finally:
         broker.close()
     assert [p.version for p in broker.published] == [1, 2]
@@ -163,7 +163,7 @@ def test_learner_refuses_a_module_vllm_cannot_serve_with_exit_2(procs: Processes
                                                                 tmp_path: Path, target: str) -> None:
     proc = procs.spawn("learner-bad", learner_argv(tmp_path / "run", "tcp://127.0.0.1:1", tiny_model_dir,
                                                    f'learner.target_modules=["q_proj", "{target}"]'))
-    assert proc.popen.wait(timeout=120) == 2, proc.log()[-3000:]
+    assert proc.wait(120) == 2, proc.log()[-3000:]
     log = proc.log()
     assert "config error: learner.target_modules" in log and f"{target!r} selects" in log and "q_proj" in log
     assert "Traceback" not in log

@@ -136,7 +136,7 @@ def tracked_run(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory):
                                                    'run.report_to=["wandb", "tensorboard"]', "run.name=tracked"),
                            env=env)
         append_eval(run_dir, version=1, step=1, accuracy=0.5, kind="periodic")  # while it trains
-        assert proc.popen.wait(timeout=240) == 0, proc.log()[-4000:]
+        assert proc.wait(240) == 0, proc.log()[-4000:]
     finally:
         broker.close()
         procs.cleanup()
@@ -199,7 +199,7 @@ def test_report_to_without_the_package_exits_2_before_loading_the_model(procs: P
     env["PYTHONPATH"] = f"{hide}:{env['PYTHONPATH']}"
     proc = procs.spawn("learner", learner_argv(tmp_path / "run", "tcp://127.0.0.1:1", tiny_model_dir,
                                                'run.report_to=["wandb"]'), env=env)
-    assert proc.popen.wait(timeout=120) == 2, proc.log()[-3000:]
+    assert proc.wait(120) == 2, proc.log()[-3000:]
     lines = [line for line in proc.log().splitlines() if "pip install 'loraflow[tracking]'" in line]
     assert len(lines) == 1 and "run.report_to = ['wandb'] needs wandb" in lines[0], proc.log()
     assert "Traceback" not in proc.log()

@@ -30,7 +30,7 @@ def test_learner_trains_with_the_real_broker(tiny_model_dir: Path, procs: Proces
         args += ["--set", override]
     learner = procs.python("learner", "loraflow.learner", *args)
     try:
-        assert learner.popen.wait(timeout=120) == 0, procs.logs()
+        assert learner.wait(120) == 0, procs.logs()
         wait_for(lambda: producer.notices[-1:] == [NUM_STEPS], 10, "the last adapter notice", procs)
         stats = broker.stats()
     finally:
@@ -83,7 +83,7 @@ def test_a_learner_replaced_by_another_is_fenced_and_exits_4(tiny_model_dir: Pat
         config = load_config(None, [f"broker.endpoint=\"{broker.endpoint}\"", f'run.run_dir="{run_dir}"', *RUN])
         successor = BrokerSession(config, version=producer.notices[-1], metrics=Metrics(), client_id="learner")
         successor.start(10)
-        assert learner.popen.wait(timeout=60) == EXIT_REPLACED, procs.logs()
+        assert learner.wait(60) == EXIT_REPLACED, procs.logs()
         assert "learner_replaced" in learner.log() and f"pid {os.getpid()}" in learner.log()
         stats = broker.stats()
         assert stats["learner"]["session"] == successor.link.hello.session

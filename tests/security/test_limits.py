@@ -69,7 +69,7 @@ def test_one_worker_too_many_is_refused_and_told_why(procs: Processes) -> None:
     first, second = (procs.python(f"worker-{i}", "loraflow.rollout_worker", *sim, "--worker-id", f"w{i}") for i in (1, 2))
     wait_for(lambda: len(broker.stats()["workers"]) == 2, 30, "two workers registered", procs)
     third = procs.python("worker-3", "loraflow.rollout_worker", *sim, "--worker-id", "w3")
-    assert third.popen.wait(timeout=30) == 1
+    assert third.wait(30) == 1
     refusal, = [line for line in read_json_lines(third.log_path) if line.get("event") == "broker_refused"]
     assert "(limit): 2 workers are registered (broker.max_workers)" in refusal["error"]
     stats = broker.stats()

@@ -140,7 +140,7 @@ def test_wrong_keys_fail_fast_with_the_cause_and_are_counted(curve_run, procs: P
                          procs.python(name, "loraflow.rollout_worker", *args, "--worker-id", name))
     for name, (_, cause) in cases.items():
         client = clients[name]
-        code = client.popen.wait(timeout=CONNECT_TIMEOUT_S + 30)
+        code = client.wait(CONNECT_TIMEOUT_S + 30)
         log = client.log()
         assert code == 1, (name, code, log)
         assert cause in log and "broker_unavailable" in log, (name, log)
@@ -193,7 +193,7 @@ def test_no_broker_at_all_ends_after_the_connect_timeout_naming_it(procs: Proces
     started = time.monotonic()
     worker = procs.python("worker", "loraflow.rollout_worker", str(config), "--endpoint", f"tcp://127.0.0.1:{free_port()}",
                           "--set", "run.connect_timeout_s=2")
-    assert worker.popen.wait(timeout=60) == 1
+    assert worker.wait(60) == 1
     assert time.monotonic() - started >= 2
     log = worker.log()
     assert "within 2 s (run.connect_timeout_s)" in log and "Traceback" not in log, log

@@ -44,7 +44,7 @@ def test_a_refused_adapter_stops_the_worker_with_exit_2_and_the_reason(procs: Pr
 
     worker = procs.spawn("worker", worker_argv(broker.endpoint, broker.run_dir, "w1", tiny_model_dir),
                          env=child_env())
-    assert worker.popen.wait(timeout=120) == 2, worker.log()[-3000:]
+    assert worker.wait(120) == 2, worker.log()[-3000:]
     events = [json.loads(line) for line in worker.log().splitlines() if line.startswith("{")]
     refused = [e for e in events if e["event"] == "adapter_refused"]
     assert len(refused) == 1, worker.log()[-3000:]

@@ -73,7 +73,7 @@ def test_workers_join_a_fast_publishing_run_at_once_and_stop_at_once(procs: Proc
     for joiner in joiners:  # SIGTERM while the joiner keeps loading the versions that keep coming
         stopped_at = time.monotonic()
         joiner.signal(signal.SIGTERM)
-        assert joiner.popen.wait(timeout=10) == 0, joiner.log()[-3000:]
+        assert joiner.wait(10) == 0, joiner.log()[-3000:]
         assert time.monotonic() - stopped_at < 2.0, (f"{joiner.name} took {time.monotonic() - stopped_at:.1f} s\n"
                                                      f"{joiner.log()[-2500:]}")
         assert log_events(joiner.log_path)[-1]["event"] == "stopped"

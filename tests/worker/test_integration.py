@@ -100,7 +100,7 @@ def test_heartbeats_during_a_long_generation_and_sigterm_returns_the_lease(procs
         assert row is not None and row["state"] == "generating" and row["last_seen_s"] < 0.6
         time.sleep(0.1)
     worker.signal(signal.SIGTERM)
-    assert worker.popen.wait(timeout=15) == 0
+    assert worker.wait(15) == 0
     (stopped,) = events(worker, "stopped")
     assert stopped["returned"] == 1
     # the return and the Bye come one after the other: a stats call may fall between them
@@ -190,5 +190,5 @@ def test_sigterm_while_waiting_for_the_broker_exits_at_once(procs: Processes, tm
                           "--run-dir", str(tmp_path / "run"), "--log-format", "json")
     wait_for(lambda: (tmp_path / "run" / "timeline").is_dir(), 10, "the worker to start", procs)
     worker.signal(signal.SIGTERM)
-    assert worker.popen.wait(timeout=5) == 0
+    assert worker.wait(5) == 0
     assert [e["event"] for e in events(worker)][-1] == "stopped_while_starting"

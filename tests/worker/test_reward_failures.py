@@ -43,7 +43,7 @@ def test_every_sample_failing_stops_the_worker_with_exit_2_and_its_leases_back(p
                                                                                tmp_path: Path) -> None:
     broker = start_broker(procs, "run.group_size=2", "broker.lease_timeout_s=600")  # only a return frees a lease
     worker = procs.spawn("w1", worker_argv(broker, "w1", "worker.max_failed_reward_groups=3"), env=child_env())
-    assert worker.popen.wait(timeout=60) == 2, worker.log()[-3000:]
+    assert worker.wait(60) == 2, worker.log()[-3000:]
     (failing,) = events(worker.log_path, "reward_failing")
     assert REWARD in failing["error"] and "RuntimeError: reward service unavailable" in failing["error"]
     assert "3 groups in a row" in failing["error"] and "worker.max_failed_reward_groups" in failing["fix"]
