@@ -37,6 +37,7 @@ from typing import Any
 
 from bench import harness
 from bench.report import checkout_env
+from loraflow.common.cli import one_host_torchrun
 
 VOCAB = 151_936
 #: hidden, intermediate, layers, attention heads, key/value heads: the Qwen2 releases' config.json, the 0.5B
@@ -280,7 +281,7 @@ def run_logits(*, mode: str, tokens: int) -> None:
 
 def child(name: str, ranks: int = 1, **params: Any) -> list[dict[str, Any]]:
     """The RESULT lines of ``CHILDREN[name](**params)`` run in a fresh process (torchrun's for more than one rank)."""
-    launcher = [] if ranks == 1 else ["-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={ranks}"]
+    launcher = [] if ranks == 1 else one_host_torchrun(ranks)
     command = [sys.executable, *launcher, str(Path(__file__).resolve()), name, json.dumps(params)]
     env = {**checkout_env(harness.REPO), "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false",
            "PYTHONUNBUFFERED": "1", "MALLOC_MMAP_THRESHOLD_": os.environ.get("MALLOC_MMAP_THRESHOLD_", str(256 << 10))}

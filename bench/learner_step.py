@@ -31,6 +31,7 @@ from typing import Any
 
 from bench import harness
 from bench.report import report
+from loraflow.common.cli import one_host_torchrun
 from loraflow.common.tiny_model import resolve_model
 from tests.learner.scripted import Producer
 from tests.support import Processes, child_env, start_broker
@@ -48,7 +49,7 @@ def run_learner(tmp: Path, model_dir: Path, ranks: int, args: argparse.Namespace
         broker = start_broker(procs, *settings, name=f"broker-{ranks}", run_dir=run_dir)
         producer = Producer(broker.endpoint, max_prompt=args.max_prompt, max_completion=args.max_completion)
         producer.start()
-        launcher = [] if ranks == 1 else ["-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={ranks}"]
+        launcher = [] if ranks == 1 else one_host_torchrun(ranks)
         argv = [sys.executable, *launcher, "-m", "loraflow.learner", "--run-dir", str(run_dir), "--endpoint",
                 broker.endpoint, "--num-steps", str(args.steps), *(a for s in settings for a in ("--set", s))]
         learner = procs.spawn(f"learner-{ranks}", argv,

@@ -63,6 +63,14 @@ COMMON_FLAGS: dict[str, tuple[str, type, str]] = {
 }
 
 
+def one_host_torchrun(ranks: int) -> list[str]:
+    """The arguments after ``python`` for a torchrun job of ``ranks`` ranks on this machine (then ``-m module``).
+    Its ranks reach their agent's store at 127.0.0.1: torchrun would name it by this machine's hostname, and
+    where that does not resolve (a fresh container's, a name only an unreachable DNS knows) every rank retries it
+    without end."""
+    return ["-m", "torch.distributed.run", "--standalone", "--local-addr=127.0.0.1", f"--nproc_per_node={ranks}"]
+
+
 def config_parser(prog: str, description: str, extra_flags: dict[str, tuple[str, type, str]] | None = None) -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog=prog, description=description)
     parser.add_argument("config", nargs="?", help="TOML config file (defaults are used without one)")

@@ -43,7 +43,13 @@ import time
 from pathlib import Path
 from typing import Any
 
-from loraflow.common.cli import EXIT_CONFIG_ERROR, config_from_args, config_parser, run_main
+from loraflow.common.cli import (
+    EXIT_CONFIG_ERROR,
+    config_from_args,
+    config_parser,
+    one_host_torchrun,
+    run_main,
+)
 from loraflow.common.config import Config, write_resolved
 from loraflow.common.logging import get_logger, setup_logging
 from loraflow.deploy import devices, preflight, rundir
@@ -209,8 +215,7 @@ class Launch:
         args = [str(self.config_path), "--run-dir", str(self.run_dir), "--endpoint", self.endpoint]
         if ranks == 1:
             return [sys.executable, "-m", "loraflow.learner", *args]
-        return [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={ranks}",
-                "-m", "loraflow.learner", *args]
+        return [sys.executable, *one_host_torchrun(ranks), "-m", "loraflow.learner", *args]
 
     def worker_argv(self, index: str) -> list[str]:
         """The worker ``index``'s command; on a pool its id names its run (``<run>-<index>``), as the broker and the

@@ -12,7 +12,9 @@ through gloo whatever the device.
 
 from __future__ import annotations
 
+import contextlib
 import os
+import socket
 from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any
@@ -120,6 +122,18 @@ def resolve_device(setting: str, local_rank: int, world_size: int = 1) -> torch.
     raise ValueError(f"learner.device must be auto, cpu, cuda or cuda:N, got {setting!r}")
 
 
+def _gloo_on_loopback_for_one_host() -> None:
+    """A job whose ranks are all on this machine (torchrun's LOCAL_WORLD_SIZE = WORLD_SIZE) connects them over
+    the loopback device, unless GLOO_SOCKET_IFNAME names one: gloo would bind to what the hostname resolves to,
+    an address the ranks may not reach from this machine (or none)."""
+    if "GLOO_SOCKET_IFNAME" in os.environ or os.environ.get("LOCAL_WORLD_SIZE") != os.environ.get("WORLD_SIZE"):
+        return
+    with contextlib.suppress(OSError):
+        loopback = [name for _, name in socket.if_nameindex() if name == "lo"]
+        if loopback:
+            os.environ["GLOO_SOCKET_IFNAME"] = loopback[0]
+
+
 def init_parallel(device_setting: str) -> Parallel:
     """Join the torchrun job (or form a job of one) and build the 1-D device mesh FSDP2 shards over."""
     launched = "RANK" in os.environ and "WORLD_SIZE" in os.environ
@@ -132,6 +146,7 @@ def init_parallel(device_setting: str) -> Parallel:
         torch.cuda.set_device(device)
     if not dist.is_initialized():
         if launched:
+            _gloo_on_loopback_for_one_host()
             dist.init_process_group(backend=backend, timeout=COLLECTIVE_TIMEOUT)
         else:
             dist.init_process_group(backend=backend, store=dist.HashStore(), rank=0, world_size=1,

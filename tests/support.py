@@ -19,6 +19,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from loraflow.common.cli import one_host_torchrun
 from loraflow.common.transport import fetch_stats
 from loraflow.deploy.processes import descendants, signal_tree
 
@@ -127,11 +128,13 @@ def stacks_and_abort(popen: subprocess.Popen) -> None:
     popen.wait(timeout=10)
 
 
-def run_ranks(script: str, ranks: int, *args: str, timeout_s: float = 300) -> str:
+def run_ranks(script: str, ranks: int, *args: str, timeout_s: float = 300, hostname: str = "") -> str:
     """Run ``tests/learner/<script>`` under torchrun on ``ranks`` CPU ranks (gloo); its stdout, after asserting
-    that every rank exited 0 (the tail of its output otherwise, and every rank's stacks past ``timeout_s``)."""
-    popen = subprocess.Popen([sys.executable, "-m", "torch.distributed.run", "--standalone",
-                              f"--nproc_per_node={ranks}", str(REPO / "tests" / "learner" / script), *args],
+    that every rank exited 0 (the tail of its output otherwise, and every rank's stacks past ``timeout_s``).
+    ``hostname``: the machine's name as the job sees it (a UTS namespace of its own; root)."""
+    named = ["unshare", "--uts", "--", "sh", "-c", 'hostname "$0" && exec "$@"', hostname] if hostname else []
+    popen = subprocess.Popen([*named, sys.executable, *one_host_torchrun(ranks), str(REPO / "tests" / "learner" / script),
+                              *args],
                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=child_env(), cwd=REPO,
                              start_new_session=True)
     try:

@@ -30,7 +30,7 @@ if [ "$LORAFLOW_LEARNER_NPROC" = 1 ] && [ "$LORAFLOW_LEARNER_NNODES" = 1 ]; then
     loraflow_exec "$LORAFLOW_PYTHON" -m loraflow.learner "${args[@]}"
 fi
 if [ "$LORAFLOW_LEARNER_NNODES" = 1 ]; then
-    loraflow_exec_keeping_exit_code "$LORAFLOW_PYTHON" -m torch.distributed.run --standalone \
+    loraflow_exec_keeping_exit_code "$LORAFLOW_PYTHON" -m torch.distributed.run --standalone --local-addr=127.0.0.1 \
         --nproc_per_node="$LORAFLOW_LEARNER_NPROC" -m loraflow.learner "${args[@]}"
 fi
 [ -n "$LORAFLOW_RDZV_ENDPOINT" ] || loraflow_die "LORAFLOW_LEARNER_NNODES=$LORAFLOW_LEARNER_NNODES needs LORAFLOW_RDZV_ENDPOINT (host:port of node 0)"

@@ -11,6 +11,7 @@ from pathlib import Path
 
 import pytest
 
+from loraflow.common.cli import one_host_torchrun
 from loraflow.common.timeline import Timeline
 from loraflow.deploy import rundir
 from loraflow.deploy.processes import ConfigClassExit, Managed, RestartPolicy, Supervisor, Unrecoverable
@@ -193,8 +194,7 @@ def test_a_sigkill_reaches_torchruns_ranks_in_their_own_sessions(tmp_path: Path)
     every process below the child too, or the ranks would live on (holding their GPU memory)."""
     script = tmp_path / "rank.py"
     script.write_text(RANK_SCRIPT)
-    learner = Managed(name="learner", argv=[sys.executable, "-m", "torch.distributed.run", "--standalone",
-                                            "--nproc_per_node=2", str(script)],
+    learner = Managed(name="learner", argv=[sys.executable, *one_host_torchrun(2), str(script)],
                       log_path=tmp_path / "logs" / "learner.log", env=child_env())
     learner.start()
 

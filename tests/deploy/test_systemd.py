@@ -99,7 +99,7 @@ def test_learner_script_chooses_plain_torchrun_or_multinode(tmp_path: Path) -> N
     single = dry_run(tmp_path, "learner.sh", LORAFLOW_ENDPOINT="tcp://b:5555")
     assert single.returncode == 0 and " -m loraflow.learner " in single.stdout and "torch.distributed.run" not in single.stdout
     local = dry_run(tmp_path, "learner.sh", LORAFLOW_LEARNER_NPROC="2")
-    assert "torch.distributed.run --standalone --nproc_per_node=2 -m loraflow.learner" in local.stdout
+    assert "torch.distributed.run --standalone --local-addr=127.0.0.1 --nproc_per_node=2 -m loraflow.learner" in local.stdout
     missing = dry_run(tmp_path, "learner.sh", LORAFLOW_LEARNER_NNODES="2")
     assert missing.returncode == 2 and "LORAFLOW_RDZV_ENDPOINT" in missing.stderr
     multi = dry_run(tmp_path, "learner.sh", LORAFLOW_LEARNER_NNODES="2", LORAFLOW_LEARNER_NODE_RANK="1",

@@ -22,6 +22,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from loraflow.common.cli import one_host_torchrun
 from loraflow.common.transport import BrokerUnavailable, fetch_stats
 from loraflow.deploy.processes import descendants, signal_tree
 from loraflow.learner.ledger import read as read_ledger
@@ -121,8 +122,7 @@ class System:
             self.learner = self.procs.python(self._name("learner"), "loraflow.learner", *args)
         else:
             self.learner = self.procs.spawn(self._name("learner"), [
-                sys.executable, "-m", "torch.distributed.run", "--standalone",
-                f"--nproc_per_node={self.learner_ranks}", "-m", "loraflow.learner", *args])
+                sys.executable, *one_host_torchrun(self.learner_ranks), "-m", "loraflow.learner", *args])
 
     # -- killing -----------------------------------------------------------------------------------------------
 

@@ -25,6 +25,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from loraflow.common.cli import one_host_torchrun
 from loraflow.deploy import rundir
 from tests.learner.scripted import ScriptedBroker
 from tests.support import Processes, wait_for
@@ -46,8 +47,7 @@ def learner_argv(run_dir: Path, endpoint: str, model_dir: Path, *overrides: str,
         args += ["--set", override]
     if ranks == 1:
         return [sys.executable, "-m", "loraflow.learner", *args]
-    return [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={ranks}",
-            "-m", "loraflow.learner", *args]
+    return [sys.executable, *one_host_torchrun(ranks), "-m", "loraflow.learner", *args]
 
 
 def metrics_lines(run_dir: Path) -> list[dict]:
