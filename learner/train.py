@@ -124,6 +124,7 @@ class Learner:
         self.stop_requested = False
         self.stop_signal = ""  # which signal set stop_requested (logged by the loop, never by the handler)
         self.last_checkpoint_step = state.step
+        self.checkpoint_s_unreported = 0.0  # checkpoint seconds since the last metrics line (in the next line)
         self.published_step = state.step  # the step whose parameters the newest version holds
         self.newest: publish.AdapterSnapshot | None = None
         self.written_version = 0
@@ -247,7 +248,7 @@ class Learner:
             self.refuse(received, verdict)
             self.state.step += 1
             compute_s = time.monotonic() - computed - verdict.seconds
-            publish_s = checkpoint_s = 0.0
+            publish_s = 0.0
             if self.state.step % self.config.learner.publish_every == 0:
                 publish_s = self.publish()
             if not (num_steps and self.state.step >= num_steps):
@@ -255,16 +256,20 @@ class Learner:
             if received is not None:
                 self.state.trained_group_ids.update(received.selection.ack_group_ids)
                 self._record(received, trained_version)
+            self.timers.busy_s += verdict.seconds + compute_s + publish_s
+            self.timers.wait_s += wait_s
+            if received is not None:  # the step's line before its checkpoint: a committed step always has one
+                self._report(stats, received, step_batch, trained_version=trained_version, wait_s=wait_s,
+                             compute_s=compute_s, publish_s=publish_s, checkpoint_s=self.checkpoint_s_unreported,
+                             num_masked=num_masked)
+                self.checkpoint_s_unreported = 0.0
             every = self.config.learner.checkpoint_every
             if every and self.state.step % every == 0:
                 checkpoint_s = self.checkpoint()
-            self.timers.busy_s += verdict.seconds + compute_s + publish_s + checkpoint_s
-            self.timers.wait_s += wait_s
+                self.timers.busy_s += checkpoint_s
+                self.checkpoint_s_unreported += checkpoint_s
             if received is not None:
                 self._acknowledge(received, trained_version)
-                self._report(stats, received, step_batch, trained_version=trained_version, wait_s=wait_s,
-                             compute_s=compute_s, publish_s=publish_s, checkpoint_s=checkpoint_s,
-                             num_masked=num_masked)
         self.finish()
         return 0
 
@@ -359,7 +364,7 @@ class Learner:
             "integrity_trusted_workers": self.integrity.trust.num_trusted(),
             "compute_s": round(compute_s, 6),
             "publish_s": round(publish_s, 6),
-            "checkpoint_s": round(checkpoint_s, 6),
+            "checkpoint_s": round(checkpoint_s, 6),  # the checkpoint taken after the previous line
             "tokens_per_s": stats["num_tokens"] / compute_s if compute_s > 0 else 0.0,
             "busy_share": round(self.timers.busy_share(), 4),
             "adapter_ack_s": {str(a.version): round(a.seconds, 6) for a in adapter_acks},

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import re
 import signal
 import sys
 from dataclasses import dataclass
@@ -119,6 +120,11 @@ def test_learner_publishes_in_order_and_acknowledges_every_batch(reference_runs)
         assert m["staleness"] == {str(m["step"] - 1): 2}  # the scripted groups are all of version 0
         assert 0 <= m["clip_frac"] <= 1 and m["is_weight_max"] >= m["is_weight_mean"] > 0
     assert lines[0]["lr"] < lines[-1]["lr"]  # warmup
+    # a step's line is written before its checkpoint (a kill in between leaves the committed step its line); the
+    # checkpoint's seconds are in the next line
+    assert [m["checkpoint_s"] > 0 for m in lines] == [False, False, True, False, True]
+    logged = [(e, n) for e, n in re.findall(r"\] (step|checkpoint_saved)\s.*?step=(\d+)", one.log)]
+    assert logged.index(("step", "2")) < logged.index(("checkpoint_saved", "2"))
     timeline = (one.run_dir / "timeline" / "learner.jsonl").read_text()
     assert all(f'"{state}"' in timeline for state in ("waiting", "training", "publishing", "stopping"))
 
