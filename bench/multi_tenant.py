@@ -7,7 +7,10 @@ sides pay the same start-up per run (each run's learner and workers start when i
 
     experiments_per_hour   runs that reached the target, per hour of the side's wall time (first submit to the
                            last run's end); ``ratio`` = all at once / one after another (the reference)
-    accuracy_gap_points    per run, |final held-out accuracy alone - in the shared pool| in points; the max
+    accuracy_gap_points    per run, |final held-out accuracy alone - in the shared pool| in points, the max; at
+                           the same sample budget, so only with ``--target 0`` (every run trains its
+                           ``--max-steps`` steps; evaluated once, at its end, on ``--eval-prompts`` prompts);
+                           with a target each run stops at its first evaluation past it: null
     isolation_violations   groups a run trained that a worker of another run submitted (the learner's ledger
                            names the worker of each trained group; a pool run's workers are ``<run>-<i>``, shared
                            workers ``shared-<i>``), and groups its learner refused for another adapter's evidence
@@ -23,6 +26,7 @@ directories (metrics.jsonl, evals.jsonl, learner/ledger.jsonl, run_state.json).
 
     python -m bench.multi_tenant                 # N = 1, 4, 8 (about an hour on 2 cores)
     python -m bench.multi_tenant --runs 1,4      # the figures BENCHMARKS.md records
+    python -m bench.multi_tenant --runs 4 --target 0 --max-steps 40 --eval-prompts 500   # accuracy_gap_points
     python -m bench.multi_tenant --quick         # two quick runs of a few steps on the quick base, one shared
                                                  # worker and learner: the code path
 """
@@ -74,7 +78,8 @@ class PoolSide:
             [sys.executable, "-m", "loraflow.deploy.cli", "pool", "--model", str(base), "--run-dir", str(directory),
              "--workers", str(args.workers), "--shared-workers", str(args.shared_workers),
              *(["--shared-learner"] if args.shared_learner else []), "--log-format", "json",
-             "--set", f"eval.num_prompts={args.eval_prompts}", "--set", "eval.every_s=5",
+             "--set", f"eval.num_prompts={args.eval_prompts}",
+             "--set", f"eval.every_s={5 if args.target else 0}",  # periodic: only to see a target reached
              "--set", "launch.progress_every_s=60"],
             stdout=log, stderr=subprocess.STDOUT, env=child_env(), start_new_session=True)
         self._wait(lambda: (directory / "config.toml").is_file() and (directory / "broker" / "endpoint").is_file(),
@@ -216,7 +221,7 @@ def main(argv: list[str] | None = None) -> int:
         seq, tog = sides["sequential"], sides["together"]
         for run_id, alone in seq["runs"].items():
             shared = tog["runs"][run_id]
-            if alone["final"] is not None and shared["final"] is not None:
+            if not args.target and alone["final"] is not None and shared["final"] is not None:
                 gaps.append(abs(alone["final"] - shared["final"]) * 100)
         violations += sum(r["violations"] for side in sides.values() for r in side["runs"].values())
         ratio = tog["per_hour"] / seq["per_hour"] if seq["per_hour"] else float("nan")
